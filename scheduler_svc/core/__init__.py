@@ -1,0 +1,17 @@
+"""The scheduler's pure core: admission, tick-by-tick batching policy, KV bookkeeping, counters.
+
+No grpc, protobuf or sockets here; the gRPC adapter in scheduler_svc.server drives it.
+"""
+from scheduler_svc.core.types import (
+    AdmissionRejected, FinishReason, RejectReason, Sampling, SessionRequest, StepStatus,
+    StepResult, WorkerSpec, WorkloadPolicy,
+)
+from scheduler_svc.core.limits import SchedulerLimits
+from scheduler_svc.core.plan import DecodeWork, PrefillWork, TickOutcome, TickPlan
+from scheduler_svc.core.scheduler import SchedulerCore
+
+__all__ = [
+    "AdmissionRejected", "DecodeWork", "FinishReason", "PrefillWork", "RejectReason", "Sampling",
+    "SchedulerCore", "SchedulerLimits", "SessionRequest", "StepResult", "StepStatus", "TickOutcome",
+    "TickPlan", "WorkerSpec", "WorkloadPolicy",
+]

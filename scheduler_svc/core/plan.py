@@ -1,0 +1,56 @@
+"""What one tick asks the workers to do, and what came of it."""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from scheduler_svc.core.types import FinishReason, Sampling
+
+
+@dataclass(frozen=True)
+class PrefillWork:
+    session_id: str
+    worker_id: str
+    token_ids: tuple[int, ...]     # this tick's chunk
+    start_position: int            # tokens of the session already in the worker's KV
+    last_chunk: bool               # the worker samples the next token after this chunk
+    sampling: Sampling
+    generated_so_far: int          # index of the token to sample
+
+
+@dataclass(frozen=True)
+class DecodeWork:
+    session_id: str
+    worker_id: str
+    token_id: int                  # the session's latest token, entering the KV now
+    position: int
+    sampling: Sampling
+    generated_so_far: int
+
+
+@dataclass(frozen=True)
+class TickPlan:
+    tick: int
+    prefill: tuple[PrefillWork, ...]
+    decode: tuple[DecodeWork, ...]
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+    def by_worker(self) -> dict[str, tuple[list[PrefillWork], list[DecodeWork]]]:
+        out: dict[str, tuple[list[PrefillWork], list[DecodeWork]]] = defaultdict(lambda: ([], []))
+        for p in self.prefill:
+            out[p.worker_id][0].append(p)
+        for d in self.decode:
+            out[d.worker_id][1].append(d)
+        return dict(out)
+
+
+@dataclass
+class TickOutcome:
+    tick: int
+    tokens: list[tuple[str, int]] = field(default_factory=list)          # (session, token) in order
+    finished: list[tuple[str, FinishReason]] = field(default_factory=list)
+    release: dict[str, list[str]] = field(default_factory=dict)          # worker -> sessions to free
+    requeued: list[str] = field(default_factory=list)                    # sessions to recompute

@@ -1,0 +1,54 @@
+"""The scheduler's bookkeeping for one session."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from scheduler_svc.core.types import FinishReason, SessionRequest
+
+
+class Phase(str, Enum):
+    QUEUED = "queued"
+    PREFILL = "prefill"      # admitted; prompt (or recompute context) going into the KV in chunks
+    DECODE = "decode"        # prefilled in an earlier tick; one token a tick
+    FINISHED = "finished"
+
+
+@dataclass
+class Session:
+    session_id: str
+    request: SessionRequest
+    workload_id: str | None
+    seq: int                                  # arrival order (FCFS)
+    phase: Phase = Phase.QUEUED
+    worker_id: str | None = None
+    generated: list[int] = field(default_factory=list)
+    kv_tokens: int = 0                        # tokens held on the worker, as it reported
+    prefill_target: tuple[int, ...] = ()      # what the current prefill puts into the KV
+    reserved_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    admitted_tick: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def worst_case_tokens(self) -> int:
+        # The last generated token never enters the KV.
+        return self.prompt_len + self.request.max_new_tokens - 1
+
+    @property
+    def running(self) -> bool:
+        return self.phase in (Phase.PREFILL, Phase.DECODE)
+
+    @property
+    def done_generating(self) -> bool:
+        return len(self.generated) >= self.request.max_new_tokens
+
+    def start_prefill(self) -> None:
+        # A fresh session prefills its prompt; a recomputed one its prompt plus what it generated,
+        # so its next token is sampled exactly where it left off.
+        self.prefill_target = self.request.prompt_ids + tuple(self.generated)
+        self.kv_tokens = 0
+        self.phase = Phase.PREFILL

@@ -1,0 +1,89 @@
+"""Value types that cross the core's boundary."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class RejectReason(str, Enum):
+    QUEUE_FULL = "queue_full"
+    KV_BUDGET = "kv_budget"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    INVALID_REQUEST = "invalid_request"
+    NO_WORKER = "no_worker"
+
+
+class AdmissionRejected(Exception):
+    """A request the scheduler will not take, with the reason and what the caller should change."""
+
+    def __init__(self, reason: RejectReason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+class FinishReason(str, Enum):
+    LENGTH = "length"
+    EOS = "eos"
+    STOP = "stop"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0   # 0 = greedy
+    top_k: int = 0             # 0 = off
+    top_p: float = 1.0         # 1 = off
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SessionRequest:
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: Sampling = Sampling()
+    stop_token_ids: frozenset[int] = frozenset()
+    eos_token_ids: frozenset[int] = frozenset()   # filled by the adapter unless ignore_eos
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class WorkloadPolicy:
+    """Per-workload caps; None means the scheduler's own limit."""
+
+    max_running: int | None = None
+    prefill_token_budget: int | None = None
+    snapshot_at_tick: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    worker_id: str
+    capacity_tokens: int       # block_size x num_blocks
+    block_size: int
+    kv_bytes_per_token: int
+    weight_bytes: int = 0
+
+
+class StepStatus(str, Enum):
+    OK = "ok"
+    CACHE_MISS = "cache_miss"
+    OUT_OF_BLOCKS = "out_of_blocks"
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a worker said about one item of a step."""
+
+    session_id: str
+    status: StepStatus
+    token_id: int | None
+    kv_tokens: int
+
+
+@dataclass
+class SessionEvents:
+    """Tokens and finishes produced by one tick, for the adapter to stream out."""
+
+    tokens: list[tuple[str, int]] = field(default_factory=list)
+    finished: list[tuple[str, FinishReason]] = field(default_factory=list)

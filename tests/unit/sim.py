@@ -1,0 +1,67 @@
+"""A fake worker for driving the scheduler core without a network or a model (unit tests only)."""
+from __future__ import annotations
+
+from scheduler_svc.core import (
+    SchedulerCore, StepResult, StepStatus, TickOutcome, TickPlan, WorkerSpec,
+)
+
+
+def fake_token(session_id: str, index: int, vocab: int = 48) -> int:
+    return (sum(map(ord, session_id)) * 7 + index * 13) % vocab
+
+
+class FakeWorkers:
+    """Holds per-session KV token counts the way a worker would and answers every step."""
+
+    def __init__(self) -> None:
+        self.kv: dict[str, int] = {}
+
+    def run(self, plan: TickPlan) -> dict[str, StepResult]:
+        results = {}
+        for p in plan.prefill:
+            held = self.kv.get(p.session_id, 0)
+            if held != p.start_position:
+                results[p.session_id] = StepResult(p.session_id, StepStatus.CACHE_MISS, None, held)
+                continue
+            self.kv[p.session_id] = held + len(p.token_ids)
+            tok = fake_token(p.session_id, p.generated_so_far) if p.last_chunk else None
+            results[p.session_id] = StepResult(p.session_id, StepStatus.OK, tok, self.kv[p.session_id])
+        for d in plan.decode:
+            held = self.kv.get(d.session_id)
+            if held != d.position:
+                results[d.session_id] = StepResult(d.session_id, StepStatus.CACHE_MISS, None, held or 0)
+                continue
+            self.kv[d.session_id] = held + 1
+            results[d.session_id] = StepResult(
+                d.session_id, StepStatus.OK, fake_token(d.session_id, d.generated_so_far), held + 1)
+        return results
+
+    def release(self, outcome: TickOutcome) -> None:
+        for sids in outcome.release.values():
+            for sid in sids:
+                self.kv.pop(sid, None)
+
+
+def tiny_worker(worker_id: str = "w0", blocks: int = 1024, block_size: int = 16) -> WorkerSpec:
+    return WorkerSpec(worker_id=worker_id, capacity_tokens=blocks * block_size,
+                      block_size=block_size, kv_bytes_per_token=1536, weight_bytes=0)
+
+
+def run_to_completion(core: SchedulerCore, workers: FakeWorkers, max_ticks: int = 10_000,
+                      on_tick=None) -> list[TickOutcome]:
+    outcomes = []
+    while core.has_work():
+        plan, early = core.plan_tick()
+        workers.release(early)
+        if plan.empty:
+            outcomes.append(early)
+            if not core.has_work():
+                break
+            raise AssertionError("scheduler has work but planned nothing")
+        out = core.complete_tick(plan, workers.run(plan), outcome=early)
+        workers.release(out)
+        outcomes.append(out)
+        if on_tick:
+            on_tick(plan, out)
+        assert len(outcomes) < max_ticks
+    return outcomes
