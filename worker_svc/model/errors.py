@@ -1,0 +1,58 @@
+"""ModelLoadError, and the layout check every loader runs before handing weights on.
+
+Loaders raise ModelLoadError instead of whatever the parsing library threw, so that a worker
+can report a bad ``--model`` flag as one readable line naming the file, not a deep traceback.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from worker_svc.model.config import LlamaConfig
+
+
+class ModelLoadError(Exception):
+    """A model could not be located or read; the message names the file and the problem."""
+
+
+def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight a Llama with this config needs, HF-named, with its [out, in] shape."""
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q_dim = cfg.num_heads * cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q_dim, h),
+            p + "self_attn.k_proj.weight": (cfg.kv_dim, h),
+            p + "self_attn.v_proj.weight": (cfg.kv_dim, h),
+            p + "self_attn.o_proj.weight": (h, q_dim),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        })
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def check_weights(cfg: LlamaConfig, weights: dict[str, np.ndarray], source: object) -> None:
+    """Raise ModelLoadError unless ``weights`` is exactly the float32 set ``cfg`` calls for.
+
+    A wrong shape would otherwise surface much later as a broadcasting error deep in a forward
+    pass, far from the file that caused it.
+    """
+    expected = expected_shapes(cfg)
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise ModelLoadError(f"{source}: {len(missing)} weight(s) missing, e.g. {missing[:3]}")
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        raise ModelLoadError(f"{source}: unexpected weight(s) for a Llama model: {extra[:3]}")
+    for name, shape in expected.items():
+        got = weights[name]
+        if got.shape != shape:
+            raise ModelLoadError(f"{source}: {name} has shape {got.shape}, config implies {shape}")
+        if got.dtype != np.float32:
+            raise ModelLoadError(f"{source}: {name} has dtype {got.dtype}, loaders must give float32")
