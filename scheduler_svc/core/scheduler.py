@@ -44,8 +44,9 @@ class _Workload:
     max_running: int
     prefill_token_budget: int
     snapshot_at_tick: int
-    rejected_at_start: int
+    rejected_at_start: dict[str, int]
     counters: BatchCounters = field(default_factory=BatchCounters)
+    rates: RateWindow = field(default_factory=RateWindow)
     snapshot: TelemetrySnapshot | None = None
     stats: WorkloadStats | None = None      # set when every session has finished
 
@@ -112,7 +113,7 @@ class SchedulerCore:
         self._workloads[workload_id] = _Workload(
             workload_id=workload_id, session_ids=ids, max_running=max_running,
             prefill_token_budget=budget, snapshot_at_tick=policy.snapshot_at_tick,
-            rejected_at_start=self.rejections.total)
+            rejected_at_start=dict(self.rejections.by_reason))
         for sid in ids:
             self._sessions[sid].workload_id = workload_id
         return workload_id, ids
@@ -372,8 +373,10 @@ class SchedulerCore:
             c.record_tick(wl_prefill.get(wl.workload_id, 0), wl_decode.get(wl.workload_id, 0),
                           self._held_kv_bytes(wl.workload_id))
             c.cache_misses += wl_misses.get(wl.workload_id, 0)
+            wl.rates.add(self._tick_started, end, wl_prefill.get(wl.workload_id, 0),
+                         wl_decode.get(wl.workload_id, 0))
             if wl.snapshot_at_tick and c.ticks == wl.snapshot_at_tick:
-                wl.snapshot = self.snapshot()
+                wl.snapshot = self.snapshot(wl.workload_id)
             self._maybe_close_workload(wl)
         return out
 
@@ -441,13 +444,18 @@ class SchedulerCore:
         if wl.stats is not None:
             return
         if all(self._sessions[sid].phase == Phase.FINISHED for sid in wl.session_ids):
-            wl.counters.rejected = self.rejections.total - wl.rejected_at_start
+            wl.counters.rejected = sum(self._rejections_since(wl).values())
             wl.stats = WorkloadStats.from_counters(len(wl.session_ids), wl.counters)
             self._finished_workloads.append(wl.workload_id)
             while len(self._finished_workloads) > _FINISHED_WORKLOADS_KEPT:
                 old = self._workloads.pop(self._finished_workloads.pop(0))
                 for sid in old.session_ids:
                     self._sessions.pop(sid, None)
+
+    def _rejections_since(self, wl: _Workload) -> dict[str, int]:
+        now = self.rejections.by_reason
+        return {r: n - wl.rejected_at_start.get(r, 0) for r, n in now.items()
+                if n - wl.rejected_at_start.get(r, 0) > 0}
 
     # ---- reads ---------------------------------------------------------------------------
 
@@ -481,36 +489,52 @@ class SchedulerCore:
     def running_count(self) -> int:
         return len(self._running)
 
-    def snapshot(self) -> TelemetrySnapshot:
-        prefill_rate, decode_rate = self._rates.rates()
-        c = self.counters
+    def snapshot(self, workload_id: str | None = None) -> TelemetrySnapshot:
+        """The live state; with a workload id, totals, gauges and rates of that workload alone."""
+        wl = self._workloads[workload_id] if workload_id is not None else None
         active = self._active_workloads()
         slots = self.limits.max_running
-        if active and all(w.session_ids for w in active):
-            slots = min(slots, sum(w.max_running for w in active))
-        used_slots = len(self._running)
+        if wl is not None:
+            c, rates = wl.counters, wl.rates
+            mine = [self._sessions[sid] for sid in wl.session_ids]
+            running = sum(1 for m in mine if m.running)
+            queued = sum(1 for m in mine if m.phase == Phase.QUEUED)
+            completed = sum(1 for m in mine if m.phase == Phase.FINISHED)
+            kv_bytes = self._held_kv_bytes(wl.workload_id)
+            reserved = sum(m.reserved_tokens * self.workers.get(m.worker_id).spec.kv_bytes_per_token
+                           for m in mine if m.worker_id is not None)
+            by_reason = self._rejections_since(wl)
+            slots = min(slots, wl.max_running)
+        else:
+            c, rates = self.counters, self._rates
+            running, queued, completed = len(self._running), len(self._queue), self.completed
+            kv_bytes, reserved = self._kv_bytes, self._reserved_bytes()
+            by_reason = dict(self.rejections.by_reason)
+            if active:
+                slots = min(slots, sum(w.max_running for w in active))
+        prefill_rate, decode_rate = rates.rates()
         return TelemetrySnapshot(
-            active_sessions=len(self._running),
+            active_sessions=running,
             batch_occupancy_avg=round(c.avg_batch_occupancy, 4),
             batch_occupancy_last=c.last_batch_occupancy,
             batch_occupancy_max=c.max_batch_occupancy,
-            completed_sessions=self.completed,
+            completed_sessions=completed,
             decode_tokens_per_sec=round(decode_rate, 3),
             decode_tokens_total=c.decode_tokens,
             kv_budget_bytes=self.limits.kv_budget_bytes,
-            kv_pressure=round(self._kv_bytes / self.limits.kv_budget_bytes, 4),
-            kv_total_bytes=self._kv_bytes,
+            kv_pressure=round(kv_bytes / self.limits.kv_budget_bytes, 4),
+            kv_total_bytes=kv_bytes,
             prefill_tokens_per_sec=round(prefill_rate, 3),
             prefill_tokens_total=c.prefill_tokens,
-            queue_depth=len(self._queue),
-            rejected_admissions_total=self.rejections.total,
-            rejected_by_reason=dict(self.rejections.by_reason),
+            queue_depth=queued,
+            rejected_admissions_total=sum(by_reason.values()),
+            rejected_by_reason=by_reason,
             scratch_budget_bytes=slots,
-            scratch_pressure=round(used_slots / slots, 4) if slots else 0.0,
-            scratch_used_bytes=used_slots,
-            ticks=self._tick,
+            scratch_pressure=round(running / slots, 4) if slots else 0.0,
+            scratch_used_bytes=running,
+            ticks=c.ticks,
             weight_bytes=sum(w.spec.weight_bytes for w in self.workers.live),
-            kv_reserved_bytes=self._reserved_bytes(),
+            kv_reserved_bytes=reserved,
             cache_misses_total=c.cache_misses,
             live_workers=len(self.workers.live),
         )

@@ -1,0 +1,241 @@
+"""The `kvfleet` command: start a local cluster, send sessions, run the sweep, read telemetry."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+
+DEFAULT_SCHEDULER = "localhost:50051"
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def _add_cluster_flags(p: argparse.ArgumentParser, model: str = "tiny") -> None:
+    p.add_argument("--model", default=model, help="tiny | smollm2-135m | a .gguf file | a HF directory")
+    p.add_argument("--workers", type=int, default=2, help="worker processes to start")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | xpu | auto")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--prefill-token-budget", type=int, default=512)
+
+
+def _spec(a: argparse.Namespace, port: int = 0):
+    from kvfleet.local_cluster import ClusterSpec
+
+    return ClusterSpec(workers=a.workers, model=a.model, device=a.device, dtype=a.dtype,
+                       scheduler_port=port, max_running=a.max_running,
+                       prefill_token_budget=a.prefill_token_budget)
+
+
+@contextlib.contextmanager
+def _scheduler(a: argparse.Namespace) -> Iterator[str]:
+    """The --scheduler address, or a local cluster started (and stopped) for this command."""
+    if a.scheduler:
+        yield a.scheduler
+        return
+    from kvfleet.local_cluster import LocalCluster
+
+    print(f"starting a local cluster ({a.workers} workers, model {a.model}) ...", file=sys.stderr)
+    with LocalCluster(_spec(a)) as cluster:
+        print(f"scheduler at {cluster.scheduler_address}", file=sys.stderr)
+        yield cluster.scheduler_address
+
+
+def cmd_up(a: argparse.Namespace) -> int:
+    from kvfleet.local_cluster import LocalCluster
+
+    cluster = LocalCluster(_spec(a, a.port))
+    print(f"starting {a.workers} workers ({a.model} on {a.device}) and the scheduler ...", flush=True)
+    cluster.start()
+    print(f"kvfleet is up: scheduler at {cluster.scheduler_address} "
+          f"(workers {', '.join(cluster.worker_addresses)}; logs in {cluster.log_dir}). "
+          f"Ctrl-C drains and stops.", flush=True)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        while not stop:
+            time.sleep(0.5)
+            dead = [n for n, p in cluster.procs.items() if p.poll() is not None]
+            if dead:
+                print(f"process exited: {', '.join(dead)}; stopping", file=sys.stderr)
+                break
+    except KeyboardInterrupt:
+        pass
+    print("draining ...", flush=True)
+    cluster.stop()
+    return 0
+
+
+def _request_from_args(a: argparse.Namespace, prompt):
+    from kvfleet.client import build_request
+
+    return build_request(prompt, a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
+                         top_p=a.top_p, seed=a.seed, stop=a.stop or (), ignore_eos=a.ignore_eos)
+
+
+def _run_generate(a: argparse.Namespace, prompt) -> int:
+    from kvfleet.client import Completion, SchedulerClient, finish_name
+
+    with _scheduler(a) as address, SchedulerClient(address) as client:
+        req = _request_from_args(a, prompt)
+        result: Completion | None = None
+        for ev in client.stream(req, timeout=a.timeout):
+            if result is None:
+                result = Completion(session_id=ev.session_id, prompt_token_ids=list(ev.prompt_token_ids))
+            result.token_ids.extend(ev.token_ids)
+            result.text += ev.text
+            if not a.json:
+                print(ev.text if ev.text else " ".join(map(str, ev.token_ids)) + " " * bool(ev.token_ids),
+                      end="", flush=True)
+            if ev.finished:
+                result.finish_reason = finish_name(ev.finish_reason)
+        assert result is not None
+        if a.json:
+            print(json.dumps({"session_id": result.session_id, "prompt_token_ids": result.prompt_token_ids,
+                              "token_ids": result.token_ids, "text": result.text,
+                              "finish_reason": result.finish_reason}))
+        else:
+            print(f"\n[{result.finish_reason}, {len(result.token_ids)} tokens]", file=sys.stderr)
+    return 0
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    prompt = [int(t) for t in a.prompt.split(",")] if a.token_ids else a.prompt
+    return _run_generate(a, prompt)
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    messages = [{"role": "system", "content": a.system}] if a.system else []
+    messages.append({"role": "user", "content": a.message})
+    return _run_generate(a, messages)
+
+
+def cmd_sweep(a: argparse.Namespace) -> int:
+    from kvfleet.client import SchedulerClient
+    from kvfleet.sweep import SweepSpec, format_table, run_sweep
+
+    spec = SweepSpec(sessions=a.sessions, prompt_len=a.prompt_len, max_new_tokens=a.max_new_tokens,
+                     prefill_budget=a.prefill_budget, concurrency=a.concurrency, seed=a.seed)
+    with _scheduler(a) as address, SchedulerClient(address) as client:
+        doc = run_sweep(client, spec, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(format_table(doc))
+    if a.out:
+        Path(a.out).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        print(f"wrote {a.out}", file=sys.stderr)
+    return 0 if doc["concurrency_sweep"]["corruption_free"] else 1
+
+
+def cmd_telemetry(a: argparse.Namespace) -> int:
+    from kvfleet.client import SchedulerClient
+    from kvfleet.sweep import snapshot_dict
+
+    with SchedulerClient(a.scheduler) as client:
+        print(json.dumps(snapshot_dict(client.telemetry()), indent=2))
+    return 0
+
+
+def cmd_workers(a: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from kvfleet.client import SchedulerClient
+
+    with SchedulerClient(a.scheduler) as client:
+        for w in client.list_workers():
+            print(json.dumps(MessageToDict(w, preserving_proto_field_name=True)))
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    """Start a local cluster, run the sweep through it, print the table and write the JSON."""
+    a.scheduler = None
+    a.sessions, a.prompt_len, a.max_new_tokens, a.prefill_budget = 8, 4, 8, 4
+    a.concurrency, a.seed = (1, 2, 4, 8), 0
+    return cmd_sweep(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvfleet", description="kvfleet LLM-serving cluster")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start a local cluster (scheduler + workers); Ctrl-C drains and stops")
+    _add_cluster_flags(up)
+    up.add_argument("--port", type=int, default=50051, help="the scheduler's client port")
+    up.set_defaults(fn=cmd_up)
+
+    for name, fn, helptext in (("generate", cmd_generate, "send one session and stream its tokens"),
+                               ("chat", cmd_chat, "send chat messages and stream the answer")):
+        g = sub.add_parser(name, help=helptext)
+        if name == "generate":
+            g.add_argument("prompt", help="prompt text (or comma-separated ids with --token-ids)")
+            g.add_argument("--token-ids", action="store_true", help="the prompt is token ids")
+        else:
+            g.add_argument("message")
+            g.add_argument("--system", default="")
+        g.add_argument("--scheduler", default=DEFAULT_SCHEDULER)
+        g.add_argument("--max-new-tokens", type=int, default=64)
+        g.add_argument("--temperature", type=float, default=0.0)
+        g.add_argument("--top-k", type=int, default=0)
+        g.add_argument("--top-p", type=float, default=1.0)
+        g.add_argument("--seed", type=int, default=0)
+        g.add_argument("--stop", action="append", help="a stop string (repeatable)")
+        g.add_argument("--ignore-eos", action="store_true")
+        g.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+        g.add_argument("--json", action="store_true", help="print one JSON object at the end")
+        g.set_defaults(fn=fn)
+
+    sw = sub.add_parser("sweep", help="run the concurrency sweep and write its JSON")
+    sw.add_argument("--scheduler", default=None, help="HOST:PORT of a running cluster (else a local one)")
+    _add_cluster_flags(sw)
+    sw.add_argument("--sessions", type=int, default=8)
+    sw.add_argument("--prompt-len", type=int, default=4)
+    sw.add_argument("--max-new-tokens", type=int, default=8)
+    sw.add_argument("--prefill-budget", type=int, default=4)
+    sw.add_argument("--concurrency", type=_ints, default=(1, 2, 4, 8))
+    sw.add_argument("--seed", type=int, default=0)
+    sw.add_argument("--out", default="sweep.json")
+    sw.set_defaults(fn=cmd_sweep)
+
+    te = sub.add_parser("telemetry", help="print the scheduler's live telemetry snapshot")
+    te.add_argument("--scheduler", default=DEFAULT_SCHEDULER)
+    te.set_defaults(fn=cmd_telemetry)
+
+    wo = sub.add_parser("workers", help="list the scheduler's workers")
+    wo.add_argument("--scheduler", default=DEFAULT_SCHEDULER)
+    wo.set_defaults(fn=cmd_workers)
+
+    de = sub.add_parser("demo", help="start a local cluster and run the sweep through it")
+    _add_cluster_flags(de)
+    de.add_argument("--out", default="sweep.json")
+    de.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except grpc.RpcError as exc:
+        print(f"kvfleet: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        return 2
+    except (RuntimeError, TimeoutError, ValueError) as exc:
+        print(f"kvfleet: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

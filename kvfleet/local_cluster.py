@@ -1,0 +1,119 @@
+"""Starts a scheduler and N workers as local processes, waits for health, stops them by SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvfleet.grpcutil import check_health
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    workers: int = 2
+    model: str = "tiny"
+    device: str = "cpu"
+    dtype: str = "float32"
+    host: str = "127.0.0.1"
+    scheduler_port: int = 0            # 0 = a free port
+    max_running: int = 64
+    prefill_token_budget: int = 512
+    num_blocks: int = 4096
+    block_size: int = 16
+    kv_views: str = "rebuild"
+    extra_env: dict[str, str] = field(default_factory=dict)
+    start_timeout_s: float = 180.0
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"a cluster needs at least one worker, got {self.workers}")
+
+
+class LocalCluster:
+    def __init__(self, spec: ClusterSpec, log_dir: Path | None = None) -> None:
+        self.spec = spec
+        self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kvfleet-"))
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.worker_addresses: list[str] = []
+        self.scheduler_address = ""
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        out = open(self.log_dir / f"{name}.log", "wb")
+        env = {**os.environ, **self.spec.extra_env}
+        proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
+        self.procs[name] = proc
+        return proc
+
+    def start(self) -> "LocalCluster":
+        s = self.spec
+        try:
+            for i in range(s.workers):
+                port = free_port(s.host)
+                self.worker_addresses.append(f"{s.host}:{port}")
+                self._spawn(f"worker-{i}", ["-m", "worker_svc", "--host", s.host, "--port", str(port),
+                                            "--worker-id", f"worker-{i}", "--model", s.model,
+                                            "--device", s.device, "--dtype", s.dtype,
+                                            "--num-blocks", str(s.num_blocks),
+                                            "--block-size", str(s.block_size), "--kv-views", s.kv_views])
+            self._wait_healthy(self.worker_addresses)
+            port = s.scheduler_port or free_port(s.host)
+            self.scheduler_address = f"{s.host}:{port}"
+            self._spawn("scheduler", ["-m", "scheduler_svc", "--host", s.host, "--port", str(port),
+                                      "--workers", ",".join(self.worker_addresses), "--model", s.model,
+                                      "--max-running", str(s.max_running),
+                                      "--prefill-token-budget", str(s.prefill_token_budget)])
+            self._wait_healthy([self.scheduler_address])
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self, addresses: list[str]) -> None:
+        end = time.monotonic() + self.spec.start_timeout_s
+        pending = list(addresses)
+        while pending:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up:\n{tail}")
+            pending = [a for a in pending if not asyncio.run(check_health(a, timeout=1.0))]
+            if pending and time.monotonic() > end:
+                raise TimeoutError(f"not healthy within {self.spec.start_timeout_s:.0f}s: {pending} "
+                                   f"(logs in {self.log_dir})")
+            if pending:
+                time.sleep(0.2)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        # Scheduler first, so it drains before its workers go.
+        for name in sorted(self.procs, key=lambda n: n != "scheduler"):
+            proc = self.procs[name]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(grace_s)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        self.procs.clear()
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,59 @@
+"""python -m scheduler_svc: run the scheduler in front of running workers."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.core import SchedulerLimits
+
+
+def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
+    env = os.environ.get
+    d = SchedulerLimits()
+    p = argparse.ArgumentParser(prog="python -m scheduler_svc", description="kvfleet scheduler")
+    p.add_argument("--host", default=env("KVFLEET_SCHEDULER_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(env("KVFLEET_SCHEDULER_PORT", "50051")))
+    p.add_argument("--workers", default=env("KVFLEET_WORKERS", ""),
+                   help="comma-separated worker addresses host:port")
+    p.add_argument("--model", default=env("KVFLEET_MODEL"), help="model name for the tokenizer")
+    p.add_argument("--max-running", type=int, default=int(env("KVFLEET_MAX_RUNNING", d.max_running)))
+    p.add_argument("--prefill-token-budget", type=int,
+                   default=int(env("KVFLEET_PREFILL_TOKEN_BUDGET", d.prefill_token_budget)))
+    p.add_argument("--kv-budget-bytes", type=int, default=int(env("KVFLEET_KV_BUDGET_BYTES", d.kv_budget_bytes)))
+    p.add_argument("--max-queue-depth", type=int, default=int(env("KVFLEET_MAX_QUEUE_DEPTH", d.max_queue_depth)))
+    p.add_argument("--max-prompt-tokens", type=int,
+                   default=int(env("KVFLEET_MAX_PROMPT_TOKENS", d.max_prompt_tokens)))
+    p.add_argument("--max-new-tokens", type=int, default=int(env("KVFLEET_MAX_NEW_TOKENS", d.max_new_tokens)))
+    p.add_argument("--step-timeout", type=float, default=float(env("KVFLEET_STEP_TIMEOUT_S", "30")))
+    p.add_argument("--drain-grace", type=float, default=float(env("KVFLEET_DRAIN_GRACE_S", "10")))
+    p.add_argument("--log-level", default=env("KVFLEET_LOG_LEVEL", "INFO"))
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    limits = SchedulerLimits(max_running=a.max_running, prefill_token_budget=a.prefill_token_budget,
+                             kv_budget_bytes=a.kv_budget_bytes, max_queue_depth=a.max_queue_depth,
+                             max_prompt_tokens=a.max_prompt_tokens, max_new_tokens=a.max_new_tokens)
+    workers = tuple(w.strip() for w in a.workers.split(",") if w.strip())
+    return SchedulerConfig(host=a.host, port=a.port, workers=workers, limits=limits, model=a.model,
+                           step_timeout_s=a.step_timeout, drain_grace_s=a.drain_grace)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        config = parse_args(argv)
+    except ValueError as exc:
+        sys.exit(f"scheduler: {exc}")
+    from scheduler_svc.server import serve
+
+    try:
+        asyncio.run(serve(config))
+    except ConnectionError as exc:
+        sys.exit(f"scheduler: {exc}")
+
+
+if __name__ == "__main__":
+    main()

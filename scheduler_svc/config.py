@@ -1,0 +1,30 @@
+"""Scheduler settings, built once in the entry point from flags and environment."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_svc.core import SchedulerLimits
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051                       # 0 = any free port
+    workers: tuple[str, ...] = ()           # worker addresses host:port
+    limits: SchedulerLimits = field(default_factory=SchedulerLimits)
+    model: str | None = None                # for the tokenizer; None = ask the workers
+    step_timeout_s: float = 30.0            # a worker step slower than this marks the worker dead
+    worker_connect_timeout_s: float = 60.0  # how long start-up waits for the workers
+    health_interval_s: float = 1.0          # how often dead workers are probed
+    drain_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not self.workers:
+            raise ValueError("the scheduler needs at least one worker address (--workers host:port,...)")
+        for a in self.workers:
+            if ":" not in a:
+                raise ValueError(f"worker address {a!r} must be host:port")
+        if self.step_timeout_s <= 0:
+            raise ValueError("step_timeout_s must be positive")

@@ -1,0 +1,113 @@
+"""Turning a GenerateRequest's prompt (token ids, text or chat) into token ids, and tokens back
+into streamed text. The tokenizer lives here, at the front door, so prompt lengths are known
+before admission."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvfleet.v1 import scheduler_pb2 as spb
+from scheduler_svc import convert
+from scheduler_svc.core import SessionRequest
+
+log = logging.getLogger(__name__)
+
+
+class PromptError(ValueError):
+    """A prompt the scheduler cannot turn into token ids; the message says what to fix."""
+
+
+class TextStream(Protocol):
+    def push(self, token: int) -> tuple[str, bool]: ...   # (text delta, a stop string was hit)
+    def flush(self) -> str: ...
+
+
+class _NoText:
+    """Token-id-only models stream no text."""
+
+    def push(self, token: int) -> tuple[str, bool]:
+        return "", False
+
+    def flush(self) -> str:
+        return ""
+
+
+class _DetokenizingStream:
+    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
+        from kvfleet.tokenizer import IncrementalDetokenizer, StopStringMatcher
+
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stop = StopStringMatcher(stop) if stop else None
+        self._stopped = False
+
+    def push(self, token: int) -> tuple[str, bool]:
+        if self._stopped:
+            return "", True
+        text = self._detok.push(token)
+        if self._stop is None:
+            return text, False
+        emit, stopped = self._stop.feed(text)
+        self._stopped = stopped
+        return emit, stopped
+
+    def flush(self) -> str:
+        if self._stopped:
+            return ""
+        text = self._detok.flush()
+        if self._stop is None:
+            return text
+        emit, _ = self._stop.feed(text)
+        return emit + self._stop.flush()
+
+
+@dataclass
+class PromptResolver:
+    model_name: str
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    tokenizer: Any | None = None
+
+    @classmethod
+    def for_model(cls, name: str, model: Any) -> "PromptResolver":
+        tokenizer = None
+        if name != "tiny":
+            from kvfleet.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.for_model(name)
+        return cls(model_name=name, vocab_size=model.vocab_size,
+                   eos_token_ids=frozenset(model.eos_token_ids), tokenizer=tokenizer)
+
+    def prompt_ids(self, req: spb.GenerateRequest) -> tuple[int, ...]:
+        kind = req.WhichOneof("prompt")
+        if kind == "prompt_ids":
+            return tuple(req.prompt_ids.ids)
+        if kind is None:
+            raise PromptError("the request has no prompt; set prompt_ids, text or chat")
+        if self.tokenizer is None:
+            raise PromptError(f"model {self.model_name!r} has no tokenizer; send prompt_ids instead of {kind}")
+        if kind == "text":
+            return tuple(self.tokenizer.encode(req.text))
+        messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+        if not messages:
+            raise PromptError("chat has no messages; send at least one")
+        bad = [m["role"] for m in messages if m["role"] not in ("system", "user", "assistant")]
+        if bad:
+            raise PromptError(f"chat role {bad[0]!r} is not one of system, user, assistant")
+        return tuple(self.tokenizer.encode(self.tokenizer.render_chat(messages)))
+
+    def session_request(self, req: spb.GenerateRequest) -> SessionRequest:
+        if req.stop and self.tokenizer is None:
+            raise PromptError(f"stop strings need a tokenizer; model {self.model_name!r} has none "
+                              f"(use stop_token_ids)")
+        return SessionRequest(
+            prompt_ids=self.prompt_ids(req), max_new_tokens=req.max_new_tokens,
+            sampling=convert.sampling_from_pb(req.sampling),
+            stop_token_ids=frozenset(req.stop_token_ids),
+            eos_token_ids=frozenset() if req.ignore_eos else self.eos_token_ids,
+            priority=req.priority)
+
+    def stream(self, sreq: SessionRequest, stop: list[str]) -> TextStream:
+        if self.tokenizer is None:
+            return _NoText()
+        return _DetokenizingStream(self.tokenizer, stop)

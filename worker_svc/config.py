@@ -1,0 +1,28 @@
+"""Worker settings, built once in the entry point from flags and environment."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50061                 # 0 = any free port
+    worker_id: str = "worker-0"
+    model: str = "tiny"               # a known name, a .gguf file or a Hugging Face directory
+    device: str = "cpu"               # cpu | cuda | cuda:N | xpu | auto
+    dtype: str = "float32"            # float32 | bfloat16 | float16
+    block_size: int = 16
+    num_blocks: int = 4096
+    kv_views: str = "rebuild"         # rebuild (control) | persistent (candidate)
+    drain_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.block_size <= 0 or self.num_blocks <= 0:
+            raise ValueError("block_size and num_blocks must be positive")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_views not in ("rebuild", "persistent"):
+            raise ValueError(f"kv_views must be rebuild or persistent, got {self.kv_views!r}")

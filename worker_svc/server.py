@@ -1,0 +1,104 @@
+"""The worker's gRPC adapter: pb -> engine values -> Engine.step -> pb."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from kvfleet import grpcutil
+from kvfleet.v1 import worker_pb2 as pb
+from kvfleet.v1 import worker_pb2_grpc as pb_grpc
+from worker_svc import convert
+from worker_svc.config import WorkerConfig
+from worker_svc.engine import Engine, EngineConfig
+from worker_svc.model.config import LlamaConfig
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+class WorkerServicer(pb_grpc.WorkerServicer):
+    def __init__(self, config: WorkerConfig, cfg: LlamaConfig, engine: Engine) -> None:
+        self._config = config
+        self._cfg = cfg
+        self._engine = engine
+        # One step at a time: the engine's cache is not shared between concurrent steps.
+        self._lock = asyncio.Lock()
+
+    async def GetInfo(self, request, context):
+        return convert.info_to_pb(self._config.worker_id, self._cfg, self._engine,
+                                  self._config.block_size, self._config.num_blocks)
+
+    async def Prefill(self, request, context):
+        return await self._step(convert.prefill_from_pb(request.items), [], context)
+
+    async def Decode(self, request, context):
+        return await self._step([], convert.decode_from_pb(request.items), context)
+
+    async def Step(self, request, context):
+        return await self._step(convert.prefill_from_pb(request.prefill),
+                                convert.decode_from_pb(request.decode), context)
+
+    async def _step(self, prefill, decode, context) -> pb.StepResponse:
+        ids = [i.session_id for i in prefill] + [i.session_id for i in decode]
+        if len(set(ids)) != len(ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "a step names the same session twice; send each session once per step")
+        if any(not i for i in ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "every item needs a session_id")
+        async with self._lock:
+            start = time.perf_counter_ns()
+            try:
+                out = await asyncio.to_thread(self._engine.step, prefill, decode)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            step_ns = time.perf_counter_ns() - start
+        return convert.step_to_pb(out, step_ns)
+
+    async def Release(self, request, context):
+        async with self._lock:
+            released = self._engine.release(request.session_ids)
+        return pb.ReleaseResponse(released=released)
+
+    async def GetStats(self, request, context):
+        s = self._engine.stats()
+        return pb.WorkerStats(steps=s.steps, prefill_tokens=s.prefill_tokens,
+                              decode_tokens=s.decode_tokens, cache_misses=s.cache_misses,
+                              active_sessions=s.active_sessions, used_blocks=s.used_blocks,
+                              free_blocks=s.free_blocks)
+
+
+def build_engine(config: WorkerConfig) -> tuple[LlamaConfig, Engine]:
+    from worker_svc.model.registry import load_model
+
+    cfg, weights = load_model(config.model)
+    engine = Engine(cfg, weights, EngineConfig(device=config.device, dtype=config.dtype,
+                                               block_size=config.block_size,
+                                               num_blocks=config.num_blocks,
+                                               kv_views=config.kv_views))
+    return cfg, engine
+
+
+async def create_server(config: WorkerConfig, loaded: tuple[LlamaConfig, Engine] | None = None):
+    """Build and start the worker server; returns (server, port, health servicer)."""
+    cfg, engine = loaded if loaded is not None else build_engine(config)
+    server = grpc.aio.server(options=grpcutil.SERVER_OPTIONS)
+    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(config, cfg, engine), server)
+    health = grpcutil.add_health_and_reflection(server, [SERVICE_NAME])
+    port = grpcutil.bind(server, config.host, config.port)
+    await server.start()
+    log.info("worker %s serving %s on %s:%d (device %s, dtype %s, %d KV blocks of %d)",
+             config.worker_id, cfg.name, config.host, port, engine.device, engine.dtype_name,
+             config.num_blocks, config.block_size)
+    return server, port, health
+
+
+async def serve(config: WorkerConfig) -> None:
+    server, port, health = await create_server(config)
+    print(f"worker {config.worker_id} listening on {config.host}:{port}", flush=True)
+    await grpcutil.wait_for_termination_signal()
+    log.info("worker %s draining", config.worker_id)
+    grpcutil.set_not_serving(health, [SERVICE_NAME])
+    await server.stop(config.drain_grace_s)
