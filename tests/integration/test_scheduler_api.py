@@ -1,0 +1,135 @@
+"""The client API over real gRPC: streaming, concurrency, rejections with their status codes."""
+import concurrent.futures as cf
+
+import grpc
+import pytest
+
+from kvfleet.client import SchedulerClient, build_request
+from kvfleet.v1 import scheduler_pb2 as spb
+from scheduler_svc.core import SchedulerLimits
+from tests.integration.inproc import InProcessCluster
+from worker_svc.model.config import tiny_config
+from worker_svc.model.reference import reference_generate
+from worker_svc.model.tiny import tiny_weights
+
+CFG = tiny_config()
+WEIGHTS = tiny_weights(CFG, seed=0)
+
+
+def test_generate_streams_reference_tokens(cluster):
+    with SchedulerClient(cluster.address) as client:
+        result = client.generate(build_request([5, 6, 7], 12))
+    assert result.token_ids == reference_generate(CFG, WEIGHTS, [5, 6, 7], 12)
+    assert result.finish_reason == "length"
+    assert result.prompt_token_ids == [5, 6, 7]
+    assert result.worker_id.startswith("worker-")
+
+
+def test_concurrent_clients_get_their_own_tokens(cluster):
+    prompts = [[i % 48, (3 * i) % 48, (7 * i + 1) % 48][: 1 + i % 3] for i in range(12)]
+    with SchedulerClient(cluster.address) as client, cf.ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(lambda p: client.generate(build_request(p, 6 + len(p))), prompts))
+    for p, r in zip(prompts, results):
+        assert r.token_ids == reference_generate(CFG, WEIGHTS, p, 6 + len(p))
+    workers = {r.worker_id for r in results}
+    assert len(workers) == 2, "sessions should be spread over both workers"
+
+
+def test_stop_token_ends_the_session(cluster):
+    expected = reference_generate(CFG, WEIGHTS, [1, 2], 10)
+    stop = expected[3]
+    first = expected.index(stop)
+    with SchedulerClient(cluster.address) as client:
+        r = client.generate(build_request([1, 2], 10, stop_token_ids=[stop]))
+    assert r.token_ids == expected[: first + 1]
+    assert r.finish_reason == "stop"
+
+
+def test_usage_in_the_final_event(cluster):
+    with SchedulerClient(cluster.address) as client:
+        events = list(client.stream(build_request([1, 2, 3], 5)))
+    assert events[-1].finished
+    assert events[-1].usage.input_tokens == 3 and events[-1].usage.output_tokens == 5
+
+
+def _code(fn):
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value.code(), info.value.details()
+
+
+REJECTIONS = [
+    (build_request([], 4), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
+    (build_request([1, 2], 0), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
+    (build_request([1, 99], 4), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
+    (build_request([1], 4, temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
+    (build_request([1], 4, top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
+    (build_request("some text", 4), grpc.StatusCode.INVALID_ARGUMENT, "prompt_ids"),
+    (build_request([1] * 40, 4), grpc.StatusCode.INVALID_ARGUMENT, "prompt_too_long"),
+    (build_request([1] * 10, 30), grpc.StatusCode.RESOURCE_EXHAUSTED, "kv_budget"),
+]
+
+
+@pytest.fixture(scope="module")
+def small_cluster():
+    # 20 prompt tokens max; KV budget of 32 tokens (1536 B each); queue of 2.
+    limits = SchedulerLimits(max_running=1, prefill_token_budget=8, kv_budget_bytes=32 * 1536,
+                             max_queue_depth=2, max_prompt_tokens=20, max_new_tokens=64)
+    with InProcessCluster(workers=1, limits=limits) as c:
+        yield c
+
+
+@pytest.mark.parametrize("request_, code, reason", REJECTIONS)
+def test_each_rejection_has_its_status_and_reason(small_cluster, request_, code, reason):
+    with SchedulerClient(small_cluster.address) as client:
+        got_code, details = _code(lambda: client.generate(request_))
+    assert got_code == code
+    assert reason in details
+    with SchedulerClient(small_cluster.address) as client:
+        # The service keeps serving normal requests.
+        assert client.generate(build_request([1, 2], 3)).finish_reason == "length"
+
+
+def test_queue_full_is_resource_exhausted_and_counted(small_cluster):
+    with SchedulerClient(small_cluster.address) as client:
+        before = client.telemetry().rejected_by_reason.get("queue_full", 0)
+        # A workload larger than the queue depth (2) is refused whole.
+        req = spb.WorkloadRequest(sessions=[build_request([1], 2) for _ in range(3)])
+        code, details = _code(lambda: list(client.submit_workload(req)))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue_full" in details
+        assert client.telemetry().rejected_by_reason["queue_full"] == before + 1
+
+
+def test_workload_policy_above_limit_is_invalid(small_cluster):
+    with SchedulerClient(small_cluster.address) as client:
+        req = spb.WorkloadRequest(sessions=[build_request([1], 2)],
+                                  policy=spb.WorkloadPolicy(max_running=5))
+        code, details = _code(lambda: list(client.submit_workload(req)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "max_running" in details
+
+
+def test_no_worker_is_unavailable():
+    limits = SchedulerLimits()
+    with InProcessCluster(workers=1, limits=limits, step_timeout_s=2) as c:
+        c.run(c.worker_servers[0].stop(0))
+        with SchedulerClient(c.address) as client:
+            # The first session finds the worker gone: the worker is marked dead, the session waits.
+            fut = cf.ThreadPoolExecutor(1).submit(client.generate, build_request([1], 2), 3)
+            with pytest.raises(grpc.RpcError) as info:
+                fut.result(10)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            code, details = _code(lambda: client.generate(build_request([1], 2)))
+        assert code == grpc.StatusCode.UNAVAILABLE and "no_worker" in details
+
+
+def test_cancel_unknown_session_is_not_found(cluster):
+    with SchedulerClient(cluster.address) as client:
+        code, details = _code(lambda: client.cancel("s-nope"))
+    assert code == grpc.StatusCode.NOT_FOUND and "s-nope" in details
+
+
+def test_list_workers(cluster):
+    with SchedulerClient(cluster.address) as client:
+        workers = client.list_workers()
+    assert sorted(w.worker_id for w in workers) == ["worker-0", "worker-1"]
+    assert all(w.live and w.model == "tiny" and w.kv_capacity_tokens > 0 for w in workers)
