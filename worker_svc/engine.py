@@ -1,0 +1,340 @@
+"""The worker's engine: admits a step's items against the KV books, runs them as one batched
+forward, samples, and reports per item. Synchronous and gRPC-free; the servicer wraps it.
+
+Per-item failures (CACHE_MISS, OUT_OF_BLOCKS) are results, not exceptions: the rest of the
+batch proceeds. A request that could never succeed (token id out of vocabulary, position past
+``max_position``, a session twice in one step) raises ``ValueError`` before anything changes.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+import torch
+
+from worker_svc.block_allocator import BlockAllocator, KVBookkeeper
+from worker_svc.kv_cache import BatchLayout, PagedKVCache, make_views
+from worker_svc.model.config import LlamaConfig
+from worker_svc.model.llama import LlamaModel, PhaseTimes, step_tensors, synchronize
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEVICE_RE = re.compile(r"^(cpu|auto|xpu|cuda|cuda:\d+|xpu:\d+)$")
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    temperature: float = 0.0   # 0 = greedy argmax
+    top_k: int = 0             # 0 = off
+    top_p: float = 1.0         # 1 = off
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class PrefillItem:
+    session_id: str
+    token_ids: tuple[int, ...]   # this chunk of the prompt
+    start_position: int          # tokens of this session already in the KV (0 for the first chunk)
+    last_chunk: bool             # sample the first new token after this chunk
+    sampling: SamplingSpec
+    generated_so_far: int = 0    # index of the token to sample (for seeded sampling)
+
+
+@dataclass(frozen=True)
+class DecodeItem:
+    session_id: str
+    token_id: int                # latest token; its K/V are appended now
+    position: int                # == tokens already held for this session
+    sampling: SamplingSpec
+    generated_so_far: int
+
+
+class ItemStatus(Enum):
+    OK = "ok"
+    CACHE_MISS = "cache_miss"          # unknown session or position != tokens held
+    OUT_OF_BLOCKS = "out_of_blocks"    # not enough free KV blocks for this item
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    session_id: str
+    status: ItemStatus
+    token_id: int | None         # None for a non-last prefill chunk or a failed item
+    kv_tokens: int               # tokens held for the session after the step
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """Nanoseconds per phase of the step, summed over layers, host clock.
+
+    On cuda/xpu kernels run asynchronously, so the per-phase numbers are launch times unless
+    ``EngineConfig.profile_sync`` is set (which synchronises around each phase and slows the
+    step); ``post_step_sync_ns`` is then where the device work shows up.
+    """
+
+    kv_view_prepare_ns: int
+    attention_ns: int
+    step_ns: int
+    post_step_sync_ns: int   # device synchronize + copying sampled tokens to the host
+    kv_write_ns: int = 0     # writing new K/V into the paged cache (both modes pay it)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    results: list[ItemResult]    # one per item, prefill items first then decode items, in input order
+    profile: StepProfile
+    # Only with step(..., return_logits=True): float32 [items, vocab], the logits each sampled
+    # token was drawn from; NaN rows for items that sampled nothing. For tests and debugging.
+    logits: np.ndarray | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    steps: int
+    prefill_tokens: int
+    decode_tokens: int
+    cache_misses: int
+    active_sessions: int
+    used_blocks: int
+    free_blocks: int
+    out_of_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "cpu"          # "cpu" | "cuda" | "cuda:N" | "xpu" | "auto" (cuda, then xpu, then cpu)
+    dtype: str = "float32"       # "float32" | "bfloat16" | "float16"
+    block_size: int = 16
+    num_blocks: int = 1024
+    kv_views: str = "rebuild"    # "rebuild" (control) | "persistent" (candidate)
+    profile_sync: bool = False   # synchronise around phases so StepProfile shows device time
+
+    def __post_init__(self) -> None:
+        if not _DEVICE_RE.match(self.device):
+            raise ValueError(f"device must be cpu, cuda, cuda:N, xpu, xpu:N or auto, got {self.device!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.kv_views not in ("rebuild", "persistent"):
+            raise ValueError(f"kv_views must be 'rebuild' or 'persistent', got {self.kv_views!r}")
+
+
+def resolve_device(name: str) -> torch.device:
+    xpu_ok = hasattr(torch, "xpu") and torch.xpu.is_available()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "xpu" if xpu_ok else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but torch.cuda.is_available() is False")
+    if name.startswith("xpu") and not xpu_ok:
+        raise ValueError(f"device {name!r} requested but torch.xpu.is_available() is False")
+    return torch.device(name)
+
+
+def _draw_seed(seed: int, index: int) -> int:
+    """A seed from (seed, index) alone: stable across processes, unlike ``hash()``."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def sample_token(logits: torch.Tensor, spec: SamplingSpec, index: int) -> int:
+    """Draw one token from logits [V] (host tensor): a function of logits, spec and index only.
+
+    top_k keeps every token tied with the k-th largest; top_p keeps the smallest prefix of the
+    sorted distribution whose mass reaches top_p (always at least the most likely token).
+    """
+    if spec.temperature == 0.0:
+        return int(torch.argmax(logits))
+    x = logits.double() / spec.temperature
+    if 0 < spec.top_k < x.numel():
+        kth = torch.topk(x, spec.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if spec.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True, stable=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= spec.top_p   # mass before this token
+        x = x.clone()
+        x[order[drop]] = float("-inf")
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(_draw_seed(spec.seed, index))
+    return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=gen))
+
+
+@dataclass(frozen=True)
+class _Admitted:
+    """An item that passed admission: its place in the output and its slice of the batch."""
+
+    out_index: int
+    session_id: str
+    tokens: tuple[int, ...]
+    start: int
+    slots: tuple[int, ...]
+    sample: bool
+    sampling: SamplingSpec
+    index: int                  # generated_so_far, for seeded draws
+
+
+class Engine:
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, np.ndarray], config: EngineConfig) -> None:
+        self.cfg, self.config = cfg, config
+        self.device = resolve_device(config.device)
+        self.dtype_name = config.dtype
+        dtype = _DTYPES[config.dtype]
+        self.model = LlamaModel(cfg, weights, self.device, dtype)
+        self.cache = PagedKVCache(cfg.num_layers, config.num_blocks, config.block_size,
+                                  cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
+        self.views = make_views(config.kv_views, self.cache)
+        self.books = KVBookkeeper(config.block_size, BlockAllocator(config.num_blocks))
+        elem = torch.empty((), dtype=dtype).element_size()
+        self.kv_bytes_per_token = cfg.kv_bytes_per_token(elem)
+        self.capacity_tokens = config.num_blocks * config.block_size
+        tensors = self.model.tensors()
+        self.parameter_count = sum(t.numel() for t in tensors)
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        self._counts = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0,
+                        "cache_misses": 0, "out_of_blocks": 0}
+
+    # -- validation and admission ------------------------------------------------------------
+
+    def _validate(self, prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem]) -> None:
+        seen: set[str] = set()
+        items = [(p.session_id, p.token_ids, p.start_position) for p in prefill]
+        items += [(d.session_id, (d.token_id,), d.position) for d in decode]
+        for sid, tokens, start in items:
+            if sid in seen:
+                raise ValueError(f"session {sid!r} appears more than once in one step")
+            seen.add(sid)
+            if not tokens:
+                raise ValueError(f"session {sid!r}: empty prefill chunk")
+            if start < 0:
+                raise ValueError(f"session {sid!r}: negative position {start}")
+            if start + len(tokens) > self.cfg.max_position:
+                raise ValueError(f"session {sid!r}: positions up to {start + len(tokens)} exceed "
+                                 f"max_position {self.cfg.max_position}")
+            bad = [t for t in tokens if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"session {sid!r}: token ids {bad} outside vocab_size "
+                                 f"{self.cfg.vocab_size}")
+
+    def _admit(self, out_index: int, sid: str, tokens: tuple[int, ...], start: int,
+               sample: bool, sampling: SamplingSpec, index: int,
+               new_ok: bool) -> _Admitted | ItemStatus:
+        if self.books.has(sid):
+            miss = self.books.num_tokens(sid) != start   # also a second "first chunk"
+        else:
+            miss = not (new_ok and start == 0)           # only a first prefill chunk creates
+        if miss:
+            self._counts["cache_misses"] += 1
+            return ItemStatus.CACHE_MISS
+        if not self.books.can_append(sid, len(tokens)):
+            self._counts["out_of_blocks"] += 1
+            return ItemStatus.OUT_OF_BLOCKS
+        slots = tuple(self.books.append(sid, len(tokens)))
+        return _Admitted(out_index, sid, tokens, start, slots, sample, sampling, index)
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def step(self, prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem], *,
+             return_logits: bool = False) -> StepOutput:
+        t_start = time.perf_counter_ns()
+        self._validate(prefill, decode)
+        admitted: list[_Admitted] = []
+        failed: dict[int, ItemStatus] = {}
+        requests = [(p.session_id, tuple(p.token_ids), p.start_position, p.last_chunk,
+                     p.sampling, p.generated_so_far, True) for p in prefill]
+        requests += [(d.session_id, (d.token_id,), d.position, True, d.sampling,
+                      d.generated_so_far, False) for d in decode]
+        for i, req in enumerate(requests):
+            got = self._admit(i, *req)
+            if isinstance(got, ItemStatus):
+                failed[i] = got
+            else:
+                admitted.append(got)
+
+        times = PhaseTimes()
+        tokens: dict[int, int] = {}
+        logits_out = np.full((len(requests), self.cfg.vocab_size), np.nan, np.float32) \
+            if return_logits else None
+        sync_ns = 0
+        if admitted:
+            try:
+                logits = self._forward(admitted, times)                # [N, V] on device
+            except BaseException:
+                # The books already hold these tokens but the cache may not: drop the sessions
+                # so that their next request is a clean CACHE_MISS, not silently wrong KV.
+                self.release(a.session_id for a in admitted)
+                raise
+            sampled = [a for a in admitted if a.sample]
+            t0 = time.perf_counter_ns()
+            synchronize(self.device)
+            greedy = torch.argmax(logits, dim=-1).tolist() if sampled else []
+            host = logits.cpu() if (return_logits or any(
+                a.sampling.temperature > 0 for a in sampled)) else None
+            sync_ns = time.perf_counter_ns() - t0
+            for row, a in enumerate(sampled):
+                tokens[a.out_index] = greedy[row] if a.sampling.temperature == 0.0 else \
+                    sample_token(host[row], a.sampling, a.index)        # type: ignore[index]
+                if logits_out is not None and host is not None:
+                    logits_out[a.out_index] = host[row].numpy()
+            n_prefill = sum(len(a.tokens) for a in admitted if a.out_index < len(prefill))
+            self._counts["prefill_tokens"] += n_prefill
+            self._counts["decode_tokens"] += sum(1 for a in admitted if a.out_index >= len(prefill))
+        self._counts["steps"] += 1
+
+        results = [ItemResult(sid, failed.get(i, ItemStatus.OK), tokens.get(i),
+                              self.books.num_tokens(sid))
+                   for i, (sid, *_rest) in enumerate(requests)]
+        profile = StepProfile(kv_view_prepare_ns=times.kv_view_prepare_ns,
+                              attention_ns=times.attention_ns,
+                              step_ns=time.perf_counter_ns() - t_start,
+                              post_step_sync_ns=sync_ns, kv_write_ns=times.kv_write_ns)
+        return StepOutput(results, profile, logits_out)
+
+    def _forward(self, admitted: list[_Admitted], times: PhaseTimes) -> torch.Tensor:
+        layout = BatchLayout(
+            session_ids=tuple(a.session_id for a in admitted),
+            starts=tuple(a.start for a in admitted),
+            lengths=tuple(len(a.tokens) for a in admitted),
+            block_tables=tuple(tuple(self.books.blocks(a.session_id)) for a in admitted))
+        attn_rows = self.views.begin_step(layout)
+        st = step_tensors(layout, attn_rows,
+                          tokens=[t for a in admitted for t in a.tokens],
+                          slots=[s for a in admitted for s in a.slots],
+                          sample_items=[i for i, a in enumerate(admitted) if a.sample],
+                          device=self.device)
+        sync = self.device.type != "cpu" and self.config.profile_sync
+        return self.model.forward(st, self.cache, self.views, times, sync=sync)
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def release(self, session_ids: Iterable[str]) -> int:
+        """Drop sessions' KV (blocks and persistent views); unknown ids are ignored."""
+        held = 0
+        for sid in session_ids:
+            if self.books.release(sid):
+                held += 1
+            self.views.release(sid)
+        return held
+
+    def stats(self) -> EngineStats:
+        c = self._counts
+        return EngineStats(steps=c["steps"], prefill_tokens=c["prefill_tokens"],
+                           decode_tokens=c["decode_tokens"], cache_misses=c["cache_misses"],
+                           active_sessions=len(self.books.session_ids()),
+                           used_blocks=self.books.allocator.num_used,
+                           free_blocks=self.books.allocator.num_free,
+                           out_of_blocks=c["out_of_blocks"])
