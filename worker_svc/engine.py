@@ -250,14 +250,15 @@ class Engine:
 
     def step(self, prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem], *,
              return_logits: bool = False) -> StepOutput:
+        """Run every admissible item in one batched forward; see the module docstring."""
         t_start = time.perf_counter_ns()
         self._validate(prefill, decode)
-        admitted: list[_Admitted] = []
-        failed: dict[int, ItemStatus] = {}
         requests = [(p.session_id, tuple(p.token_ids), p.start_position, p.last_chunk,
                      p.sampling, p.generated_so_far, True) for p in prefill]
         requests += [(d.session_id, (d.token_id,), d.position, True, d.sampling,
                       d.generated_so_far, False) for d in decode]
+        admitted: list[_Admitted] = []
+        failed: dict[int, ItemStatus] = {}
         for i, req in enumerate(requests):
             got = self._admit(i, *req)
             if isinstance(got, ItemStatus):
@@ -278,20 +279,9 @@ class Engine:
                 # so that their next request is a clean CACHE_MISS, not silently wrong KV.
                 self.release(a.session_id for a in admitted)
                 raise
-            sampled = [a for a in admitted if a.sample]
-            t0 = time.perf_counter_ns()
-            synchronize(self.device)
-            greedy = torch.argmax(logits, dim=-1).tolist() if sampled else []
-            host = logits.cpu() if (return_logits or any(
-                a.sampling.temperature > 0 for a in sampled)) else None
-            sync_ns = time.perf_counter_ns() - t0
-            for row, a in enumerate(sampled):
-                tokens[a.out_index] = greedy[row] if a.sampling.temperature == 0.0 else \
-                    sample_token(host[row], a.sampling, a.index)        # type: ignore[index]
-                if logits_out is not None and host is not None:
-                    logits_out[a.out_index] = host[row].numpy()
-            n_prefill = sum(len(a.tokens) for a in admitted if a.out_index < len(prefill))
-            self._counts["prefill_tokens"] += n_prefill
+            sync_ns = self._sample([a for a in admitted if a.sample], logits, tokens, logits_out)
+            self._counts["prefill_tokens"] += sum(
+                len(a.tokens) for a in admitted if a.out_index < len(prefill))
             self._counts["decode_tokens"] += sum(1 for a in admitted if a.out_index >= len(prefill))
         self._counts["steps"] += 1
 
@@ -303,6 +293,31 @@ class Engine:
                               step_ns=time.perf_counter_ns() - t_start,
                               post_step_sync_ns=sync_ns, kv_write_ns=times.kv_write_ns)
         return StepOutput(results, profile, logits_out)
+
+    def _sample(self, sampled: list[_Admitted], logits: torch.Tensor, tokens: dict[int, int],
+                logits_out: np.ndarray | None) -> int:
+        """Fill ``tokens`` (by output index) from logits [N, V]; returns the sync time in ns.
+
+        Greedy rows are reduced on the device so that only N ints cross to the host; logits
+        come over only when some row samples with temperature (or the caller wants them).
+        """
+        if not sampled:
+            return 0
+        t0 = time.perf_counter_ns()
+        synchronize(self.device)
+        greedy = torch.argmax(logits, dim=-1).tolist()
+        wants_host = logits_out is not None or any(a.sampling.temperature > 0 for a in sampled)
+        host = logits.cpu() if wants_host else None
+        sync_ns = time.perf_counter_ns() - t0
+        for row, a in enumerate(sampled):
+            if a.sampling.temperature == 0.0:
+                tokens[a.out_index] = greedy[row]
+            else:
+                assert host is not None
+                tokens[a.out_index] = sample_token(host[row], a.sampling, a.index)
+            if logits_out is not None and host is not None:
+                logits_out[a.out_index] = host[row].numpy()
+        return sync_ns
 
     def _forward(self, admitted: list[_Admitted], times: PhaseTimes) -> torch.Tensor:
         layout = BatchLayout(

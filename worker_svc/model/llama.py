@@ -87,7 +87,8 @@ class LlamaModel:
         def load(name: str) -> torch.Tensor:
             if name not in weights:
                 raise KeyError(f"weight {name} is missing")
-            return torch.as_tensor(np.asarray(weights[name], dtype=np.float32)).to(device, dtype)
+            array = np.ascontiguousarray(weights[name], dtype=np.float32)
+            return torch.as_tensor(array).to(device, dtype)
 
         self.embed = load("model.embed_tokens.weight")                    # [V, hidden]
         self.layers = []
