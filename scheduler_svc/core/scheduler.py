@@ -70,7 +70,6 @@ class SchedulerCore:
         self.rejections = RejectionCounts()
         self.completed = 0
         self._rates = RateWindow()
-        self._kv_bytes = 0
         self._tick_workloads: list[_Workload] = []   # workloads present at the planned tick's start
         self.vocab_size: int | None = None
         self.max_position: int | None = None
@@ -364,8 +363,7 @@ class SchedulerCore:
             if worker_id in self.workers and self.workers.get(worker_id).live:
                 out.requeued.extend(self.worker_failed(worker_id))
 
-        self._kv_bytes = self._held_kv_bytes(None)
-        self.counters.record_tick(prefill_total, decode_total, self._kv_bytes)
+        self.counters.record_tick(prefill_total, decode_total, self._held_kv_bytes(None))
         end = self._clock()
         self._rates.add(self._tick_started, end, prefill_total, decode_total)
         for wl in present:
@@ -508,7 +506,7 @@ class SchedulerCore:
         else:
             c, rates = self.counters, self._rates
             running, queued, completed = len(self._running), len(self._queue), self.completed
-            kv_bytes, reserved = self._kv_bytes, self._reserved_bytes()
+            kv_bytes, reserved = self._held_kv_bytes(None), self._reserved_bytes()
             by_reason = dict(self.rejections.by_reason)
             if active:
                 slots = min(slots, sum(w.max_running for w in active))

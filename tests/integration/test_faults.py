@@ -1,0 +1,88 @@
+"""Nothing a client was promised is lost: worker faults, cancellation, deadlines."""
+import threading
+import time
+
+import grpc
+import pytest
+
+from kvfleet.client import SchedulerClient, build_request
+from kvfleet.v1 import worker_pb2 as wpb
+from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
+from tests.integration.inproc import InProcessCluster
+from worker_svc.model.config import tiny_config
+from worker_svc.model.reference import reference_generate
+from worker_svc.model.tiny import tiny_weights
+
+CFG = tiny_config()
+WEIGHTS = tiny_weights(CFG, seed=0)
+
+
+def _worker_stats(address: str) -> wpb.WorkerStats:
+    with grpc.insecure_channel(address) as ch:
+        return wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(), timeout=5)
+
+
+def test_sessions_move_to_a_live_worker_when_theirs_dies():
+    with InProcessCluster(workers=2, step_timeout_s=5) as c, SchedulerClient(c.address) as client:
+        prompts = [[i, i + 1, (i * 5) % 48] for i in range(6)]
+        streams = [client.stream(build_request(p, 40)) for p in prompts]
+        got = [[] for _ in prompts]
+        # Read a few tokens of every stream, then kill worker-0 while they are mid-generation.
+        for i, s in enumerate(streams):
+            got[i].extend(next(s).token_ids)
+        c.run(c.worker_servers[0].stop(0))
+        for i, s in enumerate(streams):
+            for ev in s:
+                got[i].extend(ev.token_ids)
+        for p, tokens in zip(prompts, got):
+            assert tokens == reference_generate(CFG, WEIGHTS, p, 40)
+        live = {w.worker_id: w.live for w in client.list_workers()}
+        assert live == {"worker-0": False, "worker-1": True}
+
+
+def test_seeded_sampling_survives_a_move():
+    req = build_request([3, 4, 5], 30, temperature=0.9, top_k=20, seed=1234)
+    with InProcessCluster(workers=2, step_timeout_s=5) as c, SchedulerClient(c.address) as client:
+        undisturbed = client.generate(req).token_ids
+        stream = client.stream(req)
+        first = next(stream)
+        tokens = list(first.token_ids)
+        c.run(c.worker_servers[int(first.worker_id[-1])].stop(0))
+        for ev in stream:
+            tokens.extend(ev.token_ids)
+    assert tokens == undisturbed
+
+
+def test_client_cancel_frees_the_session_within_a_tick(cluster):
+    with SchedulerClient(cluster.address) as client:
+        call = client.stream(build_request([1, 2, 3], 400))
+        first = next(call)
+        worker = first.worker_id
+        call.cancel()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            snap = client.telemetry()
+            if snap.active_sessions == 0 and snap.kv_total_bytes == 0:
+                break
+            time.sleep(0.02)
+        assert snap.active_sessions == 0 and snap.kv_total_bytes == 0
+        address = cluster.worker_addresses[int(worker[-1])]
+        while time.monotonic() < deadline and _worker_stats(address).active_sessions:
+            time.sleep(0.02)
+        assert _worker_stats(address).active_sessions == 0
+
+
+def test_deadline_ends_only_that_session(cluster):
+    with SchedulerClient(cluster.address) as client:
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("r", client.generate(build_request([7, 8], 60))))
+        t.start()
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate(build_request([1, 2], 400), timeout=0.3)
+        t.join(30)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert result["r"].token_ids == reference_generate(CFG, WEIGHTS, [7, 8], 60)
+        deadline = time.monotonic() + 5
+        while client.telemetry().kv_total_bytes and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert client.telemetry().kv_total_bytes == 0
