@@ -197,7 +197,9 @@ class Engine:
         self.model = LlamaModel(cfg, weights, self.device, dtype)
         self.cache = PagedKVCache(cfg.num_layers, config.num_blocks, config.block_size,
                                   cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
-        self.views = make_views(config.kv_views, self.cache)
+        # Both modes stay available so an experiment can switch the lever per step.
+        self._views = {kind: make_views(kind, self.cache) for kind in ("rebuild", "persistent")}
+        self.views = self._views[config.kv_views]
         self.books = KVBookkeeper(config.block_size, BlockAllocator(config.num_blocks))
         elem = torch.empty((), dtype=dtype).element_size()
         self.kv_bytes_per_token = cfg.kv_bytes_per_token(elem)
@@ -249,9 +251,15 @@ class Engine:
     # -- the step ----------------------------------------------------------------------------
 
     def step(self, prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem], *,
-             return_logits: bool = False) -> StepOutput:
-        """Run every admissible item in one batched forward; see the module docstring."""
+             return_logits: bool = False, kv_views: str | None = None) -> StepOutput:
+        """Run every admissible item in one batched forward; see the module docstring.
+
+        kv_views overrides the configured mode for this step ("rebuild" | "persistent").
+        """
         t_start = time.perf_counter_ns()
+        if kv_views is not None and kv_views not in self._views:
+            raise ValueError(f"kv_views must be 'rebuild' or 'persistent', got {kv_views!r}")
+        views = self._views[kv_views] if kv_views else self.views
         self._validate(prefill, decode)
         requests = [(p.session_id, tuple(p.token_ids), p.start_position, p.last_chunk,
                      p.sampling, p.generated_so_far, True) for p in prefill]
@@ -273,7 +281,7 @@ class Engine:
         sync_ns = 0
         if admitted:
             try:
-                logits = self._forward(admitted, times)                # [N, V] on device
+                logits = self._forward(admitted, times, views)         # [N, V] on device
             except BaseException:
                 # The books already hold these tokens but the cache may not: drop the sessions
                 # so that their next request is a clean CACHE_MISS, not silently wrong KV.
@@ -319,20 +327,20 @@ class Engine:
                 logits_out[a.out_index] = host[row].numpy()
         return sync_ns
 
-    def _forward(self, admitted: list[_Admitted], times: PhaseTimes) -> torch.Tensor:
+    def _forward(self, admitted: list[_Admitted], times: PhaseTimes, views) -> torch.Tensor:
         layout = BatchLayout(
             session_ids=tuple(a.session_id for a in admitted),
             starts=tuple(a.start for a in admitted),
             lengths=tuple(len(a.tokens) for a in admitted),
             block_tables=tuple(tuple(self.books.blocks(a.session_id)) for a in admitted))
-        attn_rows = self.views.begin_step(layout)
+        attn_rows = views.begin_step(layout)
         st = step_tensors(layout, attn_rows,
                           tokens=[t for a in admitted for t in a.tokens],
                           slots=[s for a in admitted for s in a.slots],
                           sample_items=[i for i, a in enumerate(admitted) if a.sample],
                           device=self.device)
         sync = self.device.type != "cpu" and self.config.profile_sync
-        return self.model.forward(st, self.cache, self.views, times, sync=sync)
+        return self.model.forward(st, self.cache, views, times, sync=sync)
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -342,7 +350,8 @@ class Engine:
         for sid in session_ids:
             if self.books.release(sid):
                 held += 1
-            self.views.release(sid)
+            for views in self._views.values():
+                views.release(sid)
         return held
 
     def stats(self) -> EngineStats:

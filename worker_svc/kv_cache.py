@@ -147,13 +147,21 @@ class PersistentViews:
         self._sessions.append(session_id)
 
     def begin_step(self, layout: BatchLayout) -> list[int]:
-        for sid, start in zip(layout.session_ids, layout.starts):
+        stale = []
+        for sid, start, table in zip(layout.session_ids, layout.starts, layout.block_tables):
             if sid not in self._row:
-                # Rows are born with their session (first chunk) and die with it (release),
-                # so a row never has to be filled from the paged cache.
                 self._add_row(sid)
-            assert self._len[sid] == start, f"persistent view of {sid} is out of step"
+            if self._len[sid] != start:
+                stale.append((sid, start, table))
         self._grow(len(self._sessions), layout.max_total)   # rows and length, by doubling
+        for sid, start, table in stale:
+            # The session was stepped under the other kv_views mode (the engine switches per
+            # step): refill its row from the paged cache, the source of truth.
+            idx = self.cache.gather_index((table,), start)[0]            # [start] slots
+            row = self._row[sid]
+            self.k[:, row, :start] = self.cache.k[:, idx]
+            self.v[:, row, :start] = self.cache.v[:, idx]
+            self._len[sid] = start
         rows = [self._row[sid] for sid in layout.session_ids]
         for sid, total in zip(layout.session_ids, layout.totals):
             self._len[sid] = total

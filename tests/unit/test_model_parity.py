@@ -56,7 +56,8 @@ def _plans(new_tokens: int = 9) -> dict[str, Plan]:
     }
 
 
-def drive(engine: Engine, plans: dict[str, Plan], release_done: bool = False) -> None:
+def drive(engine: Engine, plans: dict[str, Plan], release_done: bool = False,
+          mode_of_step=lambda step: None) -> None:
     """A minimal scheduler: every step, the next chunk or one decode for each live session."""
     for step in range(100):
         prefill, decode = [], []
@@ -74,7 +75,7 @@ def drive(engine: Engine, plans: dict[str, Plan], release_done: bool = False) ->
                                          p.sampling, len(p.tokens)))
         if not prefill and not decode:
             return
-        out = engine.step(prefill, decode, return_logits=True)
+        out = engine.step(prefill, decode, return_logits=True, kv_views=mode_of_step(step))
         assert out.logits is not None
         for row, r in enumerate(out.results):
             assert r.status is ItemStatus.OK, r
@@ -299,3 +300,17 @@ def test_cuda_matches_reference(kv_views: str) -> None:
     plans = _plans()
     drive(_engine(kv_views, device="cuda"), plans)
     _check_against_reference(CFG, WEIGHTS, plans)
+
+
+def test_switching_kv_views_per_step_keeps_tokens_exact() -> None:
+    # An experiment may flip the lever between steps; persistent rows refill from the paged cache.
+    plans = _plans()
+    engine = _engine("rebuild")
+    drive(engine, plans, release_done=True,
+          mode_of_step=lambda step: ("rebuild", "persistent", "persistent")[step % 3])
+    _check_against_reference(CFG, WEIGHTS, plans)
+
+
+def test_unknown_kv_views_override_is_rejected() -> None:
+    with pytest.raises(ValueError, match="kv_views"):
+        _engine().step([PrefillItem("x", (1,), 0, True, GREEDY)], [], kv_views="sideways")
