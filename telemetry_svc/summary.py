@@ -173,7 +173,7 @@ def build_summary(data: ExperimentData, spec: GateSpec, opts: SummaryOptions = S
             "project_commit": commit.value if commit else None,
             "sole_treatment": treatment.value if treatment else None,
             "span_store": opts.store_location,
-            "methods": _METHODS | {"bootstrap": f"percentile, {opts.n_boot} resamples, seed {opts.seed}"},
+            "methods": {**_METHODS, "bootstrap": f"percentile, {opts.n_boot} resamples, seed {opts.seed}"},
         },
         "decision": {"authorize": status is Status.AUTHORIZED, "next_action": next_action},
     }

@@ -1,0 +1,123 @@
+"""OTLP trace protobufs -> store rows, with validation (adapter: the only protobuf-aware part
+of ingestion).
+
+A span is rejected (and counted in partial_success.rejected_spans) when its trace id is not 16
+bytes or is all zero, its span id is not 8 bytes or is all zero, its parent span id is neither
+empty nor 8 bytes, its name is empty, its start time is zero, its end is before its start, a
+time does not fit in a signed 64-bit integer, or it carries an `experiment.arm` other than
+"control" / "candidate" (or an arm without an `experiment.id`). The other spans of the same
+request are stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+from telemetry_svc.model import ARMS, SpanRecord
+
+EXPERIMENT_ID_ATTR = "experiment.id"
+EXPERIMENT_ARM_ATTR = "experiment.arm"
+SERVICE_NAME_ATTR = "service.name"
+_MAX_NS = 2**63 - 1  # SQLite INTEGER is signed 64-bit
+_MAX_PROBLEMS = 3  # problems named in error_message; the count covers all
+_ARM_VALUES = tuple(a.value for a in ARMS)
+
+
+def any_value(v: AnyValue) -> Any:
+    kind = v.WhichOneof("value")
+    if kind is None:
+        return None
+    if kind == "array_value":
+        return [any_value(x) for x in v.array_value.values]
+    if kind == "kvlist_value":
+        return attributes(v.kvlist_value.values)
+    if kind == "bytes_value":
+        return v.bytes_value.hex()
+    return getattr(v, kind)
+
+
+def attributes(kvs: Iterable[KeyValue]) -> dict[str, Any]:
+    return {kv.key: any_value(kv.value) for kv in kvs}
+
+
+@dataclass(frozen=True)
+class Conversion:
+    rows: tuple[SpanRecord, ...]
+    rejected: int
+    problems: tuple[str, ...]  # the first _MAX_PROBLEMS reasons
+
+    @property
+    def error_message(self) -> str:
+        if not self.rejected:
+            return ""
+        more = "" if self.rejected <= len(self.problems) else f"; and {self.rejected - len(self.problems)} more"
+        return f"rejected {self.rejected} span(s): " + "; ".join(self.problems) + more
+
+
+def _id_problem(label: str, raw: bytes, size: int, optional: bool = False) -> str | None:
+    if optional and not raw:
+        return None
+    if len(raw) != size:
+        return f"{label} is {len(raw)} bytes, want {size}"
+    if raw == bytes(size):
+        return f"{label} is all zero"
+    return None
+
+
+def _problem(span: Span, experiment_id: str, arm: Any) -> str | None:
+    checks = (
+        _id_problem("trace_id", span.trace_id, 16),
+        _id_problem("span_id", span.span_id, 8),
+        _id_problem("parent_span_id", span.parent_span_id, 8, optional=True),
+        "name is empty" if not span.name else None,
+        "start_time_unix_nano is zero" if span.start_time_unix_nano == 0 else None,
+        "end before start" if span.end_time_unix_nano < span.start_time_unix_nano else None,
+        "time beyond int64" if span.end_time_unix_nano > _MAX_NS else None,
+        f"experiment.arm {arm!r} is not 'control' or 'candidate'" if arm not in ("", *_ARM_VALUES) else None,
+        "experiment.arm without experiment.id" if arm and not experiment_id else None,
+    )
+    return next((c for c in checks if c), None)
+
+
+def count_spans(request: ExportTraceServiceRequest) -> int:
+    return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+
+
+def convert(request: ExportTraceServiceRequest) -> Conversion:
+    rows: list[SpanRecord] = []
+    problems: list[str] = []
+    rejected = 0
+    for rs in request.resource_spans:
+        res = attributes(rs.resource.attributes)
+        service = str(res.get(SERVICE_NAME_ATTR, ""))
+        for ss in rs.scope_spans:
+            for span in ss.spans:
+                attrs = attributes(span.attributes)
+                exp = attrs.get(EXPERIMENT_ID_ATTR, res.get(EXPERIMENT_ID_ATTR, ""))
+                arm = attrs.get(EXPERIMENT_ARM_ATTR, res.get(EXPERIMENT_ARM_ATTR, ""))
+                problem = _problem(span, str(exp), arm)
+                if problem:
+                    rejected += 1
+                    if len(problems) < _MAX_PROBLEMS:
+                        problems.append(f"span {span.name!r} ({span.span_id.hex() or '-'}): {problem}")
+                    continue
+                rows.append(
+                    SpanRecord(
+                        trace_id=span.trace_id.hex(),
+                        span_id=span.span_id.hex(),
+                        parent_span_id=span.parent_span_id.hex(),
+                        name=span.name,
+                        service=service,
+                        start_ns=span.start_time_unix_nano,
+                        end_ns=span.end_time_unix_nano,
+                        experiment_id=str(exp),
+                        arm=str(arm),
+                        attributes=attrs,
+                    )
+                )
+    return Conversion(tuple(rows), rejected, tuple(problems))

@@ -1,0 +1,79 @@
+"""telemetry_svc.otlp: OTLP protobufs to rows, and which spans are rejected."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue, KeyValueList
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+
+from telemetry_svc.otlp import attributes, convert, count_spans
+
+
+def _kv(key: str, **value: object) -> KeyValue:
+    return KeyValue(key=key, value=AnyValue(**value))  # type: ignore[arg-type]
+
+
+def _span(**kw: object) -> Span:
+    base: dict[str, object] = dict(trace_id=b"\x01" * 16, span_id=b"\x02" * 8, name="attention",
+                                   start_time_unix_nano=100, end_time_unix_nano=250)  # fmt: skip
+    base.update(kw)
+    return Span(**base)  # type: ignore[arg-type]
+
+
+def _req(spans: list[Span], resource: list[KeyValue] | None = None) -> ExportTraceServiceRequest:
+    rs = ResourceSpans(resource=Resource(attributes=resource or []), scope_spans=[ScopeSpans(spans=spans)])
+    return ExportTraceServiceRequest(resource_spans=[rs])
+
+
+def test_resource_experiment_attributes_apply_and_span_attributes_win() -> None:
+    res = [_kv("service.name", string_value="worker-0"), _kv("experiment.id", string_value="e1"),
+           _kv("experiment.arm", string_value="control")]  # fmt: skip
+    spans = [_span(), _span(span_id=b"\x03" * 8, attributes=[_kv("experiment.arm", string_value="candidate")])]
+    conv = convert(_req(spans, res))
+    assert conv.rejected == 0 and conv.error_message == ""
+    a, b = conv.rows
+    assert (a.service, a.experiment_id, a.arm, a.duration_ns) == ("worker-0", "e1", "control", 150)
+    assert (b.arm, b.span_id, b.trace_id) == ("candidate", "03" * 8, "01" * 16)
+
+
+def test_any_values_convert_to_json_friendly_python() -> None:
+    kvs = [
+        _kv("s", string_value="x"), _kv("b", bool_value=True), _kv("i", int_value=7), _kv("d", double_value=0.5),
+        _kv("a", array_value=ArrayValue(values=[AnyValue(int_value=1), AnyValue(string_value="y")])),
+        _kv("m", kvlist_value=KeyValueList(values=[_kv("k", int_value=2)])), _kv("by", bytes_value=b"\xab"),
+        _kv("none"),
+    ]  # fmt: skip
+    assert attributes(kvs) == {"s": "x", "b": True, "i": 7, "d": 0.5, "a": [1, "y"], "m": {"k": 2}, "by": "ab",
+                               "none": None}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "span, problem",
+    [
+        (_span(trace_id=b""), "trace_id is 0 bytes"),
+        (_span(trace_id=b"\x00" * 16), "trace_id is all zero"),
+        (_span(span_id=b"\x01" * 7), "span_id is 7 bytes"),
+        (_span(parent_span_id=b"\x01" * 3), "parent_span_id is 3 bytes"),
+        (_span(name=""), "name is empty"),
+        (_span(start_time_unix_nano=0, end_time_unix_nano=0), "start_time_unix_nano is zero"),
+        (_span(end_time_unix_nano=99), "end before start"),
+        (_span(end_time_unix_nano=2**63), "beyond int64"),
+        (_span(attributes=[_kv("experiment.id", string_value="e"), _kv("experiment.arm", string_value="B")]),
+         "is not 'control' or 'candidate'"),  # fmt: skip
+        (_span(attributes=[_kv("experiment.arm", string_value="control")]), "without experiment.id"),
+    ],
+)
+def test_invalid_spans_are_rejected_and_the_rest_kept(span: Span, problem: str) -> None:
+    good = _span(span_id=b"\x09" * 8)
+    conv = convert(_req([span, good]))
+    assert conv.rejected == 1 and [r.span_id for r in conv.rows] == ["09" * 8]
+    assert problem in conv.error_message
+
+
+def test_error_message_names_the_first_problems_and_counts_the_rest() -> None:
+    conv = convert(_req([_span(name="") for _ in range(5)]))
+    assert conv.rejected == 5 and len(conv.problems) == 3
+    assert conv.error_message.startswith("rejected 5 span(s)") and conv.error_message.endswith("and 2 more")
+    assert count_spans(_req([_span(), _span()])) == 2
