@@ -15,6 +15,7 @@ class FakeWorkers:
 
     def __init__(self) -> None:
         self.kv: dict[str, int] = {}
+        self.owner: dict[str, str] = {}    # session -> the worker whose cache holds its KV
 
     def run(self, plan: TickPlan) -> dict[str, StepResult]:
         results = {}
@@ -24,6 +25,7 @@ class FakeWorkers:
                 results[p.session_id] = StepResult(p.session_id, StepStatus.CACHE_MISS, None, held)
                 continue
             self.kv[p.session_id] = held + len(p.token_ids)
+            self.owner[p.session_id] = p.worker_id
             tok = fake_token(p.session_id, p.generated_so_far) if p.last_chunk else None
             results[p.session_id] = StepResult(p.session_id, StepStatus.OK, tok, self.kv[p.session_id])
         for d in plan.decode:
@@ -40,6 +42,23 @@ class FakeWorkers:
         for sids in outcome.release.values():
             for sid in sids:
                 self.kv.pop(sid, None)
+                self.owner.pop(sid, None)
+
+    def held_on(self, worker_id: str) -> int:
+        """KV tokens this worker's cache holds, over all its sessions."""
+        return sum(self.kv[sid] for sid, w in self.owner.items() if w == worker_id)
+
+    def drop_worker(self, worker_id: str) -> list[str]:
+        """The worker died: its cache is gone. Returns the sessions it held."""
+        lost = sorted(sid for sid, w in self.owner.items() if w == worker_id)
+        for sid in lost:
+            del self.kv[sid], self.owner[sid]
+        return lost
+
+    def lose(self, session_id: str) -> None:
+        """Forget one session's KV (e.g. evicted), so its next step is answered CACHE_MISS."""
+        self.kv.pop(session_id, None)
+        self.owner.pop(session_id, None)
 
 
 def tiny_worker(worker_id: str = "w0", blocks: int = 1024, block_size: int = 16) -> WorkerSpec:
