@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kvfleet import grpcutil
+from kvfleet.tracing import extract_context
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet.v1 import scheduler_pb2_grpc as spb_grpc
 from scheduler_svc import convert
@@ -16,6 +17,7 @@ from scheduler_svc.core import (
     AdmissionRejected, FinishReason, RejectReason, SchedulerCore, SessionRequest,
 )
 from scheduler_svc.prompts import PromptError, PromptResolver
+from scheduler_svc.spans import ExperimentArm, SchedulerSpans
 from scheduler_svc.tick_loop import SessionEvent, TickLoop
 from scheduler_svc.workers import WorkerClient
 
@@ -32,10 +34,12 @@ REJECT_STATUS = {
 
 
 class SchedulerServicer(spb_grpc.SchedulerServicer):
-    def __init__(self, core: SchedulerCore, loop: TickLoop, prompts: PromptResolver) -> None:
+    def __init__(self, core: SchedulerCore, loop: TickLoop, prompts: PromptResolver,
+                 spans: SchedulerSpans) -> None:
         self._core = core
         self._loop = loop
         self._prompts = prompts
+        self._spans = spans
         self.draining = False
 
     # ---- helpers ------------------------------------------------------------------------
@@ -66,6 +70,9 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         await self._refuse_if_draining(context)
         sreq = await self._session_request(request, context)
         sid = await self._admit(context, lambda: self._core.submit(sreq))
+        self._spans.start_session(sid, _operation(request), sreq.max_new_tokens,
+                                  sreq.sampling.temperature,
+                                  parent=extract_context(context.invocation_metadata()))
         events = self._loop.subscribe(sid)
         stream = self._prompts.stream(sreq, list(request.stop))
         first = True
@@ -115,7 +122,17 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         reqs = [await self._session_request(r, context, f"session {i}: ")
                 for i, r in enumerate(request.sessions)]
         policy = convert.policy_from_pb(request)
+        arm = None
+        if request.HasField("experiment"):
+            try:
+                arm = ExperimentArm(request.experiment.id, request.experiment.arm, request.experiment.lever)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         workload_id, ids = await self._admit(context, lambda: self._core.submit_workload(reqs, policy))
+        self._spans.start_workload(workload_id, len(ids), arm)
+        for sid, r, sreq in zip(ids, request.sessions, reqs):
+            self._spans.start_session(sid, _operation(r), sreq.max_new_tokens, sreq.sampling.temperature,
+                                      workload_id=workload_id)
         index = {sid: i for i, sid in enumerate(ids)}
         events = self._loop.subscribe_many(ids)
         open_ids = set(ids)
@@ -132,6 +149,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                         open_ids.discard(sid)
                     yield spb.WorkloadEvent(workload_id=workload_id, session_index=index[sid], event=msg)
                 if not open_ids:
+                    self._spans.end_workload(workload_id)
                     stats = self._core.workload_stats(workload_id)
                     yield spb.WorkloadEvent(workload_id=workload_id, done=True,
                                             stats=convert.workload_stats_to_pb(stats))
@@ -146,6 +164,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                 if not self._loop.finished(sid):
                     self._loop.cancel(sid)
                 self._loop.unsubscribe(sid)
+            self._spans.end_workload(workload_id)
 
     async def Cancel(self, request, context):
         try:
@@ -187,6 +206,10 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         return resp
 
 
+def _operation(req: spb.GenerateRequest) -> str:
+    return "chat" if req.WhichOneof("prompt") == "chat" else "text_completion"
+
+
 async def _batches(events: asyncio.Queue, context) -> AsyncIterator[list[SessionEvent]]:
     """Yield every event waiting in the queue at once, honouring the client's deadline."""
     while True:
@@ -211,9 +234,10 @@ async def create_server(config: SchedulerConfig):
         log.info("worker %s at %s: %s on %s, %d KV tokens", info.worker_id, client.address,
                  info.model.name, info.device, info.kv_capacity_tokens)
     prompts = PromptResolver.for_model(config.model or infos[0].model.name, infos[0].model)
-    loop = TickLoop(core, clients, step_timeout_s=config.step_timeout_s,
+    spans = SchedulerSpans(prompts.model_name)
+    loop = TickLoop(core, clients, spans, step_timeout_s=config.step_timeout_s,
                     health_interval_s=config.health_interval_s)
-    servicer = SchedulerServicer(core, loop, prompts)
+    servicer = SchedulerServicer(core, loop, prompts, spans)
     server = grpc.aio.server(options=grpcutil.SERVER_OPTIONS)
     spb_grpc.add_SchedulerServicer_to_server(servicer, server)
     health = grpcutil.add_health_and_reflection(server, [SERVICE_NAME])

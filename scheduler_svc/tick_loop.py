@@ -13,6 +13,7 @@ from scheduler_svc import convert
 from scheduler_svc.core import FinishReason, SchedulerCore, StepResult, TickOutcome, TickPlan
 from scheduler_svc.core.session import Phase
 from scheduler_svc.core.stats import TelemetrySnapshot
+from scheduler_svc.spans import SchedulerSpans
 from scheduler_svc.workers import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -30,9 +31,10 @@ class SessionEvent:
 
 
 class TickLoop:
-    def __init__(self, core: SchedulerCore, clients: list[WorkerClient], step_timeout_s: float,
-                 health_interval_s: float = 1.0) -> None:
+    def __init__(self, core: SchedulerCore, clients: list[WorkerClient], spans: SchedulerSpans,
+                 step_timeout_s: float, health_interval_s: float = 1.0) -> None:
         self._core = core
+        self._spans = spans
         self._clients = {c.worker_id: c for c in clients}
         self._step_timeout_s = step_timeout_s
         self._health_interval_s = health_interval_s
@@ -88,6 +90,8 @@ class TickLoop:
     def cancel(self, session_id: str) -> str:
         state = self._core.cancel(session_id)
         if state == "queued":
+            session = self._core.session(session_id)
+            self._spans.finished(session_id, FinishReason.CANCELLED.value, session.prompt_len, 0)
             self._publish(SessionEvent(session_id, finish=FinishReason.CANCELLED))
         self._wake.set()
         return state
@@ -134,8 +138,14 @@ class TickLoop:
                 except asyncio.TimeoutError:
                     pass
                 continue
+            for work in plan.prefill:
+                if work.start_position == 0:
+                    self._spans.admitted(work.session_id)
+            tick_span = self._spans.start_tick(
+                plan.tick, [w.session_id for w in plan.prefill + plan.decode],
+                sum(len(w.token_ids) for w in plan.prefill), len(plan.decode))
             try:
-                results, failed = await self._dispatch(plan)
+                results, failed = await self._dispatch(plan, tick_span)
                 for worker_id in failed:
                     self._stale.setdefault(worker_id, set()).update(self._core.workers.get(worker_id).sessions)
                 out = self._core.complete_tick(plan, results, failed)
@@ -143,16 +153,27 @@ class TickLoop:
                 log.exception("tick %d failed", plan.tick)
                 await asyncio.sleep(_IDLE_REPLAN_S)
                 continue
+            finally:
+                tick_span.end()
             self._deliver(out)
             if out.release:
                 await self._release(out.release)
             self._tick_done.set()
 
-    async def _dispatch(self, plan: TickPlan) -> tuple[dict[str, StepResult], set[str]]:
+    async def _dispatch(self, plan: TickPlan, tick_span) -> tuple[dict[str, StepResult], set[str]]:
         by_worker = plan.by_worker()
         ids = list(by_worker)
-        calls = [self._clients[w].stub.Step(convert.step_request(*by_worker[w]),
-                                            timeout=self._step_timeout_s) for w in ids]
+        metadata = self._spans.metadata(tick_span)
+        calls = []
+        for w in ids:
+            request = convert.step_request(*by_worker[w])
+            arm = self._spans.arm_of([x.session_id for x in by_worker[w][0] + by_worker[w][1]])
+            if arm is not None:
+                request.kv_views = arm.kv_views
+                request.experiment_id = arm.experiment_id
+                request.experiment_arm = arm.arm
+            calls.append(self._clients[w].stub.Step(request, timeout=self._step_timeout_s,
+                                                    metadata=metadata))
         responses = await asyncio.gather(*calls, return_exceptions=True)
         results: dict[str, StepResult] = {}
         failed: set[str] = set()
@@ -172,6 +193,8 @@ class TickLoop:
             worker = self._core.session(sid).worker_id or ""
             self._publish(SessionEvent(sid, token=token, worker_id=worker))
         for sid, reason in out.finished:
+            session = self._core.session(sid)
+            self._spans.finished(sid, reason.value, session.prompt_len, len(session.generated))
             self._publish(SessionEvent(sid, finish=reason))
 
     def _publish(self, event: SessionEvent) -> None:

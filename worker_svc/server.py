@@ -8,12 +8,14 @@ import time
 import grpc
 
 from kvfleet import grpcutil
+from kvfleet.tracing import extract_context
 from kvfleet.v1 import worker_pb2 as pb
 from kvfleet.v1 import worker_pb2_grpc as pb_grpc
 from worker_svc import convert
 from worker_svc.config import WorkerConfig
 from worker_svc.engine import Engine, EngineConfig
 from worker_svc.model.config import LlamaConfig
+from worker_svc.spans import emit_step_spans
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -39,22 +41,33 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def Step(self, request, context):
         return await self._step(convert.prefill_from_pb(request.prefill),
-                                convert.decode_from_pb(request.decode), context)
+                                convert.decode_from_pb(request.decode), context, request)
 
-    async def _step(self, prefill, decode, context) -> pb.StepResponse:
+    async def _step(self, prefill, decode, context, request: pb.StepRequest | None = None) -> pb.StepResponse:
         ids = [i.session_id for i in prefill] + [i.session_id for i in decode]
         if len(set(ids)) != len(ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "a step names the same session twice; send each session once per step")
         if any(not i for i in ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "every item needs a session_id")
+        kv_views = request.kv_views if request is not None and request.kv_views else None
         async with self._lock:
+            wall_start = time.time_ns()
             start = time.perf_counter_ns()
             try:
-                out = await asyncio.to_thread(self._engine.step, prefill, decode)
+                out = await asyncio.to_thread(self._engine.step, prefill, decode, kv_views=kv_views)
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             step_ns = time.perf_counter_ns() - start
+        attrs: dict[str, str | int] = {
+            "kvfleet.worker.id": self._config.worker_id,
+            "kvfleet.kv_views": kv_views or self._config.kv_views,
+            "kvfleet.step.prefill_items": len(prefill), "kvfleet.step.decode_items": len(decode)}
+        if request is not None and request.experiment_id:
+            attrs["experiment.id"] = request.experiment_id
+            attrs["experiment.arm"] = request.experiment_arm
+        emit_step_spans(extract_context(context.invocation_metadata()), wall_start, out.profile,
+                        self._cfg.num_layers, attrs)
         return convert.step_to_pb(out, step_ns)
 
     async def Release(self, request, context):

@@ -56,8 +56,13 @@ class WorkerPool:
     def footprint(self, worker_id: str, tokens: int) -> int:
         return round_up(tokens, self._workers[worker_id].spec.block_size)
 
-    def could_ever_fit(self, tokens: int) -> bool:
-        return any(round_up(tokens, w.spec.block_size) <= w.spec.capacity_tokens for w in self.live)
+    def could_ever_fit(self, tokens: int, budget_bytes: int) -> bool:
+        """Whether some live worker could hold `tokens` (block-rounded) within the byte budget."""
+        for w in self.live:
+            footprint = round_up(tokens, w.spec.block_size)
+            if footprint <= w.spec.capacity_tokens and footprint * w.spec.kv_bytes_per_token <= budget_bytes:
+                return True
+        return False
 
     def place(self, tokens: int) -> str | None:
         candidates = [w for w in self.live if round_up(tokens, w.spec.block_size) <= w.free_tokens]

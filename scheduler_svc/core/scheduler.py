@@ -180,12 +180,12 @@ class SchedulerCore:
         if not self.workers.live:
             self._reject(RejectReason.NO_WORKER, "no live worker is registered; retry when one is up")
         worst = len(req.prompt_ids) + req.max_new_tokens - 1
-        worst_bytes = worst * self._kv_bytes_per_token()
-        if worst_bytes > self.limits.kv_budget_bytes or not self.workers.could_ever_fit(worst):
+        if not self.workers.could_ever_fit(worst, self.limits.kv_budget_bytes):
+            worst_bytes = worst * self._kv_bytes_per_token()
             self._reject(RejectReason.KV_BUDGET,
                          f"{where}prompt + max_new_tokens needs up to {worst} tokens of KV "
-                         f"({worst_bytes} bytes), more than the KV budget "
-                         f"({self.limits.kv_budget_bytes} bytes) or any worker's cache holds; "
+                         f"({worst_bytes} bytes before rounding to whole blocks), more than the KV "
+                         f"budget ({self.limits.kv_budget_bytes} bytes) or any worker's cache holds; "
                          f"lower max_new_tokens or shorten the prompt")
 
     def _kv_bytes_per_token(self) -> int:
@@ -221,6 +221,11 @@ class SchedulerCore:
             if session.running:
                 early.release.setdefault(session.worker_id, []).append(sid)  # type: ignore[arg-type]
                 self._finish(session, FinishReason.CANCELLED, early)
+            elif session.phase == Phase.QUEUED:
+                # Requeued (worker fault, cache miss) after the cancel was asked for.
+                self._queue.remove((session.request.priority, session.seq, sid))
+                self._finish_bookkeeping(session, FinishReason.CANCELLED)
+                early.finished.append((sid, FinishReason.CANCELLED))
         self._cancel_requested.clear()
 
         self._tick_workloads = self._active_workloads()

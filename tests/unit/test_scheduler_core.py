@@ -506,10 +506,6 @@ def test_empty_workload_rejected():
     assert "at least one session" in info.value.message
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core bug: _validate compares the unrounded worst case (13 tokens) with kv_budget_bytes, but "
-    "_try_admit reserves the block-rounded footprint (16 tokens), so a session that can never be "
-    "admitted is accepted and the scheduler livelocks (has_work with empty plans)"))
 def test_session_whose_block_rounded_reservation_exceeds_kv_budget_is_rejected():
     core, fake = make_core(kv_budget_bytes=13 * BPT), FakeWorkers()   # block 16
     try:
@@ -529,10 +525,9 @@ def _random_setup(rng: random.Random):
     for i in range(rng.randint(1, 3)):
         block = rng.choice([1, 2, 4, 8])
         workers.append(tiny_worker(f"w{i}", blocks=rng.randint(24, 48) // block, block_size=block))
-    # The KV budget is a multiple of 8 tokens (every block size divides 8), so a session that
-    # passes the budget check also fits once block-rounded (see the xfail test above).
+    # Any budget: admission and validation both use block-rounded footprints.
     limits = dict(max_running=rng.randint(1, 6), prefill_token_budget=rng.randint(1, 16),
-                  kv_budget_bytes=8 * rng.randint(2, 8) * BPT, max_queue_depth=1000)
+                  kv_budget_bytes=rng.randint(16, 64) * BPT, max_queue_depth=1000)
     return tuple(workers), limits
 
 
@@ -718,11 +713,6 @@ def test_cancel_during_chunked_prefill_and_last_session_empties_plan():
         core.cancel("s999")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core bug: a cancel of a running session is only kept in _cancel_requested; if the session "
-    "is requeued (worker failure or cache miss) before the next plan_tick, plan_tick skips it "
-    "because it is no longer running, clears the request, and the session is re-admitted and "
-    "runs to LENGTH"))
 @pytest.mark.parametrize("fault", ["worker_failure", "cache_miss"])
 def test_cancel_survives_requeue(fault):
     core, fake = make_core((tiny_worker("w0"), tiny_worker("w1"))), FakeWorkers()

@@ -1,0 +1,150 @@
+"""The scheduler's OpenTelemetry spans.
+
+A session's root span `session` follows the GenAI conventions; `queue` covers its wait for
+admission. A workload's root span `generation_wall` covers its whole generation and parents its
+sessions. A `tick` span covers one tick's dispatch; its W3C context travels to the workers in
+gRPC metadata, so their `worker_step` spans join the trace. A tick that serves one trace (one
+workload, or one lone session) is a child of that trace's root; a tick shared by several is a
+root of its own, linked to each of them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
+
+from kvfleet.tracing import inject_metadata
+
+# What each lever's arms mean on the workers.
+LEVERS: dict[str, dict[str, str]] = {
+    "persistent_kv_views": {"control": "rebuild", "candidate": "persistent"},
+}
+
+
+@dataclass(frozen=True)
+class ExperimentArm:
+    experiment_id: str
+    arm: str
+    lever: str
+
+    def __post_init__(self) -> None:
+        if not self.experiment_id:
+            raise ValueError("experiment.id is empty; name the experiment")
+        if self.lever not in LEVERS:
+            raise ValueError(f"unknown lever {self.lever!r}; known: {', '.join(sorted(LEVERS))}")
+        if self.arm not in LEVERS[self.lever]:
+            raise ValueError(f"experiment arm must be control or candidate, got {self.arm!r}")
+
+    @property
+    def kv_views(self) -> str:
+        return LEVERS[self.lever][self.arm]
+
+    def attributes(self) -> dict[str, str]:
+        return {"experiment.id": self.experiment_id, "experiment.arm": self.arm,
+                "experiment.lever": self.lever}
+
+
+@dataclass
+class _SessionSpans:
+    root: Span
+    queue: Span | None
+
+
+class SchedulerSpans:
+    def __init__(self, model_name: str) -> None:
+        self._tracer = trace.get_tracer("kvfleet.scheduler")
+        self._model = model_name
+        self._sessions: dict[str, _SessionSpans] = {}
+        self._workloads: dict[str, Span] = {}
+        self._session_workload: dict[str, str] = {}
+        self.experiments: dict[str, ExperimentArm] = {}
+
+    # ---- roots ------------------------------------------------------------------------------
+
+    def start_workload(self, workload_id: str, sessions: int, arm: ExperimentArm | None) -> None:
+        attrs: dict[str, str | int] = {"kvfleet.workload.id": workload_id, "kvfleet.workload.sessions": sessions}
+        if arm is not None:
+            attrs.update(arm.attributes())
+            self.experiments[workload_id] = arm
+        self._workloads[workload_id] = self._tracer.start_span("generation_wall", kind=SpanKind.SERVER,
+                                                               attributes=attrs)
+
+    def end_workload(self, workload_id: str) -> None:
+        span = self._workloads.pop(workload_id, None)
+        if span is not None:
+            span.end()
+        self.experiments.pop(workload_id, None)
+
+    def start_session(self, session_id: str, operation: str, max_tokens: int, temperature: float,
+                      workload_id: str | None = None, parent: Context | None = None) -> None:
+        attrs: dict[str, str | int | float] = {
+            "gen_ai.operation.name": operation, "gen_ai.request.model": self._model,
+            "gen_ai.request.max_tokens": max_tokens, "gen_ai.request.temperature": temperature,
+            "kvfleet.session.id": session_id}
+        if workload_id is not None:
+            self._session_workload[session_id] = workload_id
+            parent = trace.set_span_in_context(self._workloads[workload_id])
+            arm = self.experiments.get(workload_id)
+            if arm is not None:
+                attrs.update(arm.attributes())
+        root = self._tracer.start_span("session", context=parent, kind=SpanKind.SERVER, attributes=attrs)
+        queue = self._tracer.start_span("queue", context=trace.set_span_in_context(root))
+        self._sessions[session_id] = _SessionSpans(root, queue)
+
+    def admitted(self, session_id: str) -> None:
+        spans = self._sessions.get(session_id)
+        if spans is not None and spans.queue is not None:
+            spans.queue.end()
+            spans.queue = None
+
+    def finished(self, session_id: str, reason: str, input_tokens: int, output_tokens: int) -> None:
+        spans = self._sessions.pop(session_id, None)
+        self._session_workload.pop(session_id, None)
+        if spans is None:
+            return
+        if spans.queue is not None:
+            spans.queue.end()
+        spans.root.set_attributes({"gen_ai.usage.input_tokens": input_tokens,
+                                   "gen_ai.usage.output_tokens": output_tokens,
+                                   "gen_ai.response.finish_reasons": [reason]})
+        spans.root.end()
+
+    def failed(self, session_id: str, message: str) -> None:
+        spans = self._sessions.get(session_id)
+        if spans is not None:
+            spans.root.set_status(Status(StatusCode.ERROR, message))
+
+    # ---- ticks --------------------------------------------------------------------------------
+
+    def _root_of(self, session_id: str) -> Span | None:
+        wid = self._session_workload.get(session_id)
+        if wid is not None and wid in self._workloads:
+            return self._workloads[wid]
+        spans = self._sessions.get(session_id)
+        return spans.root if spans is not None else None
+
+    def start_tick(self, tick: int, session_ids: list[str], prefill_tokens: int, decode_batch: int) -> Span:
+        roots = {id(r): r for r in (self._root_of(s) for s in session_ids) if r is not None}
+        attrs: dict[str, int | str] = {"kvfleet.tick": tick, "kvfleet.tick.prefill_tokens": prefill_tokens,
+                                       "kvfleet.tick.decode_batch": decode_batch}
+        arm = self.arm_of(session_ids)
+        if arm is not None:
+            attrs.update(arm.attributes())
+        if len(roots) == 1:
+            parent = trace.set_span_in_context(next(iter(roots.values())))
+            return self._tracer.start_span("tick", context=parent, attributes=attrs)
+        links = [Link(r.get_span_context()) for r in roots.values()]
+        return self._tracer.start_span("tick", context=Context(), links=links, attributes=attrs)
+
+    def arm_of(self, session_ids: list[str]) -> ExperimentArm | None:
+        """The experiment arm shared by all these sessions, or None."""
+        arms = {self.experiments.get(self._session_workload.get(s, "")) for s in session_ids}
+        if len(arms) == 1:
+            return arms.pop()
+        return None
+
+    @staticmethod
+    def metadata(span: Span) -> list[tuple[str, str]]:
+        return inject_metadata(trace.set_span_in_context(span))
