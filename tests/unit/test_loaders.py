@@ -219,9 +219,10 @@ def test_smollm2_reference_logits_match_transformers(smollm, hf_smollm) -> None:
     with torch.no_grad():
         theirs = hf_smollm(torch.tensor([ids])).logits[0].double().numpy()
     scale = float(np.abs(theirs).max())
-    # float32 (transformers) against float64 (reference) through 30 layers: observed ~1e-5 of
-    # the logit scale; 1e-3 of it is far below what a wrong permutation/eps/theta produces.
-    assert float(np.abs(ours - theirs).max()) < 1e-3 * scale
+    # float32 (transformers) against float64 (reference) through 30 layers: observed max abs
+    # diff ~9e-5 with logits up to ~36, i.e. 2.5e-6 of the scale. 1e-4 of the scale leaves 40x
+    # headroom for other BLAS builds and is far below what a wrong permutation/eps/theta gives.
+    assert float(np.abs(ours - theirs).max()) < 1e-4 * scale
     np.testing.assert_array_equal(ours.argmax(-1), theirs.argmax(-1))
 
 

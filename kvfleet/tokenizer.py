@@ -1,0 +1,280 @@
+"""Text <-> token ids for the served model, chat rendering, and streaming helpers.
+
+The tokenizer is rebuilt with the ``tokenizers`` library from the vocabulary and merges a GGUF
+file carries (or read from a Hugging Face ``tokenizer.json``), so no hub download is needed.
+``IncrementalDetokenizer`` turns a stream of generated ids into text deltas that never split a
+UTF-8 character, and ``StopStringMatcher`` cuts a text stream at a stop string without ever
+emitting a prefix of one that might still complete.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, NamedTuple, Sequence
+
+from worker_svc.model.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# llama.cpp token types (tokenizer.ggml.token_type).
+_CONTROL, _USER_DEFINED = 3, 4
+
+# Split rules by tokenizer.ggml.pre, as llama.cpp applies them before byte-level BPE.
+# GPT-2's regex is ByteLevel's built-in one (use_regex=True); "smollm" (SmolLM/StarCoder family)
+# isolates every digit first, exactly what SmolLM2's own tokenizer.json does with
+# Digits(individual_digits=True) ahead of ByteLevel(add_prefix_space=false).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_DIGITS_FIRST = ("smollm", "starcoder", "refact", "codeshell")
+_GPT2_REGEX = ("gpt2", "default", None)
+_LLAMA3_REGEX = ("llama-bpe", "llama3", "llama-v3", "falcon3", "smaug-bpe", "dbrx")
+
+_REPLACEMENT = "\ufffd"  # what a decoder emits for bytes that do not (yet) form a character
+
+
+def _pre_tokenizer(pre: str | None) -> Any:
+    from tokenizers import Regex, pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGITS_FIRST:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in _LLAMA3_REGEX:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    if pre not in _GPT2_REGEX:
+        logger.warning("unknown tokenizer.ggml.pre %r: splitting text with GPT-2's rules", pre)
+    return byte_level
+
+
+def _chat_environment() -> Any:
+    """A sandboxed jinja2 environment set up like transformers' apply_chat_template.
+
+    Templates come from model files, i.e. from strangers: the immutable sandbox stops them
+    from reaching Python internals or mutating our objects.
+    """
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        # jinja2's own tojson escapes HTML characters, which templates do not expect.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """A byte-level BPE tokenizer plus the model's special ids and chat template."""
+
+    backend: Any                   # tokenizers.Tokenizer
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    add_bos: bool                  # whether encode() starts with BOS (the model file says)
+    chat_template: str | None
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer stored in a GGUF file's ``tokenizer.*`` metadata."""
+        from tokenizers import AddedToken, decoders, models
+        from tokenizers import Tokenizer as Backend
+
+        from worker_svc.model.gguf_loader import field_value, open_gguf
+
+        path = Path(path)
+        reader = open_gguf(path)
+        kind = field_value(reader, "tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ModelLoadError(f"{path}: tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
+        tokens: list[str] = field_value(reader, "tokenizer.ggml.tokens")
+        merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges", [])]
+        types: list[int] = field_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+        backend = Backend(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+        backend.pre_tokenizer = _pre_tokenizer(field_value(reader, "tokenizer.ggml.pre"))
+        backend.decoder = decoders.ByteLevel()
+        # Control tokens (<|im_start|>, ...) must match whole in text and never be merged into.
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t, k in zip(tokens, types) if k == _CONTROL])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                            for t, k in zip(tokens, types) if k == _USER_DEFINED])
+        stops = [field_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
+        return cls(
+            backend=backend,
+            bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_ids=tuple(dict.fromkeys(int(s) for s in stops if s is not None)),
+            add_bos=bool(field_value(reader, "tokenizer.ggml.add_bos_token", False)),
+            chat_template=field_value(reader, "tokenizer.chat_template"),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer of a Hugging Face model directory (tokenizer.json and friends)."""
+        from tokenizers import Tokenizer as Backend
+
+        path = Path(path)
+        try:
+            backend = Backend.from_file(str(path / "tokenizer.json"))
+            config = _read_json(path / "tokenizer_config.json")
+            model_config = _read_json(path / "config.json")
+            template_file = path / "chat_template.jinja"  # where transformers 5 keeps it
+            template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+        except Exception as e:  # tokenizers raises a bare Exception for a bad file
+            raise ModelLoadError(f"{path}: unreadable tokenizer ({e})") from None
+
+        def token_id(key: str) -> int | None:
+            token = config.get(key)
+            token = token.get("content") if isinstance(token, dict) else token
+            return backend.token_to_id(token) if token else None
+
+        eos = model_config.get("eos_token_id", token_id("eos_token"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(backend=backend, bos_token_id=token_id("bos_token"), eos_token_ids=eos_ids,
+                   add_bos=bool(config.get("add_bos_token", False)), chat_template=template)
+
+    @classmethod
+    def for_model(cls, name_or_path: str) -> Tokenizer:
+        """The tokenizer for a ``--model`` value (a known name, a .gguf file or an HF directory)."""
+        from worker_svc.model.registry import SourceKind, resolve_model
+
+        source = resolve_model(name_or_path)
+        if source.kind is SourceKind.TINY or source.path is None:
+            raise ModelLoadError(f"model {name_or_path!r} has no tokenizer: it takes token ids only")
+        if source.kind is SourceKind.GGUF:
+            return cls.from_gguf(source.path)
+        return cls.from_hf_dir(source.path)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special tokens written in it (``<|im_start|>``) become one id."""
+        ids: list[int] = self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_text(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for a conversation, by the model's own chat template."""
+        if not self.chat_template:
+            raise ModelLoadError("this model has no chat template; send a plain prompt instead")
+        def text(token_id: int | None) -> str:
+            return (self.token_text(token_id) or "") if token_id is not None else ""
+        template = _chat_environment().from_string(self.chat_template)
+        return str(template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=text(self.bos_token_id),
+            eos_token=text(self.eos_token_ids[0] if self.eos_token_ids else None),
+        ))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids, one at a time, into text deltas.
+
+    A character can span several byte-level tokens (an emoji is often 2-4), and decoding a
+    token on its own then gives U+FFFD. We therefore decode a short window of recent ids and
+    hold text back while it ends in U+FFFD. Invariant: "".join(pushes) + flush() equals
+    ``tokenizer.decode(all ids)``. The window starts at the last point where the text was known
+    to end on a character boundary, so every push decodes only a few ids.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # ids[prefix:read] decode to text already emitted, ending on a boundary
+        self._read = 0
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
+
+    def push(self, token_id: int) -> str:
+        """The text that ``token_id`` completes ("" while a character is still partial)."""
+        self._ids.append(token_id)
+        done = self._decode(self._prefix, self._read)
+        text = self._decode(self._prefix)
+        if len(text) <= len(done) or text.endswith(_REPLACEMENT):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(done):]
+
+    def flush(self) -> str:
+        """Whatever is still held back (e.g. an incomplete character at the end of the stream)."""
+        rest = self._decode(self._prefix)[len(self._decode(self._prefix, self._read)):]
+        self._prefix = self._read = len(self._ids)
+        return rest
+
+
+class StopResult(NamedTuple):
+    text: str       # safe to emit now
+    stopped: bool   # a stop string was found; ``text`` ends just before it
+
+
+class StopStringMatcher:
+    """Finds stop strings in streamed text, which may arrive split across any deltas.
+
+    Text that could be the start of a stop string is held back until the next delta shows
+    whether it is one; the stop string itself is never emitted.
+    """
+
+    def __init__(self, stop_strings: Sequence[str]) -> None:
+        if any(not s for s in stop_strings):
+            raise ValueError("stop strings must be non-empty")
+        self._stops = tuple(dict.fromkeys(stop_strings))
+        self._held = ""
+        self._stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def feed(self, delta: str) -> StopResult:
+        if self._stopped:
+            return StopResult("", True)
+        text = self._held + delta
+        hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._held, self._stopped = "", True
+            return StopResult(text[:min(hits)], True)
+        keep = self._partial_match_len(text)
+        self._held = text[len(text) - keep:] if keep else ""
+        return StopResult(text[:len(text) - keep], False)
+
+    def flush(self) -> str:
+        """The held-back text, at the end of a stream that never hit a stop string."""
+        held, self._held = self._held, ""
+        return "" if self._stopped else held
+
+    def _partial_match_len(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        longest = max((len(s) for s in self._stops), default=1) - 1
+        for k in range(min(longest, len(text)), 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in self._stops):
+                return k
+        return 0

