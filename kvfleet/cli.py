@@ -43,17 +43,26 @@ def _spec(a: argparse.Namespace, port: int = 0):
 
 
 @contextlib.contextmanager
-def _scheduler(a: argparse.Namespace) -> Iterator[str]:
-    """The --scheduler address, or a local cluster started (and stopped) for this command."""
+def _cluster(a: argparse.Namespace) -> Iterator[tuple[str, str]]:
+    """(scheduler, telemetry) addresses: the ones given, or a local cluster started (and
+    stopped) for this command."""
+    telemetry = getattr(a, "telemetry", None) or ""
     if a.scheduler:
-        yield a.scheduler
+        yield a.scheduler, telemetry
         return
     from kvfleet.local_cluster import LocalCluster
 
     print(f"starting a local cluster ({a.workers} workers, model {a.model}) ...", file=sys.stderr)
     with LocalCluster(_spec(a)) as cluster:
-        print(f"scheduler at {cluster.scheduler_address}", file=sys.stderr)
-        yield cluster.scheduler_address
+        print(f"scheduler at {cluster.scheduler_address}, telemetry at {cluster.telemetry_address}",
+              file=sys.stderr)
+        yield cluster.scheduler_address, telemetry or cluster.telemetry_address
+
+
+@contextlib.contextmanager
+def _scheduler(a: argparse.Namespace) -> Iterator[str]:
+    with _cluster(a) as (scheduler, _):
+        yield scheduler
 
 
 def cmd_up(a: argparse.Namespace) -> int:
@@ -140,6 +149,49 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     return 0 if doc["concurrency_sweep"]["corruption_free"] else 1
 
 
+def cmd_experiment(a: argparse.Namespace) -> int:
+    from kvfleet.client import SchedulerClient
+    from kvfleet.experiment import ExperimentSpec, format_summary, run_experiment
+
+    spec = ExperimentSpec(lever=a.lever, repeats=a.repeats, sessions=a.sessions, prompt_len=a.prompt_len,
+                          max_new_tokens=a.max_new_tokens, concurrency=a.concurrency, seed=a.seed,
+                          experiment_id=a.experiment_id)
+    if a.scheduler and not a.telemetry:
+        raise ValueError("with --scheduler, also give --telemetry HOST:PORT (where its spans go)")
+    with _cluster(a) as (scheduler, telemetry), SchedulerClient(scheduler) as client:
+        doc, html = run_experiment(client, telemetry, spec,
+                                   progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(format_summary(doc))
+    _write_outputs(doc, html, a.out)
+    return 0
+
+
+def _write_outputs(doc: dict, html: str, out: str) -> None:
+    if not out:
+        return
+    Path(out).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    report = Path(out).with_suffix(".html")
+    report.write_text(html)
+    print(f"wrote {out} and {report}", file=sys.stderr)
+
+
+def cmd_summary(a: argparse.Namespace) -> int:
+    from kvfleet.experiment import format_summary
+    from kvfleet.v1 import telemetry_pb2 as tpb
+    from kvfleet.v1 import telemetry_pb2_grpc as tpb_grpc
+
+    spec_json = Path(a.gates).read_text() if a.gates else ""
+    with grpc.insecure_channel(a.telemetry) as channel:
+        stub = tpb_grpc.TelemetryStub(channel)
+        doc = json.loads(stub.GetSummary(tpb.SummaryRequest(experiment_id=a.experiment,
+                                                            gate_spec_json=spec_json), timeout=60).json)
+        html = stub.GetReport(tpb.ReportRequest(experiment_id=a.experiment, gate_spec_json=spec_json),
+                              timeout=60).html
+    print(format_summary(doc))
+    _write_outputs(doc, html, a.out)
+    return 0
+
+
 def cmd_telemetry(a: argparse.Namespace) -> int:
     from kvfleet.client import SchedulerClient
     from kvfleet.sweep import snapshot_dict
@@ -209,6 +261,28 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--seed", type=int, default=0)
     sw.add_argument("--out", default="sweep.json")
     sw.set_defaults(fn=cmd_sweep)
+
+    ex = sub.add_parser("experiment", help="run an A/B experiment on a lever and print its summary")
+    ex.add_argument("--lever", default="persistent_kv_views", choices=["persistent_kv_views"])
+    ex.add_argument("--repeats", type=int, default=6, help="runs per arm, interleaved ABAB")
+    ex.add_argument("--scheduler", default=None, help="HOST:PORT of a running cluster (else a local one)")
+    ex.add_argument("--telemetry", default=None, help="HOST:PORT of its telemetry service")
+    _add_cluster_flags(ex)
+    ex.add_argument("--sessions", type=int, default=8)
+    ex.add_argument("--prompt-len", type=int, default=16)
+    ex.add_argument("--max-new-tokens", type=int, default=32)
+    ex.add_argument("--concurrency", type=int, default=8)
+    ex.add_argument("--seed", type=int, default=0)
+    ex.add_argument("--experiment-id", default="")
+    ex.add_argument("--out", default="experiment.json", help="summary JSON (the HTML report beside it)")
+    ex.set_defaults(fn=cmd_experiment)
+
+    su = sub.add_parser("summary", help="fetch an experiment's summary from the telemetry service")
+    su.add_argument("experiment")
+    su.add_argument("--telemetry", default="localhost:4317")
+    su.add_argument("--gates", default="", help="a gate spec JSON file (default: the service's)")
+    su.add_argument("--out", default="", help="write the summary JSON (and the HTML report beside it)")
+    su.set_defaults(fn=cmd_summary)
 
     te = sub.add_parser("telemetry", help="print the scheduler's live telemetry snapshot")
     te.add_argument("--scheduler", default=DEFAULT_SCHEDULER)

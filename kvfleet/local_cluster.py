@@ -37,6 +37,8 @@ class ClusterSpec:
     num_blocks: int = 4096
     block_size: int = 16
     kv_views: str = "rebuild"
+    telemetry: bool = True             # start a telemetry service and send traces to it
+    telemetry_port: int = 0            # 0 = a free port
     extra_env: dict[str, str] = field(default_factory=dict)
     start_timeout_s: float = 180.0
 
@@ -52,10 +54,21 @@ class LocalCluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.worker_addresses: list[str] = []
         self.scheduler_address = ""
+        self.telemetry_address = ""
+
+    def _env(self) -> dict[str, str]:
+        env = dict(self.spec.extra_env)
+        if self.telemetry_address:
+            env.setdefault("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://{self.telemetry_address}")
+            env.setdefault("OTEL_EXPORTER_OTLP_INSECURE", "true")
+            # Short export delay so a finished run's spans reach the store within a second.
+            env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "200")
+            env.setdefault("OTEL_BSP_MAX_QUEUE_SIZE", "65536")
+        return env
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         out = open(self.log_dir / f"{name}.log", "wb")
-        env = {**os.environ, **self.spec.extra_env}
+        env = {**os.environ, **self._env()}
         proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
         self.procs[name] = proc
         return proc
@@ -63,6 +76,12 @@ class LocalCluster:
     def start(self) -> "LocalCluster":
         s = self.spec
         try:
+            if s.telemetry:
+                port = s.telemetry_port or free_port(s.host)
+                self.telemetry_address = f"{s.host}:{port}"
+                self._spawn("telemetry", ["-m", "telemetry_svc", "--host", s.host, "--port", str(port),
+                                          "--db", str(self.log_dir / "telemetry.db")])
+                self._wait_healthy([self.telemetry_address])
             for i in range(s.workers):
                 port = free_port(s.host)
                 self.worker_addresses.append(f"{s.host}:{port}")
@@ -100,8 +119,9 @@ class LocalCluster:
                 time.sleep(0.2)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        # Scheduler first, so it drains before its workers go.
-        for name in sorted(self.procs, key=lambda n: n != "scheduler"):
+        # Scheduler first, so it drains before its workers go; telemetry last, to get their spans.
+        order = {"scheduler": 0, "telemetry": 2}
+        for name in sorted(self.procs, key=lambda n: order.get(n, 1)):
             proc = self.procs[name]
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

@@ -202,7 +202,10 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                              model=client.info.model.name, device=client.info.device,
                              dtype=client.info.dtype, sessions=len(slot.sessions) if slot else 0,
                              kv_tokens=held, kv_capacity_tokens=client.info.kv_capacity_tokens,
-                             reserved_tokens=slot.reserved_tokens if slot else 0)
+                             reserved_tokens=slot.reserved_tokens if slot else 0,
+                             vocab_size=client.info.model.vocab_size,
+                             weight_bytes=client.info.weight_bytes,
+                             kv_bytes_per_token=client.info.kv_bytes_per_token)
         return resp
 
 
@@ -266,9 +269,20 @@ class RunningScheduler:
         await self.loop.stop()
 
 
-async def serve(config: SchedulerConfig) -> None:
+async def _serve(config: SchedulerConfig) -> None:
     server, port, running = await create_server(config)
     print(f"scheduler listening on {config.host}:{port}", flush=True)
     await grpcutil.wait_for_termination_signal()
     log.info("scheduler draining (grace %.1fs)", config.drain_grace_s)
     await running.stop(config.drain_grace_s)
+
+
+async def serve(config) -> None:
+    """Serve with tracing on when the OTEL_* environment asks for it; flush spans at exit."""
+    from kvfleet.tracing import setup_tracing, shutdown_tracing
+
+    provider = setup_tracing("kvfleet-scheduler")
+    try:
+        await _serve(config)
+    finally:
+        shutdown_tracing(provider)

@@ -90,7 +90,8 @@ class SchedulerSpans:
             if arm is not None:
                 attrs.update(arm.attributes())
         root = self._tracer.start_span("session", context=parent, kind=SpanKind.SERVER, attributes=attrs)
-        queue = self._tracer.start_span("queue", context=trace.set_span_in_context(root))
+        queue = self._tracer.start_span("queue", context=trace.set_span_in_context(root),
+                                        attributes={k: v for k, v in attrs.items() if k.startswith("experiment.")})
         self._sessions[session_id] = _SessionSpans(root, queue)
 
     def admitted(self, session_id: str) -> None:

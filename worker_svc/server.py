@@ -108,10 +108,21 @@ async def create_server(config: WorkerConfig, loaded: tuple[LlamaConfig, Engine]
     return server, port, health
 
 
-async def serve(config: WorkerConfig) -> None:
+async def _serve(config: WorkerConfig) -> None:
     server, port, health = await create_server(config)
     print(f"worker {config.worker_id} listening on {config.host}:{port}", flush=True)
     await grpcutil.wait_for_termination_signal()
     log.info("worker %s draining", config.worker_id)
     grpcutil.set_not_serving(health, [SERVICE_NAME])
     await server.stop(config.drain_grace_s)
+
+
+async def serve(config) -> None:
+    """Serve with tracing on when the OTEL_* environment asks for it; flush spans at exit."""
+    from kvfleet.tracing import setup_tracing, shutdown_tracing
+
+    provider = setup_tracing("kvfleet-worker")
+    try:
+        await _serve(config)
+    finally:
+        shutdown_tracing(provider)

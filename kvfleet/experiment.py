@@ -1,0 +1,141 @@
+"""A/B experiments on a lever: the same workload under both arms, interleaved, against live
+workers; every span tagged with experiment.id and experiment.arm; the telemetry service judges."""
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from kvfleet.client import SchedulerClient
+from kvfleet.v1 import scheduler_pb2 as spb
+from kvfleet.v1 import telemetry_pb2 as tpb
+from kvfleet.v1 import telemetry_pb2_grpc as tpb_grpc
+
+ARMS = ("control", "candidate")
+
+
+@dataclass(frozen=True)
+class ExperimentSpec:
+    lever: str = "persistent_kv_views"
+    repeats: int = 6               # per arm; the wall-clock gate needs >= 5
+    sessions: int = 8
+    prompt_len: int = 16
+    max_new_tokens: int = 32
+    concurrency: int = 8
+    seed: int = 0
+    experiment_id: str = ""        # empty: a fresh id
+
+    def __post_init__(self) -> None:
+        for name in ("repeats", "sessions", "prompt_len", "max_new_tokens", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+
+
+def _workload(spec: ExperimentSpec, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(spec.seed)
+    return [rng.integers(0, vocab, size=spec.prompt_len).tolist() for _ in range(spec.sessions)]
+
+
+def _request(spec: ExperimentSpec, prompts, experiment_id: str, arm: str) -> spb.WorkloadRequest:
+    req = spb.WorkloadRequest(policy=spb.WorkloadPolicy(max_running=spec.concurrency),
+                              experiment=spb.Experiment(id=experiment_id, arm=arm, lever=spec.lever))
+    for p in prompts:
+        req.sessions.add(prompt_ids=spb.TokenIds(ids=p), max_new_tokens=spec.max_new_tokens,
+                         ignore_eos=True)
+    return req
+
+
+def _run_arm(client: SchedulerClient, request: spb.WorkloadRequest, n: int) -> list[list[int]]:
+    outputs: list[list[int]] = [[] for _ in range(n)]
+    for ev in client.submit_workload(request):
+        if ev.HasField("event"):
+            outputs[ev.session_index].extend(ev.event.token_ids)
+    return outputs
+
+
+def _project_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _wait_for_spans(stub: tpb_grpc.TelemetryStub, experiment_id: str, quiet_s: float = 1.5,
+                    timeout_s: float = 60.0) -> None:
+    """Spans arrive in export batches; wait until the stored counts stop growing."""
+    end = time.monotonic() + timeout_s
+    last, stable_since = None, time.monotonic()
+    while time.monotonic() < end:
+        counts = None
+        for e in stub.ListExperiments(tpb.ListExperimentsRequest(), timeout=10).experiments:
+            if e.experiment_id == experiment_id:
+                counts = (e.control_spans, e.candidate_spans)
+        if counts != last:
+            last, stable_since = counts, time.monotonic()
+        elif counts and time.monotonic() - stable_since >= quiet_s:
+            return
+        time.sleep(0.25)
+
+
+def run_experiment(client: SchedulerClient, telemetry_address: str, spec: ExperimentSpec,
+                   progress: Callable[[str], None] = lambda m: None) -> tuple[dict, str]:
+    """Returns (summary document, HTML report)."""
+    workers = client.list_workers()
+    if not workers:
+        raise RuntimeError("the scheduler lists no workers")
+    experiment_id = spec.experiment_id or f"{spec.lever}-{uuid.uuid4().hex[:8]}"
+    prompts = _workload(spec, workers[0].vocab_size)
+    tokens: dict[str, list[list[int]]] = {arm: [] for arm in ARMS}
+    for r in range(spec.repeats):
+        for arm in ARMS:   # ABAB...: drift on a shared machine hits both arms alike
+            progress(f"repeat {r + 1}/{spec.repeats}: {arm}")
+            tokens[arm].extend(_run_arm(client, _request(spec, prompts, experiment_id, arm), len(prompts)))
+    workload_doc = json.dumps({"prompts": prompts, **asdict(spec), "model": workers[0].model},
+                              sort_keys=True, separators=(",", ":"))
+    with grpc.insecure_channel(telemetry_address) as channel:
+        stub = tpb_grpc.TelemetryStub(channel)
+        record = stub.RecordArtifact
+        for arm in ARMS:
+            record(tpb.ArtifactRequest(experiment_id=experiment_id, arm=arm,
+                                       kind=tpb.ARTIFACT_KIND_TOKENS,
+                                       tokens_json=json.dumps(tokens[arm], separators=(",", ":")),
+                                       completion_tokens=sum(map(len, tokens[arm]))), timeout=10)
+        record(tpb.ArtifactRequest(experiment_id=experiment_id, kind=tpb.ARTIFACT_KIND_WORKLOAD,
+                                   sha256=hashlib.sha256(workload_doc.encode()).hexdigest()), timeout=10)
+        record(tpb.ArtifactRequest(experiment_id=experiment_id, kind=tpb.ARTIFACT_KIND_TREATMENT,
+                                   value=spec.lever), timeout=10)
+        commit = _project_commit()
+        if commit:
+            record(tpb.ArtifactRequest(experiment_id=experiment_id, kind=tpb.ARTIFACT_KIND_PROJECT_COMMIT,
+                                       value=commit), timeout=10)
+        progress("waiting for the spans to reach the telemetry service")
+        _wait_for_spans(stub, experiment_id)
+        summary = json.loads(stub.GetSummary(tpb.SummaryRequest(experiment_id=experiment_id), timeout=60).json)
+        html = stub.GetReport(tpb.ReportRequest(experiment_id=experiment_id), timeout=60).html
+    return summary, html
+
+
+def format_summary(doc: dict) -> str:
+    lines = [f"experiment {doc.get('experiment_id', '?')}: status {doc.get('status')}"]
+    ex = doc.get("exactness", {})
+    lines.append(f"exactness: bitwise_exact={ex.get('bitwise_exact')} "
+                 f"completion_tokens_per_arm={ex.get('completion_tokens_per_arm')}")
+    lines.append(f"{'span':<22}{'control_med':>14}{'cand_med':>14}{'saving':>12}{'p':>10}")
+    for name, row in sorted(doc.get("comparison_ns", {}).items()):
+        if "control_median" in row:
+            lines.append(f"{name:<22}{row['control_median']:>14}{row['candidate_median']:>14}"
+                         f"{row['median_saving']:>12}{row.get('mann_whitney_p', float('nan')):>10.3g}")
+    for gate, ok in doc.get("gates", {}).items():
+        lines.append(f"gate {gate}: {ok}")
+    decision = doc.get("decision", {})
+    lines.append(f"decision: authorize={decision.get('authorize')} — {decision.get('next_action')}")
+    return "\n".join(lines)

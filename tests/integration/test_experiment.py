@@ -1,0 +1,85 @@
+"""An A/B experiment end to end: a process cluster exporting real OTLP to the telemetry
+service, the lever switched per arm on live workers, the summary judged from stored spans."""
+import json
+import sqlite3
+
+import pytest
+
+from kvfleet.client import SchedulerClient, build_request
+from kvfleet.experiment import ExperimentSpec, run_experiment
+from kvfleet.local_cluster import ClusterSpec, LocalCluster
+
+
+@pytest.fixture(scope="module")
+def traced_cluster():
+    with LocalCluster(ClusterSpec(workers=2, model="tiny")) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def summary(traced_cluster):
+    spec = ExperimentSpec(repeats=5, sessions=4, prompt_len=8, max_new_tokens=12, concurrency=4,
+                          experiment_id="exp-test")
+    with SchedulerClient(traced_cluster.scheduler_address) as client:
+        doc, html = run_experiment(client, traced_cluster.telemetry_address, spec)
+    return doc, html
+
+
+def test_summary_is_complete_and_exact(summary):
+    doc, html = summary
+    assert doc["exactness"]["bitwise_exact"] is True
+    assert doc["exactness"]["completion_tokens_per_arm"] == 5 * 4 * 12
+    assert doc["artifact_sha256"]["tokens_control"] == doc["artifact_sha256"]["tokens_candidate"]
+    assert doc["provenance"]["sole_treatment"] == "persistent_kv_views"
+    assert doc["status"] in ("authorized", "not_authorized")
+    assert set(doc["gates"]) == {
+        "positive_kv_view_prepare_median", "positive_attention_host_median",
+        "positive_whole_replay_median", "positive_fresh_generation_wall",
+        "whole_replay_p90_non_regression", "no_post_replay_sync_cost_transfer"}
+    assert all(isinstance(v, bool) for v in doc["gates"].values())
+    for span in ("kv_view_prepare", "attention", "worker_step", "post_step_sync", "generation_wall"):
+        row = doc["comparison_ns"][span]
+        assert row["n_control"] >= 5 and row["n_candidate"] >= 5
+        assert row["median_saving"] == row["control_median"] - row["candidate_median"]
+    assert doc["profile_contract"]["spans_per_arm"]["control"]["generation_wall"] == 5
+    assert isinstance(doc["decision"]["authorize"], bool) and doc["decision"]["next_action"]
+    assert "<svg" in html and "exp-test" in html
+
+
+def test_one_trace_spans_scheduler_and_workers(summary, traced_cluster):
+    db = sqlite3.connect(traced_cluster.log_dir / "telemetry.db")
+    rows = db.execute("SELECT trace_id, name, service, attributes FROM spans WHERE experiment_id = 'exp-test'").fetchall()
+    by_trace: dict[str, set[tuple[str, str]]] = {}
+    for trace_id, name, service, _ in rows:
+        by_trace.setdefault(trace_id, set()).add((name, service))
+    joined = [t for t, spans in by_trace.items()
+              if ("generation_wall", "kvfleet-scheduler") in spans and ("worker_step", "kvfleet-worker") in spans]
+    assert len(joined) == 10, "each arm run is one trace across both services"
+    session_attrs = [json.loads(a) for _, name, _, a in rows if name == "session"]
+    assert session_attrs
+    for attrs in session_attrs:
+        assert attrs["gen_ai.operation.name"] == "text_completion"
+        assert attrs["gen_ai.request.model"] == "tiny"
+        assert attrs["gen_ai.request.max_tokens"] == 12
+        assert attrs["gen_ai.usage.input_tokens"] == 8 and attrs["gen_ai.usage.output_tokens"] == 12
+        assert attrs["gen_ai.response.finish_reasons"] == ["length"]
+    modes = {(json.loads(a)["experiment.arm"], json.loads(a)["kvfleet.kv_views"])
+             for _, name, _, a in rows if name == "worker_step"}
+    assert modes == {("control", "rebuild"), ("candidate", "persistent")}
+
+
+def test_a_lone_session_is_one_trace_too(traced_cluster):
+    with SchedulerClient(traced_cluster.scheduler_address) as client:
+        sid = client.generate(build_request([1, 2, 3], 4)).session_id
+    import time
+    db = sqlite3.connect(traced_cluster.log_dir / "telemetry.db")
+    for _ in range(40):
+        rows = db.execute("SELECT trace_id FROM spans WHERE name = 'session' AND attributes LIKE ?",
+                          (f'%"kvfleet.session.id": "{sid}"%',)).fetchall()
+        if rows:
+            trace_id = rows[0][0]
+            names = {n for (n,) in db.execute("SELECT name FROM spans WHERE trace_id = ?", (trace_id,))}
+            if {"session", "queue", "tick", "worker_step", "attention"} <= names:
+                return
+        time.sleep(0.25)
+    pytest.fail(f"no complete trace for session {sid}")
