@@ -173,20 +173,19 @@ class Tokenizer:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def token_text(self, token_id: int) -> str | None:
-        return self.backend.id_to_token(token_id)
+        """The vocabulary entry for ``token_id`` (byte-level spelling, e.g. "Ġthe"), None if unknown."""
+        token: str | None = self.backend.id_to_token(token_id)
+        return token
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The prompt text for a conversation, by the model's own chat template."""
         if not self.chat_template:
             raise ModelLoadError("this model has no chat template; send a plain prompt instead")
-        def text(token_id: int | None) -> str:
-            return (self.token_text(token_id) or "") if token_id is not None else ""
+        bos = self.token_text(self.bos_token_id) if self.bos_token_id is not None else None
+        eos = self.token_text(self.eos_token_ids[0]) if self.eos_token_ids else None
         template = _chat_environment().from_string(self.chat_template)
-        return str(template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=text(self.bos_token_id),
-            eos_token=text(self.eos_token_ids[0] if self.eos_token_ids else None),
-        ))
+        return str(template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   bos_token=bos or "", eos_token=eos or ""))
 
 
 def _read_json(path: Path) -> dict[str, Any]:
