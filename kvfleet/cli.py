@@ -213,11 +213,37 @@ def cmd_workers(a: argparse.Namespace) -> int:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    """Start a local cluster, run the sweep through it, print the table and write the JSON."""
-    a.scheduler = None
+    """The main job, locally: the cluster on the real model streams a completion and a chat
+    answer; then the tiny-model concurrency sweep runs through its own cluster."""
+    from kvfleet.client import SchedulerClient, build_request
+    from kvfleet.local_cluster import LocalCluster
+
+    print(f"== starting a local cluster: {a.workers} workers on {a.model} "
+          f"(loading the model takes a little while) ...", flush=True)
+    with LocalCluster(_spec(a)) as cluster, SchedulerClient(cluster.scheduler_address) as client:
+        print(f"scheduler at {cluster.scheduler_address}, telemetry at {cluster.telemetry_address}")
+        for title, prompt in (("completion", "The capital of France is"),
+                              ("chat", [{"role": "user", "content": "Name three primary colors."}])):
+            shown = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+            print(f"\n== {title}: {shown!r}\n", flush=True)
+            result_tokens = 0
+            for ev in client.stream(build_request(prompt, a.max_new_tokens)):
+                print(ev.text, end="", flush=True)
+                result_tokens += len(ev.token_ids)
+                if ev.finished:
+                    print(f"\n[{ev.usage.input_tokens} prompt tokens, {ev.usage.output_tokens} "
+                          f"generated, finish: {ev.finish_reason and _finish(ev.finish_reason)}]")
+    print("\n== the concurrency sweep on the tiny model\n", flush=True)
+    a.scheduler, a.model = None, "tiny"
     a.sessions, a.prompt_len, a.max_new_tokens, a.prefill_budget = 8, 4, 8, 4
     a.concurrency, a.seed = (1, 2, 4, 8), 0
     return cmd_sweep(a)
+
+
+def _finish(value: int) -> str:
+    from kvfleet.client import finish_name
+
+    return finish_name(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -292,8 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     wo.add_argument("--scheduler", default=DEFAULT_SCHEDULER)
     wo.set_defaults(fn=cmd_workers)
 
-    de = sub.add_parser("demo", help="start a local cluster and run the sweep through it")
-    _add_cluster_flags(de)
+    de = sub.add_parser("demo", help="serve real requests on the real model, then run the sweep")
+    _add_cluster_flags(de, model="smollm2-135m")
+    de.add_argument("--max-new-tokens", type=int, default=48)
     de.add_argument("--out", default="sweep.json")
     de.set_defaults(fn=cmd_demo)
     return p

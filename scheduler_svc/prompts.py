@@ -37,7 +37,8 @@ class _DetokenizingStream:
     def __init__(self, tokenizer: Any, stop: list[str]) -> None:
         from kvfleet.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
-        self._detok = IncrementalDetokenizer(tokenizer)
+        # Special tokens (EOS, chat markers) end or shape a turn; they are not text to show.
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
         self._stop = StopStringMatcher(stop) if stop else None
         self._stopped = False
 
