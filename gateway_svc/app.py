@@ -1,0 +1,270 @@
+"""The HTTP server: OpenAI-compatible endpoints in front of the scheduler's gRPC API (aiohttp).
+
+One request is one trace: the gateway's span (GenAI conventions) is the parent of the
+scheduler's `session` span, its context sent in the Generate call's metadata. A client that
+goes away mid-request has its handler cancelled (handler_cancellation), which cancels the
+Generate call, and the scheduler frees the session.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from gateway_svc.config import GatewayConfig
+from gateway_svc.errors import ApiError, bad_request, internal_error, model_not_found, unauthorized
+from gateway_svc.openai_schema import (
+    SSE_DONE, Endpoint, GenerationRequest, ResponseBuilder, SchemaError, Usage, finish_reason,
+    model_card, model_list, new_response_id, parse_request, sse,
+)
+from gateway_svc.upstream import Upstream, events
+from kvfleet.client import finish_name
+from kvfleet.tracing import extract_context, inject_metadata
+from kvfleet.v1 import scheduler_pb2 as spb
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 16 * 1024 * 1024   # as the gRPC message limit: a long prompt of token ids fits
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no"}   # no proxy buffering of the stream
+
+
+def _json(payload: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(payload, status=status, headers=headers,
+                             dumps=lambda o: json.dumps(o, ensure_ascii=False))
+
+
+def error_response(err: ApiError) -> web.Response:
+    return _json(err.body(), err.status, err.headers())
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every error leaves in the OpenAI shape; a bug is a 500 with its traceback in the log."""
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return error_response(err)
+    except web.HTTPException as exc:   # unknown route, wrong method, body too large
+        if exc.status < 400:
+            raise
+        return error_response(ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}",
+                                       type="invalid_request_error" if exc.status < 500 else "server_error"))
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(internal_error())
+
+
+def _auth(api_key: str | None):
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler) -> web.StreamResponse:
+        if api_key is not None and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "")
+            if not given:
+                raise unauthorized("no API key given; send the header 'Authorization: Bearer <key>'")
+            if not hmac.compare_digest(given.encode(), expected):
+                raise unauthorized("the API key is not valid")
+        return await handler(request)
+
+    return check
+
+
+async def _body(request: web.Request) -> Any:
+    try:
+        return json.loads(await request.read())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+
+
+def _request_attributes(req: GenerationRequest) -> dict[str, Any]:
+    attrs: dict[str, Any] = {"gen_ai.operation.name": req.endpoint.value, "gen_ai.system": "kvfleet",
+                             "gen_ai.request.model": req.model, "gen_ai.request.max_tokens": req.max_tokens,
+                             "gen_ai.request.temperature": req.temperature, "gen_ai.request.top_p": req.top_p,
+                             "kvfleet.request.stream": req.stream}
+    if req.seed is not None:
+        attrs["gen_ai.request.seed"] = req.seed
+    if req.stop:
+        attrs["gen_ai.request.stop_sequences"] = list(req.stop)
+    return attrs
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, upstream: Upstream) -> None:
+        self.config = config
+        self.upstream = upstream
+        self.draining = False
+        self._started = int(time.time())
+        self._tracer = trace.get_tracer("kvfleet.gateway")
+
+    # ---- generation ------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, Endpoint.COMPLETIONS)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, Endpoint.CHAT)
+
+    async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        try:
+            req = parse_request(endpoint, await _body(request), chat_max_tokens=self.config.chat_max_tokens)
+        except SchemaError as exc:
+            raise bad_request(exc.message, exc.param) from None
+        # The caller's own trace context (a `traceparent` header), if any, parents our span.
+        parent = extract_context(request.headers.items())
+        with self._tracer.start_as_current_span(f"{endpoint.value} {req.model}", context=parent,
+                                                kind=SpanKind.SERVER, attributes=_request_attributes(req),
+                                                record_exception=False, set_status_on_exception=False) as span:
+            try:
+                return await self._run(request, req, span)
+            except ApiError as err:
+                _end_with_error(span, err.status, err.code or err.type, err.message)
+                raise
+            except asyncio.CancelledError:
+                _end_with_error(span, 499, "client_disconnected", "the client went away")
+                raise
+            except Exception as exc:
+                span.record_exception(exc)
+                _end_with_error(span, 500, type(exc).__qualname__, str(exc))
+                raise
+
+    async def _run(self, request: web.Request, req: GenerationRequest, span: Span) -> web.StreamResponse:
+        await self.upstream.require_model(req.model)
+        builder = ResponseBuilder(req.endpoint, new_response_id(req.endpoint), int(time.time()), req.model,
+                                  include_usage=req.include_usage)
+        span.set_attributes({"gen_ai.response.id": builder.id, "gen_ai.response.model": req.model})
+        # inject_metadata() carries the current span, ours, so the scheduler's span is its child.
+        call = self.upstream.generate(req, inject_metadata(), self.config.request_timeout_s)
+        try:
+            stream = events(call)
+            # Wait for the first event before answering, so a rejection (queue full, bad prompt,
+            # no worker) is an HTTP status and not an error event inside a 200 stream.
+            first = await anext(stream)
+            if req.stream:
+                return await self._stream(request, builder, first, stream, span)
+            text, last = first.text, first
+            async for ev in stream:
+                text, last = text + ev.text, ev
+            finish = _finish(last, span)
+            return _json(builder.response(text, finish, _usage(last)))
+        finally:
+            call.cancel()   # a no-op once finished; otherwise the scheduler frees the session
+
+    async def _stream(self, request: web.Request, builder: ResponseBuilder, first: spb.GenerateEvent,
+                      stream, span: Span) -> web.StreamResponse:
+        resp = web.StreamResponse(headers=_SSE_HEADERS)
+        await resp.prepare(request)
+        span.set_attribute("http.response.status_code", 200)
+        chat = builder.endpoint is Endpoint.CHAT
+        if chat:
+            await resp.write(sse(builder.chunk(text="", role=True)))
+        ev = first
+        try:
+            while True:
+                if ev.finished:
+                    finish = _finish(ev, span)
+                    if chat:
+                        if ev.text:
+                            await resp.write(sse(builder.chunk(text=ev.text)))
+                        await resp.write(sse(builder.chunk(finish=finish)))
+                    else:
+                        await resp.write(sse(builder.chunk(text=ev.text, finish=finish)))
+                    if builder.include_usage:
+                        await resp.write(sse(builder.usage_chunk(_usage(ev))))
+                    break
+                if ev.text:
+                    await resp.write(sse(builder.chunk(text=ev.text)))
+                ev = await anext(stream)
+        except ApiError as err:
+            # Headers are gone: the error travels as an event, which the openai client raises.
+            _end_with_error(span, err.status, err.code or err.type, err.message)
+            await resp.write(sse(err.body()))
+            return resp
+        await resp.write(SSE_DONE)
+        await resp.write_eof()
+        return resp
+
+    # ---- models and health ----------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json(model_list(sorted(await self.upstream.served_models()), self._started))
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        served = await self.upstream.served_models(refresh=True)
+        if name not in served:
+            raise model_not_found(name, sorted(served))
+        return _json(model_card(name, self._started))
+
+    async def health(self, request: web.Request) -> web.Response:
+        report = await self.upstream.health()
+        ok = report.ok and not self.draining
+        body = {"status": "ok" if ok else "unavailable", "scheduler": report.scheduler,
+                "live_workers": report.live_workers, "draining": self.draining}
+        return _json(body, 200 if ok else 503)
+
+
+def _finish(ev: spb.GenerateEvent, span: Span) -> str:
+    finish = finish_reason(finish_name(ev.finish_reason))
+    span.set_attributes({"gen_ai.response.finish_reasons": [finish],
+                         "gen_ai.usage.input_tokens": ev.usage.input_tokens,
+                         "gen_ai.usage.output_tokens": ev.usage.output_tokens})
+    return finish
+
+
+def _usage(ev: spb.GenerateEvent) -> Usage:
+    return Usage(prompt_tokens=ev.usage.input_tokens, completion_tokens=ev.usage.output_tokens)
+
+
+def _end_with_error(span: Span, status: int, error_type: str, message: str) -> None:
+    span.set_attributes({"http.response.status_code": status, "error.type": error_type})
+    span.set_status(Status(StatusCode.ERROR, message))
+
+
+def create_app(config: GatewayConfig, upstream: Upstream) -> tuple[web.Application, Gateway]:
+    gateway = Gateway(config, upstream)
+    app = web.Application(middlewares=[_errors, _auth(config.api_key)], client_max_size=MAX_BODY_BYTES)
+    app.router.add_post("/v1/completions", gateway.completions)
+    app.router.add_post("/v1/chat/completions", gateway.chat_completions)
+    app.router.add_get("/v1/models", gateway.models)
+    app.router.add_get("/v1/models/{model}", gateway.model)
+    app.router.add_get("/health", gateway.health)
+    return app, gateway
+
+
+class RunningGateway:
+    """Handles for a started gateway, for a graceful stop."""
+
+    def __init__(self, runner: web.AppRunner, gateway: Gateway) -> None:
+        self.runner = runner
+        self.gateway = gateway
+
+    async def stop(self) -> None:
+        """Drain: /health answers 503, the listener closes, in-flight requests get the grace."""
+        self.gateway.draining = True
+        await self.runner.cleanup()
+        await self.gateway.upstream.close()
+
+
+async def create_server(config: GatewayConfig) -> tuple[RunningGateway, int]:
+    """Build and start the HTTP server. Returns (handles, bound port)."""
+    upstream = Upstream(config.scheduler, models_ttl_s=config.models_ttl_s)
+    app, gateway = create_app(config, upstream)
+    # handler_cancellation: a client that disconnects cancels its handler, hence its gRPC call.
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=config.drain_grace_s,
+                           access_log=logging.getLogger("gateway_svc.access"))
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    port = runner.addresses[0][1]
+    log.info("gateway serving on http://%s:%d in front of the scheduler at %s",
+             config.host, port, config.scheduler)
+    return RunningGateway(runner, gateway), port
