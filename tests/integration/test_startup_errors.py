@@ -1,0 +1,42 @@
+"""A worker given a bad model file says which file and what is wrong, and exits non-zero."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _start(model: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "worker_svc", "--model", model, "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("content, problem", [
+    (None, "no such file"),
+    (b"garbage bytes, not a model", "not a GGUF file"),
+])
+def test_bad_model_file_is_a_clear_startup_error(tmp_path: Path, content, problem):
+    path = tmp_path / "model.gguf"
+    if content is not None:
+        path.write_bytes(content)
+    proc = _start(str(path))
+    assert proc.returncode != 0
+    assert str(path) in proc.stderr and problem in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_truncated_real_model_is_a_clear_startup_error(tmp_path: Path):
+    from worker_svc.model.registry import default_model_file
+
+    src = default_model_file("smollm2-135m")
+    path = tmp_path / "cut.gguf"
+    with open(src, "rb") as f:
+        path.write_bytes(f.read(5_000_000))
+    proc = _start(str(path))
+    assert proc.returncode != 0 and str(path) in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unknown_model_name_lists_the_known_ones():
+    proc = _start("gpt-17")
+    assert proc.returncode != 0 and "smollm2-135m" in proc.stderr and "tiny" in proc.stderr
