@@ -28,6 +28,8 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
     p.add_argument("--max-prompt-tokens", type=int,
                    default=int(env("KVFLEET_MAX_PROMPT_TOKENS", d.max_prompt_tokens)))
     p.add_argument("--max-new-tokens", type=int, default=int(env("KVFLEET_MAX_NEW_TOKENS", d.max_new_tokens)))
+    p.add_argument("--kv-policy", default=env("KVFLEET_KV_POLICY", d.kv_policy), choices=["reserve", "preempt"],
+                   help="reserve worst-case KV at admission, or preempt under KV pressure")
     p.add_argument("--step-timeout", type=float, default=float(env("KVFLEET_STEP_TIMEOUT_S", "30")))
     p.add_argument("--drain-grace", type=float, default=float(env("KVFLEET_DRAIN_GRACE_S", "10")))
     p.add_argument("--log-level", default=env("KVFLEET_LOG_LEVEL", "INFO"))
@@ -36,7 +38,8 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     limits = SchedulerLimits(max_running=a.max_running, prefill_token_budget=a.prefill_token_budget,
                              kv_budget_bytes=a.kv_budget_bytes, max_queue_depth=a.max_queue_depth,
-                             max_prompt_tokens=a.max_prompt_tokens, max_new_tokens=a.max_new_tokens)
+                             max_prompt_tokens=a.max_prompt_tokens, max_new_tokens=a.max_new_tokens,
+                             kv_policy=a.kv_policy)
     workers = tuple(w.strip() for w in a.workers.split(",") if w.strip())
     return SchedulerConfig(host=a.host, port=a.port, workers=workers, limits=limits, model=a.model,
                            step_timeout_s=a.step_timeout, drain_grace_s=a.drain_grace)

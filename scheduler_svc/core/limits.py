@@ -12,8 +12,14 @@ class SchedulerLimits:
     max_queue_depth: int = 1024
     max_prompt_tokens: int = 4096
     max_new_tokens: int = 2048
+    # "reserve": admission reserves each session's worst-case KV, so no step ever runs out.
+    # "preempt": admission reserves what the prompt needs; when a decode step cannot grow, the
+    # least urgent, most recently admitted session on that worker is preempted (recomputed later).
+    kv_policy: str = "reserve"
 
     def __post_init__(self) -> None:
+        if self.kv_policy not in ("reserve", "preempt"):
+            raise ValueError(f"kv_policy must be 'reserve' or 'preempt', got {self.kv_policy!r}")
         for name in ("max_running", "prefill_token_budget", "kv_budget_bytes", "max_queue_depth",
                      "max_prompt_tokens", "max_new_tokens"):
             value = getattr(self, name)

@@ -80,6 +80,14 @@ class WorkerPool:
         slot.sessions.add(session_id)
         return footprint
 
+    def grow(self, worker_id: str, extra_tokens: int) -> bool:
+        """Add to a placed session's reservation if the worker has room."""
+        slot = self._workers[worker_id]
+        if extra_tokens > slot.free_tokens:
+            return False
+        slot.reserved_tokens += extra_tokens
+        return True
+
     def unreserve(self, worker_id: str, session_id: str, footprint: int) -> None:
         slot = self._workers[worker_id]
         slot.reserved_tokens -= footprint

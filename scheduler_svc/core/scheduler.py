@@ -69,6 +69,7 @@ class SchedulerCore:
         self.counters = BatchCounters()
         self.rejections = RejectionCounts()
         self.completed = 0
+        self.preemptions = 0
         self._rates = RateWindow()
         self._tick_workloads: list[_Workload] = []   # workloads present at the planned tick's start
         self.vocab_size: int | None = None
@@ -227,6 +228,9 @@ class SchedulerCore:
                 self._finish_bookkeeping(session, FinishReason.CANCELLED)
                 early.finished.append((sid, FinishReason.CANCELLED))
         self._cancel_requested.clear()
+        preempted: set[str] = set()
+        if self.limits.kv_policy == "preempt":
+            preempted = self._make_room_for_decodes(early)
 
         self._tick_workloads = self._active_workloads()
         budget = self.limits.prefill_token_budget
@@ -253,6 +257,8 @@ class SchedulerCore:
             if wl is not None and (running_by_wl.get(wl.workload_id, 0) >= wl.max_running
                                    or wl_budget[wl.workload_id] <= 0):
                 continue   # this workload is at its own cap; it does not block others
+            if sid in preempted:
+                continue   # not back in the tick that preempted it: that would only thrash
             if not self._try_admit(session, tick):
                 break      # strict FCFS on KV: a large head-of-line request is not starved
             self._queue.remove((priority, seq, sid))
@@ -281,19 +287,56 @@ class SchedulerCore:
         return counts
 
     def _try_admit(self, session: Session, tick: int) -> bool:
-        worst = session.worst_case_tokens
-        worker_id = self.workers.place(worst)
+        need = session.worst_case_tokens
+        if self.limits.kv_policy == "preempt":
+            # The prompt (plus what it generated before a preemption) and the first decode.
+            need = min(need, session.prompt_len + len(session.generated) + 1)
+        worker_id = self.workers.place(need)
         if worker_id is None:
             return False
         bpt = self.workers.get(worker_id).spec.kv_bytes_per_token
-        if self._reserved_bytes() + self.workers.footprint(worker_id, worst) * bpt > self.limits.kv_budget_bytes:
+        if self._reserved_bytes() + self.workers.footprint(worker_id, need) * bpt > self.limits.kv_budget_bytes:
             return False
-        session.reserved_tokens = self.workers.reserve(worker_id, session.session_id, worst)
+        session.reserved_tokens = self.workers.reserve(worker_id, session.session_id, need)
         session.worker_id = worker_id
         session.admitted_tick = tick
         session.start_prefill()
         self._running.append(session.session_id)
         return True
+
+    def _make_room_for_decodes(self, out: TickOutcome) -> set[str]:
+        """Preempt mode: every decode adds one token; grow reservations block by block, and
+        where a worker (or the KV budget) is full, preempt the least urgent, most recently
+        admitted session on that worker until the growth fits. Returns the preempted ids."""
+        preempted: set[str] = set()
+        for sid in list(self._running):                    # oldest first get room first
+            session = self._sessions[sid]
+            if session.phase != Phase.DECODE or sid in preempted:
+                continue
+            worker_id = session.worker_id
+            assert worker_id is not None
+            extra = self.workers.footprint(worker_id, session.kv_tokens + 1) - session.reserved_tokens
+            bpt = self.workers.get(worker_id).spec.kv_bytes_per_token
+            while extra > 0:
+                fits_budget = self._reserved_bytes() + extra * bpt <= self.limits.kv_budget_bytes
+                if fits_budget and self.workers.grow(worker_id, extra):
+                    session.reserved_tokens += extra
+                    break
+                victim = self._preemption_victim(worker_id)
+                out.release.setdefault(worker_id, []).append(victim.session_id)
+                out.requeued.append(victim.session_id)
+                preempted.add(victim.session_id)
+                self.preemptions += 1
+                self._requeue(victim)
+                if victim is session:
+                    break
+        return preempted
+
+    def _preemption_victim(self, worker_id: str) -> Session:
+        on_worker = [(i, self._sessions[s]) for i, s in enumerate(self._running)
+                     if self._sessions[s].worker_id == worker_id]
+        # Highest priority value (least urgent) first, then the most recently admitted.
+        return max(on_worker, key=lambda pair: (pair[1].request.priority, pair[0]))[1]
 
     def _reserved_bytes(self) -> int:
         return sum(w.reserved_tokens * w.spec.kv_bytes_per_token for w in self.workers)
@@ -540,4 +583,5 @@ class SchedulerCore:
             kv_reserved_bytes=reserved,
             cache_misses_total=c.cache_misses,
             live_workers=len(self.workers.live),
+            preemptions_total=self.preemptions,
         )

@@ -92,6 +92,7 @@ class TelemetrySnapshot:
     kv_reserved_bytes: int
     cache_misses_total: int
     live_workers: int
+    preemptions_total: int = 0
 
 
 @dataclass

@@ -86,3 +86,20 @@ def test_deadline_ends_only_that_session(cluster):
         while client.telemetry().kv_total_bytes and time.monotonic() < deadline:
             time.sleep(0.02)
         assert client.telemetry().kv_total_bytes == 0
+
+
+def test_preemption_under_kv_pressure_keeps_tokens_exact():
+    from scheduler_svc.core import SchedulerLimits
+
+    # 8 blocks of 4 tokens per worker: 32 tokens, far less than 6 sessions x 27 tokens.
+    limits = SchedulerLimits(kv_policy="preempt", max_running=6, prefill_token_budget=64)
+    with InProcessCluster(workers=1, limits=limits, num_blocks=8, block_size=4) as c, \
+            SchedulerClient(c.address) as client:
+        import concurrent.futures as cf
+        prompts = [[i, i + 2, i + 4] for i in range(6)]
+        with cf.ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(lambda p: client.generate(build_request(p, 24)), prompts))
+        snap = client.telemetry()
+    for p, r in zip(prompts, results):
+        assert r.token_ids == reference_generate(CFG, WEIGHTS, p, 24)
+    assert snap.preemptions_total > 0 and snap.kv_total_bytes == 0
