@@ -1,0 +1,182 @@
+"""The compose deployment under test: build the image, `docker-compose up`, wait healthy, tear down.
+
+These tests need a running Docker engine and docker-compose; `make test-compose`
+(deploy/compose.mk) provides both and sets KVFLEET_E2E=1. Without that variable the directory is
+collected only when named on the command line (`pytest tests/e2e`), so a plain `pytest` never
+needs Docker.
+
+Settings (environment):
+  KVFLEET_IMAGE        image tag to build and run (kvfleet:e2e)
+  KVFLEET_BASE_IMAGE   the Dockerfile's BASE; default kvfleet-base:bookworm when that image
+                       exists (docker/make_base_image.sh), else python:3.11-slim
+  KVFLEET_E2E_MODEL    model the workers serve (smollm2-135m)
+  KVFLEET_E2E_BUILD    0 = use the image as it is, do not build it (default 1)
+  KVFLEET_E2E_LOGS     folder for the stack's logs, kept after teardown (out/e2e)
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+PROJECT = "kvfleet-e2e"  # fixed, so a run killed before teardown is cleaned up by the next one
+SERVICES = ("telemetry", "worker-0", "worker-1", "scheduler")
+HEALTHY_TIMEOUT_S = 420.0  # two workers load the GGUF at once on 2 cores: ~40 s seen, slack for CI
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "e2e: drives the docker-compose deployment (needs Docker)")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Leave tests/e2e out of a plain `pytest` unless KVFLEET_E2E=1 or it was named explicitly."""
+    if HERE not in collection_path.parents and collection_path != HERE:
+        return None
+    if os.environ.get("KVFLEET_E2E") == "1":
+        return None
+    for arg in config.args:
+        named = Path(arg.split("::")[0]).resolve()
+        if named == HERE or HERE in named.parents:
+            return None
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _compose_command() -> list[str]:
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return ["docker", "compose"]
+
+
+@dataclass
+class Stack:
+    """A running compose project and how to reach it from the host."""
+
+    client: Any  # docker.DockerClient
+    env: dict[str, str]
+    scheduler_address: str
+    telemetry_address: str
+    model: str
+
+    def compose(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+        cmd = [*_compose_command(), "-p", PROJECT, "-f", str(REPO / "docker-compose.yml"), *args]
+        return subprocess.run(cmd, cwd=REPO, env=self.env, check=check, timeout=timeout,
+                              capture_output=True, text=True)
+
+    def container(self, service: str) -> Any:
+        found = self.client.containers.list(all=True, filters={
+            "label": [f"com.docker.compose.project={PROJECT}", f"com.docker.compose.service={service}"]})
+        assert len(found) == 1, f"expected one container for {service}, found {[c.name for c in found]}"
+        return found[0]
+
+    def health(self, service: str) -> str:
+        c = self.container(service)
+        c.reload()
+        state = c.attrs["State"]
+        return state.get("Health", {}).get("Status", state["Status"])
+
+    def wait_healthy(self, services: tuple[str, ...] = SERVICES, timeout_s: float = HEALTHY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = {s: self.health(s) for s in services}
+            if all(v == "healthy" for v in states.values()):
+                return
+            bad = {s: v for s, v in states.items() if v in ("unhealthy", "exited", "dead")}
+            if bad or time.monotonic() > deadline:
+                raise AssertionError(f"stack not healthy: {states}\n{self.logs(tail=40)}")
+            time.sleep(2)
+
+    def logs(self, tail: int | None = None) -> str:
+        args = ["logs", "--no-color"] + ([f"--tail={tail}"] if tail else [])
+        out = self.compose(*args, check=False, timeout=60)
+        return out.stdout + out.stderr
+
+
+def _docker_client() -> Any:
+    docker = pytest.importorskip("docker", reason="pip install docker (the e2e tests drive Docker through it)")
+    try:
+        client = docker.from_env()
+        client.ping()
+    except Exception as exc:  # noqa: BLE001 - any failure to reach the engine means the same thing
+        message = f"no Docker engine reachable ({exc}); `make test-compose` starts one"
+        if os.environ.get("KVFLEET_E2E") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return client
+
+
+def _base_image(client: Any) -> str:
+    base = os.environ.get("KVFLEET_BASE_IMAGE")
+    if base:
+        return base
+    import docker.errors
+
+    try:
+        client.images.get("kvfleet-base:bookworm")
+        return "kvfleet-base:bookworm"
+    except docker.errors.ImageNotFound:
+        return "python:3.11-slim"
+
+
+def _build_image(client: Any, tag: str, base: str, log_dir: Path) -> None:
+    """Build docker/Dockerfile through the SDK; layers are cached, so a rebuild takes seconds."""
+    lines: list[str] = []
+    started = time.monotonic()
+    # network_mode=host: on machines whose only way out is the host's (PyPI at build time).
+    for chunk in client.api.build(path=str(REPO), dockerfile="docker/Dockerfile", tag=tag,
+                                  buildargs={"BASE": base}, network_mode="host", rm=True,
+                                  forcerm=True, decode=True):
+        if "stream" in chunk:
+            lines.append(chunk["stream"].rstrip("\n"))
+        if "error" in chunk:
+            (log_dir / "build.log").write_text("\n".join(lines) + "\n" + chunk["error"])
+            raise AssertionError(f"image build failed: {chunk['error']}\n" + "\n".join(lines[-40:]))
+    (log_dir / "build.log").write_text("\n".join(lines) + "\n")
+    print(f"built {tag} on {base} in {time.monotonic() - started:.0f} s")
+
+
+@pytest.fixture(scope="session")
+def stack() -> Iterator[Stack]:
+    client = _docker_client()
+    if shutil.which("docker-compose") is None and shutil.which("docker") is None:
+        pytest.skip("neither docker-compose nor the docker CLI is installed")
+    log_dir = Path(os.environ.get("KVFLEET_E2E_LOGS", REPO / "out" / "e2e"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    image = os.environ.get("KVFLEET_IMAGE", "kvfleet:e2e")
+    base = _base_image(client)
+    if os.environ.get("KVFLEET_E2E_BUILD", "1") != "0":
+        _build_image(client, image, base, log_dir)
+
+    model = os.environ.get("KVFLEET_E2E_MODEL", "smollm2-135m")
+    sched_port, tel_port = _free_port(), _free_port()
+    env = {**os.environ, "KVFLEET_IMAGE": image, "KVFLEET_BASE_IMAGE": base, "KVFLEET_MODEL": model,
+           "KVFLEET_PUBLISH_SCHEDULER": str(sched_port), "KVFLEET_PUBLISH_TELEMETRY": str(tel_port),
+           # a stopped worker is noticed at once (connection refused); this bounds a hung one
+           "KVFLEET_STEP_TIMEOUT_S": "10"}
+    s = Stack(client, env, f"127.0.0.1:{sched_port}", f"127.0.0.1:{tel_port}", model)
+    s.compose("down", "-v", "--remove-orphans", check=False, timeout=120)  # leftovers of a killed run
+    try:
+        up = s.compose("up", "-d", "--no-build", check=False, timeout=HEALTHY_TIMEOUT_S + 60)
+        if up.returncode != 0:
+            raise AssertionError(f"docker-compose up failed ({up.returncode}):\n{up.stderr}\n{s.logs(tail=60)}")
+        s.wait_healthy()
+        yield s
+    finally:
+        (log_dir / "compose.log").write_text(s.logs())
+        down = s.compose("down", "-v", "--remove-orphans", "-t", "20", check=False, timeout=180)
+        if down.returncode != 0:
+            print(f"docker-compose down failed: {down.stderr}")
