@@ -40,6 +40,7 @@ class ClusterSpec:
     telemetry: bool = True             # start a telemetry service and send traces to it
     telemetry_port: int = 0            # 0 = a free port
     extra_env: dict[str, str] = field(default_factory=dict)
+    scheduler_args: tuple[str, ...] = ()   # more flags for python -m scheduler_svc
     start_timeout_s: float = 180.0
 
     def __post_init__(self) -> None:
@@ -96,7 +97,8 @@ class LocalCluster:
             self._spawn("scheduler", ["-m", "scheduler_svc", "--host", s.host, "--port", str(port),
                                       "--workers", ",".join(self.worker_addresses), "--model", s.model,
                                       "--max-running", str(s.max_running),
-                                      "--prefill-token-budget", str(s.prefill_token_budget)])
+                                      "--prefill-token-budget", str(s.prefill_token_budget),
+                                      *s.scheduler_args])
             self._wait_healthy([self.scheduler_address])
         except BaseException:
             self.stop()

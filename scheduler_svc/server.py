@@ -167,6 +167,9 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
             self._spans.end_workload(workload_id)
 
     async def Cancel(self, request, context):
+        if not request.session_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "session_id is empty; pass the id from the session's first event")
         try:
             state = self._loop.cancel(request.session_id)
         except KeyError:
