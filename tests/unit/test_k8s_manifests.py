@@ -1,0 +1,201 @@
+"""deploy/k8s, checked offline: every manifest against the Kubernetes OpenAPI schemas bundled in
+`kubernetes-validate` (strict: unknown fields fail), and the wiring a schema cannot see: selectors
+match pod labels, probes are gRPC health probes on declared ports, Services target real ports,
+the worker list handed to the scheduler names exactly the StatefulSet's pods.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+K8S_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+K8S_VERSION = "1.30.0"  # grpc probes are GA since 1.27; validate against a widely deployed release
+WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
+EXPECTED_KINDS = {
+    ("v1", "Namespace"), ("v1", "Service"), ("v1", "PersistentVolumeClaim"),
+    ("apps/v1", "Deployment"), ("apps/v1", "StatefulSet"),
+}
+
+
+def _kustomize_command() -> list[str] | None:
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    if shutil.which("kubectl"):
+        return ["kubectl", "kustomize"]
+    return None
+
+
+def _kustomization() -> dict[str, Any]:
+    return yaml.safe_load((K8S_DIR / "kustomization.yaml").read_text())
+
+
+def _documents() -> list[dict[str, Any]]:
+    docs = []
+    for name in _kustomization()["resources"]:
+        docs += [d for d in yaml.safe_load_all((K8S_DIR / name).read_text()) if d is not None]
+    return docs
+
+
+def _of_kind(kind: str) -> list[dict[str, Any]]:
+    return [d for d in _documents() if d["kind"] == kind]
+
+
+def _one(kind: str, name: str) -> dict[str, Any]:
+    found = [d for d in _of_kind(kind) if d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
+    return found[0]
+
+
+def _workloads() -> list[dict[str, Any]]:
+    return [d for d in _documents() if d["kind"] in WORKLOAD_KINDS]
+
+
+def _containers(workload: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield from workload["spec"]["template"]["spec"]["containers"]
+
+
+def _config_literals() -> dict[str, str]:
+    (gen,) = [g for g in _kustomization()["configMapGenerator"] if g["name"] == "kvfleet-config"]
+    return dict(lit.split("=", 1) for lit in gen["literals"])
+
+
+def test_kustomization_lists_every_manifest_and_nothing_missing() -> None:
+    k = _kustomization()
+    assert k["apiVersion"] == "kustomize.config.k8s.io/v1beta1" and k["kind"] == "Kustomization"
+    listed = set(k["resources"])
+    on_disk = {p.name for p in K8S_DIR.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == on_disk, f"unlisted: {on_disk - listed}, missing: {listed - on_disk}"
+    assert k["namespace"] == _one("Namespace", "kvfleet")["metadata"]["name"]
+    assert [i["name"] for i in k["images"]] == ["kvfleet"]
+
+
+def test_every_document_has_a_known_kind_and_a_unique_name() -> None:
+    docs = _documents()
+    assert {(d["apiVersion"], d["kind"]) for d in docs} == EXPECTED_KINDS
+    keys = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    assert len(keys) == len(set(keys)), keys
+    for d in docs:
+        assert "namespace" not in d["metadata"], "the kustomization sets the namespace"
+
+
+@pytest.mark.parametrize("doc", _documents(), ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
+def test_manifest_matches_the_kubernetes_schema(doc: dict[str, Any]) -> None:
+    kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (offline schemas)")
+    try:
+        kv.validate(doc, K8S_VERSION, strict=True)
+    except kv.ValidationError as exc:
+        pytest.fail(f"{doc['kind']}/{doc['metadata']['name']}: {exc.message} at {list(exc.path)}")
+
+
+@pytest.mark.parametrize("kind,name", [("Deployment", "kvfleet-scheduler"), ("StatefulSet", "kvfleet-worker"),
+                                       ("Deployment", "kvfleet-telemetry")])
+def test_selector_matches_the_pod_template_labels(kind: str, name: str) -> None:
+    w = _one(kind, name)
+    selector = w["spec"]["selector"]["matchLabels"]
+    labels = w["spec"]["template"]["metadata"]["labels"]
+    assert selector and selector.items() <= labels.items(), (selector, labels)
+
+
+def test_every_container_has_grpc_health_probes_on_a_declared_port() -> None:
+    for w in _workloads():
+        for c in _containers(w):
+            ports = {p["containerPort"] for p in c["ports"]}
+            for probe in ("readinessProbe", "livenessProbe"):
+                assert "grpc" in c[probe], f"{w['metadata']['name']}: {probe} must be a grpc probe"
+                assert c[probe]["grpc"]["port"] in ports, (w["metadata"]["name"], probe)
+            if "startupProbe" in c:
+                assert c["startupProbe"]["grpc"]["port"] in ports
+
+
+def test_containers_run_the_kustomized_image_with_a_service_entry_point() -> None:
+    image = _kustomization()["images"][0]["name"]
+    commands = {"kvfleet-scheduler": "scheduler", "kvfleet-worker": "worker", "kvfleet-telemetry": "telemetry"}
+    for w in _workloads():
+        (c,) = list(_containers(w))
+        assert c["image"].split(":")[0] == image
+        assert c["args"][0] == commands[w["metadata"]["name"]]
+        assert w["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == 10001  # the image's user
+
+
+def test_services_select_a_workload_and_target_a_named_port() -> None:
+    for svc in _of_kind("Service"):
+        selector = svc["spec"]["selector"]
+        targets = [w for w in _workloads()
+                   if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(targets) == 1, f"Service {svc['metadata']['name']} selects {len(targets)} workloads"
+        port_names = {p["name"] for c in _containers(targets[0]) for p in c["ports"]}
+        for port in svc["spec"]["ports"]:
+            assert port["targetPort"] in port_names, (svc["metadata"]["name"], port)
+
+
+def test_workers_are_a_statefulset_behind_a_headless_service() -> None:
+    sts = _one("StatefulSet", "kvfleet-worker")
+    svc = _one("Service", sts["spec"]["serviceName"])
+    assert svc["spec"]["clusterIP"] == "None"
+    (c,) = list(_containers(sts))
+    env = {e["name"]: e for e in c["env"]}
+    assert env["KVFLEET_WORKER_ID"]["value"] == "$(POD_NAME)"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+
+
+def test_scheduler_worker_list_names_every_statefulset_pod() -> None:
+    sts = _one("StatefulSet", "kvfleet-worker")
+    name, svc, replicas = sts["metadata"]["name"], sts["spec"]["serviceName"], sts["spec"]["replicas"]
+    (c,) = list(_containers(sts))
+    port = c["ports"][0]["containerPort"]
+    listed = _config_literals()["KVFLEET_WORKERS"].split(",")
+    assert listed == [f"{name}-{i}.{svc}:{port}" for i in range(replicas)]
+
+
+def test_env_from_config_maps_that_exist_and_telemetry_endpoint_resolves() -> None:
+    generated = {g["name"] for g in _kustomization()["configMapGenerator"]}
+    for w in _workloads():
+        for c in _containers(w):
+            for src in c.get("envFrom", []):
+                assert src["configMapRef"]["name"] in generated
+    endpoint = _config_literals()["OTEL_EXPORTER_OTLP_ENDPOINT"]
+    tel = _one("Service", "kvfleet-telemetry")
+    assert endpoint == f"http://{tel['metadata']['name']}:{tel['spec']['ports'][0]['port']}"
+
+
+def test_telemetry_keeps_its_store_on_the_claim() -> None:
+    dep = _one("Deployment", "kvfleet-telemetry")
+    pvc = _one("PersistentVolumeClaim", "kvfleet-telemetry-data")
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    (c,) = list(_containers(dep))
+    data = [m for m in c["volumeMounts"] if m["mountPath"] == "/data"]
+    assert len(data) == 1
+    assert volumes[data[0]["name"]]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+    assert "/data/telemetry.db" in c["args"]
+
+
+def test_kustomize_build_renders_valid_manifests_when_kustomize_is_installed() -> None:
+    """The rendered output (namespace, labels, generated ConfigMap, image) against the schemas;
+    runs where `kustomize` or `kubectl` is on PATH (both work offline), skipped elsewhere."""
+    kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (offline schemas)")
+    cmd = _kustomize_command()
+    if cmd is None:
+        pytest.skip("neither kustomize nor kubectl is installed")
+    out = subprocess.run([*cmd, str(K8S_DIR)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == sorted(["Namespace", "ConfigMap", "PersistentVolumeClaim", "Deployment", "Deployment",
+                            "StatefulSet", "Service", "Service", "Service"]), kinds
+    (config_map,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    for d in docs:
+        kv.validate(d, K8S_VERSION, strict=True)
+        if d["kind"] != "Namespace":
+            assert d["metadata"]["namespace"] == "kvfleet"
+        assert d["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kvfleet"
+        if d["kind"] in WORKLOAD_KINDS:
+            (c,) = d["spec"]["template"]["spec"]["containers"]
+            # the generator's hashed name is substituted, so a config change rolls the pods
+            assert [e["configMapRef"]["name"] for e in c.get("envFrom", [])] in ([], [config_map["metadata"]["name"]])
