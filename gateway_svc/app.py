@@ -164,10 +164,10 @@ class Gateway:
         await resp.prepare(request)
         span.set_attribute("http.response.status_code", 200)
         chat = builder.endpoint is Endpoint.CHAT
-        if chat:
-            await resp.write(sse(builder.chunk(text="", role=True)))
         ev = first
         try:
+            if chat:
+                await resp.write(sse(builder.chunk(text="", role=True)))
             while True:
                 if ev.finished:
                     finish = _finish(ev, span)
@@ -183,13 +183,15 @@ class Gateway:
                 if ev.text:
                     await resp.write(sse(builder.chunk(text=ev.text)))
                 ev = await anext(stream)
+            await resp.write(SSE_DONE)
+            await resp.write_eof()
         except ApiError as err:
             # Headers are gone: the error travels as an event, which the openai client raises.
             _end_with_error(span, err.status, err.code or err.type, err.message)
             await resp.write(sse(err.body()))
-            return resp
-        await resp.write(SSE_DONE)
-        await resp.write_eof()
+        except ConnectionResetError:
+            # The client went away between our writes (before its handler was cancelled).
+            _end_with_error(span, 499, "client_disconnected", "the client went away")
         return resp
 
     # ---- models and health ----------------------------------------------------------------

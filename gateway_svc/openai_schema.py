@@ -111,7 +111,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)   # JSON true is not 1
 
 
-def _get_int(body: dict, name: str, default: int | None, minimum: int | None = None) -> int | None:
+def _get_int(body: dict[str, Any], name: str, default: int | None, minimum: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return default
@@ -119,10 +119,10 @@ def _get_int(body: dict, name: str, default: int | None, minimum: int | None = N
         raise SchemaError(f"{name} must be an integer, got {_type_name(value)}", name)
     if minimum is not None and value < minimum:
         raise SchemaError(f"{name} must be at least {minimum}, got {value}", name)
-    return value
+    return int(value)
 
 
-def _get_number(body: dict, name: str, default: float, low: float, high: float,
+def _get_number(body: dict[str, Any], name: str, default: float, low: float, high: float,
                 low_open: bool = False) -> float:
     value = body.get(name)
     if value is None:
@@ -135,7 +135,7 @@ def _get_number(body: dict, name: str, default: float, low: float, high: float,
     return float(value)
 
 
-def _get_bool(body: dict, name: str, default: bool) -> bool:
+def _get_bool(body: dict[str, Any], name: str, default: bool) -> bool:
     value = body.get(name)
     if value is None:
         return default
@@ -144,7 +144,7 @@ def _get_bool(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def _token_ids(values: list, param: str) -> tuple[int, ...]:
+def _token_ids(values: list[Any], param: str) -> tuple[int, ...]:
     if not all(_is_int(v) for v in values):
         raise SchemaError(f"{param} must be a string or an array of integer token ids", param)
     if any(v < 0 for v in values):
@@ -152,7 +152,7 @@ def _token_ids(values: list, param: str) -> tuple[int, ...]:
     return tuple(values)
 
 
-def _parse_prompt(body: dict) -> str | tuple[int, ...]:
+def _parse_prompt(body: dict[str, Any]) -> str | tuple[int, ...]:
     """A string or token ids; a batch of exactly one of either is unwrapped."""
     prompt = body.get("prompt")
     if prompt is None:
@@ -174,7 +174,7 @@ def _parse_prompt(body: dict) -> str | tuple[int, ...]:
     return _token_ids(prompt, "prompt")
 
 
-def _content(message: dict, i: int, role: str) -> str:
+def _content(message: dict[str, Any], i: int, role: str) -> str:
     content = message.get("content")
     param = f"messages[{i}].content"
     if content is None:
@@ -195,7 +195,7 @@ def _content(message: dict, i: int, role: str) -> str:
     return "\n".join(texts)
 
 
-def _parse_messages(body: dict) -> tuple[ChatMessage, ...]:
+def _parse_messages(body: dict[str, Any]) -> tuple[ChatMessage, ...]:
     messages = body.get("messages")
     if messages is None:
         raise SchemaError("messages is required", "messages")
@@ -215,7 +215,7 @@ def _parse_messages(body: dict) -> tuple[ChatMessage, ...]:
     return tuple(out)
 
 
-def _parse_stop(body: dict) -> tuple[str, ...]:
+def _parse_stop(body: dict[str, Any]) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
         return ()
@@ -228,7 +228,7 @@ def _parse_stop(body: dict) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _refuse_unsupported(body: dict, endpoint: Endpoint) -> None:
+def _refuse_unsupported(body: dict[str, Any], endpoint: Endpoint) -> None:
     """Fields that would change the response's shape: refused, rather than silently ignored."""
     n = _get_int(body, "n", 1)
     if n != 1:
