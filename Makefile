@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/kvfleet/v1/*.proto)
 GEN_STAMP := kvfleet/v1/.generated
 
-.PHONY: install protos demo test sweep clean
+.PHONY: install protos demo test sweep soak clean
 
 install: $(STAMP) $(GEN_STAMP)
 
@@ -30,6 +30,9 @@ demo: install
 
 sweep: install
 	$(BIN)/kvfleet sweep --out sweep.json
+
+soak: install
+	$(BIN)/kvfleet soak --model smollm2-135m --sessions 300 --concurrency 64
 
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider

@@ -192,6 +192,21 @@ def cmd_summary(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_soak(a: argparse.Namespace) -> int:
+    from kvfleet.local_cluster import LocalCluster
+    from kvfleet.soak import SoakSpec, engine_reference, run_soak
+
+    spec = SoakSpec(sessions=a.sessions, concurrency=a.concurrency, seed=a.seed,
+                    new_tokens=(4, a.max_new_tokens))
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    log(f"soak: {spec.sessions} sessions, {spec.concurrency} concurrent streams, model {a.model}")
+    reference = engine_reference(a.model)
+    with LocalCluster(_spec(a)) as cluster:
+        report = run_soak(cluster, spec, reference, progress=log)
+    print("\n".join(report.lines()))
+    return 0 if report.ok else 1
+
+
 def cmd_telemetry(a: argparse.Namespace) -> int:
     from kvfleet.client import SchedulerClient
     from kvfleet.sweep import snapshot_dict
@@ -309,6 +324,14 @@ def build_parser() -> argparse.ArgumentParser:
     su.add_argument("--gates", default="", help="a gate spec JSON file (default: the service's)")
     su.add_argument("--out", default="", help="write the summary JSON (and the HTML report beside it)")
     su.set_defaults(fn=cmd_summary)
+
+    so = sub.add_parser("soak", help="a bounded load test with cancels, deadlines and a worker crash")
+    _add_cluster_flags(so, model="smollm2-135m")
+    so.add_argument("--sessions", type=int, default=300)
+    so.add_argument("--concurrency", type=int, default=64)
+    so.add_argument("--max-new-tokens", type=int, default=40)
+    so.add_argument("--seed", type=int, default=0)
+    so.set_defaults(fn=cmd_soak)
 
     te = sub.add_parser("telemetry", help="print the scheduler's live telemetry snapshot")
     te.add_argument("--scheduler", default=DEFAULT_SCHEDULER)

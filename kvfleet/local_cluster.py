@@ -68,7 +68,7 @@ class LocalCluster:
         return env
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        out = open(self.log_dir / f"{name}.log", "wb")
+        out = open(self.log_dir / f"{name}.log", "ab")
         env = {**os.environ, **self._env()}
         proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
         self.procs[name] = proc
@@ -84,13 +84,8 @@ class LocalCluster:
                                           "--db", str(self.log_dir / "telemetry.db")])
                 self._wait_healthy([self.telemetry_address])
             for i in range(s.workers):
-                port = free_port(s.host)
-                self.worker_addresses.append(f"{s.host}:{port}")
-                self._spawn(f"worker-{i}", ["-m", "worker_svc", "--host", s.host, "--port", str(port),
-                                            "--worker-id", f"worker-{i}", "--model", s.model,
-                                            "--device", s.device, "--dtype", s.dtype,
-                                            "--num-blocks", str(s.num_blocks),
-                                            "--block-size", str(s.block_size), "--kv-views", s.kv_views])
+                self.worker_addresses.append(f"{s.host}:{free_port(s.host)}")
+                self._spawn_worker(i)
             self._wait_healthy(self.worker_addresses)
             port = s.scheduler_port or free_port(s.host)
             self.scheduler_address = f"{s.host}:{port}"
@@ -104,6 +99,29 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    def _spawn_worker(self, i: int) -> None:
+        s = self.spec
+        port = self.worker_addresses[i].rsplit(":", 1)[1]
+        self._spawn(f"worker-{i}", ["-m", "worker_svc", "--host", s.host, "--port", port,
+                                    "--worker-id", f"worker-{i}", "--model", s.model,
+                                    "--device", s.device, "--dtype", s.dtype,
+                                    "--num-blocks", str(s.num_blocks),
+                                    "--block-size", str(s.block_size), "--kv-views", s.kv_views])
+
+    def kill_worker(self, i: int) -> None:
+        """SIGKILL: a crash, not a drain."""
+        proc = self.procs.pop(f"worker-{i}")
+        proc.kill()
+        proc.wait()
+
+    def restart_worker(self, i: int) -> None:
+        """Start worker i again on its old address and wait until it is healthy."""
+        self._spawn_worker(i)
+        self._wait_healthy([self.worker_addresses[i]])
+
+    def pid(self, name: str) -> int:
+        return self.procs[name].pid
 
     def _wait_healthy(self, addresses: list[str]) -> None:
         end = time.monotonic() + self.spec.start_timeout_s
