@@ -68,12 +68,21 @@ def _scheduler(a: argparse.Namespace) -> Iterator[str]:
 def cmd_up(a: argparse.Namespace) -> int:
     from kvfleet.local_cluster import LocalCluster
 
-    cluster = LocalCluster(_spec(a, a.port))
-    print(f"starting {a.workers} workers ({a.model} on {a.device}) and the scheduler ...", flush=True)
+    import dataclasses
+
+    spec = _spec(a, a.port)
+    if not a.no_gateway:
+        spec = dataclasses.replace(spec, gateway=True, gateway_port=a.gateway_port)
+    spec = dataclasses.replace(spec, telemetry_port=a.telemetry_port)
+    cluster = LocalCluster(spec)
+    print(f"starting {a.workers} workers ({a.model} on {a.device}), the scheduler, telemetry"
+          f"{' and the HTTP gateway' if spec.gateway else ''} ...", flush=True)
     cluster.start()
-    print(f"kvfleet is up: scheduler at {cluster.scheduler_address} "
-          f"(workers {', '.join(cluster.worker_addresses)}; logs in {cluster.log_dir}). "
-          f"Ctrl-C drains and stops.", flush=True)
+    gateway = f", OpenAI API at {cluster.gateway_url}/v1" if cluster.gateway_url else ""
+    print(f"kvfleet is up: scheduler at {cluster.scheduler_address}{gateway}, telemetry (OTLP) at "
+          f"{cluster.telemetry_address} (workers {', '.join(cluster.worker_addresses)}; "
+          f"metrics ports {cluster.metrics_ports}; logs in {cluster.log_dir}). Ctrl-C drains and stops.",
+          flush=True)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:
@@ -268,6 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start a local cluster (scheduler + workers); Ctrl-C drains and stops")
     _add_cluster_flags(up)
     up.add_argument("--port", type=int, default=50051, help="the scheduler's client port")
+    up.add_argument("--telemetry-port", type=int, default=4317, help="the telemetry service's OTLP port")
+    up.add_argument("--gateway-port", type=int, default=8000,
+                    help="the OpenAI-compatible HTTP gateway's port (key: env KVFLEET_GATEWAY_API_KEY)")
+    up.add_argument("--no-gateway", action="store_true", help="start no HTTP gateway")
     up.set_defaults(fn=cmd_up)
 
     for name, fn, helptext in (("generate", cmd_generate, "send one session and stream its tokens"),

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +43,8 @@ class ClusterSpec:
     telemetry_port: int = 0            # 0 = a free port
     extra_env: dict[str, str] = field(default_factory=dict)
     scheduler_args: tuple[str, ...] = ()   # more flags for python -m scheduler_svc
+    gateway: bool = False              # also start the OpenAI-compatible HTTP gateway
+    gateway_port: int = 0              # 0 = a free port
     start_timeout_s: float = 180.0
 
     def __post_init__(self) -> None:
@@ -56,6 +60,8 @@ class LocalCluster:
         self.worker_addresses: list[str] = []
         self.scheduler_address = ""
         self.telemetry_address = ""
+        self.metrics_ports: dict[str, int] = {}
+        self.gateway_url = ""
 
     def _env(self) -> dict[str, str]:
         env = dict(self.spec.extra_env)
@@ -89,12 +95,20 @@ class LocalCluster:
             self._wait_healthy(self.worker_addresses)
             port = s.scheduler_port or free_port(s.host)
             self.scheduler_address = f"{s.host}:{port}"
+            self.metrics_ports["scheduler"] = free_port(s.host)
             self._spawn("scheduler", ["-m", "scheduler_svc", "--host", s.host, "--port", str(port),
+                                      "--metrics-port", str(self.metrics_ports["scheduler"]),
                                       "--workers", ",".join(self.worker_addresses), "--model", s.model,
                                       "--max-running", str(s.max_running),
                                       "--prefill-token-budget", str(s.prefill_token_budget),
                                       *s.scheduler_args])
             self._wait_healthy([self.scheduler_address])
+            if s.gateway:
+                port = s.gateway_port or free_port(s.host)
+                self.gateway_url = f"http://{s.host}:{port}"
+                self._spawn("gateway", ["-m", "gateway_svc", "--host", s.host, "--port", str(port),
+                                        "--scheduler", self.scheduler_address])
+                self._wait_http("gateway", self.gateway_url + "/health")
         except BaseException:
             self.stop()
             raise
@@ -103,7 +117,9 @@ class LocalCluster:
     def _spawn_worker(self, i: int) -> None:
         s = self.spec
         port = self.worker_addresses[i].rsplit(":", 1)[1]
+        metrics = self.metrics_ports.setdefault(f"worker-{i}", free_port(s.host))
         self._spawn(f"worker-{i}", ["-m", "worker_svc", "--host", s.host, "--port", port,
+                                    "--metrics-port", str(metrics),
                                     "--worker-id", f"worker-{i}", "--model", s.model,
                                     "--device", s.device, "--dtype", s.dtype,
                                     "--num-blocks", str(s.num_blocks),
@@ -138,9 +154,27 @@ class LocalCluster:
             if pending:
                 time.sleep(0.2)
 
+    def _wait_http(self, name: str, url: str) -> None:
+        end = time.monotonic() + self.spec.start_timeout_s
+        while True:
+            proc = self.procs[name]
+            if proc.poll() is not None:
+                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up:\n{tail}")
+            try:
+                with urllib.request.urlopen(url, timeout=1.0) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError):
+                pass   # an HTTPError (503 until a worker is live) is a URLError too
+            if time.monotonic() > end:
+                raise TimeoutError(f"{name} not healthy within {self.spec.start_timeout_s:.0f}s "
+                                   f"(logs in {self.log_dir})")
+            time.sleep(0.2)
+
     def stop(self, grace_s: float = 10.0) -> None:
         # Scheduler first, so it drains before its workers go; telemetry last, to get their spans.
-        order = {"scheduler": 0, "telemetry": 2}
+        order = {"gateway": -1, "scheduler": 0, "telemetry": 2}
         for name in sorted(self.procs, key=lambda n: order.get(n, 1)):
             proc = self.procs[name]
             if proc.poll() is None:

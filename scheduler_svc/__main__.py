@@ -32,6 +32,8 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
                    help="reserve worst-case KV at admission, or preempt under KV pressure")
     p.add_argument("--step-timeout", type=float, default=float(env("KVFLEET_STEP_TIMEOUT_S", "30")))
     p.add_argument("--drain-grace", type=float, default=float(env("KVFLEET_DRAIN_GRACE_S", "10")))
+    p.add_argument("--metrics-port", type=int, default=int(env("KVFLEET_METRICS_PORT", "9400")),
+                   help="Prometheus /metrics port (0 = off)")
     p.add_argument("--log-level", default=env("KVFLEET_LOG_LEVEL", "INFO"))
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(),
@@ -42,7 +44,8 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
                              kv_policy=a.kv_policy)
     workers = tuple(w.strip() for w in a.workers.split(",") if w.strip())
     return SchedulerConfig(host=a.host, port=a.port, workers=workers, limits=limits, model=a.model,
-                           step_timeout_s=a.step_timeout, drain_grace_s=a.drain_grace)
+                           step_timeout_s=a.step_timeout, drain_grace_s=a.drain_grace,
+                           metrics_port=a.metrics_port)
 
 
 def main(argv: list[str] | None = None) -> None:

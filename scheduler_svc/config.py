@@ -17,6 +17,7 @@ class SchedulerConfig:
     worker_connect_timeout_s: float = 60.0  # how long start-up waits for the workers
     health_interval_s: float = 1.0          # how often dead workers are probed
     drain_grace_s: float = 10.0
+    metrics_port: int = 9400                # Prometheus /metrics; 0 = off
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -16,6 +16,7 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core import (
     AdmissionRejected, FinishReason, RejectReason, SchedulerCore, SessionRequest,
 )
+from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.prompts import PromptError, PromptResolver
 from scheduler_svc.spans import ExperimentArm, SchedulerSpans
 from scheduler_svc.tick_loop import SessionEvent, TickLoop
@@ -35,8 +36,9 @@ REJECT_STATUS = {
 
 class SchedulerServicer(spb_grpc.SchedulerServicer):
     def __init__(self, core: SchedulerCore, loop: TickLoop, prompts: PromptResolver,
-                 spans: SchedulerSpans) -> None:
+                 spans: SchedulerSpans, metrics: SchedulerMetrics) -> None:
         self._core = core
+        self._metrics = metrics
         self._loop = loop
         self._prompts = prompts
         self._spans = spans
@@ -49,6 +51,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
             return self._prompts.session_request(req)
         except PromptError as exc:
             self._core.rejections.add(RejectReason.INVALID_REQUEST.value)
+            self._metrics.update_rejections(self._core.rejections.by_reason)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}{exc}")
             raise  # unreachable: abort raises
 
@@ -62,6 +65,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         try:
             return fn()
         except AdmissionRejected as exc:
+            self._metrics.update_rejections(self._core.rejections.by_reason)
             await context.abort(REJECT_STATUS[exc.reason], f"{exc.reason.value}: {exc.message}")
 
     # ---- RPCs ---------------------------------------------------------------------------
@@ -70,6 +74,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         await self._refuse_if_draining(context)
         sreq = await self._session_request(request, context)
         sid = await self._admit(context, lambda: self._core.submit(sreq))
+        self._metrics.arrived(sid)
         self._spans.start_session(sid, _operation(request), sreq.max_new_tokens,
                                   sreq.sampling.temperature,
                                   parent=extract_context(context.invocation_metadata()))
@@ -130,6 +135,8 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         workload_id, ids = await self._admit(context, lambda: self._core.submit_workload(reqs, policy))
         self._spans.start_workload(workload_id, len(ids), arm)
+        for sid in ids:
+            self._metrics.arrived(sid)
         for sid, r, sreq in zip(ids, request.sessions, reqs):
             self._spans.start_session(sid, _operation(r), sreq.max_new_tokens, sreq.sampling.temperature,
                                       workload_id=workload_id)
@@ -241,16 +248,22 @@ async def create_server(config: SchedulerConfig):
                  info.model.name, info.device, info.kv_capacity_tokens)
     prompts = PromptResolver.for_model(config.model or infos[0].model.name, infos[0].model)
     spans = SchedulerSpans(prompts.model_name)
-    loop = TickLoop(core, clients, spans, step_timeout_s=config.step_timeout_s,
+    metrics = SchedulerMetrics()
+    loop = TickLoop(core, clients, spans, metrics, step_timeout_s=config.step_timeout_s,
                     health_interval_s=config.health_interval_s)
-    servicer = SchedulerServicer(core, loop, prompts, spans)
+    servicer = SchedulerServicer(core, loop, prompts, spans, metrics)
     server = grpc.aio.server(options=grpcutil.SERVER_OPTIONS)
     spb_grpc.add_SchedulerServicer_to_server(servicer, server)
     health = grpcutil.add_health_and_reflection(server, [SERVICE_NAME])
     port = grpcutil.bind(server, config.host, config.port)
     await server.start()
     loop.start()
-    log.info("scheduler serving on %s:%d with %d workers", config.host, port, len(clients))
+    from kvfleet.metrics import serve_metrics
+
+    metrics.tick(core.snapshot(), 0, 0)
+    metrics_port = serve_metrics(metrics.registry, config.host, config.metrics_port)
+    log.info("scheduler serving on %s:%d with %d workers (metrics port %s)", config.host, port,
+             len(clients), metrics_port)
     return server, port, RunningScheduler(server, servicer, loop, health)
 
 

@@ -13,6 +13,7 @@ from scheduler_svc import convert
 from scheduler_svc.core import FinishReason, SchedulerCore, StepResult, TickOutcome, TickPlan
 from scheduler_svc.core.session import Phase
 from scheduler_svc.core.stats import TelemetrySnapshot
+from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.spans import SchedulerSpans
 from scheduler_svc.workers import WorkerClient
 
@@ -32,9 +33,10 @@ class SessionEvent:
 
 class TickLoop:
     def __init__(self, core: SchedulerCore, clients: list[WorkerClient], spans: SchedulerSpans,
-                 step_timeout_s: float, health_interval_s: float = 1.0) -> None:
+                 metrics: SchedulerMetrics, step_timeout_s: float, health_interval_s: float = 1.0) -> None:
         self._core = core
         self._spans = spans
+        self._metrics = metrics
         self._clients = {c.worker_id: c for c in clients}
         self._step_timeout_s = step_timeout_s
         self._health_interval_s = health_interval_s
@@ -92,6 +94,8 @@ class TickLoop:
         if state == "queued":
             session = self._core.session(session_id)
             self._spans.finished(session_id, FinishReason.CANCELLED.value, session.prompt_len, 0)
+            self._metrics.finished_session(session_id, FinishReason.CANCELLED.value)
+            self._metrics.tick(self._core.snapshot(), 0, 0)
             self._publish(SessionEvent(session_id, finish=FinishReason.CANCELLED))
         self._wake.set()
         return state
@@ -129,6 +133,8 @@ class TickLoop:
                 continue
             plan, early = self._core.plan_tick()
             self._deliver(early)
+            if early.finished:
+                self._metrics.tick(self._core.snapshot(), 0, 0)
             if early.release:
                 await self._release(early.release)
             if plan.empty:
@@ -156,6 +162,8 @@ class TickLoop:
             finally:
                 tick_span.end()
             self._deliver(out)
+            self._metrics.tick(self._core.snapshot(), sum(len(w.token_ids) for w in plan.prefill),
+                               len(plan.decode))
             if out.release:
                 await self._release(out.release)
             self._tick_done.set()
@@ -190,11 +198,13 @@ class TickLoop:
 
     def _deliver(self, out: TickOutcome) -> None:
         for sid, token in out.tokens:
+            self._metrics.token(sid)
             worker = self._core.session(sid).worker_id or ""
             self._publish(SessionEvent(sid, token=token, worker_id=worker))
         for sid, reason in out.finished:
             session = self._core.session(sid)
             self._spans.finished(sid, reason.value, session.prompt_len, len(session.generated))
+            self._metrics.finished_session(sid, reason.value)
             self._publish(SessionEvent(sid, finish=reason))
 
     def _publish(self, event: SessionEvent) -> None:

@@ -23,13 +23,15 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--num-blocks", type=int, default=int(env("KVFLEET_NUM_BLOCKS", "4096")))
     p.add_argument("--kv-views", default=env("KVFLEET_KV_VIEWS", "rebuild"),
                    choices=["rebuild", "persistent"])
+    p.add_argument("--metrics-port", type=int, default=int(env("KVFLEET_METRICS_PORT", "9401")),
+                   help="Prometheus /metrics port (0 = off)")
     p.add_argument("--log-level", default=env("KVFLEET_LOG_LEVEL", "INFO"))
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return WorkerConfig(host=a.host, port=a.port, worker_id=a.worker_id, model=a.model,
                         device=a.device, dtype=a.dtype, block_size=a.block_size,
-                        num_blocks=a.num_blocks, kv_views=a.kv_views)
+                        num_blocks=a.num_blocks, kv_views=a.kv_views, metrics_port=a.metrics_port)
 
 
 def main(argv: list[str] | None = None) -> None:

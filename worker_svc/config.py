@@ -16,6 +16,7 @@ class WorkerConfig:
     num_blocks: int = 4096
     kv_views: str = "rebuild"         # rebuild (control) | persistent (candidate)
     drain_grace_s: float = 10.0
+    metrics_port: int = 9401          # Prometheus /metrics; 0 = off
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

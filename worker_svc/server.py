@@ -14,6 +14,7 @@ from kvfleet.v1 import worker_pb2_grpc as pb_grpc
 from worker_svc import convert
 from worker_svc.config import WorkerConfig
 from worker_svc.engine import Engine, EngineConfig
+from worker_svc.metrics import WorkerMetrics
 from worker_svc.model.config import LlamaConfig
 from worker_svc.spans import emit_step_spans
 
@@ -22,8 +23,10 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, config: WorkerConfig, cfg: LlamaConfig, engine: Engine) -> None:
+    def __init__(self, config: WorkerConfig, cfg: LlamaConfig, engine: Engine,
+                 metrics: WorkerMetrics | None = None) -> None:
         self._config = config
+        self.metrics = metrics or WorkerMetrics(engine, config.worker_id)
         self._cfg = cfg
         self._engine = engine
         # One step at a time: the engine's cache is not shared between concurrent steps.
@@ -59,6 +62,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             step_ns = time.perf_counter_ns() - start
+        self.metrics.observe_step(step_ns / 1e9, sum(len(p.token_ids) for p in prefill), len(decode))
         attrs: dict[str, str | int] = {
             "kvfleet.worker.id": self._config.worker_id,
             "kvfleet.kv_views": kv_views or self._config.kv_views,
@@ -73,6 +77,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def Release(self, request, context):
         async with self._lock:
             released = self._engine.release(request.session_ids)
+        self.metrics.refresh()
         return pb.ReleaseResponse(released=released)
 
     async def GetStats(self, request, context):
@@ -98,10 +103,14 @@ async def create_server(config: WorkerConfig, loaded: tuple[LlamaConfig, Engine]
     """Build and start the worker server; returns (server, port, health servicer)."""
     cfg, engine = loaded if loaded is not None else build_engine(config)
     server = grpc.aio.server(options=grpcutil.SERVER_OPTIONS)
-    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(config, cfg, engine), server)
+    servicer = WorkerServicer(config, cfg, engine)
+    pb_grpc.add_WorkerServicer_to_server(servicer, server)
     health = grpcutil.add_health_and_reflection(server, [SERVICE_NAME])
     port = grpcutil.bind(server, config.host, config.port)
     await server.start()
+    from kvfleet.metrics import serve_metrics
+
+    serve_metrics(servicer.metrics.registry, config.host, config.metrics_port)
     log.info("worker %s serving %s on %s:%d (device %s, dtype %s, %d KV blocks of %d)",
              config.worker_id, cfg.name, config.host, port, engine.device, engine.dtype_name,
              config.num_blocks, config.block_size)

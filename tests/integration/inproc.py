@@ -18,7 +18,7 @@ class InProcessCluster:
         self.model = model
         self.limits = limits or SchedulerLimits()
         self.worker_config = WorkerConfig(host="127.0.0.1", port=0, model=model, num_blocks=num_blocks,
-                                          block_size=block_size, kv_views=kv_views)
+                                          block_size=block_size, kv_views=kv_views, metrics_port=0)
         self.step_timeout_s = step_timeout_s
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -43,7 +43,7 @@ class InProcessCluster:
             self.worker_addresses.append(f"127.0.0.1:{port}")
         config = SchedulerConfig(host="127.0.0.1", port=0, workers=tuple(self.worker_addresses),
                                  limits=self.limits, model=self.model, step_timeout_s=self.step_timeout_s,
-                                 health_interval_s=0.2, worker_connect_timeout_s=10)
+                                 health_interval_s=0.2, worker_connect_timeout_s=10, metrics_port=0)
         _, port, self.scheduler = self.run(create_scheduler(config))
         self.address = f"127.0.0.1:{port}"
         return self
