@@ -37,6 +37,7 @@ docker-wheelhouse: $(STAMP)
 	  || echo "no $(TORCH_CPU_WHEEL) wheel at hand; the image build gets it from download.pytorch.org"
 
 test-compose: install docker-base-image docker-wheelhouse
-	@$(BIN)/python -c "import docker, yaml" 2>/dev/null || $(BIN)/pip install -q docker pyyaml
+	@# -I: the repository's docker/ folder must not pass for the docker SDK
+	@$(BIN)/python -I -c "from docker import from_env; import yaml" 2>/dev/null || $(BIN)/pip install -q docker pyyaml
 	KVFLEET_E2E=1 KVFLEET_BASE_IMAGE=$(COMPOSE_BASE_IMAGE) KVFLEET_IMAGE=$(COMPOSE_IMAGE) \
 	  $(BIN)/python -m pytest tests/e2e -v -rs -p no:cacheprovider --timeout=1200
