@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway_svc.errors import ApiError, from_grpc, model_not_found
 from gateway_svc.openai_schema import Endpoint, GenerationRequest
 from kvfleet import grpcutil
+from kvfleet.security import aio_channel, token_metadata
 from kvfleet.client import build_request
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet.v1 import scheduler_pb2_grpc as spb_grpc
@@ -45,7 +46,9 @@ class Upstream:
 
     def __init__(self, address: str, models_ttl_s: float = 5.0, health_timeout_s: float = 2.0) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=grpcutil.CHANNEL_OPTIONS)
+        # TLS and the scheduler's bearer token from KVFLEET_TLS_* / KVFLEET_API_TOKEN.
+        self._channel = aio_channel(address, options=grpcutil.CHANNEL_OPTIONS)
+        self._md = tuple(token_metadata())
         self._stub = spb_grpc.SchedulerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._models_ttl_s = models_ttl_s
@@ -57,7 +60,8 @@ class Upstream:
 
     async def _workers(self) -> list[spb.WorkerState]:
         try:
-            resp = await self._stub.ListWorkers(spb.ListWorkersRequest(), timeout=self._health_timeout_s)
+            resp = await self._stub.ListWorkers(spb.ListWorkersRequest(), timeout=self._health_timeout_s,
+                                                metadata=self._md)
         except grpc.aio.AioRpcError as exc:
             raise from_grpc(exc) from exc
         return list(resp.workers)
@@ -93,7 +97,7 @@ class Upstream:
 
     def generate(self, req: GenerationRequest, metadata: Sequence[tuple[str, str]],
                  timeout_s: float) -> grpc.aio.UnaryStreamCall:
-        return self._stub.Generate(to_pb(req), metadata=tuple(metadata), timeout=timeout_s)
+        return self._stub.Generate(to_pb(req), metadata=tuple(metadata) + self._md, timeout=timeout_s)
 
 
 async def events(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[spb.GenerateEvent]:

@@ -190,7 +190,9 @@ def cmd_summary(a: argparse.Namespace) -> int:
     from kvfleet.v1 import telemetry_pb2_grpc as tpb_grpc
 
     spec_json = Path(a.gates).read_text() if a.gates else ""
-    with grpc.insecure_channel(a.telemetry) as channel:
+    from kvfleet.security import channel as open_channel
+
+    with open_channel(a.telemetry) as channel:
         stub = tpb_grpc.TelemetryStub(channel)
         doc = json.loads(stub.GetSummary(tpb.SummaryRequest(experiment_id=a.experiment,
                                                             gate_spec_json=spec_json), timeout=60).json)

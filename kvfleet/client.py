@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvfleet import grpcutil
+from kvfleet.security import TlsConfig, channel, token_metadata
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet.v1 import scheduler_pb2_grpc as spb_grpc
 
@@ -43,10 +44,12 @@ def build_request(prompt: str | Sequence[int] | list[dict], max_new_tokens: int,
 
 
 class SchedulerClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: TlsConfig | None = None, token: str | None = None) -> None:
+        """TLS and the bearer token default to KVFLEET_TLS_* and KVFLEET_API_TOKEN (kvfleet.security)."""
         self.address = address
-        self._channel = grpc.insecure_channel(address, options=grpcutil.CHANNEL_OPTIONS)
+        self._channel = channel(address, tls, options=grpcutil.CHANNEL_OPTIONS)
         self.stub = spb_grpc.SchedulerStub(self._channel)
+        self._md = tuple(token_metadata(token))
 
     def close(self) -> None:
         self._channel.close()
@@ -58,7 +61,7 @@ class SchedulerClient:
         self.close()
 
     def stream(self, request: spb.GenerateRequest, timeout: float | None = None) -> Iterator[spb.GenerateEvent]:
-        return self.stub.Generate(request, timeout=timeout)
+        return self.stub.Generate(request, timeout=timeout, metadata=self._md)
 
     def generate(self, request: spb.GenerateRequest, timeout: float | None = None) -> Completion:
         result: Completion | None = None
@@ -74,18 +77,18 @@ class SchedulerClient:
         return result
 
     def submit_workload(self, request: spb.WorkloadRequest, timeout: float | None = None) -> Iterator[spb.WorkloadEvent]:
-        return self.stub.SubmitWorkload(request, timeout=timeout)
+        return self.stub.SubmitWorkload(request, timeout=timeout, metadata=self._md)
 
     def telemetry(self, workload_id: str = "", at_tick: int = 0, timeout: float | None = 30.0) -> spb.TelemetrySnapshot:
         return self.stub.GetTelemetry(spb.TelemetryRequest(workload_id=workload_id, at_tick=at_tick),
-                                      timeout=timeout)
+                                      timeout=timeout, metadata=self._md)
 
     def telemetry_future(self, workload_id: str, at_tick: int, timeout: float = 60.0):
         return self.stub.GetTelemetry.future(spb.TelemetryRequest(workload_id=workload_id, at_tick=at_tick),
-                                             timeout=timeout)
+                                             timeout=timeout, metadata=self._md)
 
     def cancel(self, session_id: str) -> spb.CancelResponse:
-        return self.stub.Cancel(spb.CancelRequest(session_id=session_id), timeout=10)
+        return self.stub.Cancel(spb.CancelRequest(session_id=session_id), timeout=10, metadata=self._md)
 
     def list_workers(self) -> list[spb.WorkerState]:
-        return list(self.stub.ListWorkers(spb.ListWorkersRequest(), timeout=10).workers)
+        return list(self.stub.ListWorkers(spb.ListWorkersRequest(), timeout=10, metadata=self._md).workers)

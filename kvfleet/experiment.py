@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from kvfleet import security
 from kvfleet.client import SchedulerClient
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet.v1 import telemetry_pb2 as tpb
@@ -101,7 +102,7 @@ def run_experiment(client: SchedulerClient, telemetry_address: str, spec: Experi
             tokens[arm].extend(_run_arm(client, _request(spec, prompts, experiment_id, arm), len(prompts)))
     workload_doc = json.dumps({"prompts": prompts, **asdict(spec), "model": workers[0].model},
                               sort_keys=True, separators=(",", ":"))
-    with grpc.insecure_channel(telemetry_address) as channel:
+    with security.channel(telemetry_address) as channel:
         stub = tpb_grpc.TelemetryStub(channel)
         record = stub.RecordArtifact
         for arm in ARMS:

@@ -42,9 +42,13 @@ def set_not_serving(health_servicer: health.HealthServicer, service_names: Itera
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+def bind(server: grpc.aio.Server, host: str, port: int, tls=None) -> int:
+    """Listen on host:port, with TLS when `tls` (a kvfleet.security.TlsConfig) has a certificate."""
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_insecure_port(address)
+    if tls is not None and tls.serves_tls:
+        bound = server.add_secure_port(address, tls.server_credentials())
+    else:
+        bound = server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"could not bind {address}; is the port in use?")
     return bound
@@ -59,8 +63,11 @@ async def wait_for_termination_signal() -> None:
     await stop.wait()
 
 
-async def check_health(address: str, timeout: float = 1.0) -> bool:
-    async with grpc.aio.insecure_channel(address) as channel:
+async def check_health(address: str, timeout: float = 1.0, tls=None) -> bool:
+    """tls: a kvfleet.security.TlsConfig; None = from the environment."""
+    from kvfleet.security import aio_channel
+
+    async with aio_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             resp = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)

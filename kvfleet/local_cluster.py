@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfleet.grpcutil import check_health
+from kvfleet.security import TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,9 @@ class ClusterSpec:
     telemetry_port: int = 0            # 0 = a free port
     extra_env: dict[str, str] = field(default_factory=dict)
     scheduler_args: tuple[str, ...] = ()   # more flags for python -m scheduler_svc
+    tls_dir: str = ""                  # certificates from deploy/tls/make_dev_certs.sh: TLS everywhere,
+                                       # mutual TLS towards workers and telemetry
+    api_token: str = ""                # the scheduler's client API wants this bearer token
     gateway: bool = False              # also start the OpenAI-compatible HTTP gateway
     gateway_port: int = 0              # 0 = a free port
     start_timeout_s: float = 180.0
@@ -63,11 +67,39 @@ class LocalCluster:
         self.metrics_ports: dict[str, int] = {}
         self.gateway_url = ""
 
-    def _env(self) -> dict[str, str]:
+    @property
+    def client_tls(self) -> TlsConfig:
+        """How this process (and tests) dial the cluster's services."""
+        d = self.spec.tls_dir
+        if not d:
+            return TlsConfig()
+        return TlsConfig(cert=f"{d}/client.pem", key=f"{d}/client.key", ca=f"{d}/ca.pem")
+
+    def _tls_env(self, name: str) -> dict[str, str]:
+        d = self.spec.tls_dir
+        if not d:
+            return {}
+        ident = name.split("-")[0]           # worker-0 -> worker
+        env = {"KVFLEET_TLS_CERT": f"{d}/{ident}.pem", "KVFLEET_TLS_KEY": f"{d}/{ident}.key",
+               "KVFLEET_TLS_CA": f"{d}/ca.pem",
+               "OTEL_EXPORTER_OTLP_CERTIFICATE": f"{d}/ca.pem",
+               "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE": f"{d}/{ident}.pem",
+               "OTEL_EXPORTER_OTLP_CLIENT_KEY": f"{d}/{ident}.key"}
+        if ident == "worker":                # only the scheduler may drive a worker
+            env.update(KVFLEET_TLS_CLIENT_AUTH="true", KVFLEET_TLS_ALLOWED_CLIENTS="kvfleet-scheduler")
+        if ident == "telemetry":             # only cluster services may send spans
+            env.update(KVFLEET_TLS_CLIENT_AUTH="true")
+        return env
+
+    def _env(self, name: str = "") -> dict[str, str]:
         env = dict(self.spec.extra_env)
+        env.update(self._tls_env(name))
+        if self.spec.api_token and name in ("scheduler", "gateway"):
+            env["KVFLEET_API_TOKEN"] = self.spec.api_token
         if self.telemetry_address:
-            env.setdefault("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://{self.telemetry_address}")
-            env.setdefault("OTEL_EXPORTER_OTLP_INSECURE", "true")
+            scheme = "https" if self.spec.tls_dir else "http"
+            env.setdefault("OTEL_EXPORTER_OTLP_ENDPOINT", f"{scheme}://{self.telemetry_address}")
+            env.setdefault("OTEL_EXPORTER_OTLP_INSECURE", "false" if self.spec.tls_dir else "true")
             # Short export delay so a finished run's spans reach the store within a second.
             env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "200")
             env.setdefault("OTEL_BSP_MAX_QUEUE_SIZE", "65536")
@@ -75,7 +107,7 @@ class LocalCluster:
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         out = open(self.log_dir / f"{name}.log", "ab")
-        env = {**os.environ, **self._env()}
+        env = {**os.environ, **self._env(name)}
         proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
         self.procs[name] = proc
         return proc
@@ -147,7 +179,7 @@ class LocalCluster:
                 if proc.poll() is not None:
                     tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
                     raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up:\n{tail}")
-            pending = [a for a in pending if not asyncio.run(check_health(a, timeout=1.0))]
+            pending = [a for a in pending if not asyncio.run(check_health(a, 1.0, self.client_tls))]
             if pending and time.monotonic() > end:
                 raise TimeoutError(f"not healthy within {self.spec.start_timeout_s:.0f}s: {pending} "
                                    f"(logs in {self.log_dir})")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvfleet import security
 from kvfleet.client import SchedulerClient, build_request
 from kvfleet.local_cluster import LocalCluster
 from kvfleet.v1 import worker_pb2 as wpb
@@ -111,7 +112,7 @@ def run_soak(cluster: LocalCluster, spec: SoakSpec, reference: Callable[[_Plan],
     report = SoakReport()
     names = [n for n in cluster.procs if n != "telemetry"]
     report.rss_before_kb = {n: _rss_kb(cluster.pid(n)) for n in names}
-    client = SchedulerClient(cluster.scheduler_address)
+    client = SchedulerClient(cluster.scheduler_address, cluster.client_tls, cluster.spec.api_token)
     vocab = client.list_workers()[0].vocab_size
     plans = _plans(spec, vocab)
     results: dict[int, list[int]] = {}
@@ -184,7 +185,7 @@ def run_soak(cluster: LocalCluster, spec: SoakSpec, reference: Callable[[_Plan],
     report.kv_bytes_after = snap.kv_total_bytes
     held = 0
     for address in cluster.worker_addresses:
-        with grpc.insecure_channel(address) as ch:
+        with security.channel(address, cluster.client_tls) as ch:
             held += wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(), timeout=10).active_sessions
     report.worker_sessions_after = held
     report.rss_after_kb = {n: _rss_kb(cluster.pid(n)) for n in names}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvfleet.security import TlsConfig
 from scheduler_svc.core import SchedulerLimits
 
 
@@ -18,6 +19,8 @@ class SchedulerConfig:
     health_interval_s: float = 1.0          # how often dead workers are probed
     drain_grace_s: float = 10.0
     metrics_port: int = 9400                # Prometheus /metrics; 0 = off
+    tls: TlsConfig = field(default_factory=TlsConfig)   # serving, and dialling the workers
+    api_token: str = ""                     # clients must send "authorization: Bearer <token>"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kvfleet import grpcutil
+from kvfleet.security import authorize_token
 from kvfleet.tracing import extract_context
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet.v1 import scheduler_pb2_grpc as spb_grpc
@@ -36,7 +37,8 @@ REJECT_STATUS = {
 
 class SchedulerServicer(spb_grpc.SchedulerServicer):
     def __init__(self, core: SchedulerCore, loop: TickLoop, prompts: PromptResolver,
-                 spans: SchedulerSpans, metrics: SchedulerMetrics) -> None:
+                 spans: SchedulerSpans, metrics: SchedulerMetrics, api_token: str = "") -> None:
+        self._api_token = api_token
         self._core = core
         self._metrics = metrics
         self._loop = loop
@@ -71,6 +73,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
     # ---- RPCs ---------------------------------------------------------------------------
 
     async def Generate(self, request, context) -> AsyncIterator[spb.GenerateEvent]:
+        await authorize_token(context, self._api_token)
         await self._refuse_if_draining(context)
         sreq = await self._session_request(request, context)
         sid = await self._admit(context, lambda: self._core.submit(sreq))
@@ -123,6 +126,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         return finished
 
     async def SubmitWorkload(self, request, context) -> AsyncIterator[spb.WorkloadEvent]:
+        await authorize_token(context, self._api_token)
         await self._refuse_if_draining(context)
         reqs = [await self._session_request(r, context, f"session {i}: ")
                 for i, r in enumerate(request.sessions)]
@@ -174,6 +178,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
             self._spans.end_workload(workload_id)
 
     async def Cancel(self, request, context):
+        await authorize_token(context, self._api_token)
         if not request.session_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "session_id is empty; pass the id from the session's first event")
@@ -185,6 +190,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         return spb.CancelResponse(cancelled=state in ("queued", "prefill", "decode"), state=state)
 
     async def GetTelemetry(self, request, context):
+        await authorize_token(context, self._api_token)
         if request.at_tick and request.workload_id:
             if not self._core.has_workload(request.workload_id):
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"no workload {request.workload_id!r}")
@@ -200,6 +206,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         return convert.snapshot_to_pb(self._core.snapshot())
 
     async def ListWorkers(self, request, context):
+        await authorize_token(context, self._api_token)
         resp = spb.ListWorkersResponse()
         for client in self._loop.clients():
             if client.info is None:
@@ -240,7 +247,7 @@ async def _batches(events: asyncio.Queue, context) -> AsyncIterator[list[Session
 async def create_server(config: SchedulerConfig):
     """Connect to the workers, then build and start the server. Returns (server, port, service)."""
     core = SchedulerCore(config.limits)
-    clients = [WorkerClient.open(a) for a in config.workers]
+    clients = [WorkerClient.open(a, config.tls) for a in config.workers]
     infos = await asyncio.gather(*(c.wait_ready(config.worker_connect_timeout_s) for c in clients))
     for client, info in zip(clients, infos):
         core.add_worker(client.spec(), info.model.vocab_size, info.model.max_position)
@@ -251,11 +258,11 @@ async def create_server(config: SchedulerConfig):
     metrics = SchedulerMetrics()
     loop = TickLoop(core, clients, spans, metrics, step_timeout_s=config.step_timeout_s,
                     health_interval_s=config.health_interval_s)
-    servicer = SchedulerServicer(core, loop, prompts, spans, metrics)
+    servicer = SchedulerServicer(core, loop, prompts, spans, metrics, config.api_token)
     server = grpc.aio.server(options=grpcutil.SERVER_OPTIONS)
     spb_grpc.add_SchedulerServicer_to_server(servicer, server)
     health = grpcutil.add_health_and_reflection(server, [SERVICE_NAME])
-    port = grpcutil.bind(server, config.host, config.port)
+    port = grpcutil.bind(server, config.host, config.port, config.tls)
     await server.start()
     loop.start()
     from kvfleet.metrics import serve_metrics

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvfleet import grpcutil
+from kvfleet.security import TlsConfig, aio_channel
 from kvfleet.v1 import worker_pb2 as wpb
 from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
 from scheduler_svc.core import WorkerSpec
@@ -24,8 +25,8 @@ class WorkerClient:
     info: wpb.WorkerInfo | None = None
 
     @classmethod
-    def open(cls, address: str) -> "WorkerClient":
-        channel = grpc.aio.insecure_channel(address, options=grpcutil.CHANNEL_OPTIONS)
+    def open(cls, address: str, tls: TlsConfig | None = None) -> "WorkerClient":
+        channel = aio_channel(address, tls or TlsConfig(), options=grpcutil.CHANNEL_OPTIONS)
         return cls(address=address, channel=channel, stub=wpb_grpc.WorkerStub(channel))
 
     @property

@@ -29,7 +29,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return WorkerConfig(host=a.host, port=a.port, worker_id=a.worker_id, model=a.model,
+    from kvfleet.security import TlsConfig
+
+    return WorkerConfig(tls=TlsConfig.from_env(), host=a.host, port=a.port, worker_id=a.worker_id, model=a.model,
                         device=a.device, dtype=a.dtype, block_size=a.block_size,
                         num_blocks=a.num_blocks, kv_views=a.kv_views, metrics_port=a.metrics_port)
 

@@ -1,7 +1,9 @@
 """Worker settings, built once in the entry point from flags and environment."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvfleet.security import TlsConfig
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,7 @@ class WorkerConfig:
     kv_views: str = "rebuild"         # rebuild (control) | persistent (candidate)
     drain_grace_s: float = 10.0
     metrics_port: int = 9401          # Prometheus /metrics; 0 = off
+    tls: TlsConfig = field(default_factory=TlsConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

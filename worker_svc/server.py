@@ -8,6 +8,7 @@ import time
 import grpc
 
 from kvfleet import grpcutil
+from kvfleet.security import authorize_peer
 from kvfleet.tracing import extract_context
 from kvfleet.v1 import worker_pb2 as pb
 from kvfleet.v1 import worker_pb2_grpc as pb_grpc
@@ -33,16 +34,20 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._lock = asyncio.Lock()
 
     async def GetInfo(self, request, context):
+        await authorize_peer(context, self._config.tls)
         return convert.info_to_pb(self._config.worker_id, self._cfg, self._engine,
                                   self._config.block_size, self._config.num_blocks)
 
     async def Prefill(self, request, context):
+        await authorize_peer(context, self._config.tls)
         return await self._step(convert.prefill_from_pb(request.items), [], context)
 
     async def Decode(self, request, context):
+        await authorize_peer(context, self._config.tls)
         return await self._step([], convert.decode_from_pb(request.items), context)
 
     async def Step(self, request, context):
+        await authorize_peer(context, self._config.tls)
         return await self._step(convert.prefill_from_pb(request.prefill),
                                 convert.decode_from_pb(request.decode), context, request)
 
@@ -75,12 +80,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return convert.step_to_pb(out, step_ns)
 
     async def Release(self, request, context):
+        await authorize_peer(context, self._config.tls)
         async with self._lock:
             released = self._engine.release(request.session_ids)
         self.metrics.refresh()
         return pb.ReleaseResponse(released=released)
 
     async def GetStats(self, request, context):
+        await authorize_peer(context, self._config.tls)
         s = self._engine.stats()
         return pb.WorkerStats(steps=s.steps, prefill_tokens=s.prefill_tokens,
                               decode_tokens=s.decode_tokens, cache_misses=s.cache_misses,
@@ -106,7 +113,7 @@ async def create_server(config: WorkerConfig, loaded: tuple[LlamaConfig, Engine]
     servicer = WorkerServicer(config, cfg, engine)
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
     health = grpcutil.add_health_and_reflection(server, [SERVICE_NAME])
-    port = grpcutil.bind(server, config.host, config.port)
+    port = grpcutil.bind(server, config.host, config.port, config.tls)
     await server.start()
     from kvfleet.metrics import serve_metrics
 
