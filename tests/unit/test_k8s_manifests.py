@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import pytest
 
-yaml = pytest.importorskip("yaml")
+import yaml  # noqa: E402  (a test dependency: pyyaml)
 
 K8S_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 K8S_VERSION = "1.30.0"  # grpc probes are GA since 1.27; validate against a widely deployed release
