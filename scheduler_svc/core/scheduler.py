@@ -392,18 +392,19 @@ class SchedulerCore:
                 self._requeue(session)
                 continue
             session.kv_tokens = result.kv_tokens
-            is_prefill = isinstance(work, PrefillWork)
-            n = len(work.token_ids) if isinstance(work, PrefillWork) else 1
-            bucket = wl_prefill if is_prefill else wl_decode
-            if session.workload_id:
-                bucket[session.workload_id] = bucket.get(session.workload_id, 0) + n
-            if is_prefill:
+            wid = session.workload_id
+            if isinstance(work, PrefillWork):
+                n = len(work.token_ids)
                 prefill_total += n
+                if wid:
+                    wl_prefill[wid] = wl_prefill.get(wid, 0) + n
                 if not work.last_chunk:
                     continue
                 session.phase = Phase.DECODE
             else:
                 decode_total += 1
+                if wid:
+                    wl_decode[wid] = wl_decode.get(wid, 0) + 1
             if result.token_id is None:
                 raise ValueError(f"worker {work.worker_id} returned no token for {work.session_id}")
             self._accept_token(session, result.token_id, out)
