@@ -40,17 +40,17 @@ async def serve(config: GatewayConfig) -> None:
     """Serve until SIGTERM/SIGINT, with tracing on when the OTEL_* environment asks for it."""
     from gateway_svc.app import create_server
     from kvfleet.grpcutil import wait_for_termination_signal
-    from kvfleet.tracing import setup_tracing, shutdown_tracing
+    from kvfleet.tracing import run_traced
 
     log = logging.getLogger("gateway_svc")
-    provider = setup_tracing("kvfleet-gateway")
-    try:
+
+    async def run() -> None:
         running, _ = await create_server(config)
         await wait_for_termination_signal()
         log.info("gateway draining (grace %.1fs)", config.drain_grace_s)
         await running.stop()
-    finally:
-        shutdown_tracing(provider)
+
+    await run_traced("kvfleet-gateway", run())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Iterable, Mapping
+from typing import Awaitable, Iterable, Mapping
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -93,3 +93,13 @@ def extract_context(metadata: Iterable[tuple[str, str | bytes]] | None) -> Conte
         if isinstance(value, str) and not key.endswith("-bin"):
             carrier[key.lower()] = value
     return _PROPAGATOR.extract(carrier)
+
+
+async def run_traced(service_name: str, main: Awaitable[None]) -> None:
+    """Run a service's main coroutine with tracing set up from the environment, and flush its
+    spans when it ends (normally or not)."""
+    provider = setup_tracing(service_name)
+    try:
+        await main
+    finally:
+        shutdown_tracing(provider)

@@ -302,10 +302,6 @@ async def _serve(config: SchedulerConfig) -> None:
 
 async def serve(config) -> None:
     """Serve with tracing on when the OTEL_* environment asks for it; flush spans at exit."""
-    from kvfleet.tracing import setup_tracing, shutdown_tracing
+    from kvfleet.tracing import run_traced
 
-    provider = setup_tracing("kvfleet-scheduler")
-    try:
-        await _serve(config)
-    finally:
-        shutdown_tracing(provider)
+    await run_traced("kvfleet-scheduler", _serve(config))

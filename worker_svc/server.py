@@ -135,10 +135,6 @@ async def _serve(config: WorkerConfig) -> None:
 
 async def serve(config) -> None:
     """Serve with tracing on when the OTEL_* environment asks for it; flush spans at exit."""
-    from kvfleet.tracing import setup_tracing, shutdown_tracing
+    from kvfleet.tracing import run_traced
 
-    provider = setup_tracing("kvfleet-worker")
-    try:
-        await _serve(config)
-    finally:
-        shutdown_tracing(provider)
+    await run_traced("kvfleet-worker", _serve(config))
