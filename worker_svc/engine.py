@@ -328,19 +328,30 @@ class Engine:
         return sync_ns
 
     def _forward(self, admitted: list[_Admitted], times: PhaseTimes, views) -> torch.Tensor:
+        """Logits [N, V] of the sampled items, in ``admitted`` order (see ``_sample``)."""
+        # Attention groups want multi-token items first, then one-token items.
+        order = sorted(range(len(admitted)), key=lambda i: len(admitted[i].tokens) == 1)
+        items = [admitted[i] for i in order]
         layout = BatchLayout(
-            session_ids=tuple(a.session_id for a in admitted),
-            starts=tuple(a.start for a in admitted),
-            lengths=tuple(len(a.tokens) for a in admitted),
-            block_tables=tuple(tuple(self.books.blocks(a.session_id)) for a in admitted))
-        attn_rows = views.begin_step(layout)
-        st = step_tensors(layout, attn_rows,
-                          tokens=[t for a in admitted for t in a.tokens],
-                          slots=[s for a in admitted for s in a.slots],
-                          sample_items=[i for i, a in enumerate(admitted) if a.sample],
-                          device=self.device)
+            session_ids=tuple(a.session_id for a in items),
+            starts=tuple(a.start for a in items),
+            lengths=tuple(len(a.tokens) for a in items),
+            block_tables=tuple(tuple(self.books.blocks(a.session_id)) for a in items),
+            num_multi=sum(1 for a in items if len(a.tokens) > 1))
+        groups = views.begin_step(layout)
+        sampled = [j for j, a in enumerate(items) if a.sample]
+        st = step_tensors(self.cfg, layout, groups,
+                          tokens=[t for a in items for t in a.tokens],
+                          slots=[s for a in items for s in a.slots],
+                          sample_items=sampled, dtype=self.model.dtype, device=self.device)
         sync = self.device.type != "cpu" and self.config.profile_sync
-        return self.model.forward(st, self.cache, views, times, sync=sync)
+        logits = self.model.forward(st, self.cache, views, times, sync=sync)
+        # Back to admitted order: row k of the result is the k-th sampled item of ``admitted``.
+        rank = {order[j]: r for r, j in enumerate(sampled)}
+        back = [rank[i] for i, a in enumerate(admitted) if a.sample]
+        if back != list(range(len(back))):
+            logits = logits[torch.tensor(back, device=logits.device)]
+        return logits
 
     # -- lifetime ----------------------------------------------------------------------------
 

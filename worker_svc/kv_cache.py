@@ -2,33 +2,44 @@
 
 The paged cache is the source of truth: every new token's K/V is written to its slot (the
 block/offset pair chosen by ``block_allocator.KVBookkeeper``). Attention wants, per session,
-K/V as one contiguous run of positions, padded to a common length across the batch; a *views*
+K/V as one contiguous run of positions, padded to a common length across a batch; a *views*
 object produces that, in one of two ways (``kv_views``):
 
 - ``RebuildViews`` ("rebuild", the control): every layer of every step gathers each session's
-  K/V from its blocks into fresh padded tensors. Cost grows with the total context per step.
+  blocks from the paged cache into fresh padded tensors. Cost grows with the total context per
+  step (a copy of it, per layer).
 - ``PersistentViews`` ("persistent", the candidate): each session owns a row of a persistent
   slab that outlives the step; a step appends only its new tokens to the rows, and attention
-  reads a slice of the slab. Cost per decode step is the new tokens, plus growth (amortised by
-  doubling) and a row gather when the step's sessions are not a contiguous run of rows.
+  reads a slice of the slab (no copy when the group's rows are consecutive). Cost per decode
+  step is the new tokens, plus growth (amortised by doubling) and a row gather when a group's
+  sessions are not a contiguous run of rows.
 
-Both produce K/V of shape [B, S, Hkv, D] in the batch order they return from ``begin_step``.
+A step's items are split into two attention *groups* (``BatchLayout.num_multi``): items with
+several new tokens (prefill chunks) first, then items with one new token (decodes, and prefill
+chunks of one token). Each group is one batched attention; a group's K/V come as one tensor
+``[2, N, S, D]`` (K and V stacked; N = items x kv heads in the order ``AttnGroup.order`` names)
+so that attention is a plain ``bmm`` with no copy of K/V.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """Which sessions a step runs and where their tokens go; built on the host once per step."""
+    """Which sessions a step runs and where their tokens go; built on the host once per step.
+
+    Items are ordered multi-token items first (``num_multi`` of them), then one-token items.
+    """
 
     session_ids: tuple[str, ...]
     starts: tuple[int, ...]                  # tokens already cached before this step, per item
     lengths: tuple[int, ...]                 # new (query) tokens this step, per item
     block_tables: tuple[tuple[int, ...], ...]  # blocks per item after this step's append
+    num_multi: int = 0                       # items [0, num_multi) have lengths > 1
 
     @property
     def totals(self) -> tuple[int, ...]:
@@ -38,55 +49,101 @@ class BatchLayout:
     def max_total(self) -> int:
         return max(self.totals)
 
+    def group_items(self) -> tuple[range, range]:
+        """(multi-token items, one-token items); either may be empty."""
+        return range(0, self.num_multi), range(self.num_multi, len(self.session_ids))
+
+
+@dataclass(frozen=True)
+class AttnGroup:
+    """How a views object lays one group's K/V out for attention."""
+
+    items: range                  # the group's items in the layout
+    order: str                    # "bh": K/V batch axis is (item, kv head); "hb": (kv head, item)
+    kv_len: int                   # S: keys per item, padded; keys at or past an item's total are junk
+    # Position of each item in the attention batch, or None when it is the layout order.
+    perm: tuple[int, ...] | None = None
+
 
 class PagedKVCache:
-    """K and V for every layer: [num_layers, num_blocks * block_size, num_kv_heads, head_dim].
+    """K and V for every layer: ``kv`` [num_layers, 2, num_kv_heads, num_blocks * block_size, D].
 
-    The block and offset axes are merged into one slot axis, so a write is a single
-    ``index_copy_`` of the step's new tokens and a gather is a single index. Zero-initialised,
-    not ``empty``: padded attention reads stale slots under a mask, and a NaN from
-    uninitialised memory would survive the mask (NaN * 0 is NaN).
+    Head-major, with the block and offset axes merged into one slot axis: a write is a single
+    ``index_copy_`` of the step's new tokens and a gather of whole blocks is a single
+    ``index_select`` whose result is already [2, heads x items, S, D], the layout ``bmm``
+    wants. Zero-initialised, not ``empty``: padded attention reads stale slots under a mask,
+    and a NaN from uninitialised memory would survive the mask (NaN * 0 is NaN).
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.block_size = block_size
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks = num_blocks
+        self.kv = torch.zeros((num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim),
+                              dtype=dtype, device=device)
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """slots: [T] long; k, v: [T, Hkv, D]."""
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+    @property
+    def k(self) -> torch.Tensor:
+        return self.kv[:, 0]           # [L, Hkv, slots, D]
 
-    def gather_index(self, block_tables: tuple[tuple[int, ...], ...], length: int) -> torch.Tensor:
-        """Slot of position j of session b, [B, length]; beyond a session's end it is junk."""
-        width = max(len(t) for t in block_tables)
-        table = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables],
-                             dtype=torch.long)                                 # [B, blocks]
-        pos = torch.arange(length)
-        idx = table[:, pos // self.block_size] * self.block_size + pos % self.block_size
-        return idx.to(self.k.device)
+    @property
+    def v(self) -> torch.Tensor:
+        return self.kv[:, 1]
+
+    def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """slots: [T] long; kv: [T, 2, Hkv, D] (K then V of each new token)."""
+        self.kv[layer].index_copy_(2, slots, kv.permute(1, 2, 0, 3))
+
+    def block_index(self, block_tables: tuple[tuple[int, ...], ...], blocks: int) -> torch.Tensor:
+        """[B * blocks] block ids, each table padded to ``blocks`` with block 0 (junk, masked)."""
+        table = np.zeros((len(block_tables), blocks), dtype=np.int64)
+        for row, t in zip(table, block_tables):
+            row[: len(t)] = t
+        return torch.from_numpy(table.reshape(-1)).to(self.kv.device)
+
+    def gather_blocks(self, layer: int, index: torch.Tensor, items: int) -> torch.Tensor:
+        """K/V of whole blocks: [2, Hkv * items, blocks * block_size, D] ("hb" order)."""
+        src = self.kv[layer]                                     # [2, Hkv, slots, D]
+        two, hkv, _, d = src.shape
+        by_block = src.view(two, hkv, self.num_blocks, self.block_size, d)
+        got = by_block.index_select(2, index)                    # [2, Hkv, B * blocks, bs, D]
+        return got.view(two, hkv * items, -1, d)
+
+    def gather_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Every layer's K/V of the given slots: [L, 2, Hkv, len(slots), D]."""
+        return self.kv.index_select(3, slots)
 
 
 class RebuildViews:
     """Gather every session's whole context from the paged cache, every layer, every step."""
 
+    order = "hb"
+
     def __init__(self, cache: PagedKVCache) -> None:
         self.cache = cache
-        self._idx: torch.Tensor | None = None    # [B, S] slots
+        self._groups: list[tuple[AttnGroup, torch.Tensor]] = []   # with their block index
 
-    def begin_step(self, layout: BatchLayout) -> list[int]:
-        self._idx = self.cache.gather_index(layout.block_tables, layout.max_total)
-        return list(range(len(layout.session_ids)))
+    def begin_step(self, layout: BatchLayout) -> list[AttnGroup]:
+        bs = self.cache.block_size
+        self._groups = []
+        for items in layout.group_items():
+            if not items:
+                continue
+            kv_len = max(layout.totals[i] for i in items)
+            index = self.cache.block_index(tuple(layout.block_tables[i] for i in items),
+                                           -(-kv_len // bs))
+            self._groups.append((AttnGroup(items, self.order, kv_len), index))
+        return [g for g, _ in self._groups]
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def append(self, layer: int, kv: torch.Tensor) -> None:
         """Nothing to do: the new tokens are already in the paged cache."""
 
-    def keys_values(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self._idx is not None, "begin_step first"
-        return self.cache.k[layer][self._idx], self.cache.v[layer][self._idx]  # [B, S, Hkv, D]
+    def keys_values(self, layer: int, group: int) -> torch.Tensor:
+        """[2, Hkv * B, S, D] for the group-th group of ``begin_step``."""
+        g, index = self._groups[group]
+        # Whole blocks are gathered; the keys past the longest item are cut off (a view), so
+        # that both modes run attention over the same S and agree to the last bit.
+        return self.cache.gather_blocks(layer, index, len(g.items))[:, :, : g.kv_len]
 
     def release(self, session_id: str) -> None:
         """Nothing is kept between steps."""
@@ -96,57 +153,56 @@ class RebuildViews:
 
 
 class PersistentViews:
-    """Per-session contiguous K/V kept across steps, as the rows of one slab per layer.
+    """Per-session contiguous K/V kept across steps, as the rows of one slab.
 
-    Slab: [num_layers, rows, capacity, Hkv, D]. One slab rather than a tensor per session so
-    that a batch of sessions sitting in consecutive rows is a *view* (``slab[l, r0:r1, :S]``)
-    and attention stays one batched call with no copy. Rows are kept dense (a released row is
+    Slab: [num_layers, 2, rows, Hkv, capacity, D]. One slab rather than a tensor per session
+    so that a group of sessions sitting in consecutive rows is a *view*
+    (``slab[l, :, r0:r1, :, :S]``, whose (row, head) axes merge into one batch axis) and
+    attention stays one batched call with no copy. Rows are kept dense (a released row is
     filled by moving the last row into it), so a steady decode batch of all active sessions
     is always consecutive. Rows and capacity grow by doubling, so growth copies are amortised;
     the price is that every row is as long as the longest session's capacity.
     """
 
+    order = "bh"
+
     def __init__(self, cache: PagedKVCache, rows: int = 4, capacity: int | None = None) -> None:
         self.cache = cache
         capacity = capacity or cache.block_size   # small: doubling finds the working size
-        _, _, hkv, d = cache.k.shape
-        self._shape_tail = (hkv, d)
-        self.k = self._zeros(rows, capacity)
-        self.v = self._zeros(rows, capacity)
+        self.slab = self._zeros(rows, capacity)
         self._row: dict[str, int] = {}
         self._len: dict[str, int] = {}            # tokens present in the session's row
         self._sessions: list[str] = []            # session of each used row (rows are dense)
-        self._span: tuple[int, int] | None = None  # this step's rows, when consecutive
-        self._rows: torch.Tensor | None = None     # [B] rows otherwise
-        self._length = 0                           # this step's padded key length
+        # Per group of this step: (first row, last row + 1) when consecutive, else the rows.
+        self._groups: list[tuple[int, int] | torch.Tensor] = []
+        self._lengths: list[int] = []             # this step's padded key length per group
         self._tok_rows: torch.Tensor | None = None  # [T] row of each new token
         self._tok_pos: torch.Tensor | None = None   # [T] position of each new token
 
     def _zeros(self, rows: int, capacity: int) -> torch.Tensor:
-        num_layers = self.cache.k.shape[0]
-        return torch.zeros((num_layers, rows, capacity, *self._shape_tail),
-                           dtype=self.cache.k.dtype, device=self.cache.k.device)
+        num_layers, two, hkv, _, d = self.cache.kv.shape
+        return torch.zeros((num_layers, two, rows, hkv, capacity, d),
+                           dtype=self.cache.kv.dtype, device=self.cache.kv.device)
 
     def _grow(self, rows: int, capacity: int) -> None:
-        old_rows, old_cap = self.k.shape[1], self.k.shape[2]
-        rows, capacity = max(rows, old_rows), max(capacity, old_cap)
-        if (rows, capacity) == (old_rows, old_cap):
+        old_rows, old_cap = self.slab.shape[2], self.slab.shape[4]
+        if rows <= old_rows and capacity <= old_cap:
             return
-        while old_rows < rows:
-            old_rows *= 2
-        while old_cap < capacity:
-            old_cap *= 2
-        k, v = self._zeros(old_rows, old_cap), self._zeros(old_rows, old_cap)
-        k[:, : self.k.shape[1], : self.k.shape[2]] = self.k
-        v[:, : self.v.shape[1], : self.v.shape[2]] = self.v
-        self.k, self.v = k, v
+        new_rows, new_cap = old_rows, old_cap
+        while new_rows < rows:
+            new_rows *= 2
+        while new_cap < capacity:
+            new_cap *= 2
+        slab = self._zeros(new_rows, new_cap)
+        slab[:, :, :old_rows, :, :old_cap] = self.slab
+        self.slab = slab
 
     def _add_row(self, session_id: str) -> None:
         self._row[session_id] = len(self._sessions)
         self._len[session_id] = 0
         self._sessions.append(session_id)
 
-    def begin_step(self, layout: BatchLayout) -> list[int]:
+    def begin_step(self, layout: BatchLayout) -> list[AttnGroup]:
         stale = []
         for sid, start, table in zip(layout.session_ids, layout.starts, layout.block_tables):
             if sid not in self._row:
@@ -157,41 +213,52 @@ class PersistentViews:
         for sid, start, table in stale:
             # The session was stepped under the other kv_views mode (the engine switches per
             # step): refill its row from the paged cache, the source of truth.
-            idx = self.cache.gather_index((table,), start)[0]            # [start] slots
-            row = self._row[sid]
-            self.k[:, row, :start] = self.cache.k[:, idx]
-            self.v[:, row, :start] = self.cache.v[:, idx]
+            bs = self.cache.block_size
+            slots = [table[p // bs] * bs + p % bs for p in range(start)]
+            idx = torch.tensor(slots, dtype=torch.long, device=self.slab.device)
+            self.slab[:, :, self._row[sid], :, :start] = self.cache.gather_slots(idx)
             self._len[sid] = start
         rows = [self._row[sid] for sid in layout.session_ids]
         for sid, total in zip(layout.session_ids, layout.totals):
             self._len[sid] = total
-        # Attention runs over the step's rows in row order, so consecutive rows are a slice.
-        ordered = sorted(rows)
-        if ordered == list(range(ordered[0], ordered[0] + len(ordered))):
-            self._span, self._rows = (ordered[0], ordered[-1] + 1), None
-        else:
-            self._span, self._rows = None, torch.tensor(ordered, device=self.k.device)
-        self._length = layout.max_total
-        rank = {row: i for i, row in enumerate(ordered)}
-        self._tok_rows = torch.tensor(
-            [r for r, n in zip(rows, layout.lengths) for _ in range(n)], device=self.k.device)
+        groups: list[AttnGroup] = []
+        self._groups, self._lengths = [], []
+        for items in layout.group_items():
+            if not items:
+                continue
+            mine = [rows[i] for i in items]
+            # Attention runs over the group's rows in row order, so consecutive rows are a slice.
+            ordered = sorted(mine)
+            if ordered[-1] - ordered[0] + 1 == len(ordered):
+                self._groups.append((ordered[0], ordered[-1] + 1))
+            else:
+                self._groups.append(torch.tensor(ordered, device=self.slab.device))
+            kv_len = max(layout.totals[i] for i in items)
+            self._lengths.append(kv_len)
+            rank = {r: i for i, r in enumerate(ordered)}
+            perm = None if mine == ordered else tuple(rank[r] for r in mine)
+            groups.append(AttnGroup(items, self.order, kv_len, perm))
+        self._tok_rows = torch.tensor(np.repeat(rows, layout.lengths), device=self.slab.device)
         self._tok_pos = torch.tensor(
-            [p for s, n in zip(layout.starts, layout.lengths) for p in range(s, s + n)],
-            device=self.k.device)
-        return [rank[r] for r in rows]
+            np.concatenate([np.arange(s, s + n) for s, n in zip(layout.starts, layout.lengths)]),
+            device=self.slab.device)
+        return groups
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Copy only this step's new tokens into their rows. k, v: [T, Hkv, D]."""
-        self.k[layer, self._tok_rows, self._tok_pos] = k
-        self.v[layer, self._tok_rows, self._tok_pos] = v
+    def append(self, layer: int, kv: torch.Tensor) -> None:
+        """Copy only this step's new tokens into their rows. kv: [T, 2, Hkv, D]."""
+        self.slab[layer][:, self._tok_rows, :, self._tok_pos] = kv
 
-    def keys_values(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._span is not None:
-            r0, r1 = self._span
-            return self.k[layer, r0:r1, : self._length], self.v[layer, r0:r1, : self._length]
-        assert self._rows is not None, "begin_step first"
-        return (self.k[layer, self._rows, : self._length],
-                self.v[layer, self._rows, : self._length])
+    def keys_values(self, layer: int, group: int) -> torch.Tensor:
+        """[2, B * Hkv, S, D] for the group-th group of ``begin_step`` (a view when rows are
+        consecutive)."""
+        where, length = self._groups[group], self._lengths[group]
+        slab = self.slab[layer]                                  # [2, rows, Hkv, cap, D]
+        if isinstance(where, tuple):
+            kv = slab[:, where[0]:where[1], :, :length]
+        else:
+            kv = slab[:, where, :, :length]
+        two, b, hkv, s, d = kv.shape
+        return kv.reshape(two, b * hkv, s, d)    # a view: (row, head) strides merge
 
     def release(self, session_id: str) -> None:
         row = self._row.pop(session_id, None)
@@ -203,8 +270,7 @@ class PersistentViews:
             # Keep rows dense: move the last row into the hole (one session's tokens).
             n = self._len[last_sid]
             last = len(self._sessions)
-            self.k[:, row, :n] = self.k[:, last, :n]
-            self.v[:, row, :n] = self.v[:, last, :n]
+            self.slab[:, :, row, :, :n] = self.slab[:, :, last, :, :n]
             self._sessions[row] = last_sid
             self._row[last_sid] = row
 
