@@ -1,0 +1,1 @@
+"""The kvfleet benchmark harness: `python -m bench` (see README.md)."""

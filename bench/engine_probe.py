@@ -1,0 +1,44 @@
+"""The worker's engine alone, in this process: batch-1 decode with no RPC and no scheduler.
+
+This is the ceiling the cluster's concurrency-1 decode approaches, and it is measured at each
+intra-op thread count tried, which is how the harness shows the right thread setting.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
+from worker_svc.model.config import LlamaConfig
+
+
+def batch1_decode(cfg: LlamaConfig, weights: dict[str, np.ndarray], device: str, dtype: str,
+                  kv_views: str, threads: Sequence[int], prompt_len: int = 128,
+                  steps: int = 32) -> dict:
+    """Decode tokens/s of one session after a ``prompt_len`` prompt, per thread count."""
+    engine = Engine(cfg, weights, EngineConfig(device=device, dtype=dtype, num_blocks=64,
+                                               kv_views=kv_views))
+    greedy = SamplingSpec()
+    prompt = tuple(int(t) for t in np.random.default_rng(1).integers(100, cfg.vocab_size, prompt_len))
+    saved = torch.get_num_threads()
+    out: dict[str, float] = {}
+    try:
+        for n in threads if engine.device.type == "cpu" else [saved]:
+            torch.set_num_threads(n)
+            engine.release(["probe"])
+            token = engine.step([PrefillItem("probe", prompt, 0, True, greedy)], []).results[0].token_id
+            times = []
+            for k in range(steps):
+                t0 = time.perf_counter()
+                res = engine.step([], [DecodeItem("probe", int(token), prompt_len + k, greedy, k + 1)])
+                times.append(time.perf_counter() - t0)
+                token = res.results[0].token_id
+            # The median step: robust to the other tenants of a shared machine.
+            out[str(n)] = round(1.0 / float(np.median(times[2:])), 2)
+    finally:
+        torch.set_num_threads(saved)
+    return {"tok_s_by_threads": out, "best_tok_s": max(out.values()), "prompt_len": prompt_len,
+            "kv_views": kv_views}

@@ -1,0 +1,165 @@
+"""`python -m bench`: the cluster against its static-batching peer and the machine's limits,
+measured in one run on the same prompts, model, dtype and machine. See bench/README.md."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench import report
+from bench.cluster import BenchCluster, ClusterOptions, default_worker_threads
+from bench.workload import Session, WorkloadSpec, mixed_sessions
+
+DEFAULT_OUT = Path(__file__).with_name("results.json")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v.strip())
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (cluster, peer and limits)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--concurrency", type=_ints, default=(1, 8, 32))
+    p.add_argument("--sessions", type=_ints, default=(3, 8, 32),
+                   help="sessions per concurrency, in the same order")
+    p.add_argument("--workers", type=_ints, default=(1, 2), help="cluster sizes to measure")
+    p.add_argument("--worker-threads", default="auto",
+                   help="intra-op threads per worker process (auto: see bench/README.md)")
+    p.add_argument("--peer-threads", type=_ints, default=None,
+                   help="thread counts the peer is calibrated over (default 1..cores)")
+    p.add_argument("--kv-views", default="persistent", choices=["rebuild", "persistent"])
+    p.add_argument("--prefill-budget", type=int, default=256, help="scheduler prefill tokens per tick")
+    p.add_argument("--breakdown-concurrency", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=_ints, default=(16, 256), help="LOW,HIGH")
+    p.add_argument("--output-tokens", type=_ints, default=(16, 128), help="LOW,HIGH")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sweep-repeats", type=int, default=5)
+    p.add_argument("--skip", default="", help="comma list of parts to skip: "
+                                              "limits,engine,cluster,peer,sweep")
+    p.add_argument("--out", default=str(DEFAULT_OUT))
+    a = p.parse_args(argv)
+    if len(a.sessions) != len(a.concurrency):
+        p.error("--sessions needs one count per --concurrency value")
+    a.skip = {s.strip() for s in a.skip.split(",") if s.strip()}
+    return a
+
+
+class Progress:
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        print(f"[{time.perf_counter() - self.t0:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    say = Progress()
+    from worker_svc.model.registry import load_model
+
+    cores = _cores()
+    threads = tuple(range(1, cores + 1)) if cores <= 4 else (1, cores // 2, cores)
+    device = torch.device(a.device)
+    say(f"loading {a.model}")
+    cfg, weights = load_model(a.model)
+    spec = WorkloadSpec(prompt_tokens=tuple(a.prompt_tokens), output_tokens=tuple(a.output_tokens),
+                        seed=a.seed)
+    workload = mixed_sessions(max(a.sessions), cfg.vocab_size, spec)
+    doc: dict = {
+        "schema_version": 1,
+        "machine": {"cores": cores, "platform": platform.platform(), "torch": torch.__version__,
+                    "device": a.device, "processor": platform.processor()},
+        "config": {"model": a.model, "dtype": a.dtype, "kv_views": a.kv_views,
+                   "prefill_token_budget": a.prefill_budget, "seed": a.seed,
+                   "prompt_tokens": list(spec.prompt_tokens), "output_tokens": list(spec.output_tokens),
+                   "sessions": dict(zip(map(str, a.concurrency), a.sessions))},
+    }
+    bytes_per_param = torch.empty((), dtype=getattr(torch, a.dtype)).element_size()
+
+    if "limits" not in a.skip:
+        from bench.roofline import decode_bounds, matmul_gflops, memory_bandwidth_gbs
+
+        say("machine limits: bandwidth (gemv) and sgemm")
+        bw = memory_bandwidth_gbs(device, threads)
+        fl = matmul_gflops(device, threads)
+        doc["limits"] = {"bandwidth_gbs": bw, "matmul_gflops": fl,
+                         **decode_bounds(cfg, bytes_per_param, bw["best"], fl["best"])}
+    if "engine" not in a.skip:
+        from bench.engine_probe import batch1_decode
+
+        say("engine alone: batch-1 decode at each thread count")
+        doc["engine_batch1"] = batch1_decode(cfg, weights, a.device, a.dtype, a.kv_views, threads)
+    del weights
+
+    clusters: list[BenchCluster] = []
+    peer = None
+    results: dict[str, list[dict]] = {}
+    try:
+        if "cluster" not in a.skip:
+            warm = [Session(s.prompt[:16], 4) for s in workload[:4]]
+            for w in a.workers:
+                n = int(a.worker_threads) if a.worker_threads != "auto" \
+                    else default_worker_threads(a.device, w)
+                opts = ClusterOptions(workers=w, worker_threads=n, model=a.model, device=a.device,
+                                      dtype=a.dtype, kv_views=a.kv_views,
+                                      prefill_token_budget=a.prefill_budget,
+                                      max_concurrency=max(a.concurrency),
+                                      max_session_tokens=spec.prompt_tokens[1] + spec.output_tokens[1])
+                say(f"starting {opts.name} ({n} intra-op thread(s) per worker)")
+                c = BenchCluster(opts, say)
+                clusters.append(c)
+                c.start(warm)
+                doc.setdefault("clusters", {})[opts.name] = {"workers": w, "worker_threads": n,
+                                                            "log_dir": str(c.cluster.log_dir)}
+        if "peer" not in a.skip:
+            from bench.peer import load_peer, pick_threads
+
+            say("loading the peer (transformers, same GGUF)")
+            peer = load_peer(a.model, a.device, a.dtype)
+            doc["peer_threads"] = pick_threads(peer, workload, a.device, a.peer_threads or threads)
+            say(f"peer threads: {doc['peer_threads']}")
+        for conc, n in zip(a.concurrency, a.sessions):
+            sessions = workload[:n]
+            for c in clusters:
+                say(f"{c.options.name}: concurrency {conc}, {n} sessions")
+                results.setdefault(c.options.name, []).append(
+                    c.run(sessions, conc, breakdown=conc == a.breakdown_concurrency))
+            if peer is not None:
+                from bench.peer import run_static
+
+                say(f"peer: static batches of {conc}, {n} sessions")
+                results.setdefault("peer", []).append(
+                    run_static(peer, sessions, conc, a.device, progress=lambda m: say(f"peer c={conc}: {m}")))
+    finally:
+        for c in clusters:
+            c.stop()
+    doc["results"] = results
+    del peer
+
+    if "sweep" not in a.skip:
+        from bench.sweep_rate import sweep_ticks_per_s
+
+        say("tiny-model sweep through a LocalCluster")
+        doc["tiny_sweep"] = sweep_ticks_per_s(
+            repeats=a.sweep_repeats, extra_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+            progress=say)
+    doc["ratios"] = report.ratios(doc, breakdown_concurrency=a.breakdown_concurrency)
+    doc["targets"] = report.targets(doc)
+    doc["total_s"] = round(time.perf_counter() - say.t0, 1)
+    print(report.table(doc))
+    Path(a.out).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    say(f"wrote {a.out}")
+    return 0
