@@ -29,7 +29,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 PROJECT = "kvfleet-e2e"  # fixed, so a run killed before teardown is cleaned up by the next one
-SERVICES = ("telemetry", "worker-0", "worker-1", "scheduler")
+SERVICES = ("telemetry", "worker-0", "worker-1", "scheduler", "gateway")
 HEALTHY_TIMEOUT_S = 420.0  # two workers load the GGUF at once on 2 cores: ~40 s seen, slack for CI
 
 
@@ -70,6 +70,7 @@ class Stack:
     env: dict[str, str]
     scheduler_address: str
     telemetry_address: str
+    gateway_url: str
     model: str
 
     def compose(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -164,12 +165,13 @@ def stack() -> Iterator[Stack]:
         _build_image(client, image, base, log_dir)
 
     model = os.environ.get("KVFLEET_E2E_MODEL", "smollm2-135m")
-    sched_port, tel_port = _free_port(), _free_port()
+    sched_port, tel_port, gw_port = _free_port(), _free_port(), _free_port()
     env = {**os.environ, "KVFLEET_IMAGE": image, "KVFLEET_BASE_IMAGE": base, "KVFLEET_MODEL": model,
            "KVFLEET_PUBLISH_SCHEDULER": str(sched_port), "KVFLEET_PUBLISH_TELEMETRY": str(tel_port),
+           "KVFLEET_PUBLISH_GATEWAY": str(gw_port),
            # a stopped worker is noticed at once (connection refused); this bounds a hung one
            "KVFLEET_STEP_TIMEOUT_S": "10"}
-    s = Stack(client, env, f"127.0.0.1:{sched_port}", f"127.0.0.1:{tel_port}", model)
+    s = Stack(client, env, f"127.0.0.1:{sched_port}", f"127.0.0.1:{tel_port}", f"http://127.0.0.1:{gw_port}", model)
     s.compose("down", "-v", "--remove-orphans", check=False, timeout=120)  # leftovers of a killed run
     try:
         up = s.compose("up", "-d", "--no-build", check=False, timeout=HEALTHY_TIMEOUT_S + 60)

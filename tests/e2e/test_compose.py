@@ -1,13 +1,16 @@
-"""The docker-compose deployment end to end: real sessions through the published port, spans in the
-telemetry store, and a worker container stopped mid-run. Needs Docker; see conftest.py.
+"""The docker-compose deployment end to end: real sessions through the published ports (gRPC and
+the OpenAI-compatible gateway), spans in the telemetry store, Prometheus metrics, and a worker
+container stopped mid-run. Needs Docker; see conftest.py.
 
 The tests share one stack and run in file order; the last one stops (and restarts) a worker.
 """
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -15,7 +18,7 @@ import pytest
 
 from kvfleet.client import Completion, SchedulerClient, build_request
 from kvfleet.v1 import telemetry_pb2, telemetry_pb2_grpc
-from tests.e2e.conftest import Stack
+from tests.e2e.conftest import REPO, Stack
 
 pytestmark = pytest.mark.e2e
 
@@ -58,18 +61,20 @@ def _wait_for(predicate, timeout_s: float, what: str):
         time.sleep(1)
 
 
+# what each service's compose healthcheck asks, from inside its container
+HEALTH_TARGETS = {"telemetry": "127.0.0.1:4317", "worker-0": "127.0.0.1:50061", "worker-1": "127.0.0.1:50061",
+                  "scheduler": "127.0.0.1:50051", "gateway": "http://127.0.0.1:8000/health"}
+
+
 def test_every_service_is_healthy_and_both_workers_live(stack: Stack) -> None:
-    for service in ("telemetry", *WORKERS, "scheduler"):
+    for service, target in HEALTH_TARGETS.items():
         assert stack.health(service) == "healthy", service
-        # the same check the compose healthcheck runs, from inside the container
-        res = stack.container(service).exec_run(
-            ["python", "-m", "kvfleet.healthcheck", f"127.0.0.1:{_port(service)}"])
+        res = stack.container(service).exec_run(["python", "-m", "kvfleet.healthcheck", target])
         assert res.exit_code == 0, (service, res.output.decode())
+    # and a port nothing listens on is reported as unreachable (exit 2), not as healthy
+    res = stack.container("scheduler").exec_run(["python", "-m", "kvfleet.healthcheck", "127.0.0.1:1"])
+    assert res.exit_code == 2, res.output.decode()
     assert _workers(stack) == {"worker-0": True, "worker-1": True}
-
-
-def _port(service: str) -> int:
-    return {"telemetry": 4317, "scheduler": 50051}.get(service, 50061)
 
 
 def test_token_id_sessions_complete_through_the_published_port(stack: Stack) -> None:
@@ -92,6 +97,40 @@ def test_text_session_streams_text(stack: Stack) -> None:
     assert c.finish_reason in ("length", "eos", "stop"), c
 
 
+def test_openai_completion_through_the_published_gateway(stack: Stack) -> None:
+    body = json.dumps({"model": stack.model, "prompt": [1, 2, 3, 4], "max_tokens": 8, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{stack.gateway_url}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert resp.status == 200
+        out = json.load(resp)
+    assert out["object"] == "text_completion" and out["model"] == stack.model, out
+    assert 1 <= out["usage"]["completion_tokens"] <= 8, out
+    assert out["choices"][0]["finish_reason"] in ("length", "stop"), out
+    with urllib.request.urlopen(f"{stack.gateway_url}/v1/models", timeout=30) as resp:
+        assert stack.model in [m["id"] for m in json.load(resp)["data"]]
+
+
+def _scrape(stack: Stack, service: str, port: int) -> str:
+    script = f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{port}/metrics').read().decode())"
+    res = stack.container(service).exec_run(["python", "-c", script])
+    assert res.exit_code == 0, res.output.decode()
+    return res.output.decode()
+
+
+def test_prometheus_metrics_serve_every_name_the_dashboard_uses(stack: Stack) -> None:
+    scraped = _scrape(stack, "scheduler", 9400) + _scrape(stack, "worker-0", 9401)
+    finished = re.findall(r'^kvfleet:request_success_total\{finished_reason="length"\} (\S+)$', scraped, re.M)
+    assert finished and float(finished[0]) >= 1, "no finished sessions counted"
+    dashboard = (REPO / "deploy" / "grafana" / "dashboards" / "kvfleet.json").read_text()
+    used = set(re.findall(r"kvfleet:[a-z0-9_]+", dashboard))
+    assert used, "the dashboard names no kvfleet metric"
+    # a histogram or counter shows as its family in `# TYPE` lines; strip the sample suffixes
+    families = set(re.findall(r"^# TYPE (kvfleet:[a-z0-9_]+) ", scraped, re.M))
+    missing = {m for m in used if re.sub(r"_(bucket|total|sum|count)$", "", m) not in families and m not in families}
+    assert not missing, f"dashboard metrics no service serves: {sorted(missing)}"
+
+
 def test_telemetry_stored_spans_from_scheduler_and_workers(stack: Stack) -> None:
     # One lone session: its tick serves a single trace, so the workers' spans join its trace.
     _generate(stack, [5, 6, 7, 8], 4, ignore_eos=True)
@@ -100,7 +139,7 @@ def test_telemetry_stored_spans_from_scheduler_and_workers(stack: Stack) -> None
     assert counts["session"] >= 1 and counts["tick"] >= 1 and counts["worker_step"] >= 1, counts
 
     services = {row[0] for row in _span_rows(stack, "SELECT DISTINCT service FROM spans")}
-    assert {"kvfleet-scheduler", "kvfleet-worker"} <= services, services
+    assert {"kvfleet-scheduler", "kvfleet-worker", "kvfleet-gateway"} <= services, services
     # Trace context crossed the container boundary: a worker span shares a trace with a session.
     joined = _span_rows(stack, "SELECT COUNT(DISTINCT w.trace_id) FROM spans w JOIN spans s "
                                "ON w.trace_id = s.trace_id WHERE w.name = 'worker_step' AND s.name = 'session'")

@@ -1,7 +1,9 @@
 """deploy/k8s, checked offline: every manifest against the Kubernetes OpenAPI schemas bundled in
 `kubernetes-validate` (strict: unknown fields fail), and the wiring a schema cannot see: selectors
-match pod labels, probes are gRPC health probes on declared ports, Services target real ports,
-the worker list handed to the scheduler names exactly the StatefulSet's pods.
+match pod labels, probes are gRPC health probes on declared ports (the gateway's, its /health),
+Services target real ports, metrics ports are the services' defaults, the worker list handed to
+the scheduler names exactly the StatefulSet's pods. Where `kustomize` or `kubectl` is installed,
+the rendered output is validated as well.
 """
 from __future__ import annotations
 
@@ -94,7 +96,7 @@ def test_manifest_matches_the_kubernetes_schema(doc: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("kind,name", [("Deployment", "kvfleet-scheduler"), ("StatefulSet", "kvfleet-worker"),
-                                       ("Deployment", "kvfleet-telemetry")])
+                                       ("Deployment", "kvfleet-telemetry"), ("Deployment", "kvfleet-gateway")])
 def test_selector_matches_the_pod_template_labels(kind: str, name: str) -> None:
     w = _one(kind, name)
     selector = w["spec"]["selector"]["matchLabels"]
@@ -102,8 +104,10 @@ def test_selector_matches_the_pod_template_labels(kind: str, name: str) -> None:
     assert selector and selector.items() <= labels.items(), (selector, labels)
 
 
-def test_every_container_has_grpc_health_probes_on_a_declared_port() -> None:
+def test_grpc_services_have_grpc_health_probes_on_a_declared_port() -> None:
     for w in _workloads():
+        if w["metadata"]["name"] == "kvfleet-gateway":
+            continue
         for c in _containers(w):
             ports = {p["containerPort"] for p in c["ports"]}
             for probe in ("readinessProbe", "livenessProbe"):
@@ -113,9 +117,33 @@ def test_every_container_has_grpc_health_probes_on_a_declared_port() -> None:
                 assert c["startupProbe"]["grpc"]["port"] in ports
 
 
+def test_gateway_is_ready_on_its_health_endpoint() -> None:
+    (c,) = list(_containers(_one("Deployment", "kvfleet-gateway")))
+    port_names = {p["name"] for p in c["ports"]}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    # not httpGet: /health is 503 while the scheduler is away, which is no reason to restart
+    assert c["livenessProbe"]["tcpSocket"]["port"] in port_names
+
+
+@pytest.mark.parametrize("name,config", [("kvfleet-scheduler", "scheduler_svc.config.SchedulerConfig"),
+                                         ("kvfleet-worker", "worker_svc.config.WorkerConfig")])
+def test_metrics_port_is_declared_annotated_and_the_service_default(name: str, config: str) -> None:
+    import importlib
+
+    module, cls = config.rsplit(".", 1)
+    default = getattr(importlib.import_module(module), cls).__dataclass_fields__["metrics_port"].default
+    (w,) = [w for w in _workloads() if w["metadata"]["name"] == name]
+    (c,) = list(_containers(w))
+    metrics = [p["containerPort"] for p in c["ports"] if p["name"] == "metrics"]
+    assert metrics == [default]
+    annotations = w["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(default) and annotations["prometheus.io/scrape"] == "true"
+
+
 def test_containers_run_the_kustomized_image_with_a_service_entry_point() -> None:
     image = _kustomization()["images"][0]["name"]
-    commands = {"kvfleet-scheduler": "scheduler", "kvfleet-worker": "worker", "kvfleet-telemetry": "telemetry"}
+    commands = {"kvfleet-scheduler": "scheduler", "kvfleet-worker": "worker", "kvfleet-telemetry": "telemetry",
+                "kvfleet-gateway": "gateway"}
     for w in _workloads():
         (c,) = list(_containers(w))
         assert c["image"].split(":")[0] == image
@@ -188,7 +216,7 @@ def test_kustomize_build_renders_valid_manifests_when_kustomize_is_installed() -
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(["Namespace", "ConfigMap", "PersistentVolumeClaim", "Deployment", "Deployment",
-                            "StatefulSet", "Service", "Service", "Service"]), kinds
+                            "Deployment", "StatefulSet", "Service", "Service", "Service", "Service"]), kinds
     (config_map,) = [d for d in docs if d["kind"] == "ConfigMap"]
     for d in docs:
         kv.validate(d, K8S_VERSION, strict=True)
