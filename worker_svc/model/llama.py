@@ -16,11 +16,12 @@ Weights are prepared once for this forward, not kept in the checkpoint's form:
     and k get the same permutation, so every q.k (hence the output) is unchanged, and the KV
     cache holds K in that order;
   * q rows are pre-scaled by 1/sqrt(D), the attention scale (RoPE is linear, so it commutes);
-  * every matrix is stored [in, out] (the LM head too, which for a tied model is then the only
-    copy of the embedding), and on a CPU in float32 the matmuls go to numpy's BLAS (OpenBLAS):
-    measured on a 2-core AMD EPYC, ``x @ w`` there streams the weights of a batch-1 decode about
+  * on a CPU in float32 the matmuls go to numpy's BLAS (OpenBLAS) with every matrix stored
+    [in, out]: measured on a 2-core AMD EPYC, that streams the weights of a batch-1 decode about
     1.8x faster than torch's MKL does with either layout, and is on par or faster at larger
-    batches (see bench/README.md).
+    batches (see bench/README.md). Elsewhere (bfloat16, GPUs) torch's matmul with the usual
+    [out, in] layout, which its bfloat16 CPU kernels run 1.4-1.5x faster than [in, out]. A tied
+    LM head is the only copy of the embedding, in whichever layout.
 """
 from __future__ import annotations
 
@@ -128,12 +129,14 @@ def synchronize(device: torch.device) -> None:
 
 @dataclass(frozen=True)
 class LayerWeights:
+    """Matrices in the model's matmul layout: [in, out] with host BLAS, else [out, in]."""
+
     input_norm: torch.Tensor    # [hidden]
-    qkv: torch.Tensor           # [hidden, (Hq + 2 Hkv) * D], q/k pair-permuted, q pre-scaled
-    o: torch.Tensor             # [Hq * D, hidden]
+    qkv: torch.Tensor           # hidden -> (Hq + 2 Hkv) * D, q/k pair-permuted, q pre-scaled
+    o: torch.Tensor             # Hq * D -> hidden
     post_norm: torch.Tensor     # [hidden]
-    gate_up: torch.Tensor       # [hidden, 2 * intermediate]
-    down: torch.Tensor          # [intermediate, hidden]
+    gate_up: torch.Tensor       # hidden -> 2 * intermediate
+    down: torch.Tensor          # intermediate -> hidden
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.input_norm, self.qkv, self.o, self.post_norm, self.gate_up, self.down]
@@ -178,9 +181,14 @@ class LlamaModel:
         def put(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(device, dtype)
 
-        d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         # numpy's BLAS for float32 on a CPU (see the module docstring); torch elsewhere.
         self.host_blas = device.type == "cpu" and dtype == torch.float32
+
+        def matrix(a: np.ndarray) -> torch.Tensor:
+            """a: [out, in] as in the checkpoint -> the matmul layout."""
+            return put(a.T if self.host_blas else a)
+
+        d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -188,21 +196,22 @@ class LlamaModel:
             k = _pair_rows(array(p + "self_attn.k_proj.weight"), hkv, d)
             self.layers.append(LayerWeights(
                 input_norm=put(array(p + "input_layernorm.weight")),
-                qkv=put(np.concatenate([q, k, array(p + "self_attn.v_proj.weight")]).T),
-                o=put(array(p + "self_attn.o_proj.weight").T),
+                qkv=matrix(np.concatenate([q, k, array(p + "self_attn.v_proj.weight")])),
+                o=matrix(array(p + "self_attn.o_proj.weight")),
                 post_norm=put(array(p + "post_attention_layernorm.weight")),
-                gate_up=put(np.concatenate([array(p + "mlp.gate_proj.weight"),
-                                            array(p + "mlp.up_proj.weight")]).T),
-                down=put(array(p + "mlp.down_proj.weight").T)))
+                gate_up=matrix(np.concatenate([array(p + "mlp.gate_proj.weight"),
+                                               array(p + "mlp.up_proj.weight")])),
+                down=matrix(array(p + "mlp.down_proj.weight"))))
         self.norm = put(array("model.norm.weight"))
         embed = array("model.embed_tokens.weight")                        # [V, hidden]
         if "lm_head.weight" in weights:
             self.embed: torch.Tensor | None = put(embed)
-            self.lm_head = put(array("lm_head.weight").T)                 # [hidden, V]
+            self.lm_head = matrix(array("lm_head.weight"))
         elif cfg.tie_word_embeddings:
-            # One copy, [hidden, V]: the head reads all of it each step, the lookup a few columns.
+            # One copy, in the head's layout: the head reads all of it each step, the lookup a
+            # few rows (or columns).
             self.embed = None
-            self.lm_head = put(embed.T)
+            self.lm_head = matrix(embed)
         else:
             raise KeyError("lm_head.weight is missing and tie_word_embeddings is False")
         # e^(i * angle) for every position and pair, complex64 whatever the model dtype: RoPE
@@ -224,21 +233,23 @@ class LlamaModel:
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             return self.embed.index_select(0, tokens)                      # [T, hidden]
-        return self.lm_head.index_select(1, tokens).t().contiguous()
+        if self.host_blas:                                                 # head is [hidden, V]
+            return self.lm_head.index_select(1, tokens).t().contiguous()
+        return self.lm_head.index_select(0, tokens)
 
     def _matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [M, in] @ w [in, out]."""
+        """x [M, in] times the matrix w (in the matmul layout) -> [M, out]."""
         if self.host_blas:
             return torch.from_numpy(np.matmul(x.numpy(), w.numpy()))
-        return x @ w
+        return x @ w.t()
 
     def _matmul_add_(self, h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-        """h += x @ w, in place."""
+        """h += x times w, in place."""
         if self.host_blas:
             hn = h.numpy()
             np.add(hn, np.matmul(x.numpy(), w.numpy()), out=hn)
         else:
-            h.addmm_(x, w)
+            h.addmm_(x, w.t())
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # Computed in float32 (torch's kernel upcasts half types), as HF does.
