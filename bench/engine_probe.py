@@ -11,7 +11,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
+from worker_svc.engine import (DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec,
+                               use_cpu_threads)
 from worker_svc.model.config import LlamaConfig
 
 
@@ -27,7 +28,8 @@ def batch1_decode(cfg: LlamaConfig, weights: dict[str, np.ndarray], device: str,
     out: dict[str, float] = {}
     try:
         for n in threads if engine.device.type == "cpu" else [saved]:
-            torch.set_num_threads(n)
+            if engine.device.type == "cpu":
+                use_cpu_threads(n, engine.model.host_blas)
             engine.release(["probe"])
             token = engine.step([PrefillItem("probe", prompt, 0, True, greedy)], []).results[0].token_id
             times = []
@@ -39,6 +41,8 @@ def batch1_decode(cfg: LlamaConfig, weights: dict[str, np.ndarray], device: str,
             # The median step: robust to the other tenants of a shared machine.
             out[str(n)] = round(1.0 / float(np.median(times[2:])), 2)
     finally:
+        if engine.device.type == "cpu":
+            use_cpu_threads(1, engine.model.host_blas)
         torch.set_num_threads(saved)
     return {"tok_s_by_threads": out, "best_tok_s": max(out.values()), "prompt_len": prompt_len,
             "kv_views": kv_views}

@@ -20,7 +20,8 @@ import torch
 from worker_svc.block_allocator import BlockAllocator, KVBookkeeper
 from worker_svc.kv_cache import BatchLayout, PagedKVCache, make_views
 from worker_svc.model.config import LlamaConfig
-from worker_svc.model.llama import LlamaModel, PhaseTimes, step_tensors, synchronize
+from worker_svc.model.llama import (LlamaModel, PhaseTimes, set_host_blas_threads, step_tensors,
+                                    synchronize)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEVICE_RE = re.compile(r"^(cpu|auto|xpu|cuda|cuda:\d+|xpu:\d+)$")
@@ -120,6 +121,9 @@ class EngineConfig:
     num_blocks: int = 1024
     kv_views: str = "rebuild"    # "rebuild" (control) | "persistent" (candidate)
     profile_sync: bool = False   # synchronise around phases so StepProfile shows device time
+    # CPU threads a step may use; 0 = the process's torch setting (OMP_NUM_THREADS). See
+    # ``use_cpu_threads`` for how they are split between torch and the host BLAS.
+    num_threads: int = 0
 
     def __post_init__(self) -> None:
         if not _DEVICE_RE.match(self.device):
@@ -132,6 +136,8 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.kv_views not in ("rebuild", "persistent"):
             raise ValueError(f"kv_views must be 'rebuild' or 'persistent', got {self.kv_views!r}")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0 (0 = the process's setting), got {self.num_threads}")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -143,6 +149,22 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("xpu") and not xpu_ok:
         raise ValueError(f"device {name!r} requested but torch.xpu.is_available() is False")
     return torch.device(name)
+
+
+def use_cpu_threads(n: int, host_blas: bool) -> None:
+    """Give a CPU step ``n`` threads, in one thread pool only.
+
+    With the host BLAS (float32 on a CPU) the matmuls run in numpy's OpenBLAS pool and the
+    rest in torch's: both pools spin-wait between calls, so with more than one thread each
+    they take the cores from each other (measured on 2 cores: a batch-1 decode step went from
+    ~50 ms to over 2 s). So the BLAS pool gets the ``n`` threads and torch one. A process-wide
+    setting: an engine owns its worker process's compute.
+    """
+    want = 1 if host_blas else n
+    if torch.get_num_threads() != want:
+        torch.set_num_threads(want)
+    if host_blas:
+        set_host_blas_threads(n)
 
 
 def _draw_seed(seed: int, index: int) -> int:
@@ -195,6 +217,8 @@ class Engine:
         self.dtype_name = config.dtype
         dtype = _DTYPES[config.dtype]
         self.model = LlamaModel(cfg, weights, self.device, dtype)
+        if self.device.type == "cpu":
+            use_cpu_threads(config.num_threads or torch.get_num_threads(), self.model.host_blas)
         self.cache = PagedKVCache(cfg.num_layers, config.num_blocks, config.block_size,
                                   cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
         # Both modes stay available so an experiment can switch the lever per step.

@@ -1,0 +1,102 @@
+"""Behaviour added for speed in the worker's hot path: tied embeddings in the matmul layout,
+the two attention groups, the thread split between torch and the host BLAS, bfloat16 on a
+GQA model. Numbers are compared with the numpy reference; no timing is asserted here (the
+benchmark, `python -m bench`, measures speed).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from worker_svc.engine import (DecodeItem, Engine, EngineConfig, ItemStatus, PrefillItem,
+                               SamplingSpec, use_cpu_threads)
+from worker_svc.model.config import LlamaConfig
+from worker_svc.model.reference import reference_generate, reference_logits
+from worker_svc.model.tiny import tiny_weights
+
+GREEDY = SamplingSpec()
+TIED = LlamaConfig(name="tiny-tied", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+                   num_kv_heads=2, intermediate_size=48, max_position=96, rope_theta=1000.0,
+                   tie_word_embeddings=True)
+TIED_WEIGHTS = tiny_weights(TIED, seed=3)
+
+
+def _prompt(n: int, salt: int, vocab: int = TIED.vocab_size) -> tuple[int, ...]:
+    return tuple((5 * i + 11 * salt + 2) % vocab for i in range(n))
+
+
+def _engine(kv_views: str = "rebuild", dtype: str = "float32", **kw) -> Engine:
+    return Engine(TIED, TIED_WEIGHTS, EngineConfig(block_size=4, num_blocks=64, kv_views=kv_views,
+                                                  dtype=dtype, **kw))
+
+
+def test_tied_head_has_no_second_copy() -> None:
+    assert "lm_head.weight" not in TIED_WEIGHTS
+    engine = _engine()
+    assert engine.parameter_count == sum(w.size for w in TIED_WEIGHTS.values())
+
+
+@pytest.mark.parametrize("kv_views", ["rebuild", "persistent"])
+def test_mixed_step_of_both_groups_matches_reference(kv_views: str) -> None:
+    """One step holding a long chunk, a one-token prefill chunk and decodes: the one-token items
+    share the decode group, the chunk its own group, and every logit matches the reference."""
+    engine = _engine(kv_views)
+    a, b, c = _prompt(9, 1), _prompt(5, 2), _prompt(1, 3)
+    first = engine.step([PrefillItem("a", a, 0, True, GREEDY), PrefillItem("b", b, 0, True, GREEDY)], [])
+    ta, tb = (r.token_id for r in first.results)
+    d = _prompt(13, 4)
+    out = engine.step(
+        [PrefillItem("d", d[:7], 0, False, GREEDY),               # multi-token, not sampled
+         PrefillItem("c", c, 0, True, GREEDY)],                   # one token: decode group
+        [DecodeItem("b", tb, len(b), GREEDY, 1), DecodeItem("a", ta, len(a), GREEDY, 1)],
+        return_logits=True)
+    assert [r.status for r in out.results] == [ItemStatus.OK] * 4
+    assert out.results[0].token_id is None and out.results[0].kv_tokens == 7
+    assert out.logits is not None
+    for row, (prompt, tok) in ((1, (c, None)), (2, (b, tb)), (3, (a, ta))):
+        seq = list(prompt) + ([tok] if tok is not None else [])
+        ref = reference_logits(TIED, TIED_WEIGHTS, seq)[-1]
+        np.testing.assert_allclose(out.logits[row], ref, atol=1e-4, rtol=0)
+    assert out.results[3].token_id == reference_generate(TIED, TIED_WEIGHTS, list(a), 2)[1]
+    # d's second chunk continues from the cache and samples d's first token.
+    out = engine.step([PrefillItem("d", d[7:], 7, True, GREEDY)], [])
+    assert out.results[0].token_id == reference_generate(TIED, TIED_WEIGHTS, list(d), 1)[0]
+
+
+def test_bfloat16_tied_gqa_decodes_close_to_reference() -> None:
+    engine = _engine(dtype="bfloat16")
+    prompt = _prompt(6, 5)
+    out = engine.step([PrefillItem("s", prompt, 0, True, GREEDY)], [], return_logits=True)
+    tok = out.results[0].token_id
+    out = engine.step([], [DecodeItem("s", tok, len(prompt), GREEDY, 1)], return_logits=True)
+    ref = reference_logits(TIED, TIED_WEIGHTS, list(prompt) + [tok])[-1]
+    assert out.logits is not None and np.abs(out.logits[0] - ref).max() < 0.25
+
+
+def test_threads_are_given_to_one_pool_only() -> None:
+    saved = torch.get_num_threads()
+    try:
+        engine = _engine(num_threads=2)
+        assert engine.model.host_blas            # float32 on a CPU
+        assert torch.get_num_threads() == 1      # the BLAS pool has the threads, torch one
+        use_cpu_threads(2, host_blas=False)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(saved)
+    with pytest.raises(ValueError, match="num_threads"):
+        EngineConfig(num_threads=-1)
+
+
+def test_untied_and_tied_layouts_agree_when_head_equals_embedding() -> None:
+    untied_cfg = dataclasses.replace(TIED, tie_word_embeddings=False)
+    untied = dict(TIED_WEIGHTS, **{"lm_head.weight": TIED_WEIGHTS["model.embed_tokens.weight"]})
+    prompt = _prompt(7, 6)
+    outs = []
+    for cfg, weights in ((TIED, TIED_WEIGHTS), (untied_cfg, untied)):
+        engine = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=16))
+        outs.append(engine.step([PrefillItem("s", prompt, 0, True, GREEDY)], [],
+                                return_logits=True).logits)
+    np.testing.assert_allclose(outs[0], outs[1], atol=1e-6, rtol=0)
