@@ -138,12 +138,20 @@ def test_telemetry_stored_spans_from_scheduler_and_workers(stack: Stack) -> None
                        30, "session and worker_step spans in GetTimings")
     assert counts["session"] >= 1 and counts["tick"] >= 1 and counts["worker_step"] >= 1, counts
 
-    services = {row[0] for row in _span_rows(stack, "SELECT DISTINCT service FROM spans")}
-    assert {"kvfleet-scheduler", "kvfleet-worker", "kvfleet-gateway"} <= services, services
+    # every service exports in its own batches (OTEL_BSP_SCHEDULE_DELAY=1 s): wait for all three
+    expected = {"kvfleet-scheduler", "kvfleet-worker", "kvfleet-gateway"}
+
+    def services() -> set[str]:
+        return {row[0] for row in _span_rows(stack, "SELECT DISTINCT service FROM spans")}
+    try:
+        _wait_for(lambda: expected <= services(), 30, f"spans from {sorted(expected)}")
+    except AssertionError:
+        pytest.fail(f"spans stored from {sorted(services())}, expected {sorted(expected)}")
     # Trace context crossed the container boundary: a worker span shares a trace with a session.
-    joined = _span_rows(stack, "SELECT COUNT(DISTINCT w.trace_id) FROM spans w JOIN spans s "
-                               "ON w.trace_id = s.trace_id WHERE w.name = 'worker_step' AND s.name = 'session'")
-    assert joined[0][0] >= 1, "no worker_step span in the trace of any session"
+    def joined() -> int:
+        return _span_rows(stack, "SELECT COUNT(DISTINCT w.trace_id) FROM spans w JOIN spans s ON w.trace_id = "
+                                 "s.trace_id WHERE w.name = 'worker_step' AND s.name = 'session'")[0][0]
+    _wait_for(lambda: joined() >= 1, 30, "a worker_step span in the trace of a session")
 
 
 def test_stopped_worker_is_reported_and_sessions_finish_on_the_other(stack: Stack) -> None:
