@@ -2,7 +2,9 @@
 put on decoding a model.
 
 - bandwidth: a float32 matrix-vector product over a matrix far larger than the caches; it
-  reads every weight once, as batch-1 decoding does (GB/s = matrix bytes / time);
+  reads every weight once, as batch-1 decoding does (GB/s = matrix bytes / time). On a CPU
+  with both torch's BLAS (MKL) and numpy's (OpenBLAS, which the worker uses for float32), in
+  both matrix layouts, so the bound is the best either library reaches;
 - FLOP/s: a large float32 matrix-matrix product (2 n^3 / time); TF32 is switched off on CUDA so
   the figure is float32's.
 
@@ -15,9 +17,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from worker_svc.model.config import LlamaConfig
+from worker_svc.model.llama import set_host_blas_threads
 
 
 def _sync(device: torch.device) -> None:
@@ -45,9 +49,11 @@ def _over_threads(device: torch.device, threads: Sequence[int], measure: Callabl
     try:
         for n in threads:
             torch.set_num_threads(n)
+            set_host_blas_threads(n)
             by[str(n)] = measure()
     finally:
         torch.set_num_threads(saved)
+        set_host_blas_threads(1)
     return {"best": max(by.values()), "by_threads": by}
 
 
@@ -55,9 +61,14 @@ def memory_bandwidth_gbs(device: torch.device, threads: Sequence[int], repeats: 
     n = 16384 if device.type == "cuda" else 8192           # 1 GiB on a GPU, 256 MiB on a CPU
     w = torch.randn(n, n, device=device)
     x = torch.randn(n, device=device)
+    gb = w.numel() * 4 / 1e9
+    kernels: list[Callable[[], object]] = [lambda: torch.mv(w, x)]
+    if device.type == "cpu":
+        wn, xn = w.numpy(), x[None].numpy()
+        kernels += [lambda: np.matmul(xn, wn), lambda: np.matmul(wn, xn[0])]
 
     def measure() -> float:
-        return w.numel() * 4 / _best_time(lambda: torch.mv(w, x), device, repeats) / 1e9
+        return max(gb / _best_time(k, device, repeats) for k in kernels)
 
     return _over_threads(device, threads, measure)
 

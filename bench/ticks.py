@@ -65,8 +65,11 @@ def tick_breakdown(db: Path, start_epoch_ns: int, end_epoch_ns: int) -> dict:
     period_ns = tick_ns = step_ns = 0
     phase_ns = dict.fromkeys(PHASES, 0)
     used = 0
+    gaps = sorted(n[1] - t[2] for t, n in zip(ticks, ticks[1:]))
+    # A gap far above the usual one is the scheduler idle (waiting for requests), not its work.
+    idle_ns = max(20 * gaps[len(gaps) // 2], 50_000_000)
     for (tid, start, end), (_, next_start, _) in zip(ticks, ticks[1:]):
-        if tid not in steps:
+        if tid not in steps or next_start - end > idle_ns:
             continue
         step_id, slowest = max(steps[tid], key=lambda s: s[1])
         period_ns += next_start - start

@@ -367,7 +367,8 @@ class Engine:
         st = step_tensors(self.cfg, layout, groups,
                           tokens=[t for a in items for t in a.tokens],
                           slots=[s for a in items for s in a.slots],
-                          sample_items=sampled, dtype=self.model.dtype, device=self.device)
+                          sample_items=sampled, dtype=self.model.dtype, device=self.device,
+                          host_blas=self.model.host_blas)
         sync = self.device.type != "cpu" and self.config.profile_sync
         logits = self.model.forward(st, self.cache, views, times, sync=sync)
         # Back to admitted order: row k of the result is the k-th sampled item of ``admitted``.

@@ -14,6 +14,7 @@ import torch
 from worker_svc.engine import (DecodeItem, Engine, EngineConfig, ItemStatus, PrefillItem,
                                SamplingSpec, use_cpu_threads)
 from worker_svc.model.config import LlamaConfig
+from worker_svc.model.llama import LlamaModel
 from worker_svc.model.reference import reference_generate, reference_logits
 from worker_svc.model.tiny import tiny_weights
 
@@ -100,3 +101,25 @@ def test_untied_and_tied_layouts_agree_when_head_equals_embedding() -> None:
         outs.append(engine.step([PrefillItem("s", prompt, 0, True, GREEDY)], [],
                                 return_logits=True).logits)
     np.testing.assert_allclose(outs[0], outs[1], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kv_views", ["rebuild", "persistent"])
+def test_torch_matmul_path_matches_host_blas_path(kv_views: str) -> None:
+    """The path GPUs take (torch matmuls, [out, in] weights, baddbmm attention) gives the same
+    logits as the CPU's numpy path; both mixed groups and a masked decode group are run."""
+    outs = []
+    for host_blas in (True, False):
+        engine = _engine(kv_views)
+        engine.model = LlamaModel(TIED, TIED_WEIGHTS, torch.device("cpu"), torch.float32,
+                                  host_blas=host_blas)
+        a, b = _prompt(9, 1), _prompt(3, 2)
+        first = engine.step([PrefillItem("a", a, 0, True, GREEDY), PrefillItem("b", b, 0, True, GREEDY)],
+                            [], return_logits=True)
+        ta, tb = (r.token_id for r in first.results)
+        second = engine.step([PrefillItem("c", _prompt(6, 3), 0, True, GREEDY)],
+                             [DecodeItem("a", ta, len(a), GREEDY, 1), DecodeItem("b", tb, len(b), GREEDY, 1)],
+                             return_logits=True)
+        outs.append(np.concatenate([first.logits, second.logits]))
+    np.testing.assert_allclose(outs[0], outs[1], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="host_blas"):
+        LlamaModel(TIED, TIED_WEIGHTS, torch.device("cpu"), torch.bfloat16, host_blas=True)
