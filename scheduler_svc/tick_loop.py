@@ -47,6 +47,9 @@ class TickLoop:
         self._stopping = False
         # Sessions moved off a worker that failed; released there if it comes back.
         self._stale: dict[str, set[str]] = {}
+        # Sessions to free on each worker: sent with that worker's next step (or a Release
+        # alongside the next tick's steps), so freeing costs no round trip of its own.
+        self._pending_release: dict[str, list[str]] = {}
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -101,10 +104,11 @@ class TickLoop:
         return state
 
     def finish(self, session_id: str, reason: FinishReason) -> None:
-        """End a session now (a stop string); its KV is released in the background."""
+        """End a session now (a stop string); its KV is released with the next step."""
         out = self._core.finish(session_id, reason)
         self._deliver(out)
-        asyncio.ensure_future(self._release(out.release))
+        self._queue_release(out.release)
+        self._wake.set()
 
     async def wait_for_snapshot(self, workload_id: str, timeout: float | None) -> TelemetrySnapshot | None:
         end = None if timeout is None else time.monotonic() + timeout
@@ -128,16 +132,18 @@ class TickLoop:
     async def _run(self) -> None:
         while not self._stopping:
             if not self._core.has_work():
+                await self._flush_releases()
                 self._wake.clear()
-                await self._wake.wait()
+                if not self._core.has_work():
+                    await self._wake.wait()
                 continue
             plan, early = self._core.plan_tick()
             self._deliver(early)
             if early.finished:
                 self._metrics.tick(self._core.snapshot(), 0, 0)
-            if early.release:
-                await self._release(early.release)
+            self._queue_release(early.release)
             if plan.empty:
+                await self._flush_releases()
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), _IDLE_REPLAN_S)
@@ -164,8 +170,7 @@ class TickLoop:
             self._deliver(out)
             self._metrics.tick(self._core.snapshot(), sum(len(w.token_ids) for w in plan.prefill),
                                len(plan.decode))
-            if out.release:
-                await self._release(out.release)
+            self._queue_release(out.release)
             self._tick_done.set()
 
     async def _dispatch(self, plan: TickPlan, tick_span) -> tuple[dict[str, StepResult], set[str]]:
@@ -175,6 +180,7 @@ class TickLoop:
         calls = []
         for w in ids:
             request = convert.step_request(*by_worker[w])
+            request.release_session_ids.extend(self._pending_release.pop(w, ()))
             arm = self._spans.arm_of([x.session_id for x in by_worker[w][0] + by_worker[w][1]])
             if arm is not None:
                 request.kv_views = arm.kv_views
@@ -182,7 +188,10 @@ class TickLoop:
                 request.experiment_arm = arm.arm
             calls.append(self._clients[w].stub.Step(request, timeout=self._step_timeout_s,
                                                     metadata=metadata))
-        responses = await asyncio.gather(*calls, return_exceptions=True)
+        others = self._pending_release
+        self._pending_release = {}
+        responses = await asyncio.gather(*calls, self._release(others), return_exceptions=True)
+        responses = responses[:len(ids)]
         results: dict[str, StepResult] = {}
         failed: set[str] = set()
         for worker_id, resp in zip(ids, responses):
@@ -211,6 +220,15 @@ class TickLoop:
         queue = self._subscribers.get(event.session_id)
         if queue is not None:
             queue.put_nowait(event)
+
+    def _queue_release(self, release: dict[str, list[str]]) -> None:
+        for worker_id, sids in release.items():
+            self._pending_release.setdefault(worker_id, []).extend(sids)
+
+    async def _flush_releases(self) -> None:
+        if self._pending_release:
+            pending, self._pending_release = self._pending_release, {}
+            await self._release(pending)
 
     async def _release(self, release: dict[str, list[str]]) -> None:
         calls = []

@@ -60,6 +60,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "every item needs a session_id")
         kv_views = request.kv_views if request is not None and request.kv_views else None
         async with self._lock:
+            if request is not None and request.release_session_ids:
+                self._engine.release(request.release_session_ids)
             wall_start = time.time_ns()
             start = time.perf_counter_ns()
             try:
