@@ -35,7 +35,7 @@ soak: install
 	$(BIN)/kvfleet soak --model smollm2-135m --sessions 300 --concurrency 64
 
 test: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
 clean:
 	rm -rf $(VENV) kvfleet/v1 build *.egg-info
