@@ -168,9 +168,7 @@ def stack() -> Iterator[Stack]:
     sched_port, tel_port, gw_port = _free_port(), _free_port(), _free_port()
     env = {**os.environ, "KVFLEET_IMAGE": image, "KVFLEET_BASE_IMAGE": base, "KVFLEET_MODEL": model,
            "KVFLEET_PUBLISH_SCHEDULER": str(sched_port), "KVFLEET_PUBLISH_TELEMETRY": str(tel_port),
-           "KVFLEET_PUBLISH_GATEWAY": str(gw_port),
-           # a stopped worker is noticed at once (connection refused); this bounds a hung one
-           "KVFLEET_STEP_TIMEOUT_S": "10"}
+           "KVFLEET_PUBLISH_GATEWAY": str(gw_port)}
     s = Stack(client, env, f"127.0.0.1:{sched_port}", f"127.0.0.1:{tel_port}", f"http://127.0.0.1:{gw_port}", model)
     s.compose("down", "-v", "--remove-orphans", check=False, timeout=120)  # leftovers of a killed run
     try:

@@ -191,4 +191,6 @@ def test_stopped_worker_is_reported_and_sessions_finish_on_the_other(stack: Stac
     # ... and the restarted worker is probed back into service.
     stack.container(victim).start()
     stack.wait_healthy((victim,))
-    _wait_for(lambda: _workers(stack) == {"worker-0": True, "worker-1": True}, 30, f"{victim} live again")
+    # The scheduler re-probes a dead worker every second, but through its gRPC channel, whose
+    # reconnect backoff grows while the worker is away (gRPC's default cap is 120 s).
+    _wait_for(lambda: _workers(stack) == {"worker-0": True, "worker-1": True}, 150, f"{victim} live again")
