@@ -31,6 +31,8 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
     p.add_argument("--kv-policy", default=env("KVFLEET_KV_POLICY", d.kv_policy), choices=["reserve", "preempt"],
                    help="reserve worst-case KV at admission, or preempt under KV pressure")
     p.add_argument("--step-timeout", type=float, default=float(env("KVFLEET_STEP_TIMEOUT_S", "30")))
+    p.add_argument("--no-worker-wait", type=float, default=float(env("KVFLEET_NO_WORKER_WAIT_S", "30")),
+                   help="seconds sessions wait for a live worker before failing with UNAVAILABLE")
     p.add_argument("--drain-grace", type=float, default=float(env("KVFLEET_DRAIN_GRACE_S", "10")))
     p.add_argument("--metrics-port", type=int, default=int(env("KVFLEET_METRICS_PORT", "9400")),
                    help="Prometheus /metrics port (0 = off)")
@@ -47,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
 
     return SchedulerConfig(tls=TlsConfig.from_env(), api_token=env("KVFLEET_API_TOKEN", ""), host=a.host, port=a.port, workers=workers, limits=limits, model=a.model,
                            step_timeout_s=a.step_timeout, drain_grace_s=a.drain_grace,
-                           metrics_port=a.metrics_port)
+                           metrics_port=a.metrics_port, no_worker_wait_s=a.no_worker_wait)
 
 
 def main(argv: list[str] | None = None) -> None:

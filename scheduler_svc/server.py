@@ -98,6 +98,8 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
             self._loop.cancel(sid)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"session {sid} did not finish before the client's deadline")
+        except SessionDropped as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"session {sid}: {exc}")
         finally:
             if not self._loop.finished(sid):
                 self._loop.cancel(sid)   # the client went away: free its slot or KV
@@ -170,6 +172,8 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                 self._loop.cancel(sid)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"workload {workload_id} did not finish before the client's deadline")
+        except SessionDropped as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"workload {workload_id}: {exc}")
         finally:
             for sid in ids:
                 if not self._loop.finished(sid):
@@ -241,7 +245,14 @@ async def _batches(events: asyncio.Queue, context) -> AsyncIterator[list[Session
         batch = [first]
         while not events.empty():
             batch.append(events.get_nowait())
+        dropped = [ev.unavailable for ev in batch if ev.unavailable]
+        if dropped:
+            raise SessionDropped(dropped[0])
         yield batch
+
+
+class SessionDropped(Exception):
+    """The scheduler gave up on a session (no live worker for too long)."""
 
 
 async def create_server(config: SchedulerConfig):
@@ -257,7 +268,7 @@ async def create_server(config: SchedulerConfig):
     spans = SchedulerSpans(prompts.model_name)
     metrics = SchedulerMetrics()
     loop = TickLoop(core, clients, spans, metrics, step_timeout_s=config.step_timeout_s,
-                    health_interval_s=config.health_interval_s)
+                    health_interval_s=config.health_interval_s, no_worker_wait_s=config.no_worker_wait_s)
     servicer = SchedulerServicer(core, loop, prompts, spans, metrics, config.api_token)
     server = grpc.aio.server(options=grpcutil.SERVER_OPTIONS)
     spb_grpc.add_SchedulerServicer_to_server(servicer, server)

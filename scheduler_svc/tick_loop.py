@@ -29,11 +29,15 @@ class SessionEvent:
     token: int | None = None
     finish: FinishReason | None = None
     worker_id: str = ""
+    unavailable: str = ""      # the session was dropped: no live worker for too long (the reason)
 
 
 class TickLoop:
     def __init__(self, core: SchedulerCore, clients: list[WorkerClient], spans: SchedulerSpans,
-                 metrics: SchedulerMetrics, step_timeout_s: float, health_interval_s: float = 1.0) -> None:
+                 metrics: SchedulerMetrics, step_timeout_s: float, health_interval_s: float = 1.0,
+                 no_worker_wait_s: float = 30.0) -> None:
+        self._no_worker_wait_s = no_worker_wait_s
+        self._no_worker_since: float | None = None
         self._core = core
         self._spans = spans
         self._metrics = metrics
@@ -144,12 +148,14 @@ class TickLoop:
             self._queue_release(early.release)
             if plan.empty:
                 await self._flush_releases()
+                self._drop_if_no_worker_for_too_long()
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), _IDLE_REPLAN_S)
                 except asyncio.TimeoutError:
                     pass
                 continue
+            self._no_worker_since = None
             for work in plan.prefill:
                 if work.start_position == 0:
                     self._spans.admitted(work.session_id)
@@ -220,6 +226,28 @@ class TickLoop:
         queue = self._subscribers.get(event.session_id)
         if queue is not None:
             queue.put_nowait(event)
+
+    def _drop_if_no_worker_for_too_long(self) -> None:
+        """Sessions wait for a worker to come back, but not for ever: after no_worker_wait_s
+        with no live worker, the waiting ones end with UNAVAILABLE."""
+        if self._core.workers.live:
+            self._no_worker_since = None
+            return
+        now = time.monotonic()
+        if self._no_worker_since is None:
+            self._no_worker_since = now
+            return
+        if now - self._no_worker_since < self._no_worker_wait_s:
+            return
+        reason = (f"no live worker for {self._no_worker_wait_s:.0f}s; the session was dropped "
+                  f"unfinished; retry when a worker is up")
+        for sid in self._core.queued_ids():
+            self._core.cancel(sid)
+            self._spans.failed(sid, reason)
+            self._spans.finished(sid, "unavailable", self._core.session(sid).prompt_len,
+                                 len(self._core.session(sid).generated))
+            self._metrics.finished_session(sid, "unavailable")
+            self._publish(SessionEvent(sid, unavailable=reason))
 
     def _queue_release(self, release: dict[str, list[str]]) -> None:
         for worker_id, sids in release.items():

@@ -528,6 +528,9 @@ class SchedulerCore:
     def tick(self) -> int:
         return self._tick
 
+    def queued_ids(self) -> list[str]:
+        return [sid for _, _, sid in self._queue]
+
     @property
     def queue_depth(self) -> int:
         return len(self._queue)

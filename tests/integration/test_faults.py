@@ -103,3 +103,48 @@ def test_preemption_under_kv_pressure_keeps_tokens_exact():
     for p, r in zip(prompts, results):
         assert r.token_ids == reference_generate(CFG, WEIGHTS, p, 24)
     assert snap.preemptions_total > 0 and snap.kv_total_bytes == 0
+
+
+def test_with_no_live_worker_sessions_wait_bounded_then_unavailable():
+    with InProcessCluster(workers=1, step_timeout_s=2, no_worker_wait_s=1.0) as c, \
+            SchedulerClient(c.address) as client:
+        c.run(c.worker_servers[0].stop(0))
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate(build_request([1, 2], 4), timeout=30)
+        waited = time.monotonic() - started
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no live worker" in info.value.details()
+        assert 1.0 <= waited < 10
+        snap = client.telemetry()
+        assert snap.queue_depth == 0 and snap.active_sessions == 0
+
+
+def test_a_worker_that_comes_back_is_used_again():
+    from dataclasses import replace
+
+    from worker_svc.server import create_server as create_worker
+
+    with InProcessCluster(workers=2, step_timeout_s=2) as c, SchedulerClient(c.address) as client:
+        c.run(c.worker_servers[1].stop(0))
+        # Concurrent sessions spread over both; those on the dead one mark it dead and move.
+        import concurrent.futures as cf
+        first = [[1, 2], [3, 4], [5, 6], [7, 8]]
+        with cf.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: client.generate(build_request(p, 6)), first))
+        for p, r in zip(first, got):
+            assert r.token_ids == reference_generate(CFG, WEIGHTS, p, 6)
+        assert {w.worker_id: w.live for w in client.list_workers()}["worker-1"] is False
+        port = int(c.worker_addresses[1].rsplit(":", 1)[1])
+        server, _, _ = c.run(create_worker(replace(c.worker_config, worker_id="worker-1", port=port)))
+        c.worker_servers[1] = server
+        deadline = time.monotonic() + 30
+        while not {w.worker_id: w.live for w in client.list_workers()}["worker-1"]:
+            assert time.monotonic() < deadline, "the restarted worker was not taken back"
+            time.sleep(0.1)
+        prompts = [[i, 7] for i in range(8)]
+        with cf.ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda p: client.generate(build_request(p, 20)), prompts))
+        assert "worker-1" in {r.worker_id for r in results}
+        for p, r in zip(prompts, results):
+            assert r.token_ids == reference_generate(CFG, WEIGHTS, p, 20)
