@@ -18,7 +18,7 @@ from worker_svc.model.config import LlamaConfig
 
 def batch1_decode(cfg: LlamaConfig, weights: dict[str, np.ndarray], device: str, dtype: str,
                   kv_views: str, threads: Sequence[int], prompt_len: int = 128,
-                  steps: int = 32) -> dict:
+                  steps: int = 20) -> dict:
     """Decode tokens/s of one session after a ``prompt_len`` prompt, per thread count."""
     engine = Engine(cfg, weights, EngineConfig(device=device, dtype=dtype, num_blocks=64,
                                                kv_views=kv_views))

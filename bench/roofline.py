@@ -21,7 +21,12 @@ import numpy as np
 import torch
 
 from worker_svc.model.config import LlamaConfig
-from worker_svc.model.llama import set_host_blas_threads
+
+try:
+    from worker_svc.model.llama import set_host_blas_threads
+except ImportError:   # a worker without the host-BLAS path (the harness also measures old trees)
+    def set_host_blas_threads(n: int) -> bool:
+        return False
 
 
 def _sync(device: torch.device) -> None:

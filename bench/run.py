@@ -29,7 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (cluster, peer and limits)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--concurrency", type=_ints, default=(1, 8, 32))
-    p.add_argument("--sessions", type=_ints, default=(3, 8, 32),
+    p.add_argument("--sessions", type=_ints, default=(2, 8, 32),
                    help="sessions per concurrency, in the same order")
     p.add_argument("--workers", type=_ints, default=(1, 2), help="cluster sizes to measure")
     p.add_argument("--worker-threads", default="auto",
@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=_ints, default=(16, 256), help="LOW,HIGH")
     p.add_argument("--output-tokens", type=_ints, default=(16, 128), help="LOW,HIGH")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sweep-repeats", type=int, default=5)
+    p.add_argument("--sweep-repeats", type=int, default=3)
     p.add_argument("--skip", default="", help="comma list of parts to skip: "
                                               "limits,engine,cluster,peer,sweep")
     p.add_argument("--out", default=str(DEFAULT_OUT))
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             warm = [Session(s.prompt[:16], 4) for s in workload[:4]]
             for w in a.workers:
                 n = int(a.worker_threads) if a.worker_threads != "auto" \
-                    else default_worker_threads(a.device, w)
+                    else default_worker_threads(a.device, w, cores, doc.get("engine_batch1"))
                 opts = ClusterOptions(workers=w, worker_threads=n, model=a.model, device=a.device,
                                       dtype=a.dtype, kv_views=a.kv_views,
                                       prefill_token_budget=a.prefill_budget,
@@ -131,18 +131,22 @@ def main(argv: list[str] | None = None) -> int:
             peer = load_peer(a.model, a.device, a.dtype)
             doc["peer_threads"] = pick_threads(peer, workload, a.device, a.peer_threads or threads)
             say(f"peer threads: {doc['peer_threads']}")
+        # Interleaved by concurrency, so that each comparison is made minutes apart, not ten.
         for conc, n in zip(a.concurrency, a.sessions):
             sessions = workload[:n]
             for c in clusters:
                 say(f"{c.options.name}: concurrency {conc}, {n} sessions")
-                results.setdefault(c.options.name, []).append(
-                    c.run(sessions, conc, breakdown=conc == a.breakdown_concurrency))
+                load = os.getloadavg()[0]
+                row = c.run(sessions, conc, breakdown=conc == a.breakdown_concurrency)
+                results.setdefault(c.options.name, []).append({**row, "loadavg_1m_before": load})
             if peer is not None:
                 from bench.peer import run_static
 
                 say(f"peer: static batches of {conc}, {n} sessions")
-                results.setdefault("peer", []).append(
-                    run_static(peer, sessions, conc, a.device, progress=lambda m: say(f"peer c={conc}: {m}")))
+                load = os.getloadavg()[0]
+                row = run_static(peer, sessions, conc, a.device,
+                                 progress=lambda m: say(f"peer c={conc}: {m}"))
+                results.setdefault("peer", []).append({**row, "loadavg_1m_before": load})
     finally:
         for c in clusters:
             c.stop()

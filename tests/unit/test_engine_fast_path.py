@@ -123,3 +123,22 @@ def test_torch_matmul_path_matches_host_blas_path(kv_views: str) -> None:
     np.testing.assert_allclose(outs[0], outs[1], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="host_blas"):
         LlamaModel(TIED, TIED_WEIGHTS, torch.device("cpu"), torch.bfloat16, host_blas=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kv_views,dtype,atol", [("rebuild", "float32", 1e-4),
+                                                 ("persistent", "float32", 1e-4),
+                                                 ("persistent", "bfloat16", 0.25)])
+def test_cuda_mixed_groups_match_reference(kv_views: str, dtype: str, atol: float) -> None:
+    engine = _engine(kv_views, dtype=dtype, device="cuda")
+    a, b = _prompt(9, 1), _prompt(4, 2)
+    first = engine.step([PrefillItem("a", a, 0, True, GREEDY), PrefillItem("b", b, 0, True, GREEDY)], [])
+    ta, tb = (r.token_id for r in first.results)
+    out = engine.step([PrefillItem("c", _prompt(5, 3), 0, True, GREEDY)],
+                      [DecodeItem("a", ta, len(a), GREEDY, 1), DecodeItem("b", tb, len(b), GREEDY, 1)],
+                      return_logits=True)
+    assert out.logits is not None
+    for row, seq in ((0, list(_prompt(5, 3))), (1, list(a) + [ta]), (2, list(b) + [tb])):
+        ref = reference_logits(TIED, TIED_WEIGHTS, seq)[-1]
+        assert np.abs(out.logits[row] - ref).max() < atol
