@@ -3,8 +3,8 @@
 Tokens of all items are packed along one axis ([T, ...]) for everything that is per token
 (projections, RoPE, MLP); only attention needs a per-session layout. A step's items form at
 most two attention groups (see ``kv_cache``): prefill chunks (several queries each) and
-one-token items (decodes). Each group is one ``bmm``-softmax-``bmm`` with an additive mask
-built once per step, against K/V that the views hand over already batched as
+one-token items (decodes). Each group is one batched matmul, softmax, batched matmul with an
+additive mask built once per step, against K/V that the views hand over already batched as
 [items x kv heads, S, D], so grouped-query heads never repeat K/V and decodes never pay for a
 long prefill chunk's padding.
 
