@@ -25,9 +25,14 @@ pytestmark = pytest.mark.e2e
 WORKERS = ("worker-0", "worker-1")
 
 
+# Generous: on a 2-core machine shared with other work, 8 sessions on one worker have been seen
+# to take 270 s (18 s when the machine is otherwise idle).
+SESSION_TIMEOUT_S = 600
+
+
 def _generate(stack: Stack, prompt, max_new_tokens: int, **kw) -> Completion:
     with SchedulerClient(stack.scheduler_address) as client:
-        return client.generate(build_request(prompt, max_new_tokens, **kw), timeout=180)
+        return client.generate(build_request(prompt, max_new_tokens, **kw), timeout=SESSION_TIMEOUT_S)
 
 
 def _workers(stack: Stack) -> dict[str, bool]:
@@ -155,7 +160,7 @@ def test_telemetry_stored_spans_from_scheduler_and_workers(stack: Stack) -> None
 
 
 def test_stopped_worker_is_reported_and_sessions_finish_on_the_other(stack: Stack) -> None:
-    n, new_tokens = 8, 64
+    n, new_tokens = 6, 48
     victim = "worker-1"
     stopped = threading.Event()
     results: list[Completion] = []
