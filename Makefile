@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/kvfleet/v1/*.proto)
 GEN_STAMP := kvfleet/v1/.generated
 
-.PHONY: install protos demo test sweep soak clean
+.PHONY: install protos demo test sweep soak bench clean
 
 install: $(STAMP) $(GEN_STAMP)
 
@@ -31,6 +31,9 @@ demo: install
 sweep: install
 	$(BIN)/kvfleet sweep --out sweep.json
 
+bench: install
+	$(BIN)/python -m bench
+
 soak: install
 	$(BIN)/kvfleet soak --model smollm2-135m --sessions 300 --concurrency 64
 
@@ -39,3 +42,6 @@ test: install
 
 clean:
 	rm -rf $(VENV) kvfleet/v1 build *.egg-info
+
+# make test-compose: the docker-compose stack on a real Docker engine (tests/e2e).
+include deploy/compose.mk
