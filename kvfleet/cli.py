@@ -208,7 +208,7 @@ def cmd_soak(a: argparse.Namespace) -> int:
     from kvfleet.soak import SoakSpec, engine_reference, run_soak
 
     spec = SoakSpec(sessions=a.sessions, concurrency=a.concurrency, seed=a.seed,
-                    new_tokens=(4, a.max_new_tokens))
+                    new_tokens=(4, a.max_new_tokens), restart_after_s=a.restart_after)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     log(f"soak: {spec.sessions} sessions, {spec.concurrency} concurrent streams, model {a.model}")
     reference = engine_reference(a.model)
@@ -346,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--concurrency", type=int, default=64)
     so.add_argument("--max-new-tokens", type=int, default=40)
     so.add_argument("--seed", type=int, default=0)
+    so.add_argument("--restart-after", type=float, default=3.0,
+                    help="seconds between killing a worker and restarting it")
     so.set_defaults(fn=cmd_soak)
 
     te = sub.add_parser("telemetry", help="print the scheduler's live telemetry snapshot")
