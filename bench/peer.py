@@ -29,9 +29,6 @@ def gguf_path(model: str) -> Path:
 
 
 def load_peer(model: str, device: str, dtype: str):
-    import os
-
-    os.environ.setdefault("TQDM_DISABLE", "1")       # the GGUF dequantisation's progress bars
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
