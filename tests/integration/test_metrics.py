@@ -44,9 +44,17 @@ def test_scheduler_metrics_follow_the_traffic(metered):
 
 
 def test_worker_metrics(metered):
+    import time
+
     with SchedulerClient(metered.scheduler_address) as client:
         client.generate(build_request([4, 5], 4))
-    text = _scrape(metered.metrics_ports["worker-0"])
+    # The finished session's KV is released on the worker within a tick of the last token.
+    deadline = time.monotonic() + 5
+    while True:
+        text = _scrape(metered.metrics_ports["worker-0"])
+        if _value(text, "kvfleet:worker_sessions") == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert _value(text, "kvfleet:worker_steps_total") >= 4
     assert _value(text, "kvfleet:worker_step_seconds_count") >= 4
     assert _value(text, "kvfleet:worker_kv_blocks_total") == 4096
