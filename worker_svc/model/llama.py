@@ -16,12 +16,13 @@ Weights are prepared once for this forward, not kept in the checkpoint's form:
     and k get the same permutation, so every q.k (hence the output) is unchanged, and the KV
     cache holds K in that order;
   * q rows are pre-scaled by 1/sqrt(D), the attention scale (RoPE is linear, so it commutes);
-  * on a CPU in float32 the matmuls go to numpy's BLAS (OpenBLAS) with every matrix stored
+  * on a CPU in float32 the matmuls go to numpy's BLAS (OpenBLAS) with the matrix stored
     [in, out]: measured on a 2-core AMD EPYC, that streams the weights of a batch-1 decode about
-    1.8x faster than torch's MKL does with either layout, and is on par or faster at larger
-    batches (see bench/README.md). Elsewhere (bfloat16, GPUs) torch's matmul with the usual
-    [out, in] layout, which its bfloat16 CPU kernels run 1.4-1.5x faster than [in, out]. A tied
-    LM head is the only copy of the embedding, in whichever layout.
+    1.8x faster than torch's MKL does with either layout, and is on par or faster from 16 rows
+    (see bench/README.md); products of 2-12 rows, where MKL is 15-27 % faster, use a second,
+    [out, in] copy (so the host holds the weights twice). Elsewhere (bfloat16, GPUs) only torch's
+    matmul with [out, in], which its bfloat16 CPU kernels run 1.4-1.5x faster than [in, out]. A
+    tied LM head is the embedding, not a copy of it.
 """
 from __future__ import annotations
 
@@ -136,19 +137,38 @@ def synchronize(device: torch.device) -> None:
         torch.xpu.synchronize(device)
 
 
+# Row counts of a product that torch's MKL runs faster than numpy's OpenBLAS on a CPU (15-27 %
+# at 4-12 rows, measured on the 2-core AMD EPYC; OpenBLAS wins at 1 row by 1.7x and is on par or
+# ahead from 16 rows): for those the host keeps a second, [out, in] copy of every matrix.
+_TORCH_ROWS = range(2, 13)
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """One weight matrix in the layouts its products use: ``kn`` [in, out] for numpy's BLAS
+    (host BLAS only), ``nk`` [out, in] for torch (always)."""
+
+    kn: torch.Tensor | None
+    nk: torch.Tensor
+
+    @property
+    def param(self) -> torch.Tensor:
+        """The copy that counts as the parameter (sizes are reported once)."""
+        return self.kn if self.kn is not None else self.nk
+
+
 @dataclass(frozen=True)
 class LayerWeights:
-    """Matrices in the model's matmul layout: [in, out] with host BLAS, else [out, in]."""
-
     input_norm: torch.Tensor    # [hidden]
-    qkv: torch.Tensor           # hidden -> (Hq + 2 Hkv) * D, q/k pair-permuted, q pre-scaled
-    o: torch.Tensor             # Hq * D -> hidden
+    qkv: Matrix                 # hidden -> (Hq + 2 Hkv) * D, q/k pair-permuted, q pre-scaled
+    o: Matrix                   # Hq * D -> hidden
     post_norm: torch.Tensor     # [hidden]
-    gate_up: torch.Tensor       # hidden -> 2 * intermediate
-    down: torch.Tensor          # intermediate -> hidden
+    gate_up: Matrix             # hidden -> 2 * intermediate
+    down: Matrix                # intermediate -> hidden
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.input_norm, self.qkv, self.o, self.post_norm, self.gate_up, self.down]
+        return [self.input_norm, self.qkv.param, self.o.param, self.post_norm,
+                self.gate_up.param, self.down.param]
 
 
 def set_host_blas_threads(n: int) -> bool:
@@ -198,9 +218,9 @@ class LlamaModel:
             raise ValueError("host_blas needs float32 weights on a CPU")
         self.host_blas = cpu_f32 if host_blas is None else host_blas
 
-        def matrix(a: np.ndarray) -> torch.Tensor:
-            """a: [out, in] as in the checkpoint -> the matmul layout."""
-            return put(a.T if self.host_blas else a)
+        def matrix(a: np.ndarray) -> Matrix:
+            """a: [out, in] as in the checkpoint."""
+            return Matrix(kn=put(a.T) if self.host_blas else None, nk=put(a))
 
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         self.layers: list[LayerWeights] = []
@@ -222,8 +242,7 @@ class LlamaModel:
             self.embed: torch.Tensor | None = put(embed)
             self.lm_head = matrix(array("lm_head.weight"))
         elif cfg.tie_word_embeddings:
-            # One copy, in the head's layout: the head reads all of it each step, the lookup a
-            # few rows (or columns).
+            # The head's copies are the embedding: the lookup reads a few of the [V, hidden] rows.
             self.embed = None
             self.lm_head = matrix(embed)
         else:
@@ -237,7 +256,7 @@ class LlamaModel:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every distinct weight tensor (a tied head counted once)."""
-        out = [self.lm_head, self.norm]
+        out = [self.lm_head.param, self.norm]
         for layer in self.layers:
             out.extend(layer.tensors())
         if self.embed is not None:
@@ -245,25 +264,22 @@ class LlamaModel:
         return out
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            return self.embed.index_select(0, tokens)                      # [T, hidden]
-        if self.host_blas:                                                 # head is [hidden, V]
-            return self.lm_head.index_select(1, tokens).t().contiguous()
-        return self.lm_head.index_select(0, tokens)
+        table = self.embed if self.embed is not None else self.lm_head.nk
+        return table.index_select(0, tokens)                               # [T, hidden]
 
-    def _matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [M, in] times the matrix w (in the matmul layout) -> [M, out]."""
-        if self.host_blas:
-            return torch.from_numpy(np.matmul(x.numpy(), w.numpy()))
-        return x @ w.t()
+    def _matmul(self, x: torch.Tensor, w: Matrix) -> torch.Tensor:
+        """x [M, in] times w -> [M, out]."""
+        if w.kn is not None and x.shape[0] not in _TORCH_ROWS:
+            return torch.from_numpy(np.matmul(x.numpy(), w.kn.numpy()))
+        return x @ w.nk.t()
 
-    def _matmul_add_(self, h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    def _matmul_add_(self, h: torch.Tensor, x: torch.Tensor, w: Matrix) -> None:
         """h += x times w, in place."""
-        if self.host_blas:
+        if w.kn is not None and x.shape[0] not in _TORCH_ROWS:
             hn = h.numpy()
-            np.add(hn, np.matmul(x.numpy(), w.numpy()), out=hn)
+            np.add(hn, np.matmul(x.numpy(), w.kn.numpy()), out=hn)
         else:
-            h.addmm_(x, w.t())
+            h.addmm_(x, w.nk.t())
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # Computed in float32 (torch's kernel upcasts half types), as HF does.
