@@ -1,7 +1,10 @@
-"""The worker's engine alone, in this process: batch-1 decode with no RPC and no scheduler.
+"""The worker's engine alone, in this process: batch-1 decode and a prefill chunk, with no RPC
+and no scheduler.
 
-This is the ceiling the cluster's concurrency-1 decode approaches, and it is measured at each
-intra-op thread count tried, which is how the harness shows the right thread setting.
+Batch-1 decode is the ceiling the cluster's concurrency-1 decode approaches. Both are measured
+at each intra-op thread count tried: decode reads the weights (bandwidth-bound), a prefill chunk
+multiplies by them (compute-bound, like a big batch), and on a shared machine a second thread
+can help the one and wreck the other, so the harness picks the workers' threads from both.
 """
 from __future__ import annotations
 
@@ -17,21 +20,27 @@ from worker_svc.model.config import LlamaConfig
 
 
 def batch1_decode(cfg: LlamaConfig, weights: dict[str, np.ndarray], device: str, dtype: str,
-                  kv_views: str, threads: Sequence[int], prompt_len: int = 128,
+                  kv_views: str, threads: Sequence[int], prompt_len: int = 256,
                   steps: int = 20, budget_s: float = 4.0) -> dict:
-    """Decode tokens/s of one session after a ``prompt_len`` prompt, per thread count."""
+    """Per thread count: decode tokens/s of one session after a ``prompt_len`` prompt, and
+    that prompt's prefill tokens/s."""
     engine = Engine(cfg, weights, EngineConfig(device=device, dtype=dtype, num_blocks=64,
                                                kv_views=kv_views))
     greedy = SamplingSpec()
     prompt = tuple(int(t) for t in np.random.default_rng(1).integers(100, cfg.vocab_size, prompt_len))
     saved = torch.get_num_threads()
     out: dict[str, float] = {}
+    prefill: dict[str, float] = {}
+    engine.step([PrefillItem("warm", prompt[:16], 0, True, greedy)], [])   # first-call costs
+    engine.release(["warm"])
     try:
         for n in threads if engine.device.type == "cpu" else [saved]:
             if engine.device.type == "cpu":
-                use_cpu_threads(n, engine.model.host_blas)
+                use_cpu_threads(n, engine.model.host_blas, engine.model)
             engine.release(["probe"])
+            t0 = time.perf_counter()
             token = engine.step([PrefillItem("probe", prompt, 0, True, greedy)], []).results[0].token_id
+            prefill[str(n)] = round(prompt_len / (time.perf_counter() - t0), 1)
             times: list[float] = []
             end = time.perf_counter() + budget_s      # a thread count that stalls is cut short
             for k in range(steps):
@@ -45,7 +54,7 @@ def batch1_decode(cfg: LlamaConfig, weights: dict[str, np.ndarray], device: str,
             out[str(n)] = round(1.0 / float(np.median(times[2:])), 2)
     finally:
         if engine.device.type == "cpu":
-            use_cpu_threads(1, engine.model.host_blas)
+            use_cpu_threads(1, engine.model.host_blas, engine.model)
         torch.set_num_threads(saved)
     return {"tok_s_by_threads": out, "best_tok_s": max(out.values()), "prompt_len": prompt_len,
-            "kv_views": kv_views}
+            "prefill_tok_s_by_threads": prefill, "kv_views": kv_views}

@@ -78,9 +78,11 @@ def _grid(heads: list[str], rows: list[list[str]]) -> list[str]:
 
 def table(doc: dict) -> str:
     cfg = doc["config"]
+    threads = {k: v["worker_threads"] for k, v in doc.get("clusters", {}).items()}
     lines = [f"== kvfleet benchmark: {cfg['model']} {cfg['dtype']} on {doc['machine']['device']} "
              f"({doc['machine']['cores']} cores), kv_views {cfg['kv_views']}, "
-             f"prefill budget {cfg['prefill_token_budget']}, sessions per concurrency {cfg['sessions']}"]
+             f"prefill budget {cfg['prefill_token_budget']}, sessions per concurrency {cfg['sessions']}, "
+             f"threads per worker {threads}, peer threads {doc.get('peer_threads', {}).get('threads')}"]
     lim = doc.get("limits")
     if lim:
         lines.append(f"limits: bandwidth {lim['bandwidth_gbs']['best']:.1f} GB/s "
@@ -91,7 +93,8 @@ def table(doc: dict) -> str:
                      f"compute bound {lim['compute_bound_tok_s']:.0f} tok/s")
     eng = doc.get("engine_batch1")
     if eng:
-        lines.append(f"engine alone, batch-1 decode: {eng['tok_s_by_threads']} tok/s by threads")
+        lines.append(f"engine alone, batch-1 decode: {eng['tok_s_by_threads']} tok/s by threads; "
+                     f"{eng['prompt_len']}-token prefill: {eng.get('prefill_tok_s_by_threads', {})} tok/s")
     rows = []
     ratios_ = doc.get("ratios", {})
     for name, res in doc.get("results", {}).items():

@@ -151,20 +151,23 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def use_cpu_threads(n: int, host_blas: bool) -> None:
+def use_cpu_threads(n: int, host_blas: bool, model: LlamaModel | None = None) -> None:
     """Give a CPU step ``n`` threads, in one thread pool only.
 
     With the host BLAS (float32 on a CPU) the matmuls run in numpy's OpenBLAS pool and the
     rest in torch's: both pools spin-wait between calls, so with more than one thread each
     they take the cores from each other (measured on 2 cores: a batch-1 decode step went from
-    ~50 ms to over 2 s). So the BLAS pool gets the ``n`` threads and torch one. A process-wide
-    setting: an engine owns its worker process's compute.
+    ~50 ms to over 2 s). So the BLAS pool gets the ``n`` threads and torch one (and the model
+    stops sending small products to torch's MKL when ``n`` > 1). A process-wide setting: an
+    engine owns its worker process's compute.
     """
     want = 1 if host_blas else n
     if torch.get_num_threads() != want:
         torch.set_num_threads(want)
     if host_blas:
         set_host_blas_threads(n)
+    if model is not None:
+        model.use_threads(n)
 
 
 def _draw_seed(seed: int, index: int) -> int:
@@ -218,7 +221,8 @@ class Engine:
         dtype = _DTYPES[config.dtype]
         self.model = LlamaModel(cfg, weights, self.device, dtype)
         if self.device.type == "cpu":
-            use_cpu_threads(config.num_threads or torch.get_num_threads(), self.model.host_blas)
+            use_cpu_threads(config.num_threads or torch.get_num_threads(), self.model.host_blas,
+                            self.model)
         self.cache = PagedKVCache(cfg.num_layers, config.num_blocks, config.block_size,
                                   cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
         # Both modes stay available so an experiment can switch the lever per step.

@@ -137,9 +137,10 @@ def synchronize(device: torch.device) -> None:
         torch.xpu.synchronize(device)
 
 
-# Row counts of a product that torch's MKL runs faster than numpy's OpenBLAS on a CPU (15-27 %
-# at 4-12 rows, measured on the 2-core AMD EPYC; OpenBLAS wins at 1 row by 1.7x and is on par or
-# ahead from 16 rows): for those the host keeps a second, [out, in] copy of every matrix.
+# Row counts of a product that torch's MKL runs faster than numpy's OpenBLAS on one CPU thread
+# (15-27 % at 4-12 rows, measured on the 2-core AMD EPYC; OpenBLAS wins at 1 row by 1.7x and is
+# on par or ahead from 16 rows): for those the host keeps a second, [out, in] copy of every
+# matrix. Only with one thread: torch (hence MKL) runs single-threaded beside the host BLAS.
 _TORCH_ROWS = range(2, 13)
 
 
@@ -217,6 +218,7 @@ class LlamaModel:
         if host_blas and not cpu_f32:
             raise ValueError("host_blas needs float32 weights on a CPU")
         self.host_blas = cpu_f32 if host_blas is None else host_blas
+        self.torch_rows = _TORCH_ROWS if self.host_blas else range(0)
 
         def matrix(a: np.ndarray) -> Matrix:
             """a: [out, in] as in the checkpoint."""
@@ -254,6 +256,12 @@ class LlamaModel:
         angles = torch.arange(cfg.max_position, dtype=torch.float64)[:, None] * inv_freq
         self.rotary = torch.polar(torch.ones_like(angles), angles).to(device, torch.complex64)
 
+    def use_threads(self, n: int) -> None:
+        """With the host BLAS on ``n`` > 1 threads, every product goes to it: MKL would run on
+        torch's single thread (see ``engine.use_cpu_threads``)."""
+        if self.host_blas:
+            self.torch_rows = _TORCH_ROWS if n == 1 else range(0)
+
     def tensors(self) -> list[torch.Tensor]:
         """Every distinct weight tensor (a tied head counted once)."""
         out = [self.lm_head.param, self.norm]
@@ -269,13 +277,13 @@ class LlamaModel:
 
     def _matmul(self, x: torch.Tensor, w: Matrix) -> torch.Tensor:
         """x [M, in] times w -> [M, out]."""
-        if w.kn is not None and x.shape[0] not in _TORCH_ROWS:
+        if w.kn is not None and x.shape[0] not in self.torch_rows:
             return torch.from_numpy(np.matmul(x.numpy(), w.kn.numpy()))
         return x @ w.nk.t()
 
     def _matmul_add_(self, h: torch.Tensor, x: torch.Tensor, w: Matrix) -> None:
         """h += x times w, in place."""
-        if w.kn is not None and x.shape[0] not in _TORCH_ROWS:
+        if w.kn is not None and x.shape[0] not in self.torch_rows:
             hn = h.numpy()
             np.add(hn, np.matmul(x.numpy(), w.kn.numpy()), out=hn)
         else:
