@@ -29,8 +29,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (cluster, peer and limits)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--concurrency", type=_ints, default=(1, 8, 32))
-    p.add_argument("--sessions", type=_ints, default=(2, 8, 32),
-                   help="sessions per concurrency, in the same order")
+    p.add_argument("--sessions", type=_ints, default=(2, 16, 64),
+                   help="sessions per concurrency, in the same order (default: two static "
+                        "batches' worth at 8 and 32, so that a freed slot has a session to take)")
     p.add_argument("--workers", type=_ints, default=(1, 2), help="cluster sizes to measure")
     p.add_argument("--worker-threads", default="auto",
                    help="intra-op threads per worker process (auto: see bench/README.md)")

@@ -54,6 +54,9 @@ class TickLoop:
         # Sessions to free on each worker: sent with that worker's next step (or a Release
         # alongside the next tick's steps), so freeing costs no round trip of its own.
         self._pending_release: dict[str, list[str]] = {}
+        # The last tick's outcome (and its prefill/decode token counts), delivered to the
+        # streams while the next tick's steps run (see ``_run``).
+        self._post_tick: tuple[TickOutcome, int, int] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -97,6 +100,7 @@ class TickLoop:
             return True
 
     def cancel(self, session_id: str) -> str:
+        self._flush_post_tick()   # keep each stream's events in order
         state = self._core.cancel(session_id)
         if state == "queued":
             session = self._core.session(session_id)
@@ -109,6 +113,7 @@ class TickLoop:
 
     def finish(self, session_id: str, reason: FinishReason) -> None:
         """End a session now (a stop string); its KV is released with the next step."""
+        self._flush_post_tick()   # keep each stream's events in order
         out = self._core.finish(session_id, reason)
         self._deliver(out)
         self._queue_release(out.release)
@@ -136,17 +141,21 @@ class TickLoop:
     async def _run(self) -> None:
         while not self._stopping:
             if not self._core.has_work():
+                self._flush_post_tick()
                 await self._flush_releases()
                 self._wake.clear()
                 if not self._core.has_work():
                     await self._wake.wait()
                 continue
             plan, early = self._core.plan_tick()
-            self._deliver(early)
-            if early.finished:
-                self._metrics.tick(self._core.snapshot(), 0, 0)
+            if early.tokens or early.finished:
+                self._flush_post_tick()   # the last tick's events go out before these
+                self._deliver(early)
+                if early.finished:
+                    self._metrics.tick(self._core.snapshot(), 0, 0)
             self._queue_release(early.release)
             if plan.empty:
+                self._flush_post_tick()
                 await self._flush_releases()
                 self._drop_if_no_worker_for_too_long()
                 self._wake.clear()
@@ -173,11 +182,20 @@ class TickLoop:
                 continue
             finally:
                 tick_span.end()
-            self._deliver(out)
-            self._metrics.tick(self._core.snapshot(), sum(len(w.token_ids) for w in plan.prefill),
-                               len(plan.decode))
             self._queue_release(out.release)
+            # The outcome is in the core, so the next tick can be planned at once; the event
+            # streams and metrics of this one are served while the next tick's steps run.
+            self._post_tick = (out, sum(len(w.token_ids) for w in plan.prefill), len(plan.decode))
             self._tick_done.set()
+
+    def _flush_post_tick(self) -> None:
+        """Deliver the last tick's tokens and finishes and update the metrics (once)."""
+        if self._post_tick is None:
+            return
+        out, prefill_tokens, decode_tokens = self._post_tick
+        self._post_tick = None
+        self._deliver(out)
+        self._metrics.tick(self._core.snapshot(), prefill_tokens, decode_tokens)
 
     async def _dispatch(self, plan: TickPlan, tick_span) -> tuple[dict[str, StepResult], set[str]]:
         by_worker = plan.by_worker()
@@ -196,7 +214,11 @@ class TickLoop:
                                                     metadata=metadata))
         others = self._pending_release
         self._pending_release = {}
-        responses = await asyncio.gather(*calls, self._release(others), return_exceptions=True)
+        gathered = asyncio.gather(*calls, self._release(others), return_exceptions=True)
+        if self._post_tick is not None:
+            await asyncio.sleep(0)   # let the steps go out first: the workers compute meanwhile
+            self._flush_post_tick()
+        responses = await gathered
         responses = responses[:len(ids)]
         results: dict[str, StepResult] = {}
         failed: set[str] = set()

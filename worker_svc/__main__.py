@@ -25,6 +25,10 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
                    choices=["rebuild", "persistent"])
     p.add_argument("--metrics-port", type=int, default=int(env("KVFLEET_METRICS_PORT", "9401")),
                    help="Prometheus /metrics port (0 = off)")
+    p.add_argument("--threads", type=int, default=int(env("KVFLEET_WORKER_THREADS", "0")),
+                   help="CPU threads per step (0 = torch's setting, i.e. OMP_NUM_THREADS or the cores)")
+    p.add_argument("--inline-step-ms", type=float, default=float(env("KVFLEET_INLINE_STEP_MS", "5")),
+                   help="steps expected under this many ms run on the event loop (0 = never)")
     p.add_argument("--log-level", default=env("KVFLEET_LOG_LEVEL", "INFO"))
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(),
@@ -33,7 +37,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
 
     return WorkerConfig(tls=TlsConfig.from_env(), host=a.host, port=a.port, worker_id=a.worker_id, model=a.model,
                         device=a.device, dtype=a.dtype, block_size=a.block_size,
-                        num_blocks=a.num_blocks, kv_views=a.kv_views, metrics_port=a.metrics_port)
+                        num_blocks=a.num_blocks, kv_views=a.kv_views, metrics_port=a.metrics_port,
+                        num_threads=a.threads, inline_step_s=a.inline_step_ms / 1000)
 
 
 def main(argv: list[str] | None = None) -> None:

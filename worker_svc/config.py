@@ -18,6 +18,10 @@ class WorkerConfig:
     num_blocks: int = 4096
     kv_views: str = "rebuild"         # rebuild (control) | persistent (candidate)
     drain_grace_s: float = 10.0
+    num_threads: int = 0              # CPU threads per step; 0 = torch's setting (OMP_NUM_THREADS)
+    # A step expected to take less than this runs on the event loop, not in a thread (a tiny
+    # step costs about what the hand-off does); 0 = always in a thread.
+    inline_step_s: float = 0.005
     metrics_port: int = 9401          # Prometheus /metrics; 0 = off
     tls: TlsConfig = field(default_factory=TlsConfig)
 
@@ -30,3 +34,7 @@ class WorkerConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.kv_views not in ("rebuild", "persistent"):
             raise ValueError(f"kv_views must be rebuild or persistent, got {self.kv_views!r}")
+        if self.num_threads < 0:
+            raise ValueError(f"threads must be >= 0 (0 = torch's setting), got {self.num_threads}")
+        if self.inline_step_s < 0:
+            raise ValueError(f"inline step time must be >= 0, got {self.inline_step_s}")

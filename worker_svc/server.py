@@ -23,6 +23,12 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
+def runs_inline(last_s: float, last_tokens: int, tokens: int, limit_s: float) -> bool:
+    """Run a step on the event loop when the last one took under ``limit_s`` and this one has
+    at most twice its tokens: health checks and other RPCs then wait about that long at most."""
+    return last_s < limit_s and tokens <= 2 * max(last_tokens, 1)
+
+
 class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(self, config: WorkerConfig, cfg: LlamaConfig, engine: Engine,
                  metrics: WorkerMetrics | None = None) -> None:
@@ -32,6 +38,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._engine = engine
         # One step at a time: the engine's cache is not shared between concurrent steps.
         self._lock = asyncio.Lock()
+        # The last step's seconds and tokens: a step expected to be short runs on the event
+        # loop itself, since handing it to a thread and back costs as much as a tiny step.
+        self._last_step = (float("inf"), 0)
 
     async def GetInfo(self, request, context):
         await authorize_peer(context, self._config.tls)
@@ -64,11 +73,16 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 self._engine.release(request.release_session_ids)
             wall_start = time.time_ns()
             start = time.perf_counter_ns()
+            tokens = sum(len(p.token_ids) for p in prefill) + len(decode)
             try:
-                out = await asyncio.to_thread(self._engine.step, prefill, decode, kv_views=kv_views)
+                if self._runs_inline(tokens):
+                    out = self._engine.step(prefill, decode, kv_views=kv_views)
+                else:
+                    out = await asyncio.to_thread(self._engine.step, prefill, decode, kv_views=kv_views)
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             step_ns = time.perf_counter_ns() - start
+            self._last_step = (step_ns / 1e9, tokens)
         self.metrics.observe_step(step_ns / 1e9, sum(len(p.token_ids) for p in prefill), len(decode))
         attrs: dict[str, str | int] = {
             "kvfleet.worker.id": self._config.worker_id,
@@ -80,6 +94,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         emit_step_spans(extract_context(context.invocation_metadata()), wall_start, out.profile,
                         self._cfg.num_layers, attrs)
         return convert.step_to_pb(out, step_ns)
+
+    def _runs_inline(self, tokens: int) -> bool:
+        return runs_inline(*self._last_step, tokens, self._config.inline_step_s)
 
     async def Release(self, request, context):
         await authorize_peer(context, self._config.tls)
@@ -104,7 +121,8 @@ def build_engine(config: WorkerConfig) -> tuple[LlamaConfig, Engine]:
     engine = Engine(cfg, weights, EngineConfig(device=config.device, dtype=config.dtype,
                                                block_size=config.block_size,
                                                num_blocks=config.num_blocks,
-                                               kv_views=config.kv_views))
+                                               kv_views=config.kv_views,
+                                               num_threads=config.num_threads))
     return cfg, engine
 
 
