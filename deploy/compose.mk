@@ -4,7 +4,8 @@
 # From a bare Debian machine as root: installs docker.io, docker-compose and debootstrap when
 # missing, starts dockerd when no engine answers, makes the local base image (cached: kept
 # between runs), puts the CPU torch wheel into docker/wheelhouse when one is at hand, then runs
-# tests/e2e, which builds the kvfleet image, brings the stack up, tests it and tears it down.
+# tests/e2e, which builds the kvfleet image, renders every compose variant, brings the stack up
+# (the real model), tests it and tears it down, then the same with TLS on (the tiny model).
 # Where python:3.11-slim can be pulled: make test-compose COMPOSE_BASE_IMAGE=python:3.11-slim
 
 COMPOSE_BASE_IMAGE ?= kvfleet-base:bookworm

@@ -7,10 +7,12 @@
 # Writes ca.pem, and for each identity NAME.pem / NAME.key:
 #   scheduler  CN kvfleet-scheduler  server + client (it is the workers' client)
 #   worker     CN kvfleet-worker     server + client (it exports spans to telemetry)
-#   telemetry  CN kvfleet-telemetry  server
+#   telemetry  CN kvfleet-telemetry  server + client (its own TLS healthcheck)
 #   gateway    CN kvfleet-gateway    client (of the scheduler and telemetry)
 #   client     CN kvfleet-client     client (a user of the scheduler's API)
 # Server certificates name localhost, 127.0.0.1, the compose service names and any EXTRA_SANs.
+# Keys are mode 600; KVFLEET_KEY_MODE=644 makes them readable by the containers' own user (uid
+# 10001) when the folder is mounted into the compose stack (docker-compose.tls.yml).
 set -euo pipefail
 out=${1:?usage: make_dev_certs.sh OUT_DIR [EXTRA_SAN,...]}
 extra=${2:-}
@@ -43,8 +45,8 @@ issue() {  # name cn usage
 }
 issue scheduler kvfleet-scheduler serverAuth,clientAuth
 issue worker kvfleet-worker serverAuth,clientAuth      # a client of telemetry (OTLP)
-issue telemetry kvfleet-telemetry serverAuth
+issue telemetry kvfleet-telemetry serverAuth,clientAuth   # a client of itself in its healthcheck
 issue gateway kvfleet-gateway clientAuth
 issue client kvfleet-client clientAuth
-chmod 600 ./*.key
+chmod "${KVFLEET_KEY_MODE:-600}" ./*.key
 echo "certificates in $out: ca.pem and scheduler, worker, telemetry, gateway, client (.pem/.key)"

@@ -15,6 +15,7 @@ Settings (environment):
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -72,15 +73,18 @@ class Stack:
     telemetry_address: str
     gateway_url: str
     model: str
+    project: str = PROJECT
+    files: tuple[str, ...] = ("docker-compose.yml",)   # compose files, relative to the repository
 
     def compose(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
-        cmd = [*_compose_command(), "-p", PROJECT, "-f", str(REPO / "docker-compose.yml"), *args]
+        files = [arg for f in self.files for arg in ("-f", str(REPO / f))]
+        cmd = [*_compose_command(), "-p", self.project, *files, *args]
         return subprocess.run(cmd, cwd=REPO, env=self.env, check=check, timeout=timeout,
                               capture_output=True, text=True)
 
     def container(self, service: str) -> Any:
         found = self.client.containers.list(all=True, filters={
-            "label": [f"com.docker.compose.project={PROJECT}", f"com.docker.compose.service={service}"]})
+            "label": [f"com.docker.compose.project={self.project}", f"com.docker.compose.service={service}"]})
         assert len(found) == 1, f"expected one container for {service}, found {[c.name for c in found]}"
         return found[0]
 
@@ -152,8 +156,11 @@ def _build_image(client: Any, tag: str, base: str, log_dir: Path) -> None:
     print(f"built {tag} on {base} in {time.monotonic() - started:.0f} s")
 
 
-@pytest.fixture(scope="session")
-def stack() -> Iterator[Stack]:
+@contextlib.contextmanager
+def run_stack(project: str, files: tuple[str, ...] = ("docker-compose.yml",),
+              extra_env: dict[str, str] | None = None, model: str | None = None) -> Iterator[Stack]:
+    """Build the image (once per test session), bring a compose project up on free host ports,
+    wait until every service is healthy, yield it; always tear it down and keep its logs."""
     client = _docker_client()
     if shutil.which("docker-compose") is None and shutil.which("docker") is None:
         pytest.skip("neither docker-compose nor the docker CLI is installed")
@@ -161,15 +168,17 @@ def stack() -> Iterator[Stack]:
     log_dir.mkdir(parents=True, exist_ok=True)
     image = os.environ.get("KVFLEET_IMAGE", "kvfleet:e2e")
     base = _base_image(client)
-    if os.environ.get("KVFLEET_E2E_BUILD", "1") != "0":
+    if os.environ.get("KVFLEET_E2E_BUILD", "1") != "0" and image not in _BUILT:
         _build_image(client, image, base, log_dir)
+        _BUILT.add(image)
 
-    model = os.environ.get("KVFLEET_E2E_MODEL", "smollm2-135m")
+    model = model or os.environ.get("KVFLEET_E2E_MODEL", "smollm2-135m")
     sched_port, tel_port, gw_port = _free_port(), _free_port(), _free_port()
     env = {**os.environ, "KVFLEET_IMAGE": image, "KVFLEET_BASE_IMAGE": base, "KVFLEET_MODEL": model,
            "KVFLEET_PUBLISH_SCHEDULER": str(sched_port), "KVFLEET_PUBLISH_TELEMETRY": str(tel_port),
-           "KVFLEET_PUBLISH_GATEWAY": str(gw_port)}
-    s = Stack(client, env, f"127.0.0.1:{sched_port}", f"127.0.0.1:{tel_port}", f"http://127.0.0.1:{gw_port}", model)
+           "KVFLEET_PUBLISH_GATEWAY": str(gw_port), **(extra_env or {})}
+    s = Stack(client, env, f"127.0.0.1:{sched_port}", f"127.0.0.1:{tel_port}", f"http://127.0.0.1:{gw_port}",
+              model, project, files)
     s.compose("down", "-v", "--remove-orphans", check=False, timeout=120)  # leftovers of a killed run
     try:
         up = s.compose("up", "-d", "--no-build", check=False, timeout=HEALTHY_TIMEOUT_S + 60)
@@ -178,7 +187,17 @@ def stack() -> Iterator[Stack]:
         s.wait_healthy()
         yield s
     finally:
-        (log_dir / "compose.log").write_text(s.logs())
+        (log_dir / f"{project}.log").write_text(s.logs())
         down = s.compose("down", "-v", "--remove-orphans", "-t", "20", check=False, timeout=180)
         if down.returncode != 0:
             print(f"docker-compose down failed: {down.stderr}")
+
+
+_BUILT: set[str] = set()
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    """The default stack (docker-compose.yml alone, the real model)."""
+    with run_stack(PROJECT) as s:
+        yield s

@@ -1,0 +1,53 @@
+"""docker-compose renders every way the README starts the stack: plain, with the dashboards
+profile (whose images cannot be pulled on a machine without registry access, so it is checked
+here as far as docker-compose goes), and with the TLS overlay. Needs docker-compose only."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+import yaml
+
+from tests.e2e.conftest import REPO, _compose_command
+
+pytestmark = pytest.mark.e2e
+
+
+def _config(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVFLEET_")}
+    return subprocess.run([*_compose_command(), *args, "config"], cwd=REPO, env={**clean, **(env or {})},
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_plain_and_dashboards_profile_render() -> None:
+    plain = _config("-f", "docker-compose.yml")
+    assert plain.returncode == 0, plain.stderr
+    services = yaml.safe_load(plain.stdout)["services"]
+    # docker-compose 1.x lists profiled services in `config` too; they carry their profile
+    core = {n for n, s in services.items() if not s.get("profiles")}
+    assert core == {"telemetry", "worker-0", "worker-1", "scheduler", "gateway"}
+    dash = _config("-f", "docker-compose.yml", "--profile", "dashboards",
+                   env={"KVFLEET_OTLP_ENDPOINT": "http://otel-collector:4317"})
+    assert dash.returncode == 0, dash.stderr
+    rendered = yaml.safe_load(dash.stdout)["services"]
+    assert {n for n, s in rendered.items() if s.get("profiles") == ["dashboards"]} == \
+        {"otel-collector", "jaeger", "prometheus", "grafana"}
+    assert rendered["scheduler"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
+
+
+def test_tls_overlay_renders_and_says_what_it_needs(tmp_path) -> None:
+    files = ("-f", "docker-compose.yml", "-f", "docker-compose.tls.yml")
+    missing = _config(*files)
+    assert missing.returncode != 0 and "KVFLEET_TLS_DIR" in missing.stderr, missing.stderr
+    ok = _config(*files, env={"KVFLEET_TLS_DIR": str(tmp_path), "KVFLEET_API_TOKEN": "t"})
+    assert ok.returncode == 0, ok.stderr
+    services = yaml.safe_load(ok.stdout)["services"]
+    for name in ("telemetry", "worker-0", "worker-1", "scheduler", "gateway"):
+        env = services[name]["environment"]
+        assert env["KVFLEET_TLS_CERT"].startswith("/tls/"), name
+        mounts = services[name]["volumes"]
+        assert any(str(tmp_path) in str(m) and "/tls" in str(m) for m in mounts), (name, mounts)
+    assert services["worker-1"]["environment"]["KVFLEET_TLS_ALLOWED_CLIENTS"] == "kvfleet-scheduler"
+    assert services["worker-1"]["environment"]["KVFLEET_WORKER_ID"] == "worker-1"   # base env kept
+    assert services["scheduler"]["environment"]["KVFLEET_API_TOKEN"] == "t"

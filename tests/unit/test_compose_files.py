@@ -1,0 +1,101 @@
+"""The compose files, the dashboards profile's configs and the TLS overlay, read as data (no
+Docker here; tests/e2e renders them with docker-compose and runs the stacks)."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from scheduler_svc.config import SchedulerConfig
+from worker_svc.config import WorkerConfig
+
+REPO = Path(__file__).resolve().parents[2]
+CORE = ("telemetry", "worker-0", "worker-1", "scheduler", "gateway")
+DASHBOARDS = ("otel-collector", "jaeger", "prometheus", "grafana")
+
+
+def _load(name: str) -> dict:
+    return yaml.safe_load((REPO / name).read_text())
+
+
+@pytest.fixture(scope="module")
+def base() -> dict:
+    return _load("docker-compose.yml")["services"]
+
+
+@pytest.fixture(scope="module")
+def tls() -> dict:
+    return _load("docker-compose.tls.yml")["services"]
+
+
+def test_core_services_check_health_over_grpc_and_wait_for_healthy_dependencies(base: dict) -> None:
+    assert set(CORE) | set(DASHBOARDS) == set(base)
+    for name in CORE:
+        svc = base[name]
+        assert "profiles" not in svc, name
+        assert svc["healthcheck"]["test"][:3] == ["CMD", "python", "-m"], name
+        assert svc["healthcheck"]["test"][3] == "kvfleet.healthcheck", name
+        for dep, cond in svc.get("depends_on", {}).items():
+            assert cond == {"condition": "service_healthy"}, (name, dep)
+    assert set(base["scheduler"]["depends_on"]) == {"telemetry", "worker-0", "worker-1"}
+    assert base["telemetry"]["volumes"] == ["telemetry-data:/data"]
+    for name in ("worker-0", "worker-1", "scheduler", "gateway"):
+        assert base[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"].endswith("telemetry:4317}"), name
+
+
+def test_dashboards_profile_fans_traces_out_and_scrapes_every_metrics_port(base: dict) -> None:
+    for name in DASHBOARDS:
+        assert base[name]["profiles"] == ["dashboards"], name
+        for vol in base[name].get("volumes", []):
+            src = vol.split(":")[0]
+            if src.startswith("./"):
+                assert (REPO / src).exists(), (name, src)
+    collector = yaml.safe_load((REPO / "deploy/otel-collector/config.yaml").read_text())
+    exporters = collector["service"]["pipelines"]["traces"]["exporters"]
+    endpoints = {collector["exporters"][e]["endpoint"] for e in exporters if e in collector["exporters"]}
+    assert {"telemetry:4317", "jaeger:4317"} <= endpoints
+    prom = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())
+    targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    assert f"scheduler:{SchedulerConfig(workers=('w:1',)).metrics_port}" in targets
+    assert {f"worker-{i}:{WorkerConfig().metrics_port}" for i in (0, 1)} <= targets
+
+
+def test_grafana_dashboard_shows_what_operators_need() -> None:
+    dash = json.loads((REPO / "deploy/grafana/dashboards/kvfleet.json").read_text())
+    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p.get("targets", []))
+    for metric in ("kvfleet:num_requests_running", "kvfleet:num_requests_waiting", "kvfleet:batch_occupancy",
+                   "kvfleet:kv_cache_usage_perc", "kvfleet:generation_tokens_total",
+                   "kvfleet:time_to_first_token_seconds_bucket", "kvfleet:inter_token_latency_seconds_bucket"):
+        assert metric in exprs, metric
+    assert re.search(r"sum by \(reason\) \(rate\(kvfleet:request_rejections_total", exprs)
+    sources = yaml.safe_load((REPO / "deploy/grafana/provisioning/datasources/datasources.yaml").read_text())
+    uids = {d["uid"] for d in sources["datasources"]}
+    used = {p["datasource"]["uid"] for p in dash["panels"] if "datasource" in p}
+    assert used <= uids
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+def test_tls_overlay_covers_every_core_service(tls: dict) -> None:
+    assert set(tls) == set(CORE)
+    certs = (REPO / "deploy/tls/make_dev_certs.sh").read_text()
+    issued = set(re.findall(r"^issue (\w+) ", certs, re.M))
+    for name, svc in tls.items():
+        assert any(v.endswith(":/tls:ro") for v in svc["volumes"]), name
+        env = svc["environment"]
+        ident = Path(env["KVFLEET_TLS_CERT"]).stem
+        assert ident in issued and env["KVFLEET_TLS_KEY"] == f"/tls/{ident}.key", name
+        assert env.get("KVFLEET_TLS_CA") == "/tls/ca.pem", name
+        if name != "telemetry":   # the others export spans to telemetry over mutual TLS
+            assert env["OTEL_EXPORTER_OTLP_INSECURE"] == "false", name
+            assert env["OTEL_EXPORTER_OTLP_ENDPOINT"].startswith("${KVFLEET_OTLP_ENDPOINT:-https://"), name
+            assert env["OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE"] == env["KVFLEET_TLS_CERT"], name
+    for worker in ("worker-0", "worker-1"):
+        env = tls[worker]["environment"]
+        assert env["KVFLEET_TLS_CLIENT_AUTH"] == "true"
+        assert env["KVFLEET_TLS_ALLOWED_CLIENTS"] == "kvfleet-scheduler"
+    assert tls["telemetry"]["environment"]["KVFLEET_TLS_CLIENT_AUTH"] == "true"
+    assert "KVFLEET_API_TOKEN" in tls["scheduler"]["environment"]
