@@ -73,9 +73,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 self._engine.release(request.release_session_ids)
             wall_start = time.time_ns()
             start = time.perf_counter_ns()
-            tokens = sum(len(p.token_ids) for p in prefill) + len(decode)
+            prefill_tokens = sum(len(p.token_ids) for p in prefill)
+            tokens = prefill_tokens + len(decode)
             try:
-                if self._runs_inline(tokens):
+                if runs_inline(*self._last_step, tokens, self._config.inline_step_s):
                     out = self._engine.step(prefill, decode, kv_views=kv_views)
                 else:
                     out = await asyncio.to_thread(self._engine.step, prefill, decode, kv_views=kv_views)
@@ -83,7 +84,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             step_ns = time.perf_counter_ns() - start
             self._last_step = (step_ns / 1e9, tokens)
-        self.metrics.observe_step(step_ns / 1e9, sum(len(p.token_ids) for p in prefill), len(decode))
+        self.metrics.observe_step(step_ns / 1e9, prefill_tokens, len(decode))
         attrs: dict[str, str | int] = {
             "kvfleet.worker.id": self._config.worker_id,
             "kvfleet.kv_views": kv_views or self._config.kv_views,
@@ -94,9 +95,6 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         emit_step_spans(extract_context(context.invocation_metadata()), wall_start, out.profile,
                         self._cfg.num_layers, attrs)
         return convert.step_to_pb(out, step_ns)
-
-    def _runs_inline(self, tokens: int) -> bool:
-        return runs_inline(*self._last_step, tokens, self._config.inline_step_s)
 
     async def Release(self, request, context):
         await authorize_peer(context, self._config.tls)
