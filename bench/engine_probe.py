@@ -16,7 +16,7 @@ import torch
 
 from worker_svc.engine import (DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec,
                                use_cpu_threads)
-from worker_svc.model.config import LlamaConfig
+from kvfleet_models.config import LlamaConfig
 
 
 def batch1_decode(cfg: LlamaConfig, weights: dict[str, np.ndarray], device: str, dtype: str,

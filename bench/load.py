@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 
 from bench.workload import Session
-from kvfleet import grpcutil
+from kvfleet_common import grpcutil
 from kvfleet.client import build_request
 from kvfleet.v1 import scheduler_pb2_grpc as spb_grpc
 

@@ -20,7 +20,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def gguf_path(model: str) -> Path:
-    from worker_svc.model.registry import SourceKind, resolve_model
+    from kvfleet_models.registry import SourceKind, resolve_model
 
     source = resolve_model(model)
     if source.kind is not SourceKind.GGUF or source.path is None:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from worker_svc.model.config import LlamaConfig
+from kvfleet_models.config import LlamaConfig
 
 try:
     from worker_svc.model.llama import set_host_blas_threads

@@ -69,7 +69,7 @@ def _cores() -> int:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     say = Progress()
-    from worker_svc.model.registry import load_model
+    from kvfleet_models.registry import load_model
 
     cores = _cores()
     threads = tuple(range(1, cores + 1)) if cores <= 4 else (1, cores // 2, cores)

@@ -39,8 +39,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str]:
 async def serve(config: GatewayConfig) -> None:
     """Serve until SIGTERM/SIGINT, with tracing on when the OTEL_* environment asks for it."""
     from gateway_svc.app import create_server
-    from kvfleet.grpcutil import wait_for_termination_signal
-    from kvfleet.tracing import run_traced
+    from kvfleet_common.grpcutil import wait_for_termination_signal
+    from kvfleet_common.tracing import run_traced
 
     log = logging.getLogger("gateway_svc")
 

@@ -26,7 +26,7 @@ from gateway_svc.openai_schema import (
 )
 from gateway_svc.upstream import Upstream, events
 from kvfleet.client import finish_name
-from kvfleet.tracing import extract_context, inject_metadata
+from kvfleet_common.tracing import extract_context, inject_metadata
 from kvfleet.v1 import scheduler_pb2 as spb
 
 log = logging.getLogger(__name__)

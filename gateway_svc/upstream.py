@@ -12,8 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway_svc.errors import ApiError, from_grpc, model_not_found
 from gateway_svc.openai_schema import Endpoint, GenerationRequest
-from kvfleet import grpcutil
-from kvfleet.security import aio_channel, token_metadata
+from kvfleet_common import grpcutil
+from kvfleet_common.security import aio_channel, token_metadata
 from kvfleet.client import build_request
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet.v1 import scheduler_pb2_grpc as spb_grpc

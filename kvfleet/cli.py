@@ -190,7 +190,7 @@ def cmd_summary(a: argparse.Namespace) -> int:
     from kvfleet.v1 import telemetry_pb2_grpc as tpb_grpc
 
     spec_json = Path(a.gates).read_text() if a.gates else ""
-    from kvfleet.security import channel as open_channel
+    from kvfleet_common.security import channel as open_channel
 
     with open_channel(a.telemetry) as channel:
         stub = tpb_grpc.TelemetryStub(channel)

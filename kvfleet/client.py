@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvfleet import grpcutil
-from kvfleet.security import TlsConfig, channel, token_metadata
+from kvfleet_common import grpcutil
+from kvfleet_common.security import TlsConfig, channel, token_metadata
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet.v1 import scheduler_pb2_grpc as spb_grpc
 
@@ -45,7 +45,7 @@ def build_request(prompt: str | Sequence[int] | list[dict], max_new_tokens: int,
 
 class SchedulerClient:
     def __init__(self, address: str, tls: TlsConfig | None = None, token: str | None = None) -> None:
-        """TLS and the bearer token default to KVFLEET_TLS_* and KVFLEET_API_TOKEN (kvfleet.security)."""
+        """TLS and the bearer token default to KVFLEET_TLS_* and KVFLEET_API_TOKEN (kvfleet_common.security)."""
         self.address = address
         self._channel = channel(address, tls, options=grpcutil.CHANNEL_OPTIONS)
         self.stub = spb_grpc.SchedulerStub(self._channel)

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from kvfleet import security
+from kvfleet_common import security
 from kvfleet.client import SchedulerClient
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet.v1 import telemetry_pb2 as tpb

@@ -2,7 +2,7 @@
 
 For container healthchecks (docker-compose `healthcheck:`), where no grpc_health_probe binary
 is at hand. HOST:PORT asks the stock gRPC health service (grpc.health.v1), over TLS when the
-process's KVFLEET_TLS_* variables say so (kvfleet.security), so the same check works in a TLS
+process's KVFLEET_TLS_* variables say so (kvfleet_common.security), so the same check works in a TLS
 deployment; an http(s):// URL (the gateway's /health) must answer 200. Exit codes: 0 serving;
 1 answered but not serving (NOT_SERVING while draining, UNKNOWN, an HTTP error status);
 2 no answer (no connection, deadline). Kubernetes has its own `grpc:` and `httpGet:` probes.
@@ -17,7 +17,7 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvfleet import security
+from kvfleet_common import security
 
 SERVING, NOT_SERVING_EXIT, UNREACHABLE_EXIT = 0, 1, 2
 

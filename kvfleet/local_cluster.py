@@ -15,8 +15,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvfleet.grpcutil import check_health
-from kvfleet.security import TlsConfig
+from kvfleet_common.grpcutil import check_health
+from kvfleet_common.security import TlsConfig
 
 log = logging.getLogger(__name__)
 

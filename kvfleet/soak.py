@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvfleet import security
+from kvfleet_common import security
 from kvfleet.client import SchedulerClient, build_request
 from kvfleet.local_cluster import LocalCluster
 from kvfleet.v1 import worker_pb2 as wpb
@@ -196,7 +196,7 @@ def run_soak(cluster: LocalCluster, spec: SoakSpec, reference: Callable[[_Plan],
 def engine_reference(model: str) -> Callable[[_Plan], list[int]]:
     """Each session run alone (batch of one) on a local engine: the solo reference."""
     from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
-    from worker_svc.model.registry import load_model
+    from kvfleet_models.registry import load_model
 
     cfg, weights = load_model(model)
     engine = Engine(cfg, weights, EngineConfig(num_blocks=256, block_size=16))

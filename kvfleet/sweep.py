@@ -45,8 +45,8 @@ def make_prompts(spec: SweepSpec, vocab_size: int) -> list[list[int]]:
 
 
 def reference_outputs(model: str, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-    from worker_svc.model.reference import reference_generate
-    from worker_svc.model.registry import load_model
+    from kvfleet_models.reference import reference_generate
+    from kvfleet_models.registry import load_model
 
     cfg, weights = load_model(model)
     return [list(reference_generate(cfg, weights, list(p), max_new_tokens)) for p in prompts]
@@ -123,7 +123,7 @@ def run_sweep(client: SchedulerClient, spec: SweepSpec, progress: Callable[[str]
     if not workers:
         raise RuntimeError("the scheduler lists no workers")
     model_name = workers[0].model
-    from worker_svc.model.registry import load_model
+    from kvfleet_models.registry import load_model
 
     cfg, _ = load_model(model_name)
     prompts = make_prompts(spec, cfg.vocab_size)
@@ -148,7 +148,7 @@ def run_sweep(client: SchedulerClient, spec: SweepSpec, progress: Callable[[str]
         "evidence_kind": "synthetic-unit" if model_name == "tiny" else "real-model",
         "model": {"hidden": cfg.hidden_size, "n_heads": cfg.num_heads, "n_kv_heads": cfg.num_kv_heads,
                   "n_layers": cfg.num_layers, "vocab": cfg.vocab_size, "name": model_name,
-                  "reference": "pure-numpy KV-cached dense Llama, unbatched (worker_svc/model/reference.py)"},
+                  "reference": "pure-numpy KV-cached dense Llama, unbatched (kvfleet_models/reference.py)"},
         "prompts": {f"s{i}": p for i, p in enumerate(prompts)},
         "schema_version": 1,
         "workload": {"max_new_tokens": spec.max_new_tokens, "prompt_len": spec.prompt_len,

@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
                              max_prompt_tokens=a.max_prompt_tokens, max_new_tokens=a.max_new_tokens,
                              kv_policy=a.kv_policy)
     workers = tuple(w.strip() for w in a.workers.split(",") if w.strip())
-    from kvfleet.security import TlsConfig
+    from kvfleet_common.security import TlsConfig
 
     return SchedulerConfig(tls=TlsConfig.from_env(), api_token=env("KVFLEET_API_TOKEN", ""), host=a.host, port=a.port, workers=workers, limits=limits, model=a.model,
                            step_timeout_s=a.step_timeout, drain_grace_s=a.drain_grace,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvfleet.security import TlsConfig
+from kvfleet_common.security import TlsConfig
 from scheduler_svc.core import SchedulerLimits
 
 

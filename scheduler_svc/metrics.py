@@ -5,7 +5,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from kvfleet.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, GaugeCollector
+from kvfleet_common.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, GaugeCollector
 from scheduler_svc.core.stats import TelemetrySnapshot
 
 

@@ -35,7 +35,7 @@ class _NoText:
 
 class _DetokenizingStream:
     def __init__(self, tokenizer: Any, stop: list[str]) -> None:
-        from kvfleet.tokenizer import IncrementalDetokenizer, StopStringMatcher
+        from kvfleet_models.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
         # Special tokens (EOS, chat markers) end or shape a turn; they are not text to show.
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
@@ -73,7 +73,7 @@ class PromptResolver:
     def for_model(cls, name: str, model: Any) -> "PromptResolver":
         tokenizer = None
         if name != "tiny":
-            from kvfleet.tokenizer import Tokenizer
+            from kvfleet_models.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.for_model(name)
         return cls(model_name=name, vocab_size=model.vocab_size,

@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from kvfleet import grpcutil
-from kvfleet.security import authorize_token
-from kvfleet.tracing import extract_context
+from kvfleet_common import grpcutil
+from kvfleet_common.security import authorize_token
+from kvfleet_common.tracing import extract_context
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet.v1 import scheduler_pb2_grpc as spb_grpc
 from scheduler_svc import convert
@@ -276,7 +276,7 @@ async def create_server(config: SchedulerConfig):
     port = grpcutil.bind(server, config.host, config.port, config.tls)
     await server.start()
     loop.start()
-    from kvfleet.metrics import serve_metrics
+    from kvfleet_common.metrics import serve_metrics
 
     metrics.tick(core.snapshot(), 0, 0)
     metrics_port = serve_metrics(metrics.registry, config.host, config.metrics_port)
@@ -313,6 +313,6 @@ async def _serve(config: SchedulerConfig) -> None:
 
 async def serve(config) -> None:
     """Serve with tracing on when the OTEL_* environment asks for it; flush spans at exit."""
-    from kvfleet.tracing import run_traced
+    from kvfleet_common.tracing import run_traced
 
     await run_traced("kvfleet-scheduler", _serve(config))

@@ -15,7 +15,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 
-from kvfleet.tracing import inject_metadata
+from kvfleet_common.tracing import inject_metadata
 
 # What each lever's arms mean on the workers.
 LEVERS: dict[str, dict[str, str]] = {

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvfleet import grpcutil
-from kvfleet.security import TlsConfig, aio_channel
+from kvfleet_common import grpcutil
+from kvfleet_common.security import TlsConfig, aio_channel
 from kvfleet.v1 import worker_pb2 as wpb
 from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
 from scheduler_svc.core import WorkerSpec

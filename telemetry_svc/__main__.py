@@ -20,7 +20,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TelemetryConfig, str]:
     p.add_argument("--grace", type=float, default=d.grace_s, help="seconds to drain on SIGTERM")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a = p.parse_args(argv)
-    from kvfleet.security import TlsConfig
+    from kvfleet_common.security import TlsConfig
 
     config = TelemetryConfig(a.host, a.port, a.db, max_pending_spans=a.max_pending_spans, grace_s=a.grace,
                              tls=TlsConfig.from_env())

@@ -47,7 +47,7 @@ class TelemetryConfig:
     max_pending_spans: int = 100_000  # spans received but not yet written; above it: UNAVAILABLE
     retry_after_s: float = 1.0  # the RetryInfo delay sent with UNAVAILABLE
     grace_s: float = 5.0  # how long in-flight RPCs may finish on SIGTERM
-    tls: Any = None  # kvfleet.security.TlsConfig; None = plain TCP
+    tls: Any = None  # kvfleet_common.security.TlsConfig; None = plain TCP
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -308,8 +308,8 @@ def create_server(config: TelemetryConfig, store: SpanStore | None = None) -> tu
     names = (TRACE_SERVICE, TELEMETRY_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME)  # fmt: skip
     reflection.enable_server_reflection(names, server)
-    from kvfleet.grpcutil import bind
-    from kvfleet.security import TlsConfig
+    from kvfleet_common.grpcutil import bind
+    from kvfleet_common.security import TlsConfig
 
     port = bind(server, config.host, config.port, config.tls or TlsConfig())
     return TelemetryServer(server, health_servicer, store, admission), port

@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from kvfleet.security import TlsConfig
+    from kvfleet_common.security import TlsConfig
 
     return WorkerConfig(tls=TlsConfig.from_env(), host=a.host, port=a.port, worker_id=a.worker_id, model=a.model,
                         device=a.device, dtype=a.dtype, block_size=a.block_size,
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         config = parse_args(argv)
     except ValueError as exc:
         sys.exit(f"worker: {exc}")
-    from worker_svc.model.errors import ModelLoadError
+    from kvfleet_models.errors import ModelLoadError
     from worker_svc.server import serve
 
     try:

@@ -5,7 +5,7 @@ from kvfleet.v1 import worker_pb2 as pb
 from worker_svc.engine import (
     DecodeItem, Engine, ItemStatus, PrefillItem, SamplingSpec, StepOutput,
 )
-from worker_svc.model.config import LlamaConfig
+from kvfleet_models.config import LlamaConfig
 
 _STATUS = {
     ItemStatus.OK: pb.ITEM_OK,

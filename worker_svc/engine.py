@@ -19,7 +19,7 @@ import torch
 
 from worker_svc.block_allocator import BlockAllocator, KVBookkeeper
 from worker_svc.kv_cache import BatchLayout, PagedKVCache, make_views
-from worker_svc.model.config import LlamaConfig
+from kvfleet_models.config import LlamaConfig
 from worker_svc.model.llama import (LlamaModel, PhaseTimes, set_host_blas_threads, step_tensors,
                                     synchronize)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from kvfleet.metrics import ITL_BUCKETS, GaugeCollector
+from kvfleet_common.metrics import ITL_BUCKETS, GaugeCollector
 from worker_svc.engine import Engine
 
 

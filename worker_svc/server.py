@@ -7,16 +7,16 @@ import time
 
 import grpc
 
-from kvfleet import grpcutil
-from kvfleet.security import authorize_peer
-from kvfleet.tracing import extract_context
+from kvfleet_common import grpcutil
+from kvfleet_common.security import authorize_peer
+from kvfleet_common.tracing import extract_context
 from kvfleet.v1 import worker_pb2 as pb
 from kvfleet.v1 import worker_pb2_grpc as pb_grpc
 from worker_svc import convert
 from worker_svc.config import WorkerConfig
 from worker_svc.engine import Engine, EngineConfig
 from worker_svc.metrics import WorkerMetrics
-from worker_svc.model.config import LlamaConfig
+from kvfleet_models.config import LlamaConfig
 from worker_svc.spans import emit_step_spans
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
 
 def build_engine(config: WorkerConfig) -> tuple[LlamaConfig, Engine]:
-    from worker_svc.model.registry import load_model
+    from kvfleet_models.registry import load_model
 
     cfg, weights = load_model(config.model)
     engine = Engine(cfg, weights, EngineConfig(device=config.device, dtype=config.dtype,
@@ -133,7 +133,7 @@ async def create_server(config: WorkerConfig, loaded: tuple[LlamaConfig, Engine]
     health = grpcutil.add_health_and_reflection(server, [SERVICE_NAME])
     port = grpcutil.bind(server, config.host, config.port, config.tls)
     await server.start()
-    from kvfleet.metrics import serve_metrics
+    from kvfleet_common.metrics import serve_metrics
 
     serve_metrics(servicer.metrics.registry, config.host, config.metrics_port)
     log.info("worker %s serving %s on %s:%d (device %s, dtype %s, %d KV blocks of %d)",
@@ -153,6 +153,6 @@ async def _serve(config: WorkerConfig) -> None:
 
 async def serve(config) -> None:
     """Serve with tracing on when the OTEL_* environment asks for it; flush spans at exit."""
-    from kvfleet.tracing import run_traced
+    from kvfleet_common.tracing import run_traced
 
     await run_traced("kvfleet-worker", _serve(config))

@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from kvfleet.client import SchedulerClient, build_request
-from kvfleet.security import TlsConfig, channel
+from kvfleet_common.security import TlsConfig, channel
 from kvfleet.v1 import telemetry_pb2, telemetry_pb2_grpc
 from tests.e2e.conftest import REPO, Stack, run_stack
 
@@ -77,7 +77,7 @@ def test_sessions_need_tls_and_the_token(tls_stack: Stack, certs: Path) -> None:
 # Run inside the gateway container: GetInfo on worker-0 with the given identity's certificate.
 _WORKER_CALL = textwrap.dedent("""
     import sys, grpc
-    from kvfleet.security import TlsConfig, channel
+    from kvfleet_common.security import TlsConfig, channel
     from kvfleet.v1 import worker_pb2, worker_pb2_grpc
     who = sys.argv[1]
     tls = TlsConfig() if who == "plain" else TlsConfig(ca="/tls/ca.pem", cert=f"/tls/{who}.pem", key=f"/tls/{who}.key")

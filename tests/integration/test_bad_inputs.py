@@ -23,9 +23,9 @@ from kvfleet.v1 import telemetry_pb2 as tpb
 from kvfleet.v1 import telemetry_pb2_grpc as tpb_grpc
 from kvfleet.v1 import worker_pb2 as wpb
 from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
-from worker_svc.model.config import tiny_config
-from worker_svc.model.reference import reference_generate
-from worker_svc.model.tiny import tiny_weights
+from kvfleet_models.config import tiny_config
+from kvfleet_models.reference import reference_generate
+from kvfleet_models.tiny import tiny_weights
 
 C = grpc.StatusCode
 

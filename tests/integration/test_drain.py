@@ -9,9 +9,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvfleet.client import SchedulerClient, build_request
 from kvfleet.local_cluster import ClusterSpec, LocalCluster
-from worker_svc.model.config import tiny_config
-from worker_svc.model.reference import reference_generate
-from worker_svc.model.tiny import tiny_weights
+from kvfleet_models.config import tiny_config
+from kvfleet_models.reference import reference_generate
+from kvfleet_models.tiny import tiny_weights
 
 
 def test_scheduler_drains_on_sigterm():

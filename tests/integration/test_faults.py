@@ -9,9 +9,9 @@ from kvfleet.client import SchedulerClient, build_request
 from kvfleet.v1 import worker_pb2 as wpb
 from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
 from tests.integration.inproc import InProcessCluster
-from worker_svc.model.config import tiny_config
-from worker_svc.model.reference import reference_generate
-from worker_svc.model.tiny import tiny_weights
+from kvfleet_models.config import tiny_config
+from kvfleet_models.reference import reference_generate
+from kvfleet_models.tiny import tiny_weights
 
 CFG = tiny_config()
 WEIGHTS = tiny_weights(CFG, seed=0)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from kvfleet.client import SchedulerClient, build_request
-from kvfleet.tokenizer import Tokenizer
+from kvfleet_models.tokenizer import Tokenizer
 from tests.integration.inproc import InProcessCluster
 from worker_svc.engine import Engine, EngineConfig, PrefillItem, SamplingSpec
-from worker_svc.model.registry import default_model_file, load_model
+from kvfleet_models.registry import default_model_file, load_model
 
 pytestmark = pytest.mark.slow
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -8,9 +8,9 @@ from kvfleet.client import SchedulerClient, build_request
 from kvfleet.v1 import scheduler_pb2 as spb
 from scheduler_svc.core import SchedulerLimits
 from tests.integration.inproc import InProcessCluster
-from worker_svc.model.config import tiny_config
-from worker_svc.model.reference import reference_generate
-from worker_svc.model.tiny import tiny_weights
+from kvfleet_models.config import tiny_config
+from kvfleet_models.reference import reference_generate
+from kvfleet_models.tiny import tiny_weights
 
 CFG = tiny_config()
 WEIGHTS = tiny_weights(CFG, seed=0)

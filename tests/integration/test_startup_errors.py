@@ -26,7 +26,7 @@ def test_bad_model_file_is_a_clear_startup_error(tmp_path: Path, content, proble
 
 
 def test_truncated_real_model_is_a_clear_startup_error(tmp_path: Path):
-    from worker_svc.model.registry import default_model_file
+    from kvfleet_models.registry import default_model_file
 
     src = default_model_file("smollm2-135m")
     path = tmp_path / "cut.gguf"

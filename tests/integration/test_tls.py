@@ -7,10 +7,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvfleet import security
+from kvfleet_common import security
 from kvfleet.client import SchedulerClient, build_request
 from kvfleet.local_cluster import ClusterSpec, LocalCluster
-from kvfleet.security import TlsConfig
+from kvfleet_common.security import TlsConfig
 from kvfleet.v1 import worker_pb2 as wpb
 from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
 

@@ -13,10 +13,10 @@ import torch
 
 from worker_svc.engine import (DecodeItem, Engine, EngineConfig, ItemStatus, PrefillItem,
                                SamplingSpec, use_cpu_threads)
-from worker_svc.model.config import LlamaConfig
+from kvfleet_models.config import LlamaConfig
 from worker_svc.model.llama import LlamaModel
-from worker_svc.model.reference import reference_generate, reference_logits
-from worker_svc.model.tiny import tiny_weights
+from kvfleet_models.reference import reference_generate, reference_logits
+from kvfleet_models.tiny import tiny_weights
 
 GREEDY = SamplingSpec()
 TIED = LlamaConfig(name="tiny-tied", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,

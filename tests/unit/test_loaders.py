@@ -20,14 +20,14 @@ import gguf
 import numpy as np
 import pytest
 
-from worker_svc.model.config import LlamaConfig
-from worker_svc.model.errors import ModelLoadError, check_weights, expected_shapes
-from worker_svc.model.gguf_loader import load_gguf, unpermute_rotary_rows
-from worker_svc.model.reference import reference_logits
-from worker_svc.model.registry import (SMOLLM2_135M, SourceKind, default_model_file, load_model,
+from kvfleet_models.config import LlamaConfig
+from kvfleet_models.errors import ModelLoadError, check_weights, expected_shapes
+from kvfleet_models.gguf_loader import load_gguf, unpermute_rotary_rows
+from kvfleet_models.reference import reference_logits
+from kvfleet_models.registry import (SMOLLM2_135M, SourceKind, default_model_file, load_model,
                                        resolve_model)
-from worker_svc.model.safetensors_loader import load_hf_dir
-from worker_svc.model.tiny import tiny_weights
+from kvfleet_models.safetensors_loader import load_hf_dir
+from kvfleet_models.tiny import tiny_weights
 
 
 def _smollm_file() -> Path | None:
@@ -231,7 +231,7 @@ def test_smollm2_answers_sensibly_with_our_weights(smollm, hf_smollm) -> None:  
     """End-to-end meaning check: greedy decoding on our weights names the capital of France."""
     import torch
 
-    from kvfleet.tokenizer import Tokenizer
+    from kvfleet_models.tokenizer import Tokenizer
 
     cfg, weights, _ = smollm
     tok = Tokenizer.from_gguf(SMOLLM)

@@ -14,9 +14,9 @@ import torch
 
 from worker_svc.engine import (DecodeItem, Engine, EngineConfig, ItemStatus, PrefillItem,
                                SamplingSpec, sample_token)
-from worker_svc.model.config import LlamaConfig, tiny_config
-from worker_svc.model.reference import reference_generate, reference_logits
-from worker_svc.model.tiny import tiny_weights
+from kvfleet_models.config import LlamaConfig, tiny_config
+from kvfleet_models.reference import reference_generate, reference_logits
+from kvfleet_models.tiny import tiny_weights
 
 ATOL = 1e-4
 GREEDY = SamplingSpec()

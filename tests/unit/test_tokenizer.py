@@ -18,9 +18,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported 
 
 import pytest
 
-from kvfleet.tokenizer import IncrementalDetokenizer, StopResult, StopStringMatcher, Tokenizer
-from worker_svc.model.errors import ModelLoadError
-from worker_svc.model.registry import SMOLLM2_135M, default_model_file
+from kvfleet_models.tokenizer import IncrementalDetokenizer, StopResult, StopStringMatcher, Tokenizer
+from kvfleet_models.errors import ModelLoadError
+from kvfleet_models.registry import SMOLLM2_135M, default_model_file
 
 
 def _smollm_file() -> Path | None:

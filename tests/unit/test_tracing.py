@@ -1,4 +1,4 @@
-"""kvfleet.tracing: on/off from the environment, and trace context through gRPC metadata."""
+"""kvfleet_common.tracing: on/off from the environment, and trace context through gRPC metadata."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from kvfleet.tracing import extract_context, inject_metadata, setup_tracing, shutdown_tracing, tracing_enabled
+from kvfleet_common.tracing import extract_context, inject_metadata, setup_tracing, shutdown_tracing, tracing_enabled
 
 
 @pytest.mark.parametrize(

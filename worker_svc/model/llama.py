@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from worker_svc.kv_cache import AttnGroup, BatchLayout, KVViews, PagedKVCache
-from worker_svc.model.config import LlamaConfig
+from kvfleet_models.config import LlamaConfig
 
 
 @dataclass

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from worker_svc.model.config import LlamaConfig
+from kvfleet_models.config import LlamaConfig
 
 
 def _w(weights: dict[str, np.ndarray], name: str) -> np.ndarray:

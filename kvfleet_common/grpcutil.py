@@ -48,7 +48,7 @@ def set_not_serving(health_servicer: health.HealthServicer, service_names: Itera
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, tls=None) -> int:
-    """Listen on host:port, with TLS when `tls` (a kvfleet.security.TlsConfig) has a certificate."""
+    """Listen on host:port, with TLS when `tls` (a kvfleet_common.security.TlsConfig) has a certificate."""
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if tls is not None and tls.serves_tls:
         bound = server.add_secure_port(address, tls.server_credentials())
@@ -69,8 +69,8 @@ async def wait_for_termination_signal() -> None:
 
 
 async def check_health(address: str, timeout: float = 1.0, tls=None) -> bool:
-    """tls: a kvfleet.security.TlsConfig; None = from the environment."""
-    from kvfleet.security import aio_channel
+    """tls: a kvfleet_common.security.TlsConfig; None = from the environment."""
+    from kvfleet_common.security import aio_channel
 
     async with aio_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)

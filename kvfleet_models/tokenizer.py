@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
-from worker_svc.model.errors import ModelLoadError
+from kvfleet_models.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class Tokenizer:
         from tokenizers import AddedToken, decoders, models
         from tokenizers import Tokenizer as Backend
 
-        from worker_svc.model.gguf_loader import field_value, open_gguf
+        from kvfleet_models.gguf_loader import field_value, open_gguf
 
         path = Path(path)
         reader = open_gguf(path)
@@ -149,7 +149,7 @@ class Tokenizer:
     @classmethod
     def for_model(cls, name_or_path: str) -> Tokenizer:
         """The tokenizer for a ``--model`` value (a known name, a .gguf file or an HF directory)."""
-        from worker_svc.model.registry import SourceKind, resolve_model
+        from kvfleet_models.registry import SourceKind, resolve_model
 
         source = resolve_model(name_or_path)
         if source.kind is SourceKind.TINY or source.path is None:

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from worker_svc.model.config import LlamaConfig
-from worker_svc.model.errors import ModelLoadError, check_weights
+from kvfleet_models.config import LlamaConfig
+from kvfleet_models.errors import ModelLoadError, check_weights
 
 GGUF_MAGIC = b"GGUF"
 

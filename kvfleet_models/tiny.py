@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from worker_svc.model.config import LlamaConfig
+from kvfleet_models.config import LlamaConfig
 
 
 def tiny_weights(cfg: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:

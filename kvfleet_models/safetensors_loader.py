@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from worker_svc.model.config import LlamaConfig
-from worker_svc.model.errors import ModelLoadError, check_weights
+from kvfleet_models.config import LlamaConfig
+from kvfleet_models.errors import ModelLoadError, check_weights
 
 # Features of HF's LlamaConfig that our model does not implement; loading such a checkpoint
 # would run but give wrong logits, so it is refused instead.

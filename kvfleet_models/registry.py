@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from worker_svc.model.config import LlamaConfig
-from worker_svc.model.errors import ModelLoadError
+from kvfleet_models.config import LlamaConfig
+from kvfleet_models.errors import ModelLoadError
 
 TINY = "tiny"
 SMOLLM2_135M = "smollm2-135m"
@@ -74,18 +74,18 @@ def load_model(name_or_path: str) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     """Config and float32 HF-named weights for ``name_or_path`` (see module docstring)."""
     source = resolve_model(name_or_path)
     if source.kind is SourceKind.TINY:
-        from worker_svc.model.config import tiny_config
-        from worker_svc.model.tiny import tiny_weights  # deferred: the tiny model's own module
+        from kvfleet_models.config import tiny_config
+        from kvfleet_models.tiny import tiny_weights  # deferred: the tiny model's own module
 
         cfg = tiny_config()
         return cfg, tiny_weights(cfg, seed=0)
     assert source.path is not None
     if source.kind is SourceKind.GGUF:
-        from worker_svc.model.gguf_loader import load_gguf
+        from kvfleet_models.gguf_loader import load_gguf
 
         cfg, weights = load_gguf(source.path)
     else:
-        from worker_svc.model.safetensors_loader import load_hf_dir
+        from kvfleet_models.safetensors_loader import load_hf_dir
 
         cfg, weights = load_hf_dir(source.path)
     return dataclasses.replace(cfg, name=source.name), weights
