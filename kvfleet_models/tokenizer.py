@@ -8,6 +8,7 @@ emitting a prefix of one that might still complete.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -183,9 +184,15 @@ class Tokenizer:
             raise ModelLoadError("this model has no chat template; send a plain prompt instead")
         bos = self.token_text(self.bos_token_id) if self.bos_token_id is not None else None
         eos = self.token_text(self.eos_token_ids[0]) if self.eos_token_ids else None
-        template = _chat_environment().from_string(self.chat_template)
+        template = _compiled_chat_template(self.chat_template)
         return str(template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                    bos_token=bos or "", eos_token=eos or ""))
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_chat_template(source: str) -> Any:
+    # Compiling a template costs milliseconds; a server renders the same one for every request.
+    return _chat_environment().from_string(source)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

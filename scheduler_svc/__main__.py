@@ -9,6 +9,7 @@ import sys
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core import SchedulerLimits
+from scheduler_svc.prompts import PromptLimits
 
 
 def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
@@ -28,6 +29,10 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
     p.add_argument("--max-prompt-tokens", type=int,
                    default=int(env("KVFLEET_MAX_PROMPT_TOKENS", d.max_prompt_tokens)))
     p.add_argument("--max-new-tokens", type=int, default=int(env("KVFLEET_MAX_NEW_TOKENS", d.max_new_tokens)))
+    p.add_argument("--max-prompt-bytes", type=int, default=int(env("KVFLEET_MAX_PROMPT_BYTES", 256 * 1024)),
+                   help="text or chat prompt size limit in UTF-8 bytes, checked before tokenizing")
+    p.add_argument("--max-priority", type=int, default=int(env("KVFLEET_MAX_PRIORITY", d.max_priority)),
+                   help="priorities run from -N (most urgent) to N; 0 is the default")
     p.add_argument("--kv-policy", default=env("KVFLEET_KV_POLICY", d.kv_policy), choices=["reserve", "preempt"],
                    help="reserve worst-case KV at admission, or preempt under KV pressure")
     p.add_argument("--step-timeout", type=float, default=float(env("KVFLEET_STEP_TIMEOUT_S", "30")))
@@ -43,11 +48,12 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
     limits = SchedulerLimits(max_running=a.max_running, prefill_token_budget=a.prefill_token_budget,
                              kv_budget_bytes=a.kv_budget_bytes, max_queue_depth=a.max_queue_depth,
                              max_prompt_tokens=a.max_prompt_tokens, max_new_tokens=a.max_new_tokens,
-                             kv_policy=a.kv_policy)
+                             kv_policy=a.kv_policy, max_priority=a.max_priority)
     workers = tuple(w.strip() for w in a.workers.split(",") if w.strip())
     from kvfleet_common.security import TlsConfig
 
     return SchedulerConfig(tls=TlsConfig.from_env(), api_token=env("KVFLEET_API_TOKEN", ""), host=a.host, port=a.port, workers=workers, limits=limits, model=a.model,
+                           prompt_limits=PromptLimits(max_prompt_bytes=a.max_prompt_bytes),
                            step_timeout_s=a.step_timeout, drain_grace_s=a.drain_grace,
                            metrics_port=a.metrics_port, no_worker_wait_s=a.no_worker_wait)
 

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from kvfleet_common.security import TlsConfig
 from scheduler_svc.core import SchedulerLimits
+from scheduler_svc.prompts import PromptLimits
 
 
 @dataclass(frozen=True)
@@ -13,6 +14,7 @@ class SchedulerConfig:
     port: int = 50051                       # 0 = any free port
     workers: tuple[str, ...] = ()           # worker addresses host:port
     limits: SchedulerLimits = field(default_factory=SchedulerLimits)
+    prompt_limits: PromptLimits = field(default_factory=PromptLimits)
     model: str | None = None                # for the tokenizer; None = ask the workers
     step_timeout_s: float = 30.0            # a worker step slower than this marks the worker dead
     worker_connect_timeout_s: float = 60.0  # how long start-up waits for the workers

@@ -1,6 +1,8 @@
 """Protobuf <-> core value conversion for the scheduler (core types never see pb)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet.v1 import worker_pb2 as wpb
 from scheduler_svc.core import (
@@ -34,7 +36,7 @@ def policy_from_pb(req: spb.WorkloadRequest) -> WorkloadPolicy:
                           snapshot_at_tick=req.snapshot_at_tick)
 
 
-def step_request(prefill: list[PrefillWork], decode: list[DecodeWork]) -> wpb.StepRequest:
+def step_request(prefill: Sequence[PrefillWork], decode: Sequence[DecodeWork]) -> wpb.StepRequest:
     req = wpb.StepRequest()
     for p in prefill:
         req.prefill.add(session_id=p.session_id, token_ids=p.token_ids,

@@ -3,8 +3,9 @@ into streamed text. The tokenizer lives here, at the front door, so prompt lengt
 before admission."""
 from __future__ import annotations
 
+import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvfleet.v1 import scheduler_pb2 as spb
@@ -16,6 +17,48 @@ log = logging.getLogger(__name__)
 
 class PromptError(ValueError):
     """A prompt the scheduler cannot turn into token ids; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """Bounds checked before any tokenizing, so one request cannot stall the others."""
+
+    max_prompt_bytes: int = 256 * 1024      # text, or all chat contents together (UTF-8)
+    max_chat_messages: int = 1024
+    max_stop_strings: int = 16
+    max_stop_bytes: int = 256               # each stop string (UTF-8)
+    max_stop_token_ids: int = 256
+
+    def __post_init__(self) -> None:
+        for name, value in self.__dict__.items():
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    def check(self, req: spb.GenerateRequest) -> None:
+        if len(req.stop) > self.max_stop_strings:
+            raise PromptError(f"{len(req.stop)} stop strings; at most {self.max_stop_strings} are allowed")
+        for stop in req.stop:
+            if not stop:
+                raise PromptError("a stop string is empty; remove it")
+            if len(stop.encode()) > self.max_stop_bytes:
+                raise PromptError(f"a stop string is {len(stop.encode())} bytes; at most "
+                                  f"{self.max_stop_bytes} are allowed")
+        if len(req.stop_token_ids) > self.max_stop_token_ids:
+            raise PromptError(f"{len(req.stop_token_ids)} stop token ids; at most "
+                              f"{self.max_stop_token_ids} are allowed")
+        kind = req.WhichOneof("prompt")
+        if kind == "text":
+            size = len(req.text.encode())
+        elif kind == "chat":
+            if len(req.chat.messages) > self.max_chat_messages:
+                raise PromptError(f"chat has {len(req.chat.messages)} messages; at most "
+                                  f"{self.max_chat_messages} are allowed")
+            size = sum(len(m.content.encode()) + len(m.role.encode()) for m in req.chat.messages)
+        else:
+            return
+        if size > self.max_prompt_bytes:
+            raise PromptError(f"the prompt is {size} bytes; the limit is {self.max_prompt_bytes} "
+                              f"(--max-prompt-bytes); shorten it")
 
 
 class TextStream(Protocol):
@@ -68,16 +111,17 @@ class PromptResolver:
     vocab_size: int
     eos_token_ids: frozenset[int]
     tokenizer: Any | None = None
+    limits: PromptLimits = field(default_factory=PromptLimits)
 
     @classmethod
-    def for_model(cls, name: str, model: Any) -> "PromptResolver":
+    def for_model(cls, name: str, model: Any, limits: PromptLimits = PromptLimits()) -> "PromptResolver":
         tokenizer = None
         if name != "tiny":
             from kvfleet_models.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.for_model(name)
         return cls(model_name=name, vocab_size=model.vocab_size,
-                   eos_token_ids=frozenset(model.eos_token_ids), tokenizer=tokenizer)
+                   eos_token_ids=frozenset(model.eos_token_ids), tokenizer=tokenizer, limits=limits)
 
     def prompt_ids(self, req: spb.GenerateRequest) -> tuple[int, ...]:
         kind = req.WhichOneof("prompt")
@@ -97,7 +141,15 @@ class PromptResolver:
             raise PromptError(f"chat role {bad[0]!r} is not one of system, user, assistant")
         return tuple(self.tokenizer.encode(self.tokenizer.render_chat(messages)))
 
-    def session_request(self, req: spb.GenerateRequest) -> SessionRequest:
+    async def resolve(self, req: spb.GenerateRequest, owner: str = "") -> SessionRequest:
+        """The core's request for a GenerateRequest: size limits first (cheap), then the
+        tokenizer, in a thread when there is text to tokenize, so the event loop keeps serving."""
+        self.limits.check(req)
+        if req.WhichOneof("prompt") in ("text", "chat") and self.tokenizer is not None:
+            return await asyncio.to_thread(self.session_request, req, owner)
+        return self.session_request(req, owner)
+
+    def session_request(self, req: spb.GenerateRequest, owner: str = "") -> SessionRequest:
         if req.stop and self.tokenizer is None:
             raise PromptError(f"stop strings need a tokenizer; model {self.model_name!r} has none "
                               f"(use stop_token_ids)")
@@ -106,7 +158,7 @@ class PromptResolver:
             sampling=convert.sampling_from_pb(req.sampling),
             stop_token_ids=frozenset(req.stop_token_ids),
             eos_token_ids=frozenset() if req.ignore_eos else self.eos_token_ids,
-            priority=req.priority)
+            priority=req.priority, owner=owner)
 
     def stream(self, sreq: SessionRequest, stop: list[str]) -> TextStream:
         if self.tokenizer is None:

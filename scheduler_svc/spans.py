@@ -15,36 +15,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 
-from kvfleet_common.tracing import inject_metadata
-
-# What each lever's arms mean on the workers.
-LEVERS: dict[str, dict[str, str]] = {
-    "persistent_kv_views": {"control": "rebuild", "candidate": "persistent"},
-}
-
-
-@dataclass(frozen=True)
-class ExperimentArm:
-    experiment_id: str
-    arm: str
-    lever: str
-
-    def __post_init__(self) -> None:
-        if not self.experiment_id:
-            raise ValueError("experiment.id is empty; name the experiment")
-        if self.lever not in LEVERS:
-            raise ValueError(f"unknown lever {self.lever!r}; known: {', '.join(sorted(LEVERS))}")
-        if self.arm not in LEVERS[self.lever]:
-            raise ValueError(f"experiment arm must be control or candidate, got {self.arm!r}")
-
-    @property
-    def kv_views(self) -> str:
-        return LEVERS[self.lever][self.arm]
-
-    def attributes(self) -> dict[str, str]:
-        return {"experiment.id": self.experiment_id, "experiment.arm": self.arm,
-                "experiment.lever": self.lever}
-
+from scheduler_svc.experiments import ExperimentArm
 
 @dataclass
 class _SessionSpans:
@@ -59,7 +30,6 @@ class SchedulerSpans:
         self._sessions: dict[str, _SessionSpans] = {}
         self._workloads: dict[str, Span] = {}
         self._session_workload: dict[str, str] = {}
-        self.experiments: dict[str, ExperimentArm] = {}
 
     # ---- roots ------------------------------------------------------------------------------
 
@@ -67,7 +37,6 @@ class SchedulerSpans:
         attrs: dict[str, str | int] = {"kvfleet.workload.id": workload_id, "kvfleet.workload.sessions": sessions}
         if arm is not None:
             attrs.update(arm.attributes())
-            self.experiments[workload_id] = arm
         self._workloads[workload_id] = self._tracer.start_span("generation_wall", kind=SpanKind.SERVER,
                                                                attributes=attrs)
 
@@ -75,10 +44,10 @@ class SchedulerSpans:
         span = self._workloads.pop(workload_id, None)
         if span is not None:
             span.end()
-        self.experiments.pop(workload_id, None)
 
     def start_session(self, session_id: str, operation: str, max_tokens: int, temperature: float,
-                      workload_id: str | None = None, parent: Context | None = None) -> None:
+                      workload_id: str | None = None, parent: Context | None = None,
+                      arm: ExperimentArm | None = None) -> None:
         attrs: dict[str, str | int | float] = {
             "gen_ai.operation.name": operation, "gen_ai.request.model": self._model,
             "gen_ai.request.max_tokens": max_tokens, "gen_ai.request.temperature": temperature,
@@ -86,9 +55,8 @@ class SchedulerSpans:
         if workload_id is not None:
             self._session_workload[session_id] = workload_id
             parent = trace.set_span_in_context(self._workloads[workload_id])
-            arm = self.experiments.get(workload_id)
-            if arm is not None:
-                attrs.update(arm.attributes())
+        if arm is not None:
+            attrs.update(arm.attributes())
         root = self._tracer.start_span("session", context=parent, kind=SpanKind.SERVER, attributes=attrs)
         queue = self._tracer.start_span("queue", context=trace.set_span_in_context(root),
                                         attributes={k: v for k, v in attrs.items() if k.startswith("experiment.")})
@@ -126,11 +94,11 @@ class SchedulerSpans:
         spans = self._sessions.get(session_id)
         return spans.root if spans is not None else None
 
-    def start_tick(self, tick: int, session_ids: list[str], prefill_tokens: int, decode_batch: int) -> Span:
+    def start_tick(self, tick: int, session_ids: list[str], prefill_tokens: int, decode_batch: int,
+                   arm: ExperimentArm | None) -> Span:
         roots = {id(r): r for r in (self._root_of(s) for s in session_ids) if r is not None}
         attrs: dict[str, int | str] = {"kvfleet.tick": tick, "kvfleet.tick.prefill_tokens": prefill_tokens,
                                        "kvfleet.tick.decode_batch": decode_batch}
-        arm = self.arm_of(session_ids)
         if arm is not None:
             attrs.update(arm.attributes())
         if len(roots) == 1:
@@ -138,14 +106,3 @@ class SchedulerSpans:
             return self._tracer.start_span("tick", context=parent, attributes=attrs)
         links = [Link(r.get_span_context()) for r in roots.values()]
         return self._tracer.start_span("tick", context=Context(), links=links, attributes=attrs)
-
-    def arm_of(self, session_ids: list[str]) -> ExperimentArm | None:
-        """The experiment arm shared by all these sessions, or None."""
-        arms = {self.experiments.get(self._session_workload.get(s, "")) for s in session_ids}
-        if len(arms) == 1:
-            return arms.pop()
-        return None
-
-    @staticmethod
-    def metadata(span: Span) -> list[tuple[str, str]]:
-        return inject_metadata(trace.set_span_in_context(span))

@@ -1,4 +1,5 @@
-"""gRPC clients of the workers the scheduler dispatches to."""
+"""gRPC clients of the workers the scheduler dispatches to: typed calls in core values, with the
+tick's trace context carried in the metadata."""
 from __future__ import annotations
 
 import asyncio
@@ -6,15 +7,40 @@ import logging
 import time
 from dataclasses import dataclass
 
-import grpc
+from collections.abc import Mapping, Sequence
 
-from kvfleet_common import grpcutil
-from kvfleet_common.security import TlsConfig, aio_channel
+import grpc
+from opentelemetry import trace
+from opentelemetry.trace import Span
+
 from kvfleet.v1 import worker_pb2 as wpb
 from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
-from scheduler_svc.core import WorkerSpec
+from kvfleet_common import grpcutil
+from kvfleet_common.security import TlsConfig, aio_channel
+from kvfleet_common.tracing import inject_metadata
+from scheduler_svc import convert
+from scheduler_svc.core import DecodeWork, PrefillWork, StepResult, WorkerSpec
+from scheduler_svc.experiments import ExperimentArm
 
 log = logging.getLogger(__name__)
+
+
+class WorkerCallFailed(Exception):
+    """A worker did not answer a call (down, timed out, or refused it)."""
+
+    def __init__(self, worker_id: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"worker {worker_id}: {code.name} {details}")
+        self.code = code
+        self.details = details
+
+
+@dataclass(frozen=True)
+class HeldSessions:
+    """What a worker says it holds (GetStats)."""
+
+    session_ids: tuple[str, ...]
+    used_blocks: int
+    free_blocks: int
 
 
 @dataclass
@@ -45,6 +71,14 @@ class WorkerClient:
         self.info = await self.stub.GetInfo(wpb.GetInfoRequest(), timeout=timeout)
         return self.info
 
+    async def answers(self, timeout: float) -> bool:
+        """Whether the worker answers GetInfo now (a dead one probed for its return)."""
+        try:
+            await self.fetch_info(timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return True
+
     async def wait_ready(self, deadline_s: float) -> wpb.WorkerInfo:
         """Retry GetInfo until the worker answers or the deadline passes."""
         end = time.monotonic() + deadline_s
@@ -58,6 +92,29 @@ class WorkerClient:
                                           f"{deadline_s:.0f}s: {exc.code().name} {exc.details()}") from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    async def step(self, prefill: Sequence[PrefillWork], decode: Sequence[DecodeWork],
+                   release: Sequence[str], arm: ExperimentArm | None, span: Span | None,
+                   timeout: float) -> Mapping[str, StepResult]:
+        """One tick's work on this worker (releases first), in one round trip."""
+        request = convert.step_request(prefill, decode)
+        request.release_session_ids.extend(release)
+        if arm is not None:
+            request.kv_views = arm.kv_views
+            request.experiment_id = arm.experiment_id
+            request.experiment_arm = arm.arm
+        metadata = inject_metadata(trace.set_span_in_context(span)) if span is not None else None
+        try:
+            resp = await self.stub.Step(request, timeout=timeout, metadata=metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerCallFailed(self.address, exc.code(), exc.details() or "") from exc
+        return convert.step_results(resp)
+
+    async def release(self, session_ids: Sequence[str], timeout: float) -> None:
+        try:
+            await self.stub.Release(wpb.ReleaseRequest(session_ids=list(session_ids)), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerCallFailed(self.address, exc.code(), exc.details() or "") from exc
 
     async def close(self) -> None:
         await self.channel.close()

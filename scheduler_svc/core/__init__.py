@@ -3,7 +3,7 @@
 No grpc, protobuf or sockets here; the gRPC adapter in scheduler_svc.server drives it.
 """
 from scheduler_svc.core.types import (
-    AdmissionRejected, FinishReason, RejectReason, Sampling, SessionRequest, StepStatus,
+    AdmissionRejected, FinishReason, NotSessionOwner, RejectReason, Sampling, SessionRequest, StepStatus,
     StepResult, WorkerSpec, WorkloadPolicy,
 )
 from scheduler_svc.core.limits import SchedulerLimits
@@ -11,7 +11,7 @@ from scheduler_svc.core.plan import DecodeWork, PrefillWork, TickOutcome, TickPl
 from scheduler_svc.core.scheduler import SchedulerCore
 
 __all__ = [
-    "AdmissionRejected", "DecodeWork", "FinishReason", "PrefillWork", "RejectReason", "Sampling",
+    "AdmissionRejected", "DecodeWork", "FinishReason", "NotSessionOwner", "PrefillWork", "RejectReason", "Sampling",
     "SchedulerCore", "SchedulerLimits", "SessionRequest", "StepResult", "StepStatus", "TickOutcome",
     "TickPlan", "WorkerSpec", "WorkloadPolicy",
 ]

@@ -16,12 +16,17 @@ class SchedulerLimits:
     # "preempt": admission reserves what the prompt needs; when a decode step cannot grow, the
     # least urgent, most recently admitted session on that worker is preempted (recomputed later).
     kv_policy: str = "reserve"
+    # Priorities run from -max_priority (most urgent) to +max_priority; 0 is the default.
+    max_priority: int = 10
+    # A session whose worker loses or cannot hold its KV (cache miss, out of blocks) is recomputed
+    # at most this many times, waiting 2^(n-1) ticks before the n-th retry; then it fails clearly.
+    max_kv_retries: int = 4
 
     def __post_init__(self) -> None:
         if self.kv_policy not in ("reserve", "preempt"):
             raise ValueError(f"kv_policy must be 'reserve' or 'preempt', got {self.kv_policy!r}")
         for name in ("max_running", "prefill_token_budget", "kv_budget_bytes", "max_queue_depth",
-                     "max_prompt_tokens", "max_new_tokens"):
+                     "max_prompt_tokens", "max_new_tokens", "max_priority", "max_kv_retries"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from scheduler_svc.core.types import FinishReason, Sampling
@@ -30,12 +31,19 @@ class DecodeWork:
 
 @dataclass(frozen=True)
 class TickPlan:
+    """What `schedule()` decided: the steps to run, and what it already settled while deciding
+    (cancelled sessions finished, preempted ones requeued, and the KV both free on workers)."""
+
     tick: int
     prefill: tuple[PrefillWork, ...]
     decode: tuple[DecodeWork, ...]
+    finished: tuple[tuple[str, FinishReason], ...] = ()
+    requeued: tuple[str, ...] = ()
+    release: Mapping[str, tuple[str, ...]] = field(default_factory=dict)   # worker -> sessions
 
     @property
     def empty(self) -> bool:
+        """No step to run (there may still be finishes and releases to deliver)."""
         return not self.prefill and not self.decode
 
     def by_worker(self) -> dict[str, tuple[list[PrefillWork], list[DecodeWork]]]:
@@ -49,8 +57,15 @@ class TickPlan:
 
 @dataclass
 class TickOutcome:
+    """What came of a tick's steps (`update()`), or of a finish outside the tick rules."""
+
     tick: int
     tokens: list[tuple[str, int]] = field(default_factory=list)          # (session, token) in order
     finished: list[tuple[str, FinishReason]] = field(default_factory=list)
     release: dict[str, list[str]] = field(default_factory=dict)          # worker -> sessions to free
     requeued: list[str] = field(default_factory=list)                    # sessions to recompute
+    # Sessions given up on (session, why): the stream ends with an error, nothing is recomputed.
+    dropped: list[tuple[str, str]] = field(default_factory=list)
+
+    def free(self, worker_id: str, session_id: str) -> None:
+        self.release.setdefault(worker_id, []).append(session_id)

@@ -21,13 +21,14 @@ class Session:
     workload_id: str | None
     seq: int                                  # arrival order (FCFS)
     phase: Phase = Phase.QUEUED
-    worker_id: str | None = None
+    worker_id: str | None = None              # where its KV is reserved while it runs
     generated: list[int] = field(default_factory=list)
     kv_tokens: int = 0                        # tokens held on the worker, as it reported
     prefill_target: tuple[int, ...] = ()      # what the current prefill puts into the KV
-    reserved_tokens: int = 0
     finish_reason: FinishReason | None = None
     admitted_tick: int = 0
+    kv_retries: int = 0                       # recomputes after its worker lost its KV
+    retry_after_tick: int = 0                 # not admitted again before this tick
 
     @property
     def prompt_len(self) -> int:

@@ -1,7 +1,7 @@
 """Counters the scheduler keeps while it runs: global telemetry and per-workload figures."""
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 # Rates are taken over the ticks that ended within this window.
@@ -116,15 +116,3 @@ class RateWindow:
         prefill = sum(t[2] for t in self.ticks)
         decode = sum(t[3] for t in self.ticks)
         return prefill / span, decode / span
-
-
-@dataclass
-class RejectionCounts:
-    by_reason: Counter[str] = field(default_factory=Counter)
-
-    def add(self, reason: str, n: int = 1) -> None:
-        self.by_reason[reason] += n
-
-    @property
-    def total(self) -> int:
-        return sum(self.by_reason.values())

@@ -1,7 +1,7 @@
 """Value types that cross the core's boundary."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 
@@ -20,6 +20,14 @@ class AdmissionRejected(Exception):
         super().__init__(message)
         self.reason = reason
         self.message = message
+
+
+class NotSessionOwner(Exception):
+    """A caller asked to act on a session it did not start."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id} belongs to another caller")
+        self.session_id = session_id
 
 
 class FinishReason(str, Enum):
@@ -45,6 +53,7 @@ class SessionRequest:
     stop_token_ids: frozenset[int] = frozenset()
     eos_token_ids: frozenset[int] = frozenset()   # filled by the adapter unless ignore_eos
     priority: int = 0
+    owner: str = ""            # who may cancel it: the caller's identity, as the adapter saw it
 
 
 @dataclass(frozen=True)
@@ -79,11 +88,3 @@ class StepResult:
     status: StepStatus
     token_id: int | None
     kv_tokens: int
-
-
-@dataclass
-class SessionEvents:
-    """Tokens and finishes produced by one tick, for the adapter to stream out."""
-
-    tokens: list[tuple[str, int]] = field(default_factory=list)
-    finished: list[tuple[str, FinishReason]] = field(default_factory=list)

@@ -1,9 +1,49 @@
 """A fake worker for driving the scheduler core without a network or a model (unit tests only)."""
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Set
+
 from scheduler_svc.core import (
     SchedulerCore, StepResult, StepStatus, TickOutcome, TickPlan, WorkerSpec,
 )
+
+
+def sequential_ids() -> Callable[[str], str]:
+    """Readable ids for tables (s0, s1, ... and w0, ...); the service issues random ones."""
+    counters: dict[str, int] = {}
+
+    def new_id(prefix: str) -> str:
+        n = counters.get(prefix, 0)
+        counters[prefix] = n + 1
+        return f"{prefix}{n}"
+    return new_id
+
+
+def settled(plan: TickPlan) -> TickOutcome:
+    """What schedule() settled while planning (cancellations, preemptions), as an outcome."""
+    return TickOutcome(tick=plan.tick, finished=list(plan.finished), requeued=list(plan.requeued),
+                       release={w: list(s) for w, s in plan.release.items()})
+
+
+def plan_tick(core: SchedulerCore) -> tuple[TickPlan, TickOutcome]:
+    plan = core.schedule()
+    return plan, settled(plan)
+
+
+def complete_tick(core: SchedulerCore, plan: TickPlan, results: Mapping[str, StepResult],
+                  failed_workers: Set[str] = frozenset(), outcome: TickOutcome | None = None) -> TickOutcome:
+    """update(), with what schedule() settled first (the whole tick's effects in one outcome)."""
+    out = core.update(plan, results, failed_workers)
+    if outcome is None:
+        return out
+    merged = TickOutcome(tick=plan.tick, tokens=outcome.tokens + out.tokens,
+                         finished=outcome.finished + out.finished,
+                         requeued=outcome.requeued + out.requeued,
+                         dropped=outcome.dropped + out.dropped)
+    for part in (outcome, out):
+        for w, sids in part.release.items():
+            merged.release.setdefault(w, []).extend(sids)
+    return merged
 
 
 def fake_token(session_id: str, index: int, vocab: int = 48) -> int:
@@ -70,14 +110,14 @@ def run_to_completion(core: SchedulerCore, workers: FakeWorkers, max_ticks: int 
                       on_tick=None) -> list[TickOutcome]:
     outcomes = []
     while core.has_work():
-        plan, early = core.plan_tick()
+        plan, early = plan_tick(core)
         workers.release(early)
         if plan.empty:
             outcomes.append(early)
             if not core.has_work():
                 break
             raise AssertionError("scheduler has work but planned nothing")
-        out = core.complete_tick(plan, workers.run(plan), outcome=early)
+        out = complete_tick(core, plan, workers.run(plan), outcome=early)
         workers.release(out)
         outcomes.append(out)
         if on_tick:

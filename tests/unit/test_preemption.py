@@ -8,10 +8,7 @@ from scheduler_svc.core import (
     FinishReason, SchedulerCore, SchedulerLimits, SessionRequest, WorkerSpec,
 )
 
-try:
-    from tests.unit.sim import FakeWorkers, fake_token
-except ImportError:  # pragma: no cover - run from tests/unit
-    from sim import FakeWorkers, fake_token
+from tests.unit.sim import FakeWorkers, complete_tick, fake_token, plan_tick
 
 BPT = 1536
 
@@ -29,12 +26,12 @@ def _run(core: SchedulerCore, fake: FakeWorkers, capacity: int, on_tick=None) ->
     for _ in range(5000):
         if not core.has_work():
             return finished
-        plan, early = core.plan_tick()
+        plan, early = plan_tick(core)
         fake.release(early)
         finished.update(early.finished)
         if plan.empty:
             continue
-        out = core.complete_tick(plan, fake.run(plan))
+        out = complete_tick(core, plan, fake.run(plan))
         fake.release(out)
         finished.update(out.finished)
         for w in core.workers:
@@ -71,7 +68,7 @@ def test_under_reserve_policy_the_same_load_waits_instead():
     core.add_worker(WorkerSpec("w0", 32, 4, BPT), vocab_size=48, max_position=512)
     for _ in range(3):
         core.submit(SessionRequest(prompt_ids=(1, 2, 3, 4), max_new_tokens=12))
-    plan, _ = core.plan_tick()
+    plan, _ = plan_tick(core)
     assert len(plan.prefill) == 2          # the third does not fit its worst case yet
     assert core.preemptions == 0
 

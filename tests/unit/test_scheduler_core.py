@@ -23,10 +23,9 @@ from scheduler_svc.core import (
 from scheduler_svc.core.session import Phase
 from scheduler_svc.core.stats import WorkloadStats
 
-try:   # `python -m pytest` from the repository root (tests is a package)
-    from tests.unit.sim import FakeWorkers, fake_token, run_to_completion, tiny_worker
-except ImportError:   # pytest's rootdir-less import puts tests/unit itself on sys.path
-    from sim import FakeWorkers, fake_token, run_to_completion, tiny_worker  # type: ignore[no-redef]
+from tests.unit.sim import (
+    FakeWorkers, complete_tick, fake_token, plan_tick, run_to_completion, sequential_ids, tiny_worker,
+)
 
 BPT = 1536          # 2 (K and V) x 6 layers x hidden 32 x 4 bytes
 VOCAB = 48
@@ -42,18 +41,19 @@ def req(prompt_len: int, max_new: int, priority: int = 0, **kw) -> SessionReques
 
 def make_core(workers: tuple[WorkerSpec, ...] = (tiny_worker(),), vocab: int = VOCAB,
               max_position: int = MAX_POSITION, clock=None, **limits) -> SchedulerCore:
-    core = SchedulerCore(SchedulerLimits(**limits), **({"clock": clock} if clock else {}))
+    core = SchedulerCore(SchedulerLimits(**limits), new_id=sequential_ids(),
+                         **({"clock": clock} if clock else {}))
     for spec in workers:
         core.add_worker(spec, vocab, max_position)
     return core
 
 
 def step(core: SchedulerCore, fake: FakeWorkers) -> tuple[TickPlan, TickOutcome]:
-    plan, early = core.plan_tick()
+    plan, early = plan_tick(core)
     fake.release(early)
     if plan.empty:
         return plan, early
-    out = core.complete_tick(plan, fake.run(plan), outcome=early)
+    out = complete_tick(core, plan, fake.run(plan), outcome=early)
     fake.release(out)
     return plan, out
 
@@ -336,9 +336,9 @@ def test_chunked_prefill_work_items_and_first_token_tick():
 def test_max_new_1_releases_kv_in_its_prefill_tick():
     core, fake = make_core(prefill_token_budget=4), FakeWorkers()
     sid = core.submit(req(4, 1))
-    plan, early = core.plan_tick()
+    plan, early = plan_tick(core)
     assert core.workers.get("w0").reserved_tokens == 16     # 4 tokens, one block of 16
-    out = core.complete_tick(plan, fake.run(plan), outcome=early)
+    out = complete_tick(core, plan, fake.run(plan), outcome=early)
     fake.release(out)
     assert out.release == {"w0": [sid]}
     assert out.finished == [(sid, FinishReason.LENGTH)]
@@ -513,7 +513,7 @@ def test_session_whose_block_rounded_reservation_exceeds_kv_budget_is_rejected()
     except AdmissionRejected as e:
         assert e.reason == RejectReason.KV_BUDGET
         return
-    plan, _ = core.plan_tick()
+    plan, _ = plan_tick(core)
     assert not plan.empty, f"{sid} was accepted but can never be admitted"
     run_to_completion(core, fake)
 
@@ -556,7 +556,7 @@ def _check_tick(core: SchedulerCore, fake: FakeWorkers, plan: TickPlan, limits: 
         wid = slot.spec.worker_id
         assert 0 <= slot.reserved_tokens <= slot.spec.capacity_tokens
         on_it = [core.session(s) for s in slot.sessions]
-        assert slot.reserved_tokens == sum(s.reserved_tokens for s in on_it)
+        assert slot.reserved_tokens == sum(core.workers.reserved(s.session_id) for s in on_it)
         assert all(s.running and s.worker_id == wid for s in on_it)
         assert fake.held_on(wid) <= slot.reserved_tokens
         if not slot.live:
@@ -564,7 +564,7 @@ def _check_tick(core: SchedulerCore, fake: FakeWorkers, plan: TickPlan, limits: 
     for sid, held in fake.kv.items():
         s = core.session(sid)
         assert s.running and s.worker_id == fake.owner[sid]
-        assert held == s.kv_tokens <= s.reserved_tokens
+        assert held == s.kv_tokens <= core.workers.reserved(sid)
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -605,14 +605,14 @@ def test_random_workloads_keep_invariants(seed):
             sid = rng.choice(live)
             cancelled[sid] = len(core.session(sid).generated)
             depth = core.queue_depth
-            if core.cancel(sid) == "queued":                # gone from the queue at once
+            if core.cancel(sid)[0] == "queued":                # gone from the queue at once
                 assert core.session(sid).phase == Phase.FINISHED
                 assert core.queue_depth == depth - 1
         if not core.has_work():
             if not arrivals:
                 break
             continue
-        plan, early = core.plan_tick()
+        plan, early = plan_tick(core)
         fake.release(early)
         emitted += len(early.tokens)
         if plan.empty:   # only cancellations this tick, or queued work waiting for a dead worker
@@ -627,7 +627,7 @@ def test_random_workloads_keep_invariants(seed):
             for sid in fake.drop_worker(wid):
                 results.pop(sid, None)
             down[wid] = it + rng.randint(1, 5)
-        out = core.complete_tick(plan, results, failed_workers=failed, outcome=early)
+        out = complete_tick(core, plan, results, failed_workers=failed, outcome=early)
         fake.release(out)
         emitted += len(out.tokens)
         _check_tick(core, fake, plan, limits, caps)
@@ -663,7 +663,7 @@ def test_cancel_queued_session_leaves_queue_at_once():
     s0, s1 = core.submit(req(4, 4)), core.submit(req(4, 4))
     step(core, fake)                                    # s0 admitted, s1 waits
     assert core.queue_depth == 1
-    assert core.cancel(s1) == "queued"
+    assert core.cancel(s1)[0] == "queued"
     assert core.queue_depth == 0
     assert core.session(s1).finish_reason == FinishReason.CANCELLED
     assert core.snapshot().completed_sessions == 1
@@ -679,17 +679,17 @@ def test_cancel_running_session_released_at_next_plan_tick():
     s0, s1 = core.submit(req(4, 6)), core.submit(req(4, 6))
     step(core, fake)
     step(core, fake)                                    # both hold 5 tokens, 2 generated
-    assert core.cancel(s0) == "decode"
+    assert core.cancel(s0)[0] == "decode"
     # Nothing changes until the next tick is planned.
     assert core.running_count == 2 and core.workers.get("w0").reserved_tokens == 32
-    plan, early = core.plan_tick()
+    plan, early = plan_tick(core)
     assert early.release == {"w0": [s0]}
     assert early.finished == [(s0, FinishReason.CANCELLED)]
     assert [d.session_id for d in plan.decode] == [s1] and not plan.prefill
     assert core.workers.get("w0").reserved_tokens == 16
     fake.release(early)
     assert s0 not in fake.kv
-    out = core.complete_tick(plan, fake.run(plan), outcome=early)
+    out = complete_tick(core, plan, fake.run(plan), outcome=early)
     fake.release(out)
     run_to_completion(core, fake)
     assert core.session(s0).generated == expected_tokens(s0, 2)
@@ -702,8 +702,8 @@ def test_cancel_during_chunked_prefill_and_last_session_empties_plan():
     core, fake = make_core(prefill_token_budget=4), FakeWorkers()
     wid, (sid,) = core.submit_workload([req(10, 3)])
     step(core, fake)
-    assert core.cancel(sid) == "prefill"
-    plan, early = core.plan_tick()
+    assert core.cancel(sid)[0] == "prefill"
+    plan, early = plan_tick(core)
     assert plan.empty and early.release == {"w0": [sid]}
     fake.release(early)
     assert not core.has_work() and fake.kv == {}
@@ -718,14 +718,14 @@ def test_cancel_survives_requeue(fault):
     core, fake = make_core((tiny_worker("w0"), tiny_worker("w1"))), FakeWorkers()
     sid = core.submit(req(3, 6))
     step(core, fake)
-    plan, early = core.plan_tick()                      # tick 2 under way on w0 ...
-    assert core.cancel(sid) == "decode"                 # ... when the client cancels
+    plan, early = plan_tick(core)                      # tick 2 under way on w0 ...
+    assert core.cancel(sid)[0] == "decode"                 # ... when the client cancels
     if fault == "worker_failure":
         fake.drop_worker("w0")
-        out = core.complete_tick(plan, {}, failed_workers={"w0"}, outcome=early)
+        out = complete_tick(core, plan, {}, failed_workers={"w0"}, outcome=early)
     else:
         fake.lose(sid)
-        out = core.complete_tick(plan, fake.run(plan), outcome=early)
+        out = complete_tick(core, plan, fake.run(plan), outcome=early)
     fake.release(out)
     run_to_completion(core, fake)
     assert core.session(sid).finish_reason == FinishReason.CANCELLED
@@ -740,7 +740,7 @@ def test_kv_gauge_after_cancel_only_tick():
     step(core, fake)
     assert core.snapshot().kv_total_bytes == 5 * BPT
     core.cancel(sid)
-    plan, early = core.plan_tick()
+    plan, early = plan_tick(core)
     fake.release(early)
     assert plan.empty and fake.kv == {} and core.snapshot().kv_reserved_bytes == 0
     snap = core.snapshot()
@@ -762,11 +762,11 @@ def test_worker_failure_recomputes_on_the_other_worker():
     for _ in range(3):
         step(core, fake)                                # 3 tokens each
     assert (core.session(s0).worker_id, core.session(s1).worker_id) == ("w0", "w1")
-    plan, early = core.plan_tick()                      # tick 4: w0 dies during it
+    plan, early = plan_tick(core)                      # tick 4: w0 dies during it
     results = fake.run(plan)
     fake.drop_worker("w0")
     results.pop(s0)
-    out = core.complete_tick(plan, results, failed_workers={"w0"}, outcome=early)
+    out = complete_tick(core, plan, results, failed_workers={"w0"}, outcome=early)
     fake.release(out)
     assert out.requeued == [s0]
     assert out.tokens == [(s1, fake_token(s1, 3))]      # s0's tick-4 token is lost with w0
@@ -789,9 +789,9 @@ def test_worker_failure_recompute_is_chunked_under_the_budget():
     sid = core.submit(req(3, 6))
     for _ in range(3):
         step(core, fake)
-    plan, early = core.plan_tick()
+    plan, early = plan_tick(core)
     fake.drop_worker("w0")
-    core.complete_tick(plan, {}, failed_workers={"w0"}, outcome=early)
+    complete_tick(core, plan, {}, failed_workers={"w0"}, outcome=early)
     context = req(3, 6).prompt_ids + tuple(expected_tokens(sid, 3))   # 6 tokens: chunks 4, 2
     chunks = []
     for _ in range(2):

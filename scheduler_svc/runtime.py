@@ -1,0 +1,381 @@
+"""The one owner of the scheduler core: it runs the ticks (schedule -> one Step RPC per worker ->
+update), feeds the streams, spans and metrics, and serves the servicer's calls.
+
+Every effect on a session (tokens, finishes, drops) leaves the core as a TickOutcome and enters
+one FIFO, the outbox; `_deliver` drains it into the streams and metrics. The tick loop calls it
+once per tick, after the next tick's steps have gone out (so the workers compute meanwhile), and
+out-of-band calls (cancel, finish) call it at once; the FIFO keeps every stream's events in order.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from opentelemetry.context import Context
+from opentelemetry.trace import Span
+
+from scheduler_svc.core import (
+    FinishReason, SchedulerCore, SessionRequest, StepResult, TickOutcome, TickPlan, WorkloadPolicy,
+)
+from scheduler_svc.core.session import Phase
+from scheduler_svc.core.stats import TelemetrySnapshot, WorkloadStats
+from scheduler_svc.core.types import RejectReason
+from scheduler_svc.experiments import ExperimentArm, ExperimentArms
+from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.spans import SchedulerSpans
+from scheduler_svc.workers import WorkerCallFailed, WorkerClient
+
+log = logging.getLogger(__name__)
+
+# When sessions wait but nothing can run (no live worker), re-plan this often.
+_IDLE_REPLAN_S = 0.05
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    step_timeout_s: float = 30.0
+    health_interval_s: float = 1.0
+    no_worker_wait_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class SessionEvent:
+    session_id: str
+    token: int | None = None
+    finish: FinishReason | None = None
+    worker_id: str = ""
+    dropped: str = ""          # the session was given up on, unfinished (the reason)
+
+
+@dataclass(frozen=True)
+class Submission:
+    workload_id: str | None
+    session_ids: tuple[str, ...]
+    events: asyncio.Queue[SessionEvent]
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """One worker as ListWorkers shows it."""
+
+    client: WorkerClient
+    live: bool
+    sessions: int
+    kv_tokens: int
+    reserved_tokens: int
+
+
+class SchedulerRuntime:
+    def __init__(self, core: SchedulerCore, clients: Sequence[WorkerClient], spans: SchedulerSpans,
+                 metrics: SchedulerMetrics, config: RuntimeConfig = RuntimeConfig()) -> None:
+        self._core = core
+        self._clients = {c.worker_id: c for c in clients}
+        self._spans = spans
+        self._metrics = metrics
+        self._config = config
+        self._arms = ExperimentArms()
+        self._subscribers: dict[str, asyncio.Queue[SessionEvent]] = {}
+        self._outbox: deque[tuple[TickOutcome, int, int]] = deque()   # (outcome, prefill, decode tokens)
+        # Sessions to free on each worker: sent with that worker's next step (or a Release
+        # alongside the next tick's steps), so freeing costs no round trip of its own.
+        self._pending_release: dict[str, list[str]] = {}
+        # Sessions moved off a worker that failed; released there if it comes back.
+        self._stale: dict[str, set[str]] = {}
+        self._wake = asyncio.Event()
+        self._tick_done = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+        self._no_worker_since: float | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._run(), name="tick-loop"),
+                       asyncio.create_task(self._probe_dead_workers(), name="worker-probe")]
+
+    async def drain(self, grace_s: float) -> None:
+        end = time.monotonic() + grace_s
+        while self._core.has_work() and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(c.close() for c in self._clients.values()), return_exceptions=True)
+
+    # ---- the servicer's calls --------------------------------------------------------------
+
+    def submit(self, requests: Sequence[SessionRequest], operations: Sequence[str],
+               policy: WorkloadPolicy | None = None, arm: ExperimentArm | None = None,
+               parent: Context | None = None) -> Submission:
+        """Admit one session (policy None) or a workload; raises AdmissionRejected."""
+        if policy is None:
+            workload_id, ids = None, [self._core.submit(requests[0])]
+        else:
+            workload_id, ids = self._core.submit_workload(requests, policy)
+            self._arms.start(workload_id, arm)
+            self._spans.start_workload(workload_id, len(ids), arm)
+        for sid, req, op in zip(ids, requests, operations):
+            self._metrics.arrived(sid)
+            self._spans.start_session(sid, op, req.max_new_tokens, req.sampling.temperature,
+                                      workload_id=workload_id, parent=parent, arm=arm)
+        events: asyncio.Queue[SessionEvent] = asyncio.Queue()
+        for sid in ids:
+            self._subscribers[sid] = events
+        self._wake.set()
+        return Submission(workload_id, tuple(ids), events)
+
+    def end_stream(self, submission: Submission) -> None:
+        """The client's stream is over: cancel what is unfinished and forget the sessions."""
+        for sid in submission.session_ids:
+            if not self._finished(sid):
+                self.cancel(sid)   # the client went away: free its slot or KV
+            self._subscribers.pop(sid, None)
+            self._core.forget_session(sid)
+        if submission.workload_id is not None:
+            self._spans.end_workload(submission.workload_id)
+            self._arms.end(submission.workload_id)
+
+    def _finished(self, session_id: str) -> bool:
+        try:
+            return self._core.session(session_id).phase == Phase.FINISHED
+        except KeyError:
+            return True
+
+    def cancel(self, session_id: str, caller: str | None = None) -> str:
+        """Cancel a session (by its owner when `caller` is given); returns the state it was in."""
+        state, out = self._core.cancel(session_id, caller)
+        self._emit(out)
+        self._deliver()
+        self._wake.set()
+        return state
+
+    def finish(self, session_id: str, reason: FinishReason) -> None:
+        """End a session now (a stop string); its KV is released with the next step."""
+        self._emit(self._core.finish(session_id, reason))
+        self._deliver()
+        self._wake.set()
+
+    def record_rejection(self, reason: RejectReason) -> None:
+        self._core.record_rejection(reason)
+        self._metrics.update_rejections(dict(self._core.rejections))
+
+    def rejections_changed(self) -> None:
+        self._metrics.update_rejections(dict(self._core.rejections))
+
+    def usage(self, session_id: str) -> tuple[int, int]:
+        """(prompt tokens, generated tokens) of a session."""
+        s = self._core.session(session_id)
+        return s.prompt_len, len(s.generated)
+
+    def snapshot(self) -> TelemetrySnapshot:
+        return self._core.snapshot()
+
+    def has_workload(self, workload_id: str) -> bool:
+        return self._core.has_workload(workload_id)
+
+    def workload_stats(self, workload_id: str) -> WorkloadStats | None:
+        return self._core.workload_stats(workload_id)
+
+    async def wait_for_snapshot(self, workload_id: str, timeout: float | None) -> TelemetrySnapshot | None:
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            snap = self._core.workload_snapshot(workload_id)
+            if snap is not None or self._core.workload_stats(workload_id) is not None:
+                return snap
+            wait = None if end is None else max(end - time.monotonic(), 0.0)
+            self._tick_done.clear()
+            await asyncio.wait_for(self._tick_done.wait(), wait)
+
+    def workers(self) -> list[WorkerView]:
+        views = []
+        for client in self._clients.values():
+            wid = client.worker_id
+            slot = self._core.workers.get(wid) if wid in self._core.workers else None
+            if slot is None:
+                views.append(WorkerView(client, False, 0, 0, 0))
+                continue
+            held = sum(self._core.session(s).kv_tokens for s in slot.sessions)
+            views.append(WorkerView(client, slot.live, len(slot.sessions), held, slot.reserved_tokens))
+        return views
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            if not self._core.has_work():
+                await self._idle(None)
+                continue
+            plan = self._core.schedule()
+            self._emit(_settled(plan))
+            if plan.empty:
+                self._drop_if_no_worker_for_too_long()
+                await self._idle(_IDLE_REPLAN_S)
+                continue
+            self._no_worker_since = None
+            try:
+                out = await self._run_tick(plan)
+            except Exception:  # a bug, not a worker fault: log it and keep serving
+                log.exception("tick %d failed", plan.tick)
+                await asyncio.sleep(_IDLE_REPLAN_S)
+                continue
+            self._emit(out, sum(len(w.token_ids) for w in plan.prefill), len(plan.decode))
+            self._tick_done.set()
+
+    async def _idle(self, timeout: float | None) -> None:
+        """Nothing to step: deliver what is pending, free what waits to be freed, then wait for
+        new work (or `timeout`)."""
+        self._deliver()
+        await self._flush_releases()
+        self._wake.clear()
+        if timeout is None and self._core.has_work():
+            return
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _run_tick(self, plan: TickPlan) -> TickOutcome:
+        for work in plan.prefill:
+            if work.start_position == 0:
+                self._spans.admitted(work.session_id)
+        sessions = [w.session_id for w in plan.prefill + plan.decode]
+        span = self._spans.start_tick(plan.tick, sessions, sum(len(w.token_ids) for w in plan.prefill),
+                                      len(plan.decode), self._arm_of(sessions))
+        try:
+            results, failed = await self._dispatch(plan, span)
+            for worker_id in failed:
+                self._stale.setdefault(worker_id, set()).update(self._core.workers.get(worker_id).sessions)
+            return self._core.update(plan, results, failed)
+        finally:
+            span.end()
+
+    def _arm_of(self, session_ids: Iterable[str]) -> ExperimentArm | None:
+        return self._arms.shared(self._core.session(s).workload_id for s in session_ids)
+
+    async def _dispatch(self, plan: TickPlan, span: Span) -> tuple[dict[str, StepResult], set[str]]:
+        by_worker = plan.by_worker()
+        ids = list(by_worker)
+        steps = []
+        for w in ids:
+            prefill, decode = by_worker[w]
+            steps.append(self._clients[w].step(
+                prefill, decode, self._pending_release.pop(w, ()),
+                self._arm_of(x.session_id for x in prefill + decode), span, self._config.step_timeout_s))
+        others, self._pending_release = self._pending_release, {}
+        gathered = asyncio.gather(*steps, self._release(others), return_exceptions=True)
+        if self._outbox:
+            await asyncio.sleep(0)   # let the steps go out first: the workers compute meanwhile
+            self._deliver()
+        responses = (await gathered)[:len(ids)]
+        results: dict[str, StepResult] = {}
+        failed: set[str] = set()
+        for worker_id, resp in zip(ids, responses):
+            if isinstance(resp, WorkerCallFailed):
+                log.warning("worker %s failed its step (%s: %s); moving its sessions",
+                            worker_id, resp.code.name, resp.details)
+                failed.add(worker_id)
+            elif isinstance(resp, BaseException):
+                raise resp
+            elif resp is not None:
+                results.update(resp)
+        return results, failed
+
+    # ---- the outbox ---------------------------------------------------------------------------
+
+    def _emit(self, out: TickOutcome, prefill_tokens: int = 0, decode_tokens: int = 0) -> None:
+        """Queue an outcome's events for delivery; its releases ride on the next steps."""
+        for worker_id, sids in out.release.items():
+            self._pending_release.setdefault(worker_id, []).extend(sids)
+        if out.tokens or out.finished or out.dropped or prefill_tokens or decode_tokens:
+            self._outbox.append((out, prefill_tokens, decode_tokens))
+
+    def _deliver(self) -> None:
+        """Send every pending outcome's events to the streams, in order, and update the metrics."""
+        if not self._outbox:
+            return
+        prefill = decode = 0
+        while self._outbox:
+            out, p, d = self._outbox.popleft()
+            prefill += p
+            decode += d
+            for sid, token in out.tokens:
+                self._metrics.token(sid)
+                self._publish(SessionEvent(sid, token=token, worker_id=self._core.session(sid).worker_id or ""))
+            for sid, reason in out.finished:
+                self._ended(sid, reason.value)
+                self._publish(SessionEvent(sid, finish=reason))
+            for sid, why in out.dropped:
+                self._spans.failed(sid, why)
+                self._ended(sid, "unavailable")
+                self._publish(SessionEvent(sid, dropped=why))
+        self._metrics.tick(self._core.snapshot(), prefill, decode)
+
+    def _ended(self, session_id: str, reason: str) -> None:
+        prompt, generated = self.usage(session_id)
+        self._spans.finished(session_id, reason, prompt, generated)
+        self._metrics.finished_session(session_id, reason)
+
+    def _publish(self, event: SessionEvent) -> None:
+        queue = self._subscribers.get(event.session_id)
+        if queue is not None:
+            queue.put_nowait(event)
+
+    def _drop_if_no_worker_for_too_long(self) -> None:
+        """Sessions wait for a worker to come back, but not for ever: after no_worker_wait_s
+        with no live worker, the waiting ones end with UNAVAILABLE."""
+        if self._core.workers.live:
+            self._no_worker_since = None
+            return
+        now = time.monotonic()
+        if self._no_worker_since is None:
+            self._no_worker_since = now
+            return
+        wait = self._config.no_worker_wait_s
+        if now - self._no_worker_since >= wait:
+            self._emit(self._core.drop_queued(
+                f"no live worker for {wait:.0f}s; the session was dropped unfinished; "
+                f"retry when a worker is up"))
+
+    # ---- releases and dead workers -------------------------------------------------------------
+
+    async def _flush_releases(self) -> None:
+        if self._pending_release:
+            pending, self._pending_release = self._pending_release, {}
+            await self._release(pending)
+
+    async def _release(self, release: Mapping[str, Sequence[str]]) -> None:
+        calls = [self._clients[w].release(sids, self._config.step_timeout_s)
+                 for w, sids in release.items()
+                 if w in self._clients and self._core.workers.get(w).live]
+        for res in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(res, BaseException):
+                log.warning("release failed: %s", res)
+
+    async def _probe_dead_workers(self) -> None:
+        """A worker marked dead is used again once it answers GetInfo (it holds none of our KV)."""
+        interval = self._config.health_interval_s
+        while not self._stopping:
+            await asyncio.sleep(interval)
+            for worker_id, client in self._clients.items():
+                if self._core.workers.get(worker_id).live:
+                    continue
+                if not await client.answers(timeout=min(interval, 2.0)):
+                    continue
+                self._core.worker_recovered(worker_id)
+                await self._release({worker_id: sorted(self._stale.pop(worker_id, set()))})
+                log.info("worker %s is back", worker_id)
+                self._wake.set()
+
+
+def _settled(plan: TickPlan) -> TickOutcome:
+    """What schedule() settled while planning (cancellations, preemptions), as an outcome."""
+    return TickOutcome(tick=plan.tick, finished=list(plan.finished), requeued=list(plan.requeued),
+                       release={w: list(s) for w, s in plan.release.items()})
