@@ -19,8 +19,10 @@ class SchedulerLimits:
     # Priorities run from -max_priority (most urgent) to +max_priority; 0 is the default.
     max_priority: int = 10
     # A session whose worker loses or cannot hold its KV (cache miss, out of blocks) is recomputed
-    # at most this many times, waiting 2^(n-1) ticks before the n-th retry; then it fails clearly.
+    # at most this many times: at once, then after kv_retry_backoff_s x 1, 2, 4, ...; then it fails
+    # with a message that says so.
     max_kv_retries: int = 4
+    kv_retry_backoff_s: float = 0.05
 
     def __post_init__(self) -> None:
         if self.kv_policy not in ("reserve", "preempt"):
@@ -30,3 +32,5 @@ class SchedulerLimits:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not self.kv_retry_backoff_s > 0:
+            raise ValueError(f"kv_retry_backoff_s must be positive, got {self.kv_retry_backoff_s!r}")

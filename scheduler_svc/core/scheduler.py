@@ -241,7 +241,7 @@ class SchedulerCore:
             if wid is not None and wid in self._caps and (
                     running_by_wl.get(wid, 0) >= self._caps[wid].max_running or budget.room(wid) <= 0):
                 continue   # this workload is at its own cap; it does not block others
-            if sid in preempted or session.retry_after_tick > tick:
+            if sid in preempted or session.retry_not_before > self._tick_started:
                 continue   # not back in the tick that preempted it, nor before its retry backoff
             if not self._try_place(session, tick):
                 break      # strict FCFS on KV: a large head-of-line request is not starved
@@ -340,7 +340,7 @@ class SchedulerCore:
                 total.misses += 1
                 if wl is not None:
                     wl.misses += 1
-                self._retry_after_kv_loss(session, plan.tick, result, out)
+                self._retry_after_kv_loss(session, result, out)
                 continue
             session.kv_tokens = result.kv_tokens
             if isinstance(work, PrefillWork):
@@ -371,8 +371,7 @@ class SchedulerCore:
         self._close_workloads()
         return out
 
-    def _retry_after_kv_loss(self, session: Session, tick: int, result: StepResult | None,
-                             out: TickOutcome) -> None:
+    def _retry_after_kv_loss(self, session: Session, result: StepResult | None, out: TickOutcome) -> None:
         """Recompute a session whose KV its worker lost or could not grow, with a growing wait,
         at most max_kv_retries times; then give up with a message that says why."""
         session.kv_retries += 1
@@ -388,7 +387,10 @@ class SchedulerCore:
             return
         assert session.worker_id is not None
         out.free(session.worker_id, session.session_id)
-        session.retry_after_tick = tick + 2 ** (session.kv_retries - 1)
+        # The first retry is at once (a restarted worker is the usual cause); then it backs off.
+        n = session.kv_retries
+        backoff = 0.0 if n == 1 else self.limits.kv_retry_backoff_s * 2 ** (n - 2)
+        session.retry_not_before = self._clock() + backoff
         out.requeued.append(session.session_id)
         self._requeue(session)
 

@@ -28,7 +28,7 @@ class Session:
     finish_reason: FinishReason | None = None
     admitted_tick: int = 0
     kv_retries: int = 0                       # recomputes after its worker lost its KV
-    retry_after_tick: int = 0                 # not admitted again before this tick
+    retry_not_before: float = 0.0             # not admitted again before this time (the core's clock)
 
     @property
     def prompt_len(self) -> int:

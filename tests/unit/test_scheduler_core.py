@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import pytest
 
 from scheduler_svc.core import (
-    AdmissionRejected, FinishReason, RejectReason, Sampling, SchedulerCore, SchedulerLimits,
+    AdmissionRejected, FinishReason, NotSessionOwner, RejectReason, Sampling, SchedulerCore, SchedulerLimits,
     SessionRequest, TickOutcome, TickPlan, WorkerSpec, WorkloadPolicy,
 )
 from scheduler_svc.core.session import Phase
@@ -885,3 +885,84 @@ def test_rejections_by_reason_accumulate():
     # Validation comes before the queue check: the long prompt and max_new 0 are not queue_full.
     assert snap.rejected_by_reason == {"queue_full": 2, "prompt_too_long": 1, "invalid_request": 1}
     assert snap.rejected_admissions_total == 4
+
+
+# ---- 7. ids, ownership, priority bounds, KV retries (hardening) --------------------------------
+
+def test_service_ids_are_128_bit_random_and_never_repeat():
+    a, b = SchedulerCore(SchedulerLimits()), SchedulerCore(SchedulerLimits())
+    for core in (a, b):
+        core.add_worker(tiny_worker(), VOCAB, MAX_POSITION)
+    ids = [a.submit(req(2, 2)) for _ in range(3)] + [b.submit(req(2, 2)) for _ in range(3)]
+    wid, wids = a.submit_workload([req(2, 2)])
+    assert len(set(ids + wids + [wid])) == 8          # a restarted scheduler issues fresh ids too
+    for sid in ids + wids:
+        prefix, hex_part = sid.split("-")
+        assert prefix == "s" and len(hex_part) == 32 and int(hex_part, 16) >= 0
+    assert wid.startswith("w-") and len(wid) == 34
+
+
+def test_only_the_owner_may_cancel():
+    core, fake = make_core(), FakeWorkers()
+    sid = core.submit(req(4, 4, owner="token:alice"))
+    with pytest.raises(NotSessionOwner):
+        core.cancel(sid, caller="token:mallory")
+    with pytest.raises(NotSessionOwner):
+        core.cancel(sid, caller="")
+    assert core.session(sid).phase == Phase.QUEUED      # nothing changed
+    state, out = core.cancel(sid, caller="token:alice")
+    assert state == "queued" and out.finished == [(sid, FinishReason.CANCELLED)]
+    assert not core.has_work() and not fake.kv
+
+
+@pytest.mark.parametrize("priority,ok", [(-10, True), (10, True), (0, True), (11, False), (-11, False),
+                                         (2**31 - 1, False)])
+def test_priority_is_bounded(priority, ok):
+    core = make_core()
+    if ok:
+        core.submit(req(2, 2, priority=priority))
+        return
+    with pytest.raises(AdmissionRejected) as e:
+        core.submit(req(2, 2, priority=priority))
+    assert e.value.reason == RejectReason.INVALID_REQUEST and "priority must be in -10..10" in e.value.message
+    assert core.snapshot().rejected_by_reason == {"invalid_request": 1}
+
+
+def test_a_session_whose_kv_keeps_vanishing_is_retried_with_backoff_then_dropped():
+    # The worker loses s0's KV after every prefill (an evicting or confused worker). The session is
+    # recomputed max_kv_retries times, at once, then after 1, 2, 4 s (a tick is 1 s here), then
+    # dropped with a reason; another session on the same scheduler is not held up by it.
+    now = [0.0]
+    core = make_core(max_kv_retries=4, prefill_token_budget=64, kv_retry_backoff_s=1.0, clock=lambda: now[0])
+    fake = FakeWorkers()
+    bad = core.submit(req(4, 6))
+    good = core.submit(req(4, 6))
+    admitted_at: list[int] = []
+    dropped: list[tuple[str, str]] = []
+    for _ in range(100):
+        if not core.has_work():
+            break
+        now[0] += 1.0
+        plan, out = step(core, fake)
+        if any(p.session_id == bad for p in plan.prefill):
+            admitted_at.append(int(now[0]))
+        fake.lose(bad)                              # whatever it prefilled is gone by the next step
+        dropped += out.dropped
+    # t=1 prefill; t=2 its decode misses -> again at once (t=3); miss 4 -> wait 1 -> 5; miss 6 ->
+    # wait 2 -> 8; miss 9 -> wait 4 -> 13; miss 14: the 5th loss -> dropped. Idle plans in
+    # between (only the waiting session left) do not stop the clock.
+    assert admitted_at == [1, 3, 5, 8, 13]
+    assert [sid for sid, _ in dropped] == [bad]
+    assert "could not hold the session's KV (cache_miss) 5 times" in dropped[0][1]
+    assert core.session(bad).phase == Phase.FINISHED and core.session(bad).finish_reason is None
+    assert core.session(good).generated == expected_tokens(good, 6)
+    assert all(w.reserved_tokens == 0 for w in core.workers) and core.snapshot().queue_depth == 0
+
+
+def test_strangers_are_sessions_a_worker_holds_that_the_scheduler_did_not_place_there():
+    core, fake = make_core((tiny_worker("w0"), tiny_worker("w1"))), FakeWorkers()
+    s0, s1 = core.submit(req(4, 8)), core.submit(req(4, 8))
+    step(core, fake)
+    on_w0 = [s for s in (s0, s1) if core.session(s).worker_id == "w0"]
+    assert core.strangers("w0", on_w0 + ["s-orphan", "s-old"]) == ["s-old", "s-orphan"]
+    assert core.strangers("w1", on_w0) == on_w0
