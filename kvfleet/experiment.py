@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import time
 import uuid
@@ -71,13 +72,13 @@ def _project_commit() -> str:
 
 
 def _wait_for_spans(stub: tpb_grpc.TelemetryStub, experiment_id: str, quiet_s: float = 1.5,
-                    timeout_s: float = 60.0) -> None:
+                    timeout_s: float = 60.0, metadata=None) -> None:
     """Spans arrive in export batches; wait until the stored counts stop growing."""
     end = time.monotonic() + timeout_s
     last, stable_since = None, time.monotonic()
     while time.monotonic() < end:
         counts = None
-        for e in stub.ListExperiments(tpb.ListExperimentsRequest(), timeout=10).experiments:
+        for e in stub.ListExperiments(tpb.ListExperimentsRequest(), metadata=metadata, timeout=10).experiments:
             if e.experiment_id == experiment_id:
                 counts = (e.control_spans, e.candidate_spans)
         if counts != last:
@@ -87,13 +88,27 @@ def _wait_for_spans(stub: tpb_grpc.TelemetryStub, experiment_id: str, quiet_s: f
         time.sleep(0.25)
 
 
+def _check_unused(stub: tpb_grpc.TelemetryStub, experiment_id: str, metadata) -> None:
+    """Artifacts are write-once and spans would mix: refuse a used id before running anything."""
+    listed = stub.ListExperiments(tpb.ListExperimentsRequest(), metadata=metadata, timeout=10).experiments
+    if any(e.experiment_id == experiment_id for e in listed):
+        raise RuntimeError(f"experiment id {experiment_id!r} already has data in the telemetry store; "
+                           "choose a new id (or leave it empty for a fresh one)")
+
+
 def run_experiment(client: SchedulerClient, telemetry_address: str, spec: ExperimentSpec,
-                   progress: Callable[[str], None] = lambda m: None) -> tuple[dict, str]:
-    """Returns (summary document, HTML report)."""
+                   progress: Callable[[str], None] = lambda m: None,
+                   telemetry_token: str | None = None) -> tuple[dict, str]:
+    """Returns (summary document, HTML report). telemetry_token: the telemetry service's write
+    token (default $KVFLEET_TELEMETRY_TOKEN; empty for an open service)."""
     workers = client.list_workers()
     if not workers:
         raise RuntimeError("the scheduler lists no workers")
     experiment_id = spec.experiment_id or f"{spec.lever}-{uuid.uuid4().hex[:8]}"
+    token = os.environ.get("KVFLEET_TELEMETRY_TOKEN", "") if telemetry_token is None else telemetry_token
+    auth = security.token_metadata(token) if token else None
+    with security.channel(telemetry_address) as channel:
+        _check_unused(tpb_grpc.TelemetryStub(channel), experiment_id, auth)
     prompts = _workload(spec, workers[0].vocab_size)
     tokens: dict[str, list[list[int]]] = {arm: [] for arm in ARMS}
     for r in range(spec.repeats):
@@ -104,7 +119,15 @@ def run_experiment(client: SchedulerClient, telemetry_address: str, spec: Experi
                               sort_keys=True, separators=(",", ":"))
     with security.channel(telemetry_address) as channel:
         stub = tpb_grpc.TelemetryStub(channel)
-        record = stub.RecordArtifact
+
+        def record(request: tpb.ArtifactRequest, timeout: float) -> None:
+            try:
+                stub.RecordArtifact(request, metadata=auth, timeout=timeout)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
+                    raise
+                raise RuntimeError(f"telemetry refused an artifact of {experiment_id!r}: {exc.details()}") from None
+
         for arm in ARMS:
             record(tpb.ArtifactRequest(experiment_id=experiment_id, arm=arm,
                                        kind=tpb.ARTIFACT_KIND_TOKENS,
@@ -119,9 +142,10 @@ def run_experiment(client: SchedulerClient, telemetry_address: str, spec: Experi
             record(tpb.ArtifactRequest(experiment_id=experiment_id, kind=tpb.ARTIFACT_KIND_PROJECT_COMMIT,
                                        value=commit), timeout=10)
         progress("waiting for the spans to reach the telemetry service")
-        _wait_for_spans(stub, experiment_id)
-        summary = json.loads(stub.GetSummary(tpb.SummaryRequest(experiment_id=experiment_id), timeout=60).json)
-        html = stub.GetReport(tpb.ReportRequest(experiment_id=experiment_id), timeout=60).html
+        _wait_for_spans(stub, experiment_id, metadata=auth)
+        summary = json.loads(stub.GetSummary(tpb.SummaryRequest(experiment_id=experiment_id), metadata=auth,
+                                             timeout=60).json)
+        html = stub.GetReport(tpb.ReportRequest(experiment_id=experiment_id), metadata=auth, timeout=60).html
     return summary, html
 
 

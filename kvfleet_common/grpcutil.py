@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -79,3 +81,49 @@ async def check_health(address: str, timeout: float = 1.0, tls=None) -> bool:
         except grpc.aio.AioRpcError:
             return False
         return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """SERVER_OPTIONS with a different receive limit, for a server whose peers batch more than
+    MAX_MESSAGE_BYTES into one message (e.g. an OTLP receiver behind a collector)."""
+    return [(k, max_receive_bytes if k == "grpc.max_receive_message_length" else v) for k, v in SERVER_OPTIONS]
+
+
+async def drain(server: grpc.aio.Server, health_servicer: health.HealthServicer,
+                service_names: Iterable[str], grace_s: float | None) -> None:
+    """Report NOT_SERVING (load balancers stop sending), then let in-flight RPCs finish within
+    grace_s before the server stops. Stop admitting work before calling this."""
+    set_not_serving(health_servicer, service_names)
+    await server.stop(grace_s)
+
+
+ErrorTable = Sequence[tuple[type[Exception], grpc.StatusCode]]
+Trailers = Callable[[Exception, grpc.StatusCode], Sequence[tuple[str, str | bytes]]]
+_Handler = TypeVar("_Handler", bound=Callable[..., Awaitable[Any]])
+
+
+def mapped_errors(table: ErrorTable, trailers: Trailers | None = None) -> Callable[[_Handler], _Handler]:
+    """Decorator for async unary servicer methods (self, request, context): the one place domain
+    exceptions become precise status codes (the first matching row of `table` wins; `trailers`
+    may add trailing metadata such as RetryInfo). Anything else is a bug: logged with its
+    traceback and answered INTERNAL without leaking the message."""
+
+    def decorate(method: _Handler) -> _Handler:
+        @functools.wraps(method)
+        async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await method(self, request, context)
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                for exc_type, code in table:
+                    if isinstance(exc, exc_type):
+                        extra = tuple(trailers(exc, code)) if trailers else ()
+                        await context.abort(code, str(exc), trailing_metadata=extra)
+                log.exception("bug in %s", method.__name__)
+                await context.abort(grpc.StatusCode.INTERNAL, "internal error; see the service log")
+            raise AssertionError("unreachable")  # abort() always raises
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate

@@ -5,11 +5,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 
+from telemetry_svc.auth import AuthPolicy
+from telemetry_svc.retention import DEFAULT_MAX_DB_MB, DEFAULT_RETENTION_HOURS, RetentionPolicy
 from telemetry_svc.server import TelemetryConfig, serve
+
+DEFAULT_METRICS_PORT = 9402  # scheduler 9400, workers 9401
+
+
+def _truthy(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[TelemetryConfig, str]:
+    env = os.environ
     d = TelemetryConfig()
     p = argparse.ArgumentParser(prog="python -m telemetry_svc", description=__doc__)
     p.add_argument("--host", default=d.host, help="interface to listen on (0.0.0.0 in a container)")
@@ -18,12 +28,30 @@ def parse_args(argv: list[str] | None = None) -> tuple[TelemetryConfig, str]:
     p.add_argument("--max-pending-spans", type=int, default=d.max_pending_spans,
                    help="spans in flight before exports get UNAVAILABLE with RetryInfo")  # fmt: skip
     p.add_argument("--grace", type=float, default=d.grace_s, help="seconds to drain on SIGTERM")
+    p.add_argument("--api-token", default=env.get("KVFLEET_TELEMETRY_TOKEN", ""),
+                   help="bearer token writes must carry (default $KVFLEET_TELEMETRY_TOKEN; prefer the "
+                        "variable: a flag shows in ps). Mutual TLS: $KVFLEET_TLS_ALLOWED_CLIENTS")  # fmt: skip
+    p.add_argument("--protect-reads", action="store_true",
+                   default=_truthy(env.get("KVFLEET_TELEMETRY_PROTECT_READS", "")),
+                   help="reads (summaries, reports, timings, experiments) need the token/certificate too")  # fmt: skip
+    p.add_argument("--retention-hours", type=float, default=DEFAULT_RETENTION_HOURS,
+                   help="delete spans and artifacts received longer ago than this")  # fmt: skip
+    p.add_argument("--max-db-mb", type=float, default=DEFAULT_MAX_DB_MB,
+                   help="delete the oldest spans while the store holds more than this")  # fmt: skip
+    p.add_argument("--metrics-port", type=int, default=int(env.get("KVFLEET_METRICS_PORT", DEFAULT_METRICS_PORT)),
+                   help="Prometheus /metrics port (0 = off)")  # fmt: skip
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a = p.parse_args(argv)
     from kvfleet_common.security import TlsConfig
 
-    config = TelemetryConfig(a.host, a.port, a.db, max_pending_spans=a.max_pending_spans, grace_s=a.grace,
-                             tls=TlsConfig.from_env())
+    tls = TlsConfig.from_env()
+    try:
+        config = TelemetryConfig(a.host, a.port, a.db, max_pending_spans=a.max_pending_spans, grace_s=a.grace, tls=tls,
+                                 auth=AuthPolicy(a.api_token, frozenset(tls.allowed_clients or ()), a.protect_reads),
+                                 retention=RetentionPolicy.from_flags(a.retention_hours, a.max_db_mb),
+                                 metrics_port=a.metrics_port)  # fmt: skip
+    except ValueError as exc:
+        p.error(str(exc))
     return config, a.log_level
 
 

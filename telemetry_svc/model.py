@@ -35,6 +35,18 @@ class UnknownExperiment(LookupError):
     """No span and no artifact carries this experiment id."""
 
 
+class ArtifactConflict(Exception):
+    """An artifact is already recorded for this (experiment, arm, kind) with different content.
+
+    Artifacts are write-once: the decision of an experiment follows from them, so a later writer
+    must not be able to flip it. Recording identical content again is not a conflict.
+    """
+
+
+class InvalidPageToken(ValueError):
+    """A page token this service did not issue (or issued for other filters)."""
+
+
 @dataclass(frozen=True)
 class SpanRecord:
     """One stored span. Ids are lower-case hex; parent_span_id is "" for a root span.

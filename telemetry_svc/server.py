@@ -1,4 +1,6 @@
-"""The telemetry gRPC server: OTLP trace receiver + Telemetry service + health + reflection.
+"""The telemetry gRPC server: OTLP trace receiver + Telemetry service, on the shared scaffold
+(kvfleet_common.grpcutil: health, reflection, drain, error mapping), with write authorization
+(telemetry_svc.auth) and store retention (telemetry_svc.retention) running beside it.
 
 Thin adapters only: protobuf in, domain objects to the pure core (otlp conversion, store,
 summary, report), protobuf out. Store and CPU-heavy work run in worker threads
@@ -8,27 +10,30 @@ summary, report), protobuf out. Store and CPU-heavy work run in worker threads
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
-import signal
-from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, TypeVar
+import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from kvfleet.v1 import telemetry_pb2, telemetry_pb2_grpc
+from kvfleet_common import grpcutil
+from kvfleet_common.metrics import serve_metrics
+from kvfleet_common.security import TlsConfig
+from telemetry_svc.auth import AuthInterceptor, AuthPolicy
 from telemetry_svc.gates import GateSpec, InvalidGateSpec, load_default_spec, parse_gate_spec
-from telemetry_svc.model import Artifact, ArtifactKind, InvalidArtifact, UnknownExperiment, token_sha256
+from telemetry_svc.metrics import TelemetryMetrics
+from telemetry_svc.model import (Artifact, ArtifactConflict, ArtifactKind, InvalidArtifact, InvalidPageToken,
+                                 UnknownExperiment, token_sha256)  # fmt: skip
 from telemetry_svc.otlp import convert, count_spans
 from telemetry_svc.report import build_report
-from telemetry_svc.stats import quantile
+from telemetry_svc.retention import RetentionPolicy, enforce
 from telemetry_svc.store import SpanStore, SqliteSpanStore
 from telemetry_svc.summary import SummaryOptions, build_summary
 
@@ -36,7 +41,19 @@ logger = logging.getLogger(__name__)
 
 TRACE_SERVICE = trace_service_pb2.DESCRIPTOR.services_by_name["TraceService"].full_name
 TELEMETRY_SERVICE = telemetry_pb2.DESCRIPTOR.services_by_name["Telemetry"].full_name
+SERVICE_NAMES = (TRACE_SERVICE, TELEMETRY_SERVICE)
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+# The largest Export we accept. The compose collector (deploy/otel-collector/config.yaml) uses
+# the batch processor's defaults: send_batch_size 8192 spans and send_batch_max_size 0 (no
+# cap), so one batch is up to 8191 spans plus one whole incoming request (its receiver keeps
+# gRPC's 4 MiB limit). 8192 spans x 3 KiB (a kvfleet span with its gen_ai.* attributes is a
+# few hundred bytes) + 4 MiB = 28 MiB; 32 MiB leaves headroom. gRPC's default 4 MiB would
+# refuse an ordinary full batch, and the shared 16 MiB (grpcutil.MAX_MESSAGE_BYTES) a batch of
+# large spans.
+MAX_EXPORT_BYTES = 32 * 1024 * 1024
+DEFAULT_TIMINGS_PAGE = 100
+MAX_TIMINGS_PAGE = 1000
 
 
 @dataclass(frozen=True)
@@ -48,16 +65,22 @@ class TelemetryConfig:
     retry_after_s: float = 1.0  # the RetryInfo delay sent with UNAVAILABLE
     grace_s: float = 5.0  # how long in-flight RPCs may finish on SIGTERM
     tls: Any = None  # kvfleet_common.security.TlsConfig; None = plain TCP
+    auth: AuthPolicy = field(default_factory=AuthPolicy)  # nothing configured: open (dev only)
+    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
+    metrics_port: int = 0  # Prometheus /metrics; 0 = off (the entry point defaults to 9402)
+    max_receive_bytes: int = MAX_EXPORT_BYTES
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"ports must be in [0, 65535], got {self.port} and {self.metrics_port}")
         if self.max_pending_spans < 1:
             raise ValueError("max_pending_spans must be >= 1")
         if self.retry_after_s <= 0 or self.grace_s < 0:
             raise ValueError("retry_after_s must be > 0 and grace_s >= 0")
         if not self.db_path:
             raise ValueError("db_path must not be empty")
+        if self.max_receive_bytes < 4 * 1024 * 1024:
+            raise ValueError("max_receive_bytes below gRPC's own 4 MiB default makes no sense")
 
 
 class Overloaded(Exception):
@@ -78,38 +101,24 @@ def status_details(code: grpc.StatusCode, message: str, retry_after_s: float) ->
     return bytes(status_pb2.Status(code=rpc_code, message=message, details=[detail]).SerializeToString())
 
 
-_ERROR_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
-    (UnknownExperiment, grpc.StatusCode.NOT_FOUND),
-    (InvalidGateSpec, grpc.StatusCode.INVALID_ARGUMENT),
-    (InvalidArtifact, grpc.StatusCode.INVALID_ARGUMENT),
-    (Overloaded, grpc.StatusCode.UNAVAILABLE),
+def _retry_info(exc: Exception, code: grpc.StatusCode) -> tuple[tuple[str, bytes], ...]:
+    if isinstance(exc, Overloaded):
+        return ((STATUS_DETAILS_KEY, status_details(code, str(exc), exc.retry_after_s)),)
+    return ()
+
+
+# The one place domain exceptions become gRPC status codes; anything else is a bug (INTERNAL).
+mapped_errors = grpcutil.mapped_errors(
+    (
+        (UnknownExperiment, grpc.StatusCode.NOT_FOUND),
+        (InvalidGateSpec, grpc.StatusCode.INVALID_ARGUMENT),
+        (InvalidArtifact, grpc.StatusCode.INVALID_ARGUMENT),
+        (InvalidPageToken, grpc.StatusCode.INVALID_ARGUMENT),
+        (ArtifactConflict, grpc.StatusCode.ALREADY_EXISTS),
+        (Overloaded, grpc.StatusCode.UNAVAILABLE),
+    ),
+    _retry_info,
 )
-
-R = TypeVar("R")
-Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]
-
-
-def mapped_errors(method: Handler[R]) -> Handler[R]:
-    """The one place domain exceptions become gRPC status codes; anything else is a bug (INTERNAL)."""
-
-    @functools.wraps(method)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
-        try:
-            return await method(self, request, context)
-        except (grpc.aio.AbortError, asyncio.CancelledError):
-            raise
-        except Exception as exc:
-            for exc_type, code in _ERROR_CODES:
-                if isinstance(exc, exc_type):
-                    trailer: tuple[tuple[str, bytes], ...] = ()
-                    if isinstance(exc, Overloaded):
-                        trailer = ((STATUS_DETAILS_KEY, status_details(code, str(exc), exc.retry_after_s)),)
-                    await context.abort(code, str(exc), trailing_metadata=trailer)
-            logger.exception("bug in %s", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error; see the telemetry service log")
-        raise AssertionError("unreachable")  # abort() always raises
-
-    return wrapper
 
 
 class Admission:
@@ -137,9 +146,10 @@ class Admission:
 class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     """OTLP/gRPC TraceService. Registered with raw-bytes deserialization (see export_bytes)."""
 
-    def __init__(self, store: SpanStore, admission: Admission) -> None:
+    def __init__(self, store: SpanStore, admission: Admission, metrics: TelemetryMetrics) -> None:
         self._store = store
         self._admission = admission
+        self._metrics = metrics
 
     async def export_bytes(self, raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         # grpc's own deserializer turns a bad payload into INTERNAL; parsing here lets us answer
@@ -158,6 +168,8 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
             conv = await asyncio.to_thread(self._ingest, request)
         finally:
             self._admission.release(n)
+        self._metrics.spans_accepted.inc(len(conv.rows))
+        self._metrics.spans_rejected.inc(conv.rejected)
         response = trace_service_pb2.ExportTraceServiceResponse()
         if conv.rejected:
             logger.info("OTLP export: %s", conv.error_message)
@@ -240,48 +252,78 @@ class TelemetryService(telemetry_pb2_grpc.TelemetryServicer):
     @mapped_errors
     async def GetTimings(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         exp, name = request.experiment_id or None, request.span_name or None
-        groups = await asyncio.to_thread(self._store.durations, exp, name)
-        if exp is None:  # across experiments arms mean nothing: group by name only
-            merged: dict[tuple[str, str], list[int]] = {}
-            for (n, _arm), ds in groups.items():
-                merged.setdefault((n, ""), []).extend(ds)
-            groups = merged
+        if request.page_size < 0:
+            raise InvalidPageToken(f"page_size must be >= 0, got {request.page_size}")
+        size = min(request.page_size or DEFAULT_TIMINGS_PAGE, MAX_TIMINGS_PAGE)
+        page = await asyncio.to_thread(self._store.timings, exp, name, size, request.page_token)
         timings = [
-            telemetry_pb2.SpanTiming(
-                span_name=n, arm=arm, count=len(ds), median_ns=round(quantile(ds, 0.5)),
-                p90_ns=round(quantile(ds, 0.9)), p99_ns=round(quantile(ds, 0.99)),
-            )
-            for (n, arm), ds in sorted(groups.items())
+            telemetry_pb2.SpanTiming(span_name=t.span_name, arm=t.arm, count=t.count, median_ns=round(t.quantiles_ns[0]),
+                                     p90_ns=round(t.quantiles_ns[1]), p99_ns=round(t.quantiles_ns[2]))
+            for t in page.timings
         ]  # fmt: skip
-        return telemetry_pb2.TimingsResponse(timings=timings)
+        return telemetry_pb2.TimingsResponse(timings=timings, next_page_token=page.next_page_token)
 
     @mapped_errors
     async def RecordArtifact(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         artifact = artifact_from_pb(request)
-        await asyncio.to_thread(self._store.add_artifact, artifact)
-        logger.info("artifact %s/%s %s recorded", artifact.experiment_id, artifact.kind.value, artifact.arm or "-")
+        stored = await asyncio.to_thread(self._store.add_artifact, artifact)
+        logger.info("artifact %s/%s %s %s", artifact.experiment_id, artifact.kind.value, artifact.arm or "-",
+                    "recorded" if stored else "already recorded (identical)")  # fmt: skip
         return telemetry_pb2.ArtifactResponse(sha256=artifact.sha256)
 
 
 class TelemetryServer:
-    """The grpc.aio server with its health servicer and store; stop() drains and closes all."""
+    """The grpc.aio server, its health servicer, store and retention task; stop() drains all."""
 
-    def __init__(self, server: grpc.aio.Server, health_servicer: Any, store: SpanStore, admission: Admission):
+    def __init__(self, server: grpc.aio.Server, health_servicer: Any, store: SpanStore, admission: Admission,
+                 config: TelemetryConfig, metrics: TelemetryMetrics) -> None:  # fmt: skip
         self.grpc_server = server
         self.health = health_servicer
         self.store = store
+        self.metrics = metrics
+        self.metrics_port: int | None = None
         self._admission = admission
+        self._config = config
+        self._stopping = asyncio.Event()
+        self._retention: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self.grpc_server.start()
-        for name in ("", TRACE_SERVICE, TELEMETRY_SERVICE):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._retention = asyncio.create_task(self._retention_loop(), name="telemetry-retention")
+        try:
+            self.metrics_port = serve_metrics(self.metrics.registry, self._config.host, self._config.metrics_port)
+        except OSError as exc:
+            # Losing our own /metrics must not stop the cluster's traces from being received.
+            logger.error("telemetry metrics port %d unavailable (%s); running without /metrics",
+                         self._config.metrics_port, exc)
+
+    async def enforce_retention(self) -> None:
+        """One retention pass in a worker thread (the store batches its deletes)."""
+        result = await asyncio.to_thread(enforce, self.store, self._config.retention, time.time_ns())
+        self.metrics.retention(result)
+        if result.deleted_by_age or result.deleted_by_size:
+            logger.info("retention deleted %d spans by age, %d by size; store %.1f MB, %d spans",
+                        result.deleted_by_age, result.deleted_by_size, result.live_bytes / 2**20, result.spans)
+
+    async def _retention_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                await self.enforce_retention()
+            except Exception:  # a failed pass is retried next interval; the receiver keeps going
+                logger.exception("retention pass failed")
+            try:
+                await asyncio.wait_for(self._stopping.wait(), self._config.retention.interval_s)
+            except asyncio.TimeoutError:
+                pass
 
     async def stop(self, grace: float | None) -> None:
-        """NOT_SERVING, refuse new exports, let in-flight RPCs finish within grace, close the store."""
+        """NOT_SERVING, refuse new exports, let in-flight RPCs finish within grace, finish the
+        running retention pass, close the store."""
         self._admission.draining = True
-        await self.health.enter_graceful_shutdown()
-        await self.grpc_server.stop(grace)
+        self._stopping.set()
+        await grpcutil.drain(self.grpc_server, self.health, SERVICE_NAMES, grace)
+        if self._retention is not None:
+            await self._retention  # ends after its current pass: never closes the store under it
         await asyncio.to_thread(self.store.close)
 
     async def wait_for_termination(self) -> None:
@@ -294,8 +336,10 @@ def create_server(config: TelemetryConfig, store: SpanStore | None = None) -> tu
     Returns the server and the bound port (useful with port 0)."""
     store = store if store is not None else SqliteSpanStore(config.db_path)
     admission = Admission(config.max_pending_spans, config.retry_after_s)
-    server = grpc.aio.server()
-    receiver = TraceReceiver(store, admission)
+    metrics = TelemetryMetrics(config.retention)
+    auth = AuthInterceptor(config.auth, lambda method: metrics.unauthorized.labels(method=method).inc())
+    server = grpc.aio.server(options=grpcutil.server_options(config.max_receive_bytes), interceptors=[auth])
+    receiver = TraceReceiver(store, admission, metrics)
     export = grpc.unary_unary_rpc_method_handler(
         receiver.export_bytes,
         request_deserializer=None,
@@ -303,28 +347,21 @@ def create_server(config: TelemetryConfig, store: SpanStore | None = None) -> tu
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(TRACE_SERVICE, {"Export": export}),))
     telemetry_pb2_grpc.add_TelemetryServicer_to_server(TelemetryService(store), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (TRACE_SERVICE, TELEMETRY_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME)  # fmt: skip
-    reflection.enable_server_reflection(names, server)
-    from kvfleet_common.grpcutil import bind
-    from kvfleet_common.security import TlsConfig
-
-    port = bind(server, config.host, config.port, config.tls or TlsConfig())
-    return TelemetryServer(server, health_servicer, store, admission), port
+    health_servicer = grpcutil.add_health_and_reflection(server, SERVICE_NAMES)
+    port = grpcutil.bind(server, config.host, config.port, config.tls or TlsConfig())
+    return TelemetryServer(server, health_servicer, store, admission, config, metrics), port
 
 
 async def serve(config: TelemetryConfig) -> None:
     """Run until SIGTERM or SIGINT, then drain (see TelemetryServer.stop)."""
     srv, port = create_server(config)
     await srv.start()
-    logger.info("telemetry listening on %s:%d (store %s)", config.host, port, srv.store.location)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    logger.info("telemetry listening on %s:%d (store %s, metrics port %s)", config.host, port,
+                srv.store.location, srv.metrics_port)  # fmt: skip
+    if not config.auth.configured:
+        logger.warning("telemetry is OPEN: anyone who can reach port %d may export spans and record artifacts; "
+                       "set KVFLEET_TELEMETRY_TOKEN (or --api-token) and/or KVFLEET_TLS_ALLOWED_CLIENTS", port)
+    await grpcutil.wait_for_termination_signal()
     logger.info("shutting down: draining for up to %.1f s", config.grace_s)
     await srv.stop(config.grace_s)
     logger.info("telemetry stopped; store flushed")

@@ -83,3 +83,17 @@ def test_a_lone_session_is_one_trace_too(traced_cluster):
                 return
         time.sleep(0.25)
     pytest.fail(f"no complete trace for session {sid}")
+
+
+def test_reusing_an_experiment_id_is_refused_before_anything_runs(summary, traced_cluster):
+    """Artifacts are write-once: a second run under the same id must not mix its spans into the
+    first run's data and then fail at RecordArtifact; it is refused up front, and the first
+    run's record is untouched."""
+    spec = ExperimentSpec(repeats=1, sessions=1, prompt_len=4, max_new_tokens=2, experiment_id="exp-test")
+    db = sqlite3.connect(traced_cluster.log_dir / "telemetry.db")
+    count = "SELECT COUNT(*) FROM spans WHERE experiment_id = 'exp-test'"
+    before = db.execute(count).fetchone()[0]
+    with SchedulerClient(traced_cluster.scheduler_address) as client:
+        with pytest.raises(RuntimeError, match="already has data"):
+            run_experiment(client, traced_cluster.telemetry_address, spec)
+    assert db.execute(count).fetchone()[0] == before

@@ -337,7 +337,8 @@ def test_stop_drains_and_flushes_the_store(tmp_path: Any) -> None:
 
 def test_entry_point_serves_and_stops_cleanly_on_sigterm(tmp_path: Any) -> None:
     db = tmp_path / "main.db"
-    cmd = [sys.executable, "-m", "telemetry_svc", "--host", "127.0.0.1", "--port", "0", "--db", str(db)]
+    cmd = [sys.executable, "-m", "telemetry_svc", "--host", "127.0.0.1", "--port", "0", "--db", str(db),
+           "--metrics-port", "0"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         port = None
@@ -353,6 +354,8 @@ def test_entry_point_serves_and_stops_cleanly_on_sigterm(tmp_path: Any) -> None:
             _export(ch)(_request([_span("via_main")]), timeout=5)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
+        # No token and no allowed clients configured: it runs open, and says so.
+        assert "telemetry is OPEN" in proc.stderr.read()  # type: ignore[union-attr]
     finally:
         if proc.poll() is None:
             proc.kill()

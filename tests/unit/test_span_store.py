@@ -8,7 +8,10 @@ from typing import Any
 
 import pytest
 
-from telemetry_svc.model import Arm, Artifact, ArtifactKind, SpanRecord, UnknownExperiment
+from telemetry_svc.model import (Arm, Artifact, ArtifactConflict, ArtifactKind, InvalidPageToken, SpanRecord,
+                                 UnknownExperiment)  # fmt: skip
+import numpy as np
+
 from telemetry_svc.store import SqliteSpanStore
 
 
@@ -46,18 +49,20 @@ def test_wal_mode_and_index(tmp_path: Any, store: SqliteSpanStore) -> None:
     con = sqlite3.connect(store.location)
     assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     idx = {r[1] for r in con.execute("PRAGMA index_list(spans)")}
-    assert "spans_experiment_arm_name" in idx
+    assert {"spans_experiment_arm_name", "spans_name_duration", "spans_experiment_name_arm_duration",
+            "spans_received"} <= idx  # fmt: skip
     con.close()
 
 
 def test_experiment_data_and_artifacts(store: SqliteSpanStore) -> None:
     store.add_spans([_row(1, dur=10), _row(2, dur=20), _row(3, arm="candidate", dur=5), _row(4, arm="", dur=7)])
-    store.add_artifact(Artifact("e", ArtifactKind.TOKENS, "control", "a" * 64, completion_tokens=3))
-    store.add_artifact(Artifact("e", ArtifactKind.TOKENS, "control", "b" * 64, completion_tokens=4))  # replaces
+    first = Artifact("e", ArtifactKind.TOKENS, "control", "a" * 64, completion_tokens=3)
+    assert store.add_artifact(first) is True
+    assert store.add_artifact(first) is False  # a retry of the same record is not an error
     data = store.experiment_data("e")
     assert data.samples("attention", Arm.CONTROL) == (10, 20)
     assert data.samples("attention", Arm.CANDIDATE) == (5,)
-    assert data.artifacts == (Artifact("e", ArtifactKind.TOKENS, "control", "b" * 64, completion_tokens=4),)
+    assert data.artifacts == (first,)
     (info,) = store.experiments()
     assert dict(info.spans_per_arm) == {"control": 2, "candidate": 1, "": 1}
     assert info.artifact_kinds == ("tokens/control",)
@@ -88,3 +93,81 @@ def test_close_is_idempotent_and_final(tmp_path: Any) -> None:
     again = SqliteSpanStore(str(tmp_path / "c.db"))
     assert len(again.spans()) == 1
     again.close()
+
+
+# --- write-once artifacts ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("second", [
+    Artifact("e", ArtifactKind.TOKENS, "control", "b" * 64, completion_tokens=3),  # other tokens
+    Artifact("e", ArtifactKind.TOKENS, "control", "a" * 64, completion_tokens=4),  # other count
+])  # fmt: skip
+def test_a_conflicting_artifact_is_refused_and_the_first_stays(store: SqliteSpanStore, second: Artifact) -> None:
+    first = Artifact("e", ArtifactKind.TOKENS, "control", "a" * 64, completion_tokens=3)
+    store.add_artifact(first)
+    with pytest.raises(ArtifactConflict, match="write-once"):
+        store.add_artifact(second)
+    assert store.experiment_data("e").artifacts == (first,)
+    # Another arm or kind of the same experiment is a different record, not a conflict.
+    assert store.add_artifact(Artifact("e", ArtifactKind.TOKENS, "candidate", "b" * 64)) is True
+
+
+# --- paged timings without the store lock -------------------------------------------------------
+
+
+def _timing_rows(n_names: int) -> list[SpanRecord]:
+    rows, i = [], 0
+    for k in range(n_names):
+        for j in range(k + 1):  # name k has k + 1 spans of growing durations, over two arms
+            rows.append(_row(i, name=f"span{k:03d}", arm=("control", "candidate")[j % 2], dur=10 * j + k))
+            i += 1
+    return rows
+
+
+def test_timings_pages_cover_every_name_once_with_numpy_quantiles(store: SqliteSpanStore) -> None:
+    rows = _timing_rows(23)
+    store.add_spans(rows)
+    seen, token, pages = [], "", 0
+    while True:
+        page = store.timings(None, None, 5, token)
+        assert len({t.span_name for t in page.timings}) <= 5
+        seen.extend(page.timings)
+        pages += 1
+        token = page.next_page_token
+        if not token:
+            break
+    assert pages == 5 and [t.span_name for t in seen] == [f"span{k:03d}" for k in range(23)]
+    for t in seen:
+        ds = [r.duration_ns for r in rows if r.name == t.span_name]
+        assert t.arm == "" and t.count == len(ds)
+        assert t.quantiles_ns == tuple(float(np.quantile(ds, q)) for q in (0.5, 0.9, 0.99))
+    by_arm = store.timings("e", "span004", 10, "").timings
+    assert [(t.arm, t.count) for t in by_arm] == [("candidate", 2), ("control", 3)]
+    ctl = [r.duration_ns for r in rows if r.name == "span004" and r.arm == "control"]
+    assert by_arm[1].quantiles_ns[1] == float(np.quantile(ctl, 0.9))
+    assert store.timings("other", None, 10, "").timings == ()
+
+
+def test_a_forged_page_token_is_refused(store: SqliteSpanStore) -> None:
+    for bad in ("not base64!", "eyJ4IjogMX0=", "W10="):  # garbage, {"x": 1}, []
+        with pytest.raises(InvalidPageToken):
+            store.timings(None, None, 5, bad)
+
+
+def test_reads_do_not_wait_for_the_write_lock(store: SqliteSpanStore) -> None:
+    """A long scan must not stall ingestion, and a long write must not stall dashboards: reads
+    use their own WAL snapshot instead of the writers' lock."""
+    store.add_spans(_timing_rows(4))
+    done = threading.Event()
+    result: list[Any] = []
+
+    def read() -> None:
+        result.append(store.timings(None, None, 100, ""))
+        result.append(store.experiments())
+        result.append(store.experiment_data("e"))
+        done.set()
+
+    with store._lock:  # a writer holding the lock (e.g. a big Export transaction)
+        threading.Thread(target=read, daemon=True).start()
+        assert done.wait(timeout=10), "reads blocked on the write lock"
+    assert len(result[0].timings) == 4

@@ -1,0 +1,237 @@
+"""The telemetry service closed and bounded: token / mutual-TLS authorization of writes,
+write-once artifacts, retention with its metrics, paged timings, a receive limit that fits the
+collector's batches. Real servers on loopback ports; spans through the stock OTLP exporter."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+import grpc
+import pytest
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.proto.common.v1 import common_pb2
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+from kvfleet.v1 import telemetry_pb2, telemetry_pb2_grpc
+from kvfleet_common.security import TlsConfig
+from telemetry_svc.auth import AuthPolicy
+from telemetry_svc.retention import RetentionPolicy
+from telemetry_svc.server import MAX_EXPORT_BYTES, TelemetryConfig
+from tests.integration.test_telemetry_service import RunningServer, _export, _health, _request, _span
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "telemetry-s3cret"
+BEARER = (("authorization", f"Bearer {TOKEN}"),)
+
+
+def _config(tmp_path: Any, **kw: Any) -> TelemetryConfig:
+    return TelemetryConfig(host="127.0.0.1", port=0, db_path=str(tmp_path / "t.db"), **kw)
+
+
+@pytest.fixture
+def guarded(tmp_path: Any) -> Iterator[RunningServer]:
+    srv = RunningServer(_config(tmp_path, auth=AuthPolicy(token=TOKEN)))
+    yield srv
+    srv.stop()
+
+
+def _sdk_export(port: int, name: str, headers: str | None, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """One span through the stock SDK exporter, configured only by the standard environment."""
+    if headers is None:
+        monkeypatch.delenv("OTEL_EXPORTER_OTLP_HEADERS", raising=False)
+    else:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", headers)
+    provider = TracerProvider(resource=Resource.create({"service.name": "kvfleet-worker"}))
+    exporter = OTLPSpanExporter(endpoint=f"127.0.0.1:{port}", insecure=True, timeout=5)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider.get_tracer("t").start_span(name, attributes={"experiment.id": "auth"}).end()
+    provider.shutdown()
+    return bool(exporter)  # the verdict is read back from the store
+
+
+def _artifact(arm: str = "control", sha: str = "a" * 64, n: int = 5) -> telemetry_pb2.ArtifactRequest:
+    return telemetry_pb2.ArtifactRequest(experiment_id="wo", arm=arm, kind=telemetry_pb2.ARTIFACT_KIND_TOKENS,
+                                         sha256=sha, completion_tokens=n)  # fmt: skip
+
+
+# --- authorization ------------------------------------------------------------------------------
+
+
+def test_writes_need_the_token_and_otlp_exporters_send_it_from_the_environment(
+    guarded: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _sdk_export(guarded.port, "anonymous", None, monkeypatch)
+    _sdk_export(guarded.port, "wrong", "authorization=Bearer nope", monkeypatch)
+    _sdk_export(guarded.port, "signed", f"authorization=Bearer {TOKEN}", monkeypatch)
+    assert [r.name for r in guarded.server.store.spans()] == ["signed"]
+
+    with pytest.raises(grpc.RpcError) as err:
+        _export(guarded.channel)(_request([_span("raw")]), timeout=5)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "Bearer" in err.value.details()
+    stub = telemetry_pb2_grpc.TelemetryStub(guarded.channel)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.RecordArtifact(_artifact(), timeout=5)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert stub.RecordArtifact(_artifact(), metadata=BEARER, timeout=5).sha256 == "a" * 64
+    # Reads stay open unless asked otherwise; health never needs a token.
+    assert stub.ListExperiments(telemetry_pb2.ListExperimentsRequest(), timeout=5).experiments
+    assert _health(guarded.channel) == 1
+    metrics = guarded.server.metrics.registry
+    export = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+    assert metrics.get_sample_value("kvfleet:telemetry_unauthorized_requests_total", {"method": export}) == 3
+
+
+def test_protected_reads_need_the_token_too(tmp_path: Any) -> None:
+    srv = RunningServer(_config(tmp_path, auth=AuthPolicy(token=TOKEN, protect_reads=True)))
+    try:
+        stub = telemetry_pb2_grpc.TelemetryStub(srv.channel)
+        for call, req in ((stub.GetTimings, telemetry_pb2.TimingsRequest()),
+                          (stub.ListExperiments, telemetry_pb2.ListExperimentsRequest()),
+                          (stub.GetReport, telemetry_pb2.ReportRequest(experiment_id="x"))):  # fmt: skip
+            with pytest.raises(grpc.RpcError) as err:
+                call(req, timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert not stub.GetTimings(telemetry_pb2.TimingsRequest(), metadata=BEARER, timeout=5).timings
+        assert _health(srv.channel) == 1
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: Any) -> Path:
+    out = tmp_path_factory.mktemp("certs")
+    subprocess.run(["bash", str(ROOT / "deploy/tls/make_dev_certs.sh"), str(out)], check=True,
+                   capture_output=True, timeout=120)  # fmt: skip
+    return out
+
+
+def test_mutual_tls_writes_only_from_allowed_client_certificates(tmp_path: Any, certs: Path) -> None:
+    tls = TlsConfig(cert=str(certs / "telemetry.pem"), key=str(certs / "telemetry.key"), ca=str(certs / "ca.pem"),
+                    client_auth=True, allowed_clients=frozenset({"kvfleet-worker"}))  # fmt: skip
+    srv = RunningServer(_config(tmp_path, tls=tls, auth=AuthPolicy(allowed_clients=tls.allowed_clients)))
+
+    def dial(ident: str) -> grpc.Channel:
+        creds = TlsConfig(cert=str(certs / f"{ident}.pem"), key=str(certs / f"{ident}.key"),
+                          ca=str(certs / "ca.pem")).channel_credentials()  # fmt: skip
+        return grpc.secure_channel(f"localhost:{srv.port}", creds)
+
+    try:
+        with dial("client") as user, dial("worker") as worker:
+            with pytest.raises(grpc.RpcError) as err:
+                _export(user)(_request([_span("from_user")]), timeout=10)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "kvfleet-client" in err.value.details()
+            _export(worker)(_request([_span("from_worker")]), timeout=10)
+            stub = telemetry_pb2_grpc.TelemetryStub(user)
+            timings = stub.GetTimings(telemetry_pb2.TimingsRequest(), timeout=10).timings  # reads: any valid cert
+            assert [t.span_name for t in timings] == ["from_worker"]
+    finally:
+        srv.stop()
+
+
+# --- write-once artifacts -------------------------------------------------------------------------
+
+
+def test_artifacts_are_write_once_and_a_retry_is_ok(guarded: RunningServer) -> None:
+    stub = telemetry_pb2_grpc.TelemetryStub(guarded.channel)
+    for arm in ("control", "candidate"):
+        stub.RecordArtifact(_artifact(arm), metadata=BEARER, timeout=5)
+    stub.RecordArtifact(_artifact("control"), metadata=BEARER, timeout=5)  # identical: idempotent
+    before = stub.GetSummary(telemetry_pb2.SummaryRequest(experiment_id="wo"), timeout=10).json
+    for forged in (_artifact("control", sha="b" * 64), _artifact("candidate", n=6)):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.RecordArtifact(forged, metadata=BEARER, timeout=5)
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS and "write-once" in err.value.details()
+    after = stub.GetSummary(telemetry_pb2.SummaryRequest(experiment_id="wo"), timeout=10).json
+    assert after == before and '"bitwise_exact": true' in after
+
+
+# --- paged timings ----------------------------------------------------------------------------------
+
+
+def test_timings_are_paged_with_a_bounded_default(server: RunningServer) -> None:
+    spans = [_span(f"s{i:03d}", span_id=(i + 1).to_bytes(8, "big")) for i in range(150)]
+    _export(server.channel)(_request(spans), timeout=10)
+    stub = telemetry_pb2_grpc.TelemetryStub(server.channel)
+    first = stub.GetTimings(telemetry_pb2.TimingsRequest(), timeout=10)
+    assert len(first.timings) == 100 and first.next_page_token
+    rest = stub.GetTimings(telemetry_pb2.TimingsRequest(page_token=first.next_page_token), timeout=10)
+    assert len(rest.timings) == 50 and rest.next_page_token == ""
+    assert [t.span_name for t in [*first.timings, *rest.timings]] == [f"s{i:03d}" for i in range(150)]
+    small = stub.GetTimings(telemetry_pb2.TimingsRequest(page_size=7), timeout=10)
+    assert [t.span_name for t in small.timings] == [f"s{i:03d}" for i in range(7)]
+    for bad in (telemetry_pb2.TimingsRequest(page_token="garbage"), telemetry_pb2.TimingsRequest(page_size=-1)):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GetTimings(bad, timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.fixture
+def server(tmp_path: Any) -> Iterator[RunningServer]:
+    srv = RunningServer(_config(tmp_path))
+    yield srv
+    srv.stop()
+
+
+# --- receive limit -------------------------------------------------------------------------------------
+
+
+def _big_request(n_spans: int, pad: int) -> Any:
+    spans = []
+    for i in range(n_spans):
+        s = _span("batched", span_id=(i + 1).to_bytes(8, "big"))
+        s.attributes.append(common_pb2.KeyValue(key="pad", value=common_pb2.AnyValue(string_value="x" * pad)))
+        spans.append(s)
+    return _request(spans)
+
+
+def test_a_full_collector_batch_fits_and_beyond_the_limit_is_refused(server: RunningServer) -> None:
+    # The collector's default batch: 8192 spans; at 2.5 KiB each that is ~20 MiB, far past gRPC's
+    # 4 MiB default and the shared 16 MiB.
+    req = _big_request(8192, 2_500)
+    assert 16 * 2**20 < req.ByteSize() < MAX_EXPORT_BYTES
+    resp = _export(server.channel)(req, timeout=60)
+    assert resp.partial_success.rejected_spans == 0
+    assert len(server.server.store.spans("raw")) == 8192
+    too_big = _big_request(2, MAX_EXPORT_BYTES // 2)
+    with pytest.raises(grpc.RpcError) as err:
+        _export(server.channel)(too_big, timeout=60)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+# --- retention and its metrics ---------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_retention_runs_in_the_background_and_is_exported_as_metrics(tmp_path: Any) -> None:
+    port = _free_port()
+    policy = RetentionPolicy(max_age_s=0.5, max_bytes=64 * 2**20, interval_s=0.2)
+    srv = RunningServer(_config(tmp_path, retention=policy, metrics_port=port))
+    try:
+        spans = [_span(f"old{i}", span_id=(i + 1).to_bytes(8, "big")) for i in range(5)]
+        _export(srv.channel)(_request(spans), timeout=5)
+        deadline = time.monotonic() + 15
+        while srv.server.store.spans() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert srv.server.store.spans() == []
+        deleted = 'kvfleet:telemetry_spans_deleted_total{reason="age"} 5.0'
+        text = ""
+        while deleted not in text and time.monotonic() < deadline:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            time.sleep(0.1)
+        assert deleted in text
+        assert "kvfleet:telemetry_store_max_bytes 6.7108864e+07" in text
+        assert "kvfleet:telemetry_store_bytes " in text and "kvfleet:telemetry_spans_accepted_total 5.0" in text
+    finally:
+        srv.stop()
