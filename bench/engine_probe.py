@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from worker_svc.engine import (DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec,
-                               use_cpu_threads)
 from kvfleet_models.config import LlamaConfig
+from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
+from worker_svc.model.cpu_backend import use_cpu_threads
 
 
 def batch1_decode(cfg: LlamaConfig, weights: dict[str, np.ndarray], device: str, dtype: str,

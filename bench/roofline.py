@@ -23,10 +23,13 @@ import torch
 from kvfleet_models.config import LlamaConfig
 
 try:
-    from worker_svc.model.llama import set_host_blas_threads
-except ImportError:   # a worker without the host-BLAS path (the harness also measures old trees)
-    def set_host_blas_threads(n: int) -> bool:
-        return False
+    from worker_svc.model.cpu_backend import set_host_blas_threads
+except ImportError:   # the harness also measures old trees: the setter lived in the model, or nowhere
+    try:
+        from worker_svc.model.llama import set_host_blas_threads  # type: ignore[no-redef]
+    except ImportError:
+        def set_host_blas_threads(n: int) -> bool:  # type: ignore[misc]
+            return False
 
 
 def _sync(device: torch.device) -> None:

@@ -8,6 +8,7 @@ import os
 import sys
 
 from worker_svc.config import WorkerConfig
+from worker_svc.kv_views_mode import KVViewsMode
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
@@ -22,7 +23,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--block-size", type=int, default=int(env("KVFLEET_BLOCK_SIZE", "16")))
     p.add_argument("--num-blocks", type=int, default=int(env("KVFLEET_NUM_BLOCKS", "4096")))
     p.add_argument("--kv-views", default=env("KVFLEET_KV_VIEWS", "rebuild"),
-                   choices=["rebuild", "persistent"])
+                   choices=[m.value for m in KVViewsMode])
     p.add_argument("--metrics-port", type=int, default=int(env("KVFLEET_METRICS_PORT", "9401")),
                    help="Prometheus /metrics port (0 = off)")
     p.add_argument("--threads", type=int, default=int(env("KVFLEET_WORKER_THREADS", "0")),
@@ -37,7 +38,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
 
     return WorkerConfig(tls=TlsConfig.from_env(), host=a.host, port=a.port, worker_id=a.worker_id, model=a.model,
                         device=a.device, dtype=a.dtype, block_size=a.block_size,
-                        num_blocks=a.num_blocks, kv_views=a.kv_views, metrics_port=a.metrics_port,
+                        num_blocks=a.num_blocks, kv_views=KVViewsMode.parse(a.kv_views),
+                        metrics_port=a.metrics_port,
                         num_threads=a.threads, inline_step_s=a.inline_step_ms / 1000)
 
 

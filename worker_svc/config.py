@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvfleet_common.security import TlsConfig
+from worker_svc.kv_views_mode import KVViewsMode
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,8 @@ class WorkerConfig:
     dtype: str = "float32"            # float32 | bfloat16 | float16
     block_size: int = 16
     num_blocks: int = 4096
-    kv_views: str = "rebuild"         # rebuild (control) | persistent (candidate)
+    # REBUILD (control) | PERSISTENT (candidate); a string naming one is parsed on construction.
+    kv_views: KVViewsMode = KVViewsMode.REBUILD
     drain_grace_s: float = 10.0
     num_threads: int = 0              # CPU threads per step; 0 = torch's setting (OMP_NUM_THREADS)
     # A step expected to take less than this runs on the event loop, not in a thread (a tiny
@@ -32,8 +34,7 @@ class WorkerConfig:
             raise ValueError("block_size and num_blocks must be positive")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.kv_views not in ("rebuild", "persistent"):
-            raise ValueError(f"kv_views must be rebuild or persistent, got {self.kv_views!r}")
+        object.__setattr__(self, "kv_views", KVViewsMode.parse(self.kv_views))   # frozen
         if self.num_threads < 0:
             raise ValueError(f"threads must be >= 0 (0 = torch's setting), got {self.num_threads}")
         if self.inline_step_s < 0:

@@ -1,11 +1,14 @@
 """Protobuf <-> engine value conversion for the worker (the only worker code that sees pb types)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvfleet.v1 import worker_pb2 as pb
+from kvfleet_models.config import LlamaConfig
 from worker_svc.engine import (
     DecodeItem, Engine, ItemStatus, PrefillItem, SamplingSpec, StepOutput,
 )
-from kvfleet_models.config import LlamaConfig
+from worker_svc.kv_views_mode import KVViewsMode
 
 _STATUS = {
     ItemStatus.OK: pb.ITEM_OK,
@@ -30,6 +33,35 @@ def decode_from_pb(items) -> list[DecodeItem]:
     return [DecodeItem(session_id=i.session_id, token_id=i.token_id, position=i.position,
                        sampling=sampling_from_pb(i.sampling), generated_so_far=i.generated_so_far)
             for i in items]
+
+
+@dataclass(frozen=True)
+class StepCall:
+    """A StepRequest as engine values, checked once here."""
+
+    prefill: list[PrefillItem]
+    decode: list[DecodeItem]
+    kv_views: KVViewsMode | None          # None: the worker's configured mode
+    release_session_ids: tuple[str, ...]  # freed before the step runs
+    experiment_id: str
+    experiment_arm: str
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self.prefill) + len(self.decode)
+
+
+def step_from_pb(request: pb.StepRequest) -> StepCall:
+    """ValueError (-> INVALID_ARGUMENT) for a request no worker could run."""
+    prefill, decode = prefill_from_pb(request.prefill), decode_from_pb(request.decode)
+    ids = [i.session_id for i in prefill] + [i.session_id for i in decode]
+    if len(set(ids)) != len(ids):
+        raise ValueError("a step names the same session twice; send each session once per step")
+    if any(not i for i in ids):
+        raise ValueError("every item needs a session_id")
+    kv_views = KVViewsMode.parse(request.kv_views) if request.kv_views else None
+    return StepCall(prefill, decode, kv_views, tuple(request.release_session_ids),
+                    request.experiment_id, request.experiment_arm)
 
 
 def step_to_pb(out: StepOutput, step_ns: int) -> pb.StepResponse:

@@ -17,11 +17,13 @@ from enum import Enum
 import numpy as np
 import torch
 
-from worker_svc.block_allocator import BlockAllocator, KVBookkeeper
-from worker_svc.kv_cache import BatchLayout, PagedKVCache, make_views
 from kvfleet_models.config import LlamaConfig
-from worker_svc.model.llama import (LlamaModel, PhaseTimes, set_host_blas_threads, step_tensors,
-                                    synchronize)
+from worker_svc.block_allocator import BlockAllocator, KVBookkeeper
+from worker_svc.kv_cache import KVViews, PagedKVCache, make_views
+from worker_svc.kv_views_mode import KVViewsMode
+from worker_svc.model.cpu_backend import use_cpu_threads
+from worker_svc.model.llama import LlamaModel, PhaseTimes, synchronize
+from worker_svc.runner import RunItem, run_step
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEVICE_RE = re.compile(r"^(cpu|auto|xpu|cuda|cuda:\d+|xpu:\d+)$")
@@ -119,7 +121,8 @@ class EngineConfig:
     dtype: str = "float32"       # "float32" | "bfloat16" | "float16"
     block_size: int = 16
     num_blocks: int = 1024
-    kv_views: str = "rebuild"    # "rebuild" (control) | "persistent" (candidate)
+    # REBUILD (control) | PERSISTENT (candidate); a string naming one is parsed on construction.
+    kv_views: KVViewsMode = KVViewsMode.REBUILD
     profile_sync: bool = False   # synchronise around phases so StepProfile shows device time
     # CPU threads a step may use; 0 = the process's torch setting (OMP_NUM_THREADS). See
     # ``use_cpu_threads`` for how they are split between torch and the host BLAS.
@@ -134,8 +137,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
-        if self.kv_views not in ("rebuild", "persistent"):
-            raise ValueError(f"kv_views must be 'rebuild' or 'persistent', got {self.kv_views!r}")
+        # Frozen: the parsed mode replaces the string once, here.
+        object.__setattr__(self, "kv_views", KVViewsMode.parse(self.kv_views))
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0 (0 = the process's setting), got {self.num_threads}")
 
@@ -149,25 +152,6 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("xpu") and not xpu_ok:
         raise ValueError(f"device {name!r} requested but torch.xpu.is_available() is False")
     return torch.device(name)
-
-
-def use_cpu_threads(n: int, host_blas: bool, model: LlamaModel | None = None) -> None:
-    """Give a CPU step ``n`` threads, in one thread pool only.
-
-    With the host BLAS (float32 on a CPU) the matmuls run in numpy's OpenBLAS pool and the
-    rest in torch's: both pools spin-wait between calls, so with more than one thread each
-    they take the cores from each other (measured on 2 cores: a batch-1 decode step went from
-    ~50 ms to over 2 s). So the BLAS pool gets the ``n`` threads and torch one (and the model
-    stops sending small products to torch's MKL when ``n`` > 1). A process-wide setting: an
-    engine owns its worker process's compute.
-    """
-    want = 1 if host_blas else n
-    if torch.get_num_threads() != want:
-        torch.set_num_threads(want)
-    if host_blas:
-        set_host_blas_threads(n)
-    if model is not None:
-        model.use_threads(n)
 
 
 def _draw_seed(seed: int, index: int) -> int:
@@ -200,17 +184,33 @@ def sample_token(logits: torch.Tensor, spec: SamplingSpec, index: int) -> int:
 
 
 @dataclass(frozen=True)
-class _Admitted:
-    """An item that passed admission: its place in the output and its slice of the batch."""
+class _Request:
+    """A prefill or decode item, in the one shape admission needs."""
 
-    out_index: int
+    out_index: int               # its place in the step's results
     session_id: str
     tokens: tuple[int, ...]
-    start: int
-    slots: tuple[int, ...]
-    sample: bool
+    start: int                   # the position of its first token
+    sample: bool                 # sample after it (a decode, or a prompt's last chunk)
     sampling: SamplingSpec
-    index: int                  # generated_so_far, for seeded draws
+    index: int                   # generated_so_far, for seeded draws
+    creates: bool                # may create the session (a prefill item at position 0)
+
+
+@dataclass(frozen=True)
+class _Admitted:
+    """A request that passed admission, with its slice of the batch."""
+
+    request: _Request
+    run: RunItem
+
+
+def _requests(prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem]) -> list[_Request]:
+    out = [_Request(i, p.session_id, tuple(p.token_ids), p.start_position, p.last_chunk,
+                    p.sampling, p.generated_so_far, True) for i, p in enumerate(prefill)]
+    out += [_Request(len(prefill) + i, d.session_id, (d.token_id,), d.position, True,
+                     d.sampling, d.generated_so_far, False) for i, d in enumerate(decode)]
+    return out
 
 
 class Engine:
@@ -226,7 +226,8 @@ class Engine:
         self.cache = PagedKVCache(cfg.num_layers, config.num_blocks, config.block_size,
                                   cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
         # Both modes stay available so an experiment can switch the lever per step.
-        self._views = {kind: make_views(kind, self.cache) for kind in ("rebuild", "persistent")}
+        self._views: dict[KVViewsMode, KVViews] = {
+            mode: make_views(mode, self.cache) for mode in KVViewsMode}
         self.views = self._views[config.kv_views]
         self.books = KVBookkeeper(config.block_size, BlockAllocator(config.num_blocks))
         elem = torch.empty((), dtype=dtype).element_size()
@@ -240,11 +241,10 @@ class Engine:
 
     # -- validation and admission ------------------------------------------------------------
 
-    def _validate(self, prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem]) -> None:
+    def _validate(self, requests: Sequence[_Request]) -> None:
         seen: set[str] = set()
-        items = [(p.session_id, p.token_ids, p.start_position) for p in prefill]
-        items += [(d.session_id, (d.token_id,), d.position) for d in decode]
-        for sid, tokens, start in items:
+        for r in requests:
+            sid, tokens, start = r.session_id, r.tokens, r.start
             if sid in seen:
                 raise ValueError(f"session {sid!r} appears more than once in one step")
             seen.add(sid)
@@ -260,45 +260,42 @@ class Engine:
                 raise ValueError(f"session {sid!r}: token ids {bad} outside vocab_size "
                                  f"{self.cfg.vocab_size}")
 
-    def _admit(self, out_index: int, sid: str, tokens: tuple[int, ...], start: int,
-               sample: bool, sampling: SamplingSpec, index: int,
-               new_ok: bool) -> _Admitted | ItemStatus:
+    def _admit(self, r: _Request) -> _Admitted | ItemStatus:
+        sid = r.session_id
         if self.books.has(sid):
-            miss = self.books.num_tokens(sid) != start   # also a second "first chunk"
+            miss = self.books.num_tokens(sid) != r.start   # also a second "first chunk"
         else:
-            miss = not (new_ok and start == 0)           # only a first prefill chunk creates
+            miss = not (r.creates and r.start == 0)        # only a first prefill chunk creates
         if miss:
             self._counts["cache_misses"] += 1
             return ItemStatus.CACHE_MISS
-        if not self.books.can_append(sid, len(tokens)):
+        if not self.books.can_append(sid, len(r.tokens)):
             self._counts["out_of_blocks"] += 1
             return ItemStatus.OUT_OF_BLOCKS
-        slots = tuple(self.books.append(sid, len(tokens)))
-        return _Admitted(out_index, sid, tokens, start, slots, sample, sampling, index)
+        slots = tuple(self.books.append(sid, len(r.tokens)))
+        # Each session is in a step once, so its block table is final after its own append.
+        run = RunItem(sid, r.tokens, r.start, slots, tuple(self.books.blocks(sid)), r.sample)
+        return _Admitted(r, run)
 
     # -- the step ----------------------------------------------------------------------------
 
     def step(self, prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem], *,
-             return_logits: bool = False, kv_views: str | None = None) -> StepOutput:
+             return_logits: bool = False, kv_views: KVViewsMode | str | None = None) -> StepOutput:
         """Run every admissible item in one batched forward; see the module docstring.
 
-        kv_views overrides the configured mode for this step ("rebuild" | "persistent").
+        kv_views overrides the configured mode for this step (a mode, or the string naming one;
+        None or "" = the configured one).
         """
         t_start = time.perf_counter_ns()
-        if kv_views is not None and kv_views not in self._views:
-            raise ValueError(f"kv_views must be 'rebuild' or 'persistent', got {kv_views!r}")
-        views = self._views[kv_views] if kv_views else self.views
-        self._validate(prefill, decode)
-        requests = [(p.session_id, tuple(p.token_ids), p.start_position, p.last_chunk,
-                     p.sampling, p.generated_so_far, True) for p in prefill]
-        requests += [(d.session_id, (d.token_id,), d.position, True, d.sampling,
-                      d.generated_so_far, False) for d in decode]
+        views = self._views[KVViewsMode.parse(kv_views)] if kv_views else self.views
+        requests = _requests(prefill, decode)
+        self._validate(requests)
         admitted: list[_Admitted] = []
         failed: dict[int, ItemStatus] = {}
-        for i, req in enumerate(requests):
-            got = self._admit(i, *req)
+        for r in requests:
+            got = self._admit(r)
             if isinstance(got, ItemStatus):
-                failed[i] = got
+                failed[r.out_index] = got
             else:
                 admitted.append(got)
 
@@ -308,29 +305,32 @@ class Engine:
             if return_logits else None
         sync_ns = 0
         if admitted:
+            sync = self.device.type != "cpu" and self.config.profile_sync
             try:
-                logits = self._forward(admitted, times, views)         # [N, V] on device
+                logits = run_step(self.model, self.cache, views, [a.run for a in admitted],
+                                  times, sync=sync)                 # [N, V] on device
             except BaseException:
                 # The books already hold these tokens but the cache may not: drop the sessions
                 # so that their next request is a clean CACHE_MISS, not silently wrong KV.
-                self.release(a.session_id for a in admitted)
+                self.release(a.run.session_id for a in admitted)
                 raise
-            sync_ns = self._sample([a for a in admitted if a.sample], logits, tokens, logits_out)
+            sync_ns = self._sample([a.request for a in admitted if a.run.sample], logits, tokens,
+                                   logits_out)
             self._counts["prefill_tokens"] += sum(
-                len(a.tokens) for a in admitted if a.out_index < len(prefill))
-            self._counts["decode_tokens"] += sum(1 for a in admitted if a.out_index >= len(prefill))
+                len(a.run.tokens) for a in admitted if a.request.creates)
+            self._counts["decode_tokens"] += sum(1 for a in admitted if not a.request.creates)
         self._counts["steps"] += 1
 
-        results = [ItemResult(sid, failed.get(i, ItemStatus.OK), tokens.get(i),
-                              self.books.num_tokens(sid))
-                   for i, (sid, *_rest) in enumerate(requests)]
+        results = [ItemResult(r.session_id, failed.get(r.out_index, ItemStatus.OK),
+                              tokens.get(r.out_index), self.books.num_tokens(r.session_id))
+                   for r in requests]
         profile = StepProfile(kv_view_prepare_ns=times.kv_view_prepare_ns,
                               attention_ns=times.attention_ns,
                               step_ns=time.perf_counter_ns() - t_start,
                               post_step_sync_ns=sync_ns, kv_write_ns=times.kv_write_ns)
         return StepOutput(results, profile, logits_out)
 
-    def _sample(self, sampled: list[_Admitted], logits: torch.Tensor, tokens: dict[int, int],
+    def _sample(self, sampled: list[_Request], logits: torch.Tensor, tokens: dict[int, int],
                 logits_out: np.ndarray | None) -> int:
         """Fill ``tokens`` (by output index) from logits [N, V]; returns the sync time in ns.
 
@@ -342,45 +342,18 @@ class Engine:
         t0 = time.perf_counter_ns()
         synchronize(self.device)
         greedy = torch.argmax(logits, dim=-1).tolist()
-        wants_host = logits_out is not None or any(a.sampling.temperature > 0 for a in sampled)
+        wants_host = logits_out is not None or any(r.sampling.temperature > 0 for r in sampled)
         host = logits.cpu() if wants_host else None
         sync_ns = time.perf_counter_ns() - t0
-        for row, a in enumerate(sampled):
-            if a.sampling.temperature == 0.0:
-                tokens[a.out_index] = greedy[row]
+        for row, r in enumerate(sampled):
+            if r.sampling.temperature == 0.0:
+                tokens[r.out_index] = greedy[row]
             else:
                 assert host is not None
-                tokens[a.out_index] = sample_token(host[row], a.sampling, a.index)
+                tokens[r.out_index] = sample_token(host[row], r.sampling, r.index)
             if logits_out is not None and host is not None:
-                logits_out[a.out_index] = host[row].numpy()
+                logits_out[r.out_index] = host[row].numpy()
         return sync_ns
-
-    def _forward(self, admitted: list[_Admitted], times: PhaseTimes, views) -> torch.Tensor:
-        """Logits [N, V] of the sampled items, in ``admitted`` order (see ``_sample``)."""
-        # Attention groups want multi-token items first, then one-token items.
-        order = sorted(range(len(admitted)), key=lambda i: len(admitted[i].tokens) == 1)
-        items = [admitted[i] for i in order]
-        layout = BatchLayout(
-            session_ids=tuple(a.session_id for a in items),
-            starts=tuple(a.start for a in items),
-            lengths=tuple(len(a.tokens) for a in items),
-            block_tables=tuple(tuple(self.books.blocks(a.session_id)) for a in items),
-            num_multi=sum(1 for a in items if len(a.tokens) > 1))
-        groups = views.begin_step(layout)
-        sampled = [j for j, a in enumerate(items) if a.sample]
-        st = step_tensors(self.cfg, layout, groups,
-                          tokens=[t for a in items for t in a.tokens],
-                          slots=[s for a in items for s in a.slots],
-                          sample_items=sampled, dtype=self.model.dtype, device=self.device,
-                          host_blas=self.model.host_blas)
-        sync = self.device.type != "cpu" and self.config.profile_sync
-        logits = self.model.forward(st, self.cache, views, times, sync=sync)
-        # Back to admitted order: row k of the result is the k-th sampled item of ``admitted``.
-        rank = {order[j]: r for r, j in enumerate(sampled)}
-        back = [rank[i] for i, a in enumerate(admitted) if a.sample]
-        if back != list(range(len(back))):
-            logits = logits[torch.tensor(back, device=logits.device)]
-        return logits
 
     # -- lifetime ----------------------------------------------------------------------------
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from worker_svc.kv_views_mode import KVViewsMode
+
 
 @dataclass(frozen=True)
 class BatchLayout:
@@ -281,9 +283,7 @@ class PersistentViews:
 KVViews = RebuildViews | PersistentViews
 
 
-def make_views(kind: str, cache: PagedKVCache) -> KVViews:
-    if kind == "rebuild":
+def make_views(mode: KVViewsMode, cache: PagedKVCache) -> KVViews:
+    if mode is KVViewsMode.REBUILD:
         return RebuildViews(cache)
-    if kind == "persistent":
-        return PersistentViews(cache)
-    raise ValueError(f"kv_views must be 'rebuild' or 'persistent', got {kind!r}")
+    return PersistentViews(cache)

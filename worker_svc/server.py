@@ -14,7 +14,7 @@ from kvfleet.v1 import worker_pb2 as pb
 from kvfleet.v1 import worker_pb2_grpc as pb_grpc
 from worker_svc import convert
 from worker_svc.config import WorkerConfig
-from worker_svc.engine import Engine, EngineConfig
+from worker_svc.engine import Engine, EngineConfig, StepOutput
 from worker_svc.metrics import WorkerMetrics
 from kvfleet_models.config import LlamaConfig
 from worker_svc.spans import emit_step_spans
@@ -36,76 +36,108 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.metrics = metrics or WorkerMetrics(engine, config.worker_id)
         self._cfg = cfg
         self._engine = engine
-        # One step at a time: the engine's cache is not shared between concurrent steps.
+        # One mutation of the engine (step, release) at a time: its KV books and views are
+        # not thread-safe. Stats are read under it too, so they are never seen half-updated.
         self._lock = asyncio.Lock()
+        # The thread of a step whose RPC was cancelled (deadline expired, client gone). A
+        # thread cannot be stopped: it keeps the lock until it returns, and meanwhile GetInfo,
+        # the scheduler's dead-worker probe, answers UNAVAILABLE so that the scheduler does not
+        # take the worker back (and queue releases with short deadlines) before it is idle.
+        self._abandoned: asyncio.Future[StepOutput] | None = None
         # The last step's seconds and tokens: a step expected to be short runs on the event
         # loop itself, since handing it to a thread and back costs as much as a tiny step.
         self._last_step = (float("inf"), 0)
 
     async def GetInfo(self, request, context):
         await authorize_peer(context, self._config.tls)
+        if self._abandoned is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the worker is finishing a step whose deadline expired; retry shortly")
         return convert.info_to_pb(self._config.worker_id, self._cfg, self._engine,
                                   self._config.block_size, self._config.num_blocks)
 
-    async def Prefill(self, request, context):
-        await authorize_peer(context, self._config.tls)
-        return await self._step(convert.prefill_from_pb(request.items), [], context)
-
-    async def Decode(self, request, context):
-        await authorize_peer(context, self._config.tls)
-        return await self._step([], convert.decode_from_pb(request.items), context)
-
     async def Step(self, request, context):
         await authorize_peer(context, self._config.tls)
-        return await self._step(convert.prefill_from_pb(request.prefill),
-                                convert.decode_from_pb(request.decode), context, request)
-
-    async def _step(self, prefill, decode, context, request: pb.StepRequest | None = None) -> pb.StepResponse:
-        ids = [i.session_id for i in prefill] + [i.session_id for i in decode]
-        if len(set(ids)) != len(ids):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "a step names the same session twice; send each session once per step")
-        if any(not i for i in ids):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "every item needs a session_id")
-        kv_views = request.kv_views if request is not None and request.kv_views else None
-        async with self._lock:
-            if request is not None and request.release_session_ids:
-                self._engine.release(request.release_session_ids)
-            wall_start = time.time_ns()
-            start = time.perf_counter_ns()
-            prefill_tokens = sum(len(p.token_ids) for p in prefill)
-            tokens = prefill_tokens + len(decode)
-            try:
-                if runs_inline(*self._last_step, tokens, self._config.inline_step_s):
-                    out = self._engine.step(prefill, decode, kv_views=kv_views)
-                else:
-                    out = await asyncio.to_thread(self._engine.step, prefill, decode, kv_views=kv_views)
-            except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            step_ns = time.perf_counter_ns() - start
-            self._last_step = (step_ns / 1e9, tokens)
-        self.metrics.observe_step(step_ns / 1e9, prefill_tokens, len(decode))
+        try:
+            call = convert.step_from_pb(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        wall_start = time.time_ns()
+        try:
+            out, step_ns = await self._locked_step(call)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        kv_views = call.kv_views or self._config.kv_views
         attrs: dict[str, str | int] = {
-            "kvfleet.worker.id": self._config.worker_id,
-            "kvfleet.kv_views": kv_views or self._config.kv_views,
-            "kvfleet.step.prefill_items": len(prefill), "kvfleet.step.decode_items": len(decode)}
-        if request is not None and request.experiment_id:
-            attrs["experiment.id"] = request.experiment_id
-            attrs["experiment.arm"] = request.experiment_arm
+            "kvfleet.worker.id": self._config.worker_id, "kvfleet.kv_views": kv_views.value,
+            "kvfleet.step.prefill_items": len(call.prefill),
+            "kvfleet.step.decode_items": len(call.decode)}
+        if call.experiment_id:
+            attrs["experiment.id"] = call.experiment_id
+            attrs["experiment.arm"] = call.experiment_arm
         emit_step_spans(extract_context(context.invocation_metadata()), wall_start, out.profile,
                         self._cfg.num_layers, attrs)
         return convert.step_to_pb(out, step_ns)
+
+    async def _locked_step(self, call: convert.StepCall) -> tuple[StepOutput, int]:
+        """Run the step holding the lock; returns its output and wall ns.
+
+        Waiting for the lock may be cancelled (nothing has changed yet). Once the step runs in
+        a thread, a cancellation no longer releases the lock: ``_abandon`` keeps it until the
+        thread returns. An inline step cannot be interrupted, being synchronous.
+        """
+        await self._lock.acquire()
+        handed_over = False
+        try:
+            if call.release_session_ids:
+                self._engine.release(call.release_session_ids)
+            start = time.perf_counter_ns()
+            if runs_inline(*self._last_step, call.tokens, self._config.inline_step_s):
+                out = self._engine.step(call.prefill, call.decode, kv_views=call.kv_views)
+            else:
+                thread = asyncio.ensure_future(asyncio.to_thread(
+                    self._engine.step, call.prefill, call.decode, kv_views=call.kv_views))
+                try:
+                    out = await asyncio.shield(thread)
+                except asyncio.CancelledError:
+                    self._abandon(thread, start, call.tokens)
+                    handed_over = True
+                    raise
+            step_ns = time.perf_counter_ns() - start
+            self._last_step = (step_ns / 1e9, call.tokens)
+            prefill_tokens = sum(len(p.token_ids) for p in call.prefill)
+            self.metrics.observe_step(step_ns / 1e9, prefill_tokens, len(call.decode))
+            return out, step_ns
+        finally:
+            if not handed_over:
+                self._lock.release()
+
+    def _abandon(self, thread: asyncio.Future[StepOutput], start_ns: int, tokens: int) -> None:
+        """The RPC of a running step was cancelled: hold the lock until its thread returns."""
+        log.warning("a step's RPC was cancelled while it ran; the worker waits for it to end")
+        self._abandoned = thread
+
+        def done(f: asyncio.Future[StepOutput]) -> None:
+            self._abandoned = None
+            self._last_step = ((time.perf_counter_ns() - start_ns) / 1e9, tokens)
+            self.metrics.refresh()
+            self._lock.release()
+            if not f.cancelled() and f.exception() is not None:
+                log.warning("the abandoned step failed: %s", f.exception())
+
+        thread.add_done_callback(done)
 
     async def Release(self, request, context):
         await authorize_peer(context, self._config.tls)
         async with self._lock:
             released = self._engine.release(request.session_ids)
-        self.metrics.refresh()
+            self.metrics.refresh()
         return pb.ReleaseResponse(released=released)
 
     async def GetStats(self, request, context):
         await authorize_peer(context, self._config.tls)
-        s = self._engine.stats()
+        async with self._lock:
+            s = self._engine.stats()
         return pb.WorkerStats(steps=s.steps, prefill_tokens=s.prefill_tokens,
                               decode_tokens=s.decode_tokens, cache_misses=s.cache_misses,
                               active_sessions=s.active_sessions, used_blocks=s.used_blocks,

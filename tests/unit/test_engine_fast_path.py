@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from worker_svc.engine import (DecodeItem, Engine, EngineConfig, ItemStatus, PrefillItem,
-                               SamplingSpec, use_cpu_threads)
 from kvfleet_models.config import LlamaConfig
+from worker_svc.engine import (DecodeItem, Engine, EngineConfig, ItemStatus, PrefillItem,
+                               SamplingSpec)
+from worker_svc.model.cpu_backend import use_cpu_threads
 from worker_svc.model.llama import LlamaModel
 from kvfleet_models.reference import reference_generate, reference_logits
 from kvfleet_models.tiny import tiny_weights

@@ -16,28 +16,28 @@ Weights are prepared once for this forward, not kept in the checkpoint's form:
     and k get the same permutation, so every q.k (hence the output) is unchanged, and the KV
     cache holds K in that order;
   * q rows are pre-scaled by 1/sqrt(D), the attention scale (RoPE is linear, so it commutes);
-  * on a CPU in float32 the matmuls go to numpy's BLAS (OpenBLAS) with the matrix stored
-    [in, out]: measured on a 2-core AMD EPYC, that streams the weights of a batch-1 decode about
-    1.8x faster than torch's MKL does with either layout, and is on par or faster from 16 rows
-    (see bench/README.md); products of 2-12 rows, where MKL is 15-27 % faster, use a second,
-    [out, in] copy (so the host holds the weights twice). Elsewhere (bfloat16, GPUs) only torch's
-    matmul with [out, in], which its bfloat16 CPU kernels run 1.4-1.5x faster than [in, out]. A
-    tied LM head is the embedding, not a copy of it.
+  * on a CPU in float32 the matmuls and attention products go to numpy's BLAS with the
+    matrix stored [in, out], and small products to torch's MKL (see ``cpu_backend`` for the
+    measurements). Elsewhere (bfloat16, GPUs) only torch's matmul with [out, in]. A tied LM
+    head is the embedding, not a copy of it.
+
+The step's input tensors (``StepTensors``: token ids, positions, slots, per-group masks) are
+built by ``worker_svc.runner`` from the engine's admitted items; this module only consumes them.
 """
 from __future__ import annotations
 
-import ctypes
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from worker_svc.kv_cache import AttnGroup, BatchLayout, KVViews, PagedKVCache
 from kvfleet_models.config import LlamaConfig
+from worker_svc.kv_cache import AttnGroup, KVViews, PagedKVCache
+from worker_svc.model.cpu_backend import (Matrix, attention_core, matmul, matmul_add_,
+                                          torch_rows)
 
 
 @dataclass
@@ -78,84 +78,12 @@ class StepTensors:
     sample_rows: torch.Tensor  # [N] packed index of the tokens whose logits are wanted
 
 
-def _group_tensors(g: AttnGroup, layout: BatchLayout, offsets: np.ndarray, num_kv_heads: int,
-                   group_size: int, dtype: torch.dtype, device: torch.device,
-                   host_blas: bool) -> GroupTensors:
-    items = list(g.items)
-    starts = np.array([layout.starts[i] for i in items])
-    lengths = np.array([layout.lengths[i] for i in items])
-    b, q, s = len(items), int(lengths.max()), g.kv_len
-    att = np.arange(b) if g.perm is None else np.array(g.perm)   # attention row of each item
-    pad_index = None
-    if q > 1 or g.perm is not None:
-        pad_index = torch.from_numpy(np.concatenate(
-            [r * q + np.arange(n) for r, n in zip(att, lengths)])).to(device)
-    # Query i of an item sits at position start + i; a padding query (i >= n) copies the last
-    # real query's mask so that no row is all-masked (which would make NaNs, harmless but noisy).
-    query_pos = np.empty((b, q), dtype=np.int64)
-    query_pos[att] = starts[:, None] + np.minimum(np.arange(q)[None, :], lengths[:, None] - 1)
-    allowed = np.arange(s)[None, None, :] <= query_pos[:, :, None]              # [B, Q, S]
-    mask = None if allowed.all() else np.where(allowed, 0.0, -np.inf).astype(np.float32)
-    bias = None
-    if not host_blas:
-        m = torch.zeros((b, q, s)) if mask is None else torch.from_numpy(mask)
-        m = m.to(device, dtype)
-        if g.order == "bh":
-            m = m.view(b, 1, 1, q, s).expand(b, num_kv_heads, group_size, q, s)
-        else:
-            m = m.view(1, b, 1, q, s).expand(num_kv_heads, b, group_size, q, s)
-        bias = m.reshape(b * num_kv_heads, group_size * q, s)
-    start, stop = int(offsets[items[0]]), int(offsets[items[-1] + 1])
-    return GroupTensors(group=g, rows=slice(start, stop), batch=b, query_len=q,
-                        pad_index=pad_index, mask=mask, bias=bias)
-
-
-def step_tensors(cfg: LlamaConfig, layout: BatchLayout, groups: list[AttnGroup],
-                 tokens: list[int], slots: list[int], sample_items: list[int],
-                 dtype: torch.dtype, device: torch.device, host_blas: bool = False) -> StepTensors:
-    """Host-side preparation of a step: index tensors and per-group masks."""
-    lengths = np.asarray(layout.lengths)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    positions = np.repeat(np.asarray(layout.starts) - offsets[:-1], lengths) + np.arange(offsets[-1])
-
-    def dev(a: object) -> torch.Tensor:
-        return torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device)
-
-    g = cfg.num_heads // cfg.num_kv_heads
-    return StepTensors(
-        tokens=dev(tokens), positions=dev(positions), slots=dev(slots),
-        groups=tuple(_group_tensors(x, layout, offsets, cfg.num_kv_heads, g, dtype, device, host_blas)
-                     for x in groups),
-        sample_rows=dev(offsets[np.asarray(sample_items, dtype=np.int64) + 1] - 1))
-
-
 def synchronize(device: torch.device) -> None:
     """Wait for queued kernels (a no-op on cpu, where ops run eagerly)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "xpu":
         torch.xpu.synchronize(device)
-
-
-# Row counts of a product that torch's MKL runs faster than numpy's OpenBLAS on one CPU thread
-# (15-27 % at 4-12 rows, measured on the 2-core AMD EPYC; OpenBLAS wins at 1 row by 1.7x and is
-# on par or ahead from 16 rows): for those the host keeps a second, [out, in] copy of every
-# matrix. Only with one thread: torch (hence MKL) runs single-threaded beside the host BLAS.
-_TORCH_ROWS = range(2, 13)
-
-
-@dataclass(frozen=True)
-class Matrix:
-    """One weight matrix in the layouts its products use: ``kn`` [in, out] for numpy's BLAS
-    (host BLAS only), ``nk`` [out, in] for torch (always)."""
-
-    kn: torch.Tensor | None
-    nk: torch.Tensor
-
-    @property
-    def param(self) -> torch.Tensor:
-        """The copy that counts as the parameter (sizes are reported once)."""
-        return self.kn if self.kn is not None else self.nk
 
 
 @dataclass(frozen=True)
@@ -170,23 +98,6 @@ class LayerWeights:
     def tensors(self) -> list[torch.Tensor]:
         return [self.input_norm, self.qkv.param, self.o.param, self.post_norm,
                 self.gate_up.param, self.down.param]
-
-
-def set_host_blas_threads(n: int) -> bool:
-    """Set the thread count of numpy's bundled OpenBLAS (its pool is separate from torch's);
-    returns whether a library was found. numpy has no API for it, hence ctypes."""
-    found = False
-    libs = Path(np.__file__).parent.parent / "numpy.libs"
-    for path in sorted(libs.glob("*openblas*")) if libs.is_dir() else []:
-        lib = ctypes.CDLL(str(path))
-        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
-                     "openblas_set_num_threads64_", "openblas_set_num_threads"):
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn(ctypes.c_int(n))
-                found = True
-                break
-    return found
 
 
 def _pair_rows(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
@@ -213,12 +124,13 @@ class LlamaModel:
         def put(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(device, dtype)
 
-        # numpy's BLAS for float32 on a CPU (see the module docstring); torch elsewhere.
+        # numpy's BLAS for float32 on a CPU (see ``cpu_backend``); torch elsewhere.
         cpu_f32 = device.type == "cpu" and dtype == torch.float32
         if host_blas and not cpu_f32:
             raise ValueError("host_blas needs float32 weights on a CPU")
         self.host_blas = cpu_f32 if host_blas is None else host_blas
-        self.torch_rows = _TORCH_ROWS if self.host_blas else range(0)
+        # Row counts of a product that go to torch even on the host BLAS path.
+        self.torch_rows = torch_rows(self.host_blas, threads=1)
 
         def matrix(a: np.ndarray) -> Matrix:
             """a: [out, in] as in the checkpoint."""
@@ -258,9 +170,8 @@ class LlamaModel:
 
     def use_threads(self, n: int) -> None:
         """With the host BLAS on ``n`` > 1 threads, every product goes to it: MKL would run on
-        torch's single thread (see ``engine.use_cpu_threads``)."""
-        if self.host_blas:
-            self.torch_rows = _TORCH_ROWS if n == 1 else range(0)
+        torch's single thread (see ``cpu_backend.use_cpu_threads``)."""
+        self.torch_rows = torch_rows(self.host_blas, n)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every distinct weight tensor (a tied head counted once)."""
@@ -274,20 +185,6 @@ class LlamaModel:
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         table = self.embed if self.embed is not None else self.lm_head.nk
         return table.index_select(0, tokens)                               # [T, hidden]
-
-    def _matmul(self, x: torch.Tensor, w: Matrix) -> torch.Tensor:
-        """x [M, in] times w -> [M, out]."""
-        if w.kn is not None and x.shape[0] not in self.torch_rows:
-            return torch.from_numpy(np.matmul(x.numpy(), w.kn.numpy()))
-        return x @ w.nk.t()
-
-    def _matmul_add_(self, h: torch.Tensor, x: torch.Tensor, w: Matrix) -> None:
-        """h += x times w, in place."""
-        if w.kn is not None and x.shape[0] not in self.torch_rows:
-            hn = h.numpy()
-            np.add(hn, np.matmul(x.numpy(), w.kn.numpy()), out=hn)
-        else:
-            h.addmm_(x, w.nk.t())
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # Computed in float32 (torch's kernel upcasts half types), as HF does.
@@ -317,7 +214,7 @@ class LlamaModel:
         else:
             q3 = q5.permute(2, 0, 3, 1, 4).reshape(hkv * b, g * n, d)      # [Hkv*B, G*Q, D]
         if self.host_blas:
-            o3 = self._attention_core_host(q3, kv, gt)
+            o3 = attention_core(q3, kv, gt.mask, gt.group.order, b, n, hkv, g)   # [N, G*Q, D]
         else:
             assert gt.bias is not None
             scores = torch.baddbmm(gt.bias, q3, kv[0].transpose(1, 2))      # [N, G*Q, S]
@@ -332,24 +229,6 @@ class LlamaModel:
             o = o3.view(hkv, b, g, n, d).permute(1, 3, 0, 2, 4)
         o = o.reshape(b * n, hkv * g * d)                                    # [B*Q, Hq*D]
         return o if gt.pad_index is None else o.index_select(0, gt.pad_index)
-
-    def _attention_core_host(self, q3: torch.Tensor, kv: torch.Tensor, gt: GroupTensors) -> torch.Tensor:
-        """softmax(q k^T + mask) v with numpy's batched matmul: for these many small matrices
-        (G*Q x D by D x S, per item and kv head) it ran 3x faster than torch's bmm (measured at
-        32 items x 200 keys), and it takes the slab's strided views as they are."""
-        cfg = self.cfg
-        k, v = kv[0].numpy(), kv[1].numpy()                                  # [N, S, D]
-        scores = np.matmul(q3.numpy(), k.transpose(0, 2, 1))                # [N, G*Q, S]
-        if gt.mask is not None:
-            b, n, hkv, g = gt.batch, gt.query_len, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
-            if gt.group.order == "bh":
-                view = scores.reshape(b, hkv, g, n, -1)
-                view += gt.mask[:, None, None]
-            else:
-                view = scores.reshape(hkv, b, g, n, -1)
-                view += gt.mask[None, :, None]
-        probs = torch.softmax(torch.from_numpy(scores), dim=-1).numpy()
-        return torch.from_numpy(np.matmul(probs, v))                         # [N, G*Q, D]
 
     @torch.inference_mode()
     def forward(self, st: StepTensors, cache: PagedKVCache, views: KVViews,
@@ -370,7 +249,7 @@ class LlamaModel:
         rot = self.rotary.index_select(0, st.positions).unsqueeze(1)       # [T, 1, D/2]
         for i, w in enumerate(self.layers):
             x = self._rms_norm(h, w.input_norm)
-            qkv = self._matmul(x, w.qkv)                                   # [T, (Hq+2Hkv)*D]
+            qkv = matmul(x, w.qkv, self.torch_rows)                                   # [T, (Hq+2Hkv)*D]
             self._rope_(qkv, rot)
             kv = qkv[:, q_width:].view(t, 2, cfg.num_kv_heads, cfg.head_dim)
 
@@ -391,10 +270,10 @@ class LlamaModel:
             times.kv_view_prepare_ns += t2 - t1
             times.attention_ns += t3 - t2
 
-            self._matmul_add_(h, attn, w.o)
+            matmul_add_(h, attn, w.o, self.torch_rows)
             x = self._rms_norm(h, w.post_norm)
-            gate_up = self._matmul(x, w.gate_up)                           # [T, 2 * inter]
+            gate_up = matmul(x, w.gate_up, self.torch_rows)                           # [T, 2 * inter]
             act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-            self._matmul_add_(h, act, w.down)
+            matmul_add_(h, act, w.down, self.torch_rows)
         last = self._rms_norm(h.index_select(0, st.sample_rows), self.norm)  # [N, hidden]
-        return self._matmul(last, self.lm_head).float()                    # [N, V]
+        return matmul(last, self.lm_head, self.torch_rows).float()                    # [N, V]

@@ -1,0 +1,128 @@
+"""The host BLAS path of a float32 CPU forward: which library runs each product, and threads.
+
+On a CPU in float32 the matmuls go to numpy's BLAS (OpenBLAS) with the matrix stored
+[in, out]: measured on a 2-core AMD EPYC, that streams the weights of a batch-1 decode about
+1.8x faster than torch's MKL does with either layout, and is on par or faster from 16 rows
+(see bench/README.md); products of 2-12 rows, where MKL is 15-27 % faster, use a second,
+[out, in] copy (so the host holds the weights twice). Elsewhere (bfloat16, GPUs) only torch's
+matmul with [out, in], which its bfloat16 CPU kernels run 1.4-1.5x faster than [in, out].
+
+numpy's OpenBLAS and torch each keep their own thread pool; ``use_cpu_threads`` gives a step's
+threads to one of them only (see there for why).
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+# Row counts of a product that torch's MKL runs faster than numpy's OpenBLAS on one CPU thread
+# (15-27 % at 4-12 rows, measured on the 2-core AMD EPYC; OpenBLAS wins at 1 row by 1.7x and is
+# on par or ahead from 16 rows): for those the host keeps a second, [out, in] copy of every
+# matrix. Only with one thread: torch (hence MKL) runs single-threaded beside the host BLAS.
+TORCH_ROWS = range(2, 13)
+NO_ROWS = range(0)
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """One weight matrix in the layouts its products use: ``kn`` [in, out] for numpy's BLAS
+    (host BLAS only), ``nk`` [out, in] for torch (always)."""
+
+    kn: torch.Tensor | None
+    nk: torch.Tensor
+
+    @property
+    def param(self) -> torch.Tensor:
+        """The copy that counts as the parameter (sizes are reported once)."""
+        return self.kn if self.kn is not None else self.nk
+
+
+def torch_rows(host_blas: bool, threads: int) -> range:
+    """Row counts sent to torch instead of the host BLAS: with more than one thread every
+    product goes to the BLAS, as MKL would run on torch's single thread."""
+    return TORCH_ROWS if host_blas and threads == 1 else NO_ROWS
+
+
+def matmul(x: torch.Tensor, w: Matrix, rows_to_torch: range) -> torch.Tensor:
+    """x [M, in] times w -> [M, out]."""
+    if w.kn is not None and x.shape[0] not in rows_to_torch:
+        return torch.from_numpy(np.matmul(x.numpy(), w.kn.numpy()))
+    return x @ w.nk.t()
+
+
+def matmul_add_(h: torch.Tensor, x: torch.Tensor, w: Matrix, rows_to_torch: range) -> None:
+    """h += x times w, in place. h: [M, out]; x: [M, in]."""
+    if w.kn is not None and x.shape[0] not in rows_to_torch:
+        hn = h.numpy()
+        np.add(hn, np.matmul(x.numpy(), w.kn.numpy()), out=hn)
+    else:
+        h.addmm_(x, w.nk.t())
+
+
+def attention_core(q3: torch.Tensor, kv: torch.Tensor, mask: np.ndarray | None, order: str,
+                   batch: int, query_len: int, num_kv_heads: int, group_size: int) -> torch.Tensor:
+    """softmax(q k^T + mask) v with numpy's batched matmul: for these many small matrices
+    (G*Q x D by D x S, per item and kv head) it ran 3x faster than torch's bmm (measured at
+    32 items x 200 keys), and it takes the slab's strided views as they are.
+
+    q3: [N, G*Q, D]; kv: [2, N, S, D]; mask: [B, Q, S] additive, or None. Returns [N, G*Q, D].
+    """
+    k, v = kv[0].numpy(), kv[1].numpy()                                  # [N, S, D]
+    scores = np.matmul(q3.numpy(), k.transpose(0, 2, 1))                # [N, G*Q, S]
+    if mask is not None:
+        b, n, hkv, g = batch, query_len, num_kv_heads, group_size
+        if order == "bh":
+            view = scores.reshape(b, hkv, g, n, -1)
+            view += mask[:, None, None]
+        else:
+            view = scores.reshape(hkv, b, g, n, -1)
+            view += mask[None, :, None]
+    probs = torch.softmax(torch.from_numpy(scores), dim=-1).numpy()
+    return torch.from_numpy(np.matmul(probs, v))                         # [N, G*Q, D]
+
+
+def set_host_blas_threads(n: int) -> bool:
+    """Set the thread count of numpy's bundled OpenBLAS (its pool is separate from torch's);
+    returns whether a library was found. numpy has no API for it, hence ctypes."""
+    found = False
+    libs = Path(np.__file__).parent.parent / "numpy.libs"
+    for path in sorted(libs.glob("*openblas*")) if libs.is_dir() else []:
+        lib = ctypes.CDLL(str(path))
+        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                     "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn(ctypes.c_int(n))
+                found = True
+                break
+    return found
+
+
+class ThreadAware(Protocol):
+    """A model that routes products by thread count (``LlamaModel``)."""
+
+    def use_threads(self, n: int) -> None: ...
+
+
+def use_cpu_threads(n: int, host_blas: bool, model: ThreadAware | None = None) -> None:
+    """Give a CPU step ``n`` threads, in one thread pool only.
+
+    With the host BLAS (float32 on a CPU) the matmuls run in numpy's OpenBLAS pool and the
+    rest in torch's: both pools spin-wait between calls, so with more than one thread each
+    they take the cores from each other (measured on 2 cores: a batch-1 decode step went from
+    ~50 ms to over 2 s). So the BLAS pool gets the ``n`` threads and torch one (and the model
+    stops sending small products to torch's MKL when ``n`` > 1). A process-wide setting: an
+    engine owns its worker process's compute.
+    """
+    want = 1 if host_blas else n
+    if torch.get_num_threads() != want:
+        torch.set_num_threads(want)
+    if host_blas:
+        set_host_blas_threads(n)
+    if model is not None:
+        model.use_threads(n)
