@@ -25,6 +25,8 @@ class SchedulerMetrics:
         self.generation_tokens = Counter("kvfleet:generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("kvfleet:request_success", "Sessions finished, by finish reason",
                                 ["finished_reason"], registry=r)
+        self.orphans = Counter("kvfleet:orphan_sessions_released", "Sessions a worker held that the "
+                               "scheduler had not placed there, freed by reconciliation", registry=r)
         self._snapshot: TelemetrySnapshot | None = None
         self._seen_rejections: dict[str, int] = {}
         self._seen_preemptions = 0
@@ -54,6 +56,9 @@ class SchedulerMetrics:
         if arrival is not None:
             self.e2e.observe(time.monotonic() - arrival)
         self.finished.labels(finished_reason=reason).inc()
+
+    def orphans_released(self, n: int) -> None:
+        self.orphans.inc(n)
 
     def tick(self, snapshot: TelemetrySnapshot, prefill_tokens: int, decode_tokens: int) -> None:
         self._snapshot = snapshot

@@ -40,6 +40,7 @@ class RuntimeConfig:
     step_timeout_s: float = 30.0
     health_interval_s: float = 1.0
     no_worker_wait_s: float = 30.0
+    reconcile_interval_s: float = 10.0   # how often live workers' held sessions are checked
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,6 @@ class SchedulerRuntime:
         # Sessions to free on each worker: sent with that worker's next step (or a Release
         # alongside the next tick's steps), so freeing costs no round trip of its own.
         self._pending_release: dict[str, list[str]] = {}
-        # Sessions moved off a worker that failed; released there if it comes back.
-        self._stale: dict[str, set[str]] = {}
         self._wake = asyncio.Event()
         self._tick_done = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -251,8 +250,6 @@ class SchedulerRuntime:
                                       len(plan.decode), self._arm_of(sessions))
         try:
             results, failed = await self._dispatch(plan, span)
-            for worker_id in failed:
-                self._stale.setdefault(worker_id, set()).update(self._core.workers.get(worker_id).sessions)
             return self._core.update(plan, results, failed)
         finally:
             span.end()
@@ -360,9 +357,15 @@ class SchedulerRuntime:
                 log.warning("release failed: %s", res)
 
     async def _probe_dead_workers(self) -> None:
-        """A worker marked dead is used again once it answers GetInfo (it holds none of our KV)."""
+        """A worker marked dead is used again once it answers GetInfo; live workers are checked
+        for KV the scheduler does not know of (at start, then every reconcile_interval_s)."""
         interval = self._config.health_interval_s
+        next_reconcile = 0.0
         while not self._stopping:
+            if time.monotonic() >= next_reconcile:
+                next_reconcile = time.monotonic() + self._config.reconcile_interval_s
+                await asyncio.gather(*(self._reconcile(w) for w in self._clients
+                                       if self._core.workers.get(w).live))
             await asyncio.sleep(interval)
             for worker_id, client in self._clients.items():
                 if self._core.workers.get(worker_id).live:
@@ -370,9 +373,26 @@ class SchedulerRuntime:
                 if not await client.answers(timeout=min(interval, 2.0)):
                     continue
                 self._core.worker_recovered(worker_id)
-                await self._release({worker_id: sorted(self._stale.pop(worker_id, set()))})
+                await self._reconcile(worker_id)   # what it still holds of sessions moved elsewhere
                 log.info("worker %s is back", worker_id)
                 self._wake.set()
+
+    async def _reconcile(self, worker_id: str) -> None:
+        """Free the sessions a worker holds that the scheduler has not placed there (left by a
+        drain timeout, a scheduler restart or a lost Release): otherwise their blocks are lost
+        to placement for ever and sessions bounce off a full worker."""
+        client = self._clients[worker_id]
+        try:
+            held = await client.held(timeout=self._config.step_timeout_s)
+        except WorkerCallFailed as exc:
+            log.warning("could not read worker %s's sessions: %s", worker_id, exc)
+            return
+        strangers = self._core.strangers(worker_id, held.session_ids)
+        if strangers:
+            log.warning("worker %s holds %d sessions the scheduler did not place there; freeing them",
+                        worker_id, len(strangers))
+            self._metrics.orphans_released(len(strangers))
+            await self._release({worker_id: strangers})
 
 
 def _settled(plan: TickPlan) -> TickOutcome:

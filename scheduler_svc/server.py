@@ -264,7 +264,7 @@ async def create_server(config: SchedulerConfig):
     metrics = SchedulerMetrics()
     runtime = SchedulerRuntime(core, clients, spans, metrics, RuntimeConfig(
         step_timeout_s=config.step_timeout_s, health_interval_s=config.health_interval_s,
-        no_worker_wait_s=config.no_worker_wait_s))
+        no_worker_wait_s=config.no_worker_wait_s, reconcile_interval_s=config.reconcile_interval_s))
     servicer = SchedulerServicer(runtime, prompts, config.api_token)
     server = grpc.aio.server(options=grpcutil.SERVER_OPTIONS)
     spb_grpc.add_SchedulerServicer_to_server(servicer, server)

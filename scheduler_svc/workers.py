@@ -116,5 +116,12 @@ class WorkerClient:
         except grpc.aio.AioRpcError as exc:
             raise WorkerCallFailed(self.address, exc.code(), exc.details() or "") from exc
 
+    async def held(self, timeout: float) -> HeldSessions:
+        try:
+            s = await self.stub.GetStats(wpb.GetStatsRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerCallFailed(self.address, exc.code(), exc.details() or "") from exc
+        return HeldSessions(tuple(s.session_ids), s.used_blocks, s.free_blocks)
+
     async def close(self) -> None:
         await self.channel.close()

@@ -138,10 +138,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         await authorize_peer(context, self._config.tls)
         async with self._lock:
             s = self._engine.stats()
+            held = sorted(self._engine.books.session_ids())
         return pb.WorkerStats(steps=s.steps, prefill_tokens=s.prefill_tokens,
                               decode_tokens=s.decode_tokens, cache_misses=s.cache_misses,
                               active_sessions=s.active_sessions, used_blocks=s.used_blocks,
-                              free_blocks=s.free_blocks)
+                              free_blocks=s.free_blocks, session_ids=held)
 
 
 def build_engine(config: WorkerConfig) -> tuple[LlamaConfig, Engine]:

@@ -13,7 +13,9 @@ from worker_svc.config import WorkerConfig
 class InProcessCluster:
     def __init__(self, workers: int = 2, model: str = "tiny", limits: SchedulerLimits | None = None,
                  num_blocks: int = 1024, block_size: int = 16, kv_views: str = "rebuild",
-                 step_timeout_s: float = 30.0, no_worker_wait_s: float = 30.0) -> None:
+                 step_timeout_s: float = 30.0, no_worker_wait_s: float = 30.0,
+                 reconcile_interval_s: float = 10.0) -> None:
+        self.reconcile_interval_s = reconcile_interval_s
         self.no_worker_wait_s = no_worker_wait_s
         self.n_workers = workers
         self.model = model
@@ -45,7 +47,8 @@ class InProcessCluster:
         config = SchedulerConfig(host="127.0.0.1", port=0, workers=tuple(self.worker_addresses),
                                  limits=self.limits, model=self.model, step_timeout_s=self.step_timeout_s,
                                  health_interval_s=0.2, worker_connect_timeout_s=10, metrics_port=0,
-                                 no_worker_wait_s=self.no_worker_wait_s)
+                                 no_worker_wait_s=self.no_worker_wait_s,
+                                 reconcile_interval_s=self.reconcile_interval_s)
         _, port, self.scheduler = self.run(create_scheduler(config))
         self.address = f"127.0.0.1:{port}"
         return self
