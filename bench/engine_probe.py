@@ -17,6 +17,7 @@ import torch
 from kvfleet_models.config import LlamaConfig
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
 from worker_svc.model.cpu_backend import use_cpu_threads
+from worker_svc.kv_views_mode import KVViewsMode
 
 
 def batch1_decode(cfg: LlamaConfig, weights: dict[str, np.ndarray], device: str, dtype: str,
@@ -25,7 +26,7 @@ def batch1_decode(cfg: LlamaConfig, weights: dict[str, np.ndarray], device: str,
     """Per thread count: decode tokens/s of one session after a ``prompt_len`` prompt, and
     that prompt's prefill tokens/s."""
     engine = Engine(cfg, weights, EngineConfig(device=device, dtype=dtype, num_blocks=64,
-                                               kv_views=kv_views))
+                                               kv_views=KVViewsMode.parse(kv_views)))
     greedy = SamplingSpec()
     prompt = tuple(int(t) for t in np.random.default_rng(1).integers(100, cfg.vocab_size, prompt_len))
     saved = torch.get_num_threads()
@@ -40,6 +41,7 @@ def batch1_decode(cfg: LlamaConfig, weights: dict[str, np.ndarray], device: str,
             engine.release(["probe"])
             t0 = time.perf_counter()
             token = engine.step([PrefillItem("probe", prompt, 0, True, greedy)], []).results[0].token_id
+            assert token is not None, "a last prefill chunk returns a token"
             prefill[str(n)] = round(prompt_len / (time.perf_counter() - t0), 1)
             times: list[float] = []
             end = time.perf_counter() + budget_s      # a thread count that stalls is cut short
@@ -48,6 +50,7 @@ def batch1_decode(cfg: LlamaConfig, weights: dict[str, np.ndarray], device: str,
                 res = engine.step([], [DecodeItem("probe", int(token), prompt_len + k, greedy, k + 1)])
                 times.append(time.perf_counter() - t0)
                 token = res.results[0].token_id
+                assert token is not None, "a decode step returns a token"
                 if t0 > end and len(times) >= 5:
                     break
             # The median step: robust to the other tenants of a shared machine.

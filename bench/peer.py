@@ -38,7 +38,7 @@ def load_peer(model: str, device: str, dtype: str):
     m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                              dtype=_DTYPES[dtype])
     m.generation_config.eos_token_id = None       # never stop early: outputs have fixed lengths
-    return m.to(device).eval()
+    return m.to(device).eval()  # type: ignore[arg-type]
 
 
 class _Progress:
@@ -89,7 +89,7 @@ def pick_threads(model, sessions: Sequence[Session], device: str, options: Seque
         t0 = time.perf_counter()
         generate_batch(model, probe, device)
         seconds[str(n)] = round(time.perf_counter() - t0, 3)
-    best = int(min(seconds, key=seconds.get))
+    best = int(min(seconds, key=seconds.__getitem__))
     torch.set_num_threads(best)
     return {"threads": best, "seconds": seconds}
 

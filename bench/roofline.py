@@ -26,7 +26,7 @@ try:
     from worker_svc.model.cpu_backend import set_host_blas_threads
 except ImportError:   # the harness also measures old trees: the setter lived in the model, or nowhere
     try:
-        from worker_svc.model.llama import set_host_blas_threads  # type: ignore[no-redef]
+        from worker_svc.model.llama import set_host_blas_threads  # type: ignore[no-redef,attr-defined]
     except ImportError:
         def set_host_blas_threads(n: int) -> bool:  # type: ignore[misc]
             return False
