@@ -22,10 +22,12 @@ import bisect
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from typing import TypeVar
 
 from scheduler_svc.core import admission
 from scheduler_svc.core.accounting import Accounting, Gauges, TickTally, WorkloadTally
 from scheduler_svc.core.admission import ModelBounds, WorkloadCaps
+from scheduler_svc.core.budget import PrefillBudget
 from scheduler_svc.core.kv_reservations import KvReservations, VictimCandidate, choose_victim
 from scheduler_svc.core.limits import SchedulerLimits
 from scheduler_svc.core.plan import DecodeWork, PrefillWork, TickOutcome, TickPlan
@@ -37,31 +39,12 @@ from scheduler_svc.core.types import (
 )
 
 
+_T = TypeVar("_T")
+
+
 def random_id(prefix: str) -> str:
     """128 random bits: an id nobody can guess, and that a restarted scheduler never reissues."""
     return f"{prefix}-{secrets.token_hex(16)}"
-
-
-class PrefillBudget:
-    """The tick's prefill token budget, and each present workload's own."""
-
-    def __init__(self, total: int, per_workload: Mapping[str, int]) -> None:
-        self._total = total
-        self._per_workload = dict(per_workload)
-
-    @property
-    def exhausted(self) -> bool:
-        return self._total <= 0
-
-    def room(self, workload_id: str | None) -> int:
-        if workload_id is not None and workload_id in self._per_workload:
-            return min(self._total, self._per_workload[workload_id])
-        return self._total
-
-    def spend(self, workload_id: str | None, tokens: int) -> None:
-        self._total -= tokens
-        if workload_id is not None and workload_id in self._per_workload:
-            self._per_workload[workload_id] -= tokens
 
 
 class SchedulerCore:
@@ -128,7 +111,8 @@ class SchedulerCore:
         self.accounting.open_workload(workload_id, ids, caps.max_running, policy.snapshot_at_tick)
         return workload_id, ids
 
-    def _checked(self, check: Callable[[], WorkloadCaps | None]):
+    def _checked(self, check: Callable[[], _T]) -> _T:
+        """Run an admission check; a rejection is counted, then raised to the caller."""
         try:
             return check()
         except AdmissionRejected as exc:
