@@ -66,10 +66,14 @@ def _scheduler(a: argparse.Namespace) -> Iterator[str]:
 
 
 def cmd_up(a: argparse.Namespace) -> int:
-    from kvfleet.local_cluster import LocalCluster
-
+    """Start the cluster and keep it up: a process that dies is restarted (with backoff, logged);
+    Ctrl-C or SIGTERM drains and stops everything, and so does a scheduler that keeps crashing."""
     import dataclasses
+    import logging
 
+    from kvfleet.local_cluster import ClusterDown, LocalCluster, Supervisor
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = _spec(a, a.port)
     if not a.no_gateway:
         spec = dataclasses.replace(spec, gateway=True, gateway_port=a.gateway_port)
@@ -83,20 +87,23 @@ def cmd_up(a: argparse.Namespace) -> int:
           f"{cluster.telemetry_address} (workers {', '.join(cluster.worker_addresses)}; "
           f"metrics ports {cluster.metrics_ports}; logs in {cluster.log_dir}). Ctrl-C drains and stops.",
           flush=True)
-    stop = []
+    print("pids: " + ", ".join(f"{n}={p.pid}" for n, p in cluster.procs.items()), flush=True)
+    stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    supervisor = Supervisor(cluster)
+    code = 0
     try:
         while not stop:
-            time.sleep(0.5)
-            dead = [n for n, p in cluster.procs.items() if p.poll() is not None]
-            if dead:
-                print(f"process exited: {', '.join(dead)}; stopping", file=sys.stderr)
-                break
+            supervisor.poll()
+            time.sleep(0.2)
     except KeyboardInterrupt:
         pass
+    except ClusterDown as exc:
+        print(f"kvfleet: {exc}; stopping", file=sys.stderr, flush=True)
+        code = 1
     print("draining ...", flush=True)
     cluster.stop()
-    return 0
+    return code
 
 
 def _request_from_args(a: argparse.Namespace, prompt):
@@ -107,28 +114,21 @@ def _request_from_args(a: argparse.Namespace, prompt):
 
 
 def _run_generate(a: argparse.Namespace, prompt) -> int:
-    from kvfleet.client import Completion, SchedulerClient, finish_name
+    from kvfleet.client import SchedulerClient
+
+    def show(ev) -> None:
+        print(ev.text if ev.text else " ".join(map(str, ev.token_ids)) + " " * bool(ev.token_ids),
+              end="", flush=True)
 
     with _scheduler(a) as address, SchedulerClient(address) as client:
-        req = _request_from_args(a, prompt)
-        result: Completion | None = None
-        for ev in client.stream(req, timeout=a.timeout):
-            if result is None:
-                result = Completion(session_id=ev.session_id, prompt_token_ids=list(ev.prompt_token_ids))
-            result.token_ids.extend(ev.token_ids)
-            result.text += ev.text
-            if not a.json:
-                print(ev.text if ev.text else " ".join(map(str, ev.token_ids)) + " " * bool(ev.token_ids),
-                      end="", flush=True)
-            if ev.finished:
-                result.finish_reason = finish_name(ev.finish_reason)
-        assert result is not None
-        if a.json:
-            print(json.dumps({"session_id": result.session_id, "prompt_token_ids": result.prompt_token_ids,
-                              "token_ids": result.token_ids, "text": result.text,
-                              "finish_reason": result.finish_reason}))
-        else:
-            print(f"\n[{result.finish_reason}, {len(result.token_ids)} tokens]", file=sys.stderr)
+        result = client.generate(_request_from_args(a, prompt), timeout=a.timeout,
+                                 on_event=None if a.json else show)
+    if a.json:
+        print(json.dumps({"session_id": result.session_id, "prompt_token_ids": result.prompt_token_ids,
+                          "token_ids": result.token_ids, "text": result.text,
+                          "finish_reason": result.finish_reason}))
+    else:
+        print(f"\n[{result.finish_reason}, {len(result.token_ids)} tokens]", file=sys.stderr)
     return 0
 
 
@@ -252,24 +252,15 @@ def cmd_demo(a: argparse.Namespace) -> int:
                               ("chat", [{"role": "user", "content": "Name three primary colors."}])):
             shown = prompt if isinstance(prompt, str) else prompt[-1]["content"]
             print(f"\n== {title}: {shown!r}\n", flush=True)
-            result_tokens = 0
-            for ev in client.stream(build_request(prompt, a.max_new_tokens)):
-                print(ev.text, end="", flush=True)
-                result_tokens += len(ev.token_ids)
-                if ev.finished:
-                    print(f"\n[{ev.usage.input_tokens} prompt tokens, {ev.usage.output_tokens} "
-                          f"generated, finish: {ev.finish_reason and _finish(ev.finish_reason)}]")
+            result = client.generate(build_request(prompt, a.max_new_tokens),
+                                     on_event=lambda ev: print(ev.text, end="", flush=True))
+            print(f"\n[{len(result.prompt_token_ids)} prompt tokens, {len(result.token_ids)} "
+                  f"generated, finish: {result.finish_reason}]")
     print("\n== the concurrency sweep on the tiny model\n", flush=True)
     a.scheduler, a.model = None, "tiny"
     a.sessions, a.prompt_len, a.max_new_tokens, a.prefill_budget = 8, 4, 8, 4
     a.concurrency, a.seed = (1, 2, 4, 8), 0
     return cmd_sweep(a)
-
-
-def _finish(value: int) -> str:
-    from kvfleet.client import finish_name
-
-    return finish_name(value)
 
 
 def build_parser() -> argparse.ArgumentParser:

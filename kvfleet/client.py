@@ -1,10 +1,23 @@
-"""A small synchronous client of the scheduler's gRPC API."""
+"""A small synchronous client of the scheduler's gRPC API, which rides out a scheduler restart.
+
+`events()` (and `generate()`, built on it) retries a session that failed with UNAVAILABLE while
+the scheduler was unreachable or restarting, with backoff and a bounded number of attempts:
+- before any event arrived nothing was generated for the client, so sending it again is idempotent;
+- after some events, a greedy (temperature 0) or seeded session is sent again and the tokens
+  already delivered are skipped; the output is deterministic, so the result is token-exact, and
+  the skipped tokens are checked against the delivered ones (`ResumeMismatch` if they differ).
+A scheduler that answers its health check with NOT_SERVING is draining: its UNAVAILABLE is final,
+and so is an UNAVAILABLE before any event from one that is up (its own refusal, e.g. no live worker).
+`stream()` is the raw single call (cancellable), with no retry.
+"""
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvfleet_common import grpcutil
 from kvfleet_common.security import TlsConfig, channel, token_metadata
@@ -20,6 +33,36 @@ class Completion:
     text: str = ""
     finish_reason: str = ""
     worker_id: str = ""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 8               # calls in all, the first included (1 = never retry)
+    first_backoff_s: float = 0.25   # doubled after each failed attempt ...
+    max_backoff_s: float = 4.0      # ... up to this
+    probe_timeout_s: float = 1.0    # the health check that tells a refusal from an outage
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"attempts must be at least 1, got {self.attempts}")
+        if not 0 < self.first_backoff_s <= self.max_backoff_s:
+            raise ValueError("need 0 < first_backoff_s <= max_backoff_s")
+
+    def backoff_s(self, failures: int) -> float:
+        """Seconds to wait after the failures-th failed attempt (1-based)."""
+        return min(self.max_backoff_s, self.first_backoff_s * 2 ** (failures - 1))
+
+
+NO_RETRY = RetryPolicy(attempts=1)
+
+
+class ResumeMismatch(RuntimeError):
+    """A resumed session did not reproduce the tokens already delivered (not deterministic)."""
+
+
+def resumable(request: spb.GenerateRequest) -> bool:
+    """Greedy or explicitly seeded output is the same on every run, so it can be regenerated."""
+    return request.sampling.temperature == 0 or request.sampling.seed != 0
 
 
 def finish_name(value: int) -> str:
@@ -43,13 +86,48 @@ def build_request(prompt: str | Sequence[int] | list[dict], max_new_tokens: int,
     return req
 
 
+class _Splice:
+    """Drops the part of a re-sent session's events that the caller already has, checking that
+    the tokens are the same (they are, for deterministic output) so the joined stream is exact."""
+
+    def __init__(self, tokens: list[int], text_len: int) -> None:
+        self._tokens = list(tokens)
+        self._pos = 0                   # tokens of the re-sent session matched so far
+        self._text_left = text_len      # characters of its text still to drop
+
+    def trim(self, ev: spb.GenerateEvent) -> spb.GenerateEvent | None:
+        """The event's new part; None when nothing in it is new."""
+        ids = list(ev.token_ids)
+        n = min(len(ids), len(self._tokens) - self._pos)
+        if ids[:n] != self._tokens[self._pos:self._pos + n] or \
+                (ev.finished and self._pos + n < len(self._tokens)):
+            raise ResumeMismatch(f"session re-sent after an outage diverged from the {len(self._tokens)} "
+                                 f"tokens already delivered (at token {self._pos})")
+        self._pos += n
+        t = min(len(ev.text), self._text_left)
+        self._text_left -= t
+        out = spb.GenerateEvent()
+        out.CopyFrom(ev)
+        del out.token_ids[:n]
+        out.text = ev.text[t:]
+        out.ClearField("prompt_token_ids")   # the caller had them with its first event
+        if not (out.token_ids or out.text or out.finished):
+            return None
+        return out
+
+
 class SchedulerClient:
-    def __init__(self, address: str, tls: TlsConfig | None = None, token: str | None = None) -> None:
+    def __init__(self, address: str, tls: TlsConfig | None = None, token: str | None = None,
+                 retry: RetryPolicy = RetryPolicy(), sleep: Callable[[float], None] = time.sleep) -> None:
         """TLS and the bearer token default to KVFLEET_TLS_* and KVFLEET_API_TOKEN (kvfleet_common.security)."""
         self.address = address
+        self.retry = retry
+        self._sleep = sleep
         self._channel = channel(address, tls, options=grpcutil.CHANNEL_OPTIONS)
         self.stub = spb_grpc.SchedulerStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
         self._md = tuple(token_metadata(token))
+        self.retries = 0                # attempts re-sent by events(), for callers and tests
 
     def close(self) -> None:
         self._channel.close()
@@ -63,11 +141,72 @@ class SchedulerClient:
     def stream(self, request: spb.GenerateRequest, timeout: float | None = None) -> Iterator[spb.GenerateEvent]:
         return self.stub.Generate(request, timeout=timeout, metadata=self._md)
 
-    def generate(self, request: spb.GenerateRequest, timeout: float | None = None) -> Completion:
+    def events(self, request: spb.GenerateRequest, timeout: float | None = None) -> Iterator[spb.GenerateEvent]:
+        """The session's events, as `stream()` gives them, across scheduler restarts (see the
+        module docstring). `timeout` bounds the whole session, retries included."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delivered: list[int] = []       # tokens the caller already has
+        text_len = 0                    # characters of text the caller already has
+        started = False                 # the caller has had an event
+        failures = 0
+        while True:
+            splice = _Splice(delivered, text_len) if started else None
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            call = self.stub.Generate(request, timeout=remaining, metadata=self._md)   # stream(), cancellable
+            try:
+                for ev in call:
+                    if splice is not None:
+                        trimmed = splice.trim(ev)
+                        if trimmed is None:
+                            continue
+                        ev = trimmed
+                    started = True
+                    delivered.extend(ev.token_ids)
+                    text_len += len(ev.text)
+                    yield ev
+                return
+            except grpc.RpcError as exc:
+                failures += 1
+                if not self._should_retry(exc, request, started, failures, deadline):
+                    raise
+                self._sleep(self.retry.backoff_s(failures))
+                self.retries += 1
+            finally:
+                call.cancel()           # a no-op once it ended; frees the session if the caller stopped early
+
+    def _should_retry(self, exc: grpc.RpcError, request: spb.GenerateRequest, started: bool,
+                      failures: int, deadline: float | None) -> bool:
+        if exc.code() != grpc.StatusCode.UNAVAILABLE or failures >= self.retry.attempts:  # type: ignore[attr-defined]
+            return False
+        if started and not resumable(request):
+            return False                # a fresh sampling would not continue what the caller has
+        if deadline is not None and time.monotonic() + self.retry.backoff_s(failures) >= deadline:
+            return False
+        state = self._probe()
+        if state == health_pb2.HealthCheckResponse.NOT_SERVING:
+            return False                # draining: it said "retry against another scheduler"
+        # Up and serving, and the session never started: that UNAVAILABLE was its own refusal
+        # (no live worker, after waiting for one). Unreachable: it died or restarts; try again.
+        return not (state == health_pb2.HealthCheckResponse.SERVING and not started)
+
+    def _probe(self) -> int:
+        """The scheduler's health status, or UNKNOWN when it does not answer."""
+        try:
+            return self._health.Check(health_pb2.HealthCheckRequest(), timeout=self.retry.probe_timeout_s,
+                                      metadata=self._md).status
+        except grpc.RpcError:
+            return health_pb2.HealthCheckResponse.UNKNOWN
+
+    def generate(self, request: spb.GenerateRequest, timeout: float | None = None,
+                 on_event: Callable[[spb.GenerateEvent], None] | None = None) -> Completion:
+        """The whole session; on_event sees each event as it arrives (e.g. to print a stream)."""
         result: Completion | None = None
-        for ev in self.stream(request, timeout):
+        for ev in self.events(request, timeout):
+            if on_event is not None:
+                on_event(ev)
             if result is None:
                 result = Completion(session_id=ev.session_id, prompt_token_ids=list(ev.prompt_token_ids))
+            result.session_id = ev.session_id   # a new one if the session was re-sent
             result.token_ids.extend(ev.token_ids)
             result.text += ev.text
             result.worker_id = ev.worker_id or result.worker_id

@@ -1,4 +1,7 @@
-"""Starts a scheduler and N workers as local processes, waits for health, stops them by SIGTERM."""
+"""Starts a scheduler and N workers as local processes, waits for health, stops them by SIGTERM.
+
+`Supervisor` keeps them up (what `kvfleet up` runs): a process that exits is started again on
+its old address after a backoff; only a scheduler that keeps crashing stops the cluster."""
 from __future__ import annotations
 
 import asyncio
@@ -61,6 +64,8 @@ class LocalCluster:
         self.spec = spec
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kvfleet-"))
         self.procs: dict[str, subprocess.Popen] = {}
+        self.commands: dict[str, list[str]] = {}      # name -> its arguments, to start it again
+        self.started_at: dict[str, float] = {}        # name -> time.monotonic() of its last start
         self.worker_addresses: list[str] = []
         self.scheduler_address = ""
         self.telemetry_address = ""
@@ -109,8 +114,18 @@ class LocalCluster:
         out = open(self.log_dir / f"{name}.log", "ab")
         env = {**os.environ, **self._env(name)}
         proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
+        out.close()                                   # the child holds its own descriptor
         self.procs[name] = proc
+        self.commands[name] = list(args)
+        self.started_at[name] = time.monotonic()
         return proc
+
+    def respawn(self, name: str) -> subprocess.Popen:
+        """Start a process again with its old arguments (so on its old address); does not wait."""
+        old = self.procs.get(name)
+        if old is not None and old.poll() is None:
+            raise RuntimeError(f"{name} is still running (pid {old.pid})")
+        return self._spawn(name, self.commands[name])
 
     def start(self) -> "LocalCluster":
         s = self.spec
@@ -165,7 +180,7 @@ class LocalCluster:
 
     def restart_worker(self, i: int) -> None:
         """Start worker i again on its old address and wait until it is healthy."""
-        self._spawn_worker(i)
+        self.respawn(f"worker-{i}")
         self._wait_healthy([self.worker_addresses[i]])
 
     def pid(self, name: str) -> int:
@@ -223,3 +238,72 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    first_delay_s: float = 0.5      # wait before the first restart, doubled for each crash in a row ...
+    max_delay_s: float = 30.0       # ... up to this
+    stable_after_s: float = 30.0    # up this long: its next crash counts as the first again
+    max_restarts: int = 0           # crashes in a row before giving up on the cluster; 0 = never
+
+    def __post_init__(self) -> None:
+        if not 0 < self.first_delay_s <= self.max_delay_s:
+            raise ValueError("need 0 < first_delay_s <= max_delay_s")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+
+    def delay_s(self, crashes: int) -> float:
+        """Backoff before restarting after the crashes-th crash in a row (1-based)."""
+        return min(self.max_delay_s, self.first_delay_s * 2 ** (crashes - 1))
+
+
+# The scheduler holds every session: if it cannot stay up, nothing can be served. Workers,
+# telemetry and the gateway are retried for as long as the cluster runs (capped backoff).
+DEFAULT_POLICIES = {"scheduler": RestartPolicy(max_restarts=5)}
+
+
+class ClusterDown(RuntimeError):
+    """A process the cluster cannot run without kept crashing."""
+
+
+class Supervisor:
+    """Restarts a LocalCluster's processes that exit. `poll()` is one pass and never blocks: a
+    crashed process is due again after its backoff, so one slow start holds up no other restart.
+    Processes the caller removed from `cluster.procs` (e.g. `kill_worker`) are left alone."""
+
+    def __init__(self, cluster: LocalCluster, policies: dict[str, RestartPolicy] | None = None,
+                 clock=time.monotonic) -> None:
+        self.cluster = cluster
+        self.policies = {**DEFAULT_POLICIES, **(policies or {})}
+        self.clock = clock
+        self.crashes: dict[str, int] = {}     # name -> crashes in a row
+        self.restarts: dict[str, int] = {}    # name -> restarts in all
+        self._due: dict[str, float] = {}      # name -> when to start it again
+
+    def policy(self, name: str) -> RestartPolicy:
+        return self.policies.get(name.split("-")[0], RestartPolicy())   # worker-1 -> worker
+
+    def poll(self) -> None:
+        """Notice exits, start again those whose backoff has passed; ClusterDown to give up."""
+        now = self.clock()
+        for name, proc in list(self.cluster.procs.items()):
+            if name in self._due or proc.poll() is None:
+                continue
+            policy = self.policy(name)
+            up_for = now - self.cluster.started_at.get(name, now)
+            crashes = 1 if up_for >= policy.stable_after_s else self.crashes.get(name, 0) + 1
+            self.crashes[name] = crashes
+            if policy.max_restarts and crashes > policy.max_restarts:
+                raise ClusterDown(f"{name} exited {crashes} times in a row (last code {proc.returncode}); "
+                                  f"logs in {self.cluster.log_dir}")
+            delay = policy.delay_s(crashes)
+            log.warning("%s exited with code %s after %.1fs; restarting in %.1fs (crash %d in a row)",
+                        name, proc.returncode, up_for, delay, crashes)
+            self._due[name] = now + delay
+        for name, due in list(self._due.items()):
+            if now >= due:
+                del self._due[name]
+                proc = self.cluster.respawn(name)
+                self.restarts[name] = self.restarts.get(name, 0) + 1
+                log.warning("%s restarted (pid %d)", name, proc.pid)

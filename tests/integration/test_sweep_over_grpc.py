@@ -7,15 +7,12 @@ import pytest
 from kvfleet.client import SchedulerClient
 from kvfleet.sweep import SweepSpec, run_sweep
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "shared" / "reference" / "concurrency_sweep_example.json"
+# Kept inside the repository: a fresh clone must pass `make test` with nothing beside it.
+EXAMPLE = Path(__file__).resolve().parents[1] / "data" / "concurrency_sweep_example.json"
 
 
 def _example() -> dict:
-    for candidate in (EXAMPLE, Path(__file__).resolve().parents[2] / ".." / "shared" / "reference"
-                      / "concurrency_sweep_example.json"):
-        if candidate.exists():
-            return json.loads(candidate.read_text())
-    pytest.fail(f"reference example not found at {EXAMPLE}")
+    return json.loads(EXAMPLE.read_text())
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,114 @@
+"""`kvfleet up` as a user runs it (a subprocess) keeps serving when a worker is SIGKILLed: the
+streams in flight finish with exactly their solo tokens, the worker is restarted and serves again,
+and only SIGTERM stops the cluster."""
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvfleet.client import NO_RETRY, SchedulerClient, build_request
+
+
+class Up:
+    """A `kvfleet up` process: its scheduler address and its children's pids, read from its banner."""
+
+    def __init__(self, args: list[str], log: Path, start_timeout_s: float) -> None:
+        self.stderr_path = log
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvfleet.cli", "up", "--port", "0",
+                                      "--telemetry-port", "0", "--gateway-port", "0", *args],
+                                     stdout=subprocess.PIPE, stderr=open(log, "wb"))
+        banner = self._read_until("pids: ", start_timeout_s)
+        self.scheduler = re.search(r"scheduler at (\S+?)[,\s]", banner).group(1)
+        self.pids = {n: int(p) for n, p in re.findall(r"([\w-]+)=(\d+)", banner.split("pids: ")[1])}
+
+    def _read_until(self, marker: str, timeout_s: float) -> str:
+        text, end = "", time.monotonic() + timeout_s
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        while marker not in text or not text.endswith("\n"):
+            assert self.proc.poll() is None, f"kvfleet up exited:\n{text}\n{self.stderr()}"
+            assert time.monotonic() < end, f"kvfleet up not up within {timeout_s}s:\n{text}"
+            if sel.select(0.5):   # raw reads: a buffered readline could hide a line from select
+                text += os.read(self.proc.stdout.fileno(), 65536).decode()
+        return text
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def _wait_live(client: SchedulerClient, worker: str, timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    while not {w.worker_id: w.live for w in client.list_workers()}.get(worker):
+        assert time.monotonic() < end, f"{worker} was not taken back within {timeout_s}s"
+        time.sleep(0.2)
+
+
+def _kill_a_worker_mid_stream(up: Up, prompts: list, new_tokens: int, solo: list[list[int]],
+                              restart_timeout_s: float) -> None:
+    # The raw call, no client retry: the cluster itself must keep the streams whole.
+    with SchedulerClient(up.scheduler, retry=NO_RETRY) as client:
+        streams = [client.stream(build_request(p, new_tokens, ignore_eos=True)) for p in prompts]
+        firsts = [next(s) for s in streams]
+        assert "worker-1" in {f.worker_id for f in firsts}, "no stream on the victim; nothing tested"
+        os.kill(up.pids["worker-1"], signal.SIGKILL)
+        got = [list(f.token_ids) + [t for ev in s for t in ev.token_ids] for f, s in zip(firsts, streams)]
+        for p, tokens, expected in zip(prompts, got, solo):
+            assert tokens == expected, p
+        assert up.proc.poll() is None, f"kvfleet up stopped:\n{up.stderr()}"
+        _wait_live(client, "worker-1", restart_timeout_s)
+        log = up.stderr()
+        assert re.search(r"worker-1 exited with code -9 .*restarting in", log), log
+        assert "worker-1 restarted" in log
+        # New sessions are served afterwards, on both workers (the restarted one included).
+        after = [client.generate(build_request(p, new_tokens, ignore_eos=True)) for p in prompts]
+        assert [r.token_ids for r in after] == solo
+
+
+def test_up_keeps_serving_when_a_worker_is_killed_tiny(tmp_path: Path):
+    from kvfleet_models.config import tiny_config
+    from kvfleet_models.reference import reference_generate
+    from kvfleet_models.tiny import tiny_weights
+
+    cfg = tiny_config()
+    weights = tiny_weights(cfg, seed=0)
+    prompts = [[i, i + 1, (i * 5) % 48] for i in range(6)]
+    solo = [reference_generate(cfg, weights, p, 200) for p in prompts]
+    up = Up(["--model", "tiny", "--workers", "2"], tmp_path / "up.err", start_timeout_s=60)
+    try:
+        _kill_a_worker_mid_stream(up, prompts, 200, solo, restart_timeout_s=30)
+    finally:
+        code = up.stop()
+    assert code == 0, up.stderr()
+    assert "draining" in up.proc.stdout.read().decode()
+
+
+@pytest.mark.slow
+def test_up_keeps_serving_when_a_worker_is_killed_smollm2(tmp_path: Path):
+    prompts = ["The capital of France is", "def add(a, b):", "Three colors:", "In 1969,",
+               "The sea is", "Once upon a time"]
+    new_tokens = 12
+    up = Up(["--model", "smollm2-135m", "--workers", "2"], tmp_path / "up.err", start_timeout_s=120)
+    try:
+        with SchedulerClient(up.scheduler) as client:   # each prompt alone: its solo tokens
+            solo = [client.generate(build_request(p, new_tokens, ignore_eos=True)).token_ids for p in prompts]
+        _kill_a_worker_mid_stream(up, prompts, new_tokens, solo, restart_timeout_s=90)
+    finally:
+        code = up.stop()
+    assert code == 0, up.stderr()
