@@ -1,4 +1,4 @@
-"""Table-driven tests of the scheduler core's tick rules (shared/reference/README.md).
+"""Table-driven tests of the scheduler core's tick rules (the README's scheduling rules; the reference figures are in tests/data/).
 
 Every expected figure below was worked out by hand from the rules, not read off the code:
   * a tick admits waiting sessions FCFS (lower priority value first) while fewer than
