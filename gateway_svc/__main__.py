@@ -10,6 +10,10 @@ import sys
 from gateway_svc.config import GatewayConfig
 
 
+def _flag(value: str | None) -> bool:
+    return (value or "").lower() in ("1", "true", "yes")
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str]:
     env = os.environ.get
     d = GatewayConfig()
@@ -21,6 +25,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str]:
     p.add_argument("--api-key", default=env("KVFLEET_GATEWAY_API_KEY") or None,
                    help="require 'Authorization: Bearer <key>' on /v1/* (prefer the environment variable: "
                         "a flag shows in the process list)")
+    p.add_argument("--pass-through-key", action="store_true", default=_flag(env("KVFLEET_GATEWAY_PASS_THROUGH_KEY")),
+                   help="require 'Authorization: Bearer <token>' on /v1/* and send that token to the scheduler, "
+                        "which checks it (its KVFLEET_API_TOKEN); the gateway holds no key")
+    p.add_argument("--allow-anonymous", action="store_true", default=_flag(env("KVFLEET_GATEWAY_ALLOW_ANONYMOUS")),
+                   help="serve callers without a key even though KVFLEET_API_TOKEN (the scheduler's token) is set; "
+                        "without this, the gateway refuses to start so")
     p.add_argument("--request-timeout", type=float,
                    default=float(env("KVFLEET_GATEWAY_REQUEST_TIMEOUT_S", d.request_timeout_s)),
                    help="seconds one generation may take (then 504)")
@@ -31,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str]:
     p.add_argument("--log-level", default=env("KVFLEET_LOG_LEVEL", "INFO"))
     a = p.parse_args(argv)
     config = GatewayConfig(host=a.host, port=a.port, scheduler=a.scheduler, api_key=a.api_key,
+                           scheduler_token=env("KVFLEET_API_TOKEN", ""), pass_through_key=a.pass_through_key,
+                           allow_anonymous=a.allow_anonymous,
                            request_timeout_s=a.request_timeout, chat_max_tokens=a.chat_max_tokens,
                            drain_grace_s=a.drain_grace)
     return config, a.log_level

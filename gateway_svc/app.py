@@ -18,14 +18,15 @@ from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from gateway_svc.config import GatewayConfig
+from gateway_svc.config import AuthMode, GatewayConfig
 from gateway_svc.errors import ApiError, bad_request, internal_error, model_not_found, unauthorized
 from gateway_svc.openai_schema import (
     SSE_DONE, Endpoint, GenerationRequest, ResponseBuilder, SchemaError, Usage, finish_reason,
     model_card, model_list, new_response_id, parse_request, sse,
 )
-from gateway_svc.upstream import Upstream, events
+from gateway_svc.upstream import Auth, Upstream, events
 from kvfleet.client import finish_name
+from kvfleet_common.security import token_metadata
 from kvfleet_common.tracing import extract_context, inject_metadata
 from kvfleet.v1 import scheduler_pb2 as spb
 
@@ -62,17 +63,40 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         return error_response(internal_error())
 
 
-def _auth(api_key: str | None):
-    expected = f"Bearer {api_key}".encode()
+# request[_AUTH_KEY]: the token metadata this request's scheduler calls carry
+_AUTH_KEY = web.RequestKey("scheduler_auth", tuple)
+
+
+def _bearer(request: web.Request) -> str:
+    """The caller's bearer token, checked only for form (the scheduler judges it)."""
+    given = request.headers.get("Authorization", "")
+    if not given:
+        raise unauthorized("no API key given; send the header 'Authorization: Bearer <key>'")
+    scheme, _, token = given.partition(" ")
+    # gRPC metadata carries printable ASCII only; anything else cannot be the scheduler's token
+    if scheme.lower() != "bearer" or not token or not all("!" <= ch <= "~" for ch in token):
+        raise unauthorized("the API key is not valid; send the header 'Authorization: Bearer <key>'")
+    return token
+
+
+def _auth(config: GatewayConfig):
+    """Who may call /v1/*, and with which token each request reaches the scheduler."""
+    mode = config.auth_mode
+    own: Auth = tuple(token_metadata(config.scheduler_token))
+    expected = f"Bearer {config.api_key}".encode()
 
     @web.middleware
     async def check(request: web.Request, handler) -> web.StreamResponse:
-        if api_key is not None and request.path.startswith("/v1/"):
-            given = request.headers.get("Authorization", "")
-            if not given:
-                raise unauthorized("no API key given; send the header 'Authorization: Bearer <key>'")
-            if not hmac.compare_digest(given.encode(), expected):
-                raise unauthorized("the API key is not valid")
+        request[_AUTH_KEY] = own
+        if request.path.startswith("/v1/"):
+            if mode is AuthMode.PASS_THROUGH:
+                request[_AUTH_KEY] = tuple(token_metadata(_bearer(request)))
+            elif mode is AuthMode.OWN_KEY:
+                given = request.headers.get("Authorization", "")
+                if not given:
+                    raise unauthorized("no API key given; send the header 'Authorization: Bearer <key>'")
+                if not hmac.compare_digest(given.encode(), expected):
+                    raise unauthorized("the API key is not valid")
         return await handler(request)
 
     return check
@@ -86,8 +110,10 @@ async def _body(request: web.Request) -> Any:
 
 
 def _request_attributes(req: GenerationRequest) -> dict[str, Any]:
+    # No gen_ai.request.model: the model name is the caller's until the scheduler is found to
+    # serve it (_run sets it then, and names the span after it).
     attrs: dict[str, Any] = {"gen_ai.operation.name": req.endpoint.value, "gen_ai.system": "kvfleet",
-                             "gen_ai.request.model": req.model, "gen_ai.request.max_tokens": req.max_tokens,
+                             "gen_ai.request.max_tokens": req.max_tokens,
                              "gen_ai.request.temperature": req.temperature, "gen_ai.request.top_p": req.top_p,
                              "kvfleet.request.stream": req.stream}
     if req.seed is not None:
@@ -118,9 +144,11 @@ class Gateway:
             req = parse_request(endpoint, await _body(request), chat_max_tokens=self.config.chat_max_tokens)
         except SchemaError as exc:
             raise bad_request(exc.message, exc.param) from None
-        # The caller's own trace context (a `traceparent` header), if any, parents our span.
+        # The caller's own trace context (a `traceparent` header), if any, parents our span. Its
+        # name is fixed until the model is known: a name from the caller would let anyone mint
+        # span names (and rows of every per-name view) at will.
         parent = extract_context(request.headers.items())
-        with self._tracer.start_as_current_span(f"{endpoint.value} {req.model}", context=parent,
+        with self._tracer.start_as_current_span(endpoint.value, context=parent,
                                                 kind=SpanKind.SERVER, attributes=_request_attributes(req),
                                                 record_exception=False, set_status_on_exception=False) as span:
             try:
@@ -137,12 +165,16 @@ class Gateway:
                 raise
 
     async def _run(self, request: web.Request, req: GenerationRequest, span: Span) -> web.StreamResponse:
-        await self.upstream.require_model(req.model)
+        auth = request[_AUTH_KEY]
+        await self.upstream.require_model(req.model, auth, refresh=self._per_caller_models)
+        # From here on req.model is a model the cluster serves, not just what the caller wrote.
+        span.update_name(f"{req.endpoint.value} {req.model}")
         builder = ResponseBuilder(req.endpoint, new_response_id(req.endpoint), int(time.time()), req.model,
                                   include_usage=req.include_usage)
-        span.set_attributes({"gen_ai.response.id": builder.id, "gen_ai.response.model": req.model})
+        span.set_attributes({"gen_ai.request.model": req.model, "gen_ai.response.id": builder.id,
+                             "gen_ai.response.model": req.model})
         # inject_metadata() carries the current span, ours, so the scheduler's span is its child.
-        call = self.upstream.generate(req, inject_metadata(), self.config.request_timeout_s)
+        call = self.upstream.generate(req, inject_metadata(), auth, self.config.request_timeout_s)
         try:
             stream = events(call)
             # Wait for the first event before answering, so a rejection (queue full, bad prompt,
@@ -196,18 +228,24 @@ class Gateway:
 
     # ---- models and health ----------------------------------------------------------------
 
+    @property
+    def _per_caller_models(self) -> bool:
+        """Callers' own tokens reach the scheduler: the model list one of them got is not for the next."""
+        return self.config.auth_mode is AuthMode.PASS_THROUGH
+
     async def models(self, request: web.Request) -> web.Response:
-        return _json(model_list(sorted(await self.upstream.served_models()), self._started))
+        served = await self.upstream.served_models(request[_AUTH_KEY], refresh=self._per_caller_models)
+        return _json(model_list(sorted(served), self._started))
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        served = await self.upstream.served_models(refresh=True)
+        served = await self.upstream.served_models(request[_AUTH_KEY], refresh=True)
         if name not in served:
             raise model_not_found(name, sorted(served))
         return _json(model_card(name, self._started))
 
     async def health(self, request: web.Request) -> web.Response:
-        report = await self.upstream.health()
+        report = await self.upstream.health(request[_AUTH_KEY])
         ok = report.ok and not self.draining
         body = {"status": "ok" if ok else "unavailable", "scheduler": report.scheduler,
                 "live_workers": report.live_workers, "draining": self.draining}
@@ -228,12 +266,12 @@ def _usage(ev: spb.GenerateEvent) -> Usage:
 
 def _end_with_error(span: Span, status: int, error_type: str, message: str) -> None:
     span.set_attributes({"http.response.status_code": status, "error.type": error_type})
-    span.set_status(Status(StatusCode.ERROR, message))
+    span.set_status(Status(StatusCode.ERROR, message[:500]))   # a 404 quotes the caller's model
 
 
 def create_app(config: GatewayConfig, upstream: Upstream) -> tuple[web.Application, Gateway]:
     gateway = Gateway(config, upstream)
-    app = web.Application(middlewares=[_errors, _auth(config.api_key)], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[_errors, _auth(config)], client_max_size=MAX_BODY_BYTES)
     app.router.add_post("/v1/completions", gateway.completions)
     app.router.add_post("/v1/chat/completions", gateway.chat_completions)
     app.router.add_get("/v1/models", gateway.models)
@@ -267,6 +305,8 @@ async def create_server(config: GatewayConfig) -> tuple[RunningGateway, int]:
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
     port = runner.addresses[0][1]
-    log.info("gateway serving on http://%s:%d in front of the scheduler at %s",
-             config.host, port, config.scheduler)
+    log.info("gateway serving on http://%s:%d in front of the scheduler at %s (callers: %s)",
+             config.host, port, config.scheduler, config.auth_mode.value)
+    if config.auth_mode is AuthMode.ANONYMOUS:
+        log.warning("--allow-anonymous: anyone who reaches this port generates with the scheduler's token")
     return RunningGateway(runner, gateway), port

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway_svc.errors import ApiError, from_grpc, model_not_found
 from gateway_svc.openai_schema import Endpoint, GenerationRequest
 from kvfleet_common import grpcutil
-from kvfleet_common.security import aio_channel, token_metadata
+from kvfleet_common.security import aio_channel
 from kvfleet.client import build_request
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet.v1 import scheduler_pb2_grpc as spb_grpc
@@ -31,24 +31,27 @@ def to_pb(req: GenerationRequest) -> spb.GenerateRequest:
                          top_p=req.top_p, seed=seed, stop=req.stop, ignore_eos=req.ignore_eos)
 
 
+Auth = tuple[tuple[str, str], ...]   # the scheduler's bearer-token metadata of one call, or ()
+
+
 @dataclass(frozen=True)
 class HealthReport:
-    scheduler: str          # the gRPC health status name, or why it could not be asked
-    live_workers: int
+    scheduler: str              # the gRPC health status name, or why it could not be asked
+    live_workers: int | None    # None: the scheduler wants a token the gateway does not hold
 
     @property
     def ok(self) -> bool:
-        return self.scheduler == "SERVING" and self.live_workers > 0
+        return self.scheduler == "SERVING" and (self.live_workers is None or self.live_workers > 0)
 
 
 class Upstream:
-    """One grpc.aio channel to the scheduler, shared by every request."""
+    """One grpc.aio channel to the scheduler, shared by every request. Each call carries the
+    bearer token the gateway chose for it (`auth`): its own, or the caller's passed through."""
 
     def __init__(self, address: str, models_ttl_s: float = 5.0, health_timeout_s: float = 2.0) -> None:
         self.address = address
-        # TLS and the scheduler's bearer token from KVFLEET_TLS_* / KVFLEET_API_TOKEN.
+        # TLS from KVFLEET_TLS_*.
         self._channel = aio_channel(address, options=grpcutil.CHANNEL_OPTIONS)
-        self._md = tuple(token_metadata())
         self._stub = spb_grpc.SchedulerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._models_ttl_s = models_ttl_s
@@ -58,31 +61,32 @@ class Upstream:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def _workers(self) -> list[spb.WorkerState]:
+    async def _workers(self, auth: Auth) -> list[spb.WorkerState]:
         try:
             resp = await self._stub.ListWorkers(spb.ListWorkersRequest(), timeout=self._health_timeout_s,
-                                                metadata=self._md)
+                                                metadata=auth)
         except grpc.aio.AioRpcError as exc:
             raise from_grpc(exc) from exc
         return list(resp.workers)
 
-    async def served_models(self, refresh: bool = False) -> frozenset[str]:
+    async def served_models(self, auth: Auth, refresh: bool = False) -> frozenset[str]:
         """The distinct models of the workers the scheduler knows (live or not: a model whose
-        workers are all down is still served, and answers 503 rather than 404)."""
+        workers are all down is still served, and answers 503 rather than 404). refresh: ask the
+        scheduler now, with `auth`, rather than reuse a list that another caller's token got."""
         now = time.monotonic()
         if refresh or self._models is None or now - self._models[0] > self._models_ttl_s:
-            names = frozenset(w.model for w in await self._workers() if w.model)
+            names = frozenset(w.model for w in await self._workers(auth) if w.model)
             self._models = (now, names)
         return self._models[1]
 
-    async def require_model(self, name: str) -> None:
-        if name in await self.served_models():
+    async def require_model(self, name: str, auth: Auth, refresh: bool = False) -> None:
+        if name in await self.served_models(auth, refresh):
             return
-        served = await self.served_models(refresh=True)   # a model added since the last look
+        served = await self.served_models(auth, refresh=True)   # a model added since the last look
         if name not in served:
             raise model_not_found(name, sorted(served))
 
-    async def health(self) -> HealthReport:
+    async def health(self, auth: Auth) -> HealthReport:
         try:
             resp = await self._health.Check(health_pb2.HealthCheckRequest(service=""),
                                             timeout=self._health_timeout_s)
@@ -90,14 +94,14 @@ class Upstream:
         except grpc.aio.AioRpcError as exc:
             return HealthReport(f"unreachable ({exc.code().name})", 0)
         try:
-            live = sum(w.live for w in await self._workers())
-        except ApiError:
-            live = 0
+            live: int | None = sum(w.live for w in await self._workers(auth))
+        except ApiError as err:
+            live = None if err.status == 401 else 0   # 401: the gateway holds no token to ask with
         return HealthReport(status, live)
 
-    def generate(self, req: GenerationRequest, metadata: Sequence[tuple[str, str]],
+    def generate(self, req: GenerationRequest, metadata: Sequence[tuple[str, str]], auth: Auth,
                  timeout_s: float) -> grpc.aio.UnaryStreamCall:
-        return self._stub.Generate(to_pb(req), metadata=tuple(metadata) + self._md, timeout=timeout_s)
+        return self._stub.Generate(to_pb(req), metadata=tuple(metadata) + auth, timeout=timeout_s)
 
 
 async def events(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[spb.GenerateEvent]:

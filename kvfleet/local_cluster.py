@@ -99,7 +99,7 @@ class LocalCluster:
     def _env(self, name: str = "") -> dict[str, str]:
         env = dict(self.spec.extra_env)
         env.update(self._tls_env(name))
-        if self.spec.api_token and name in ("scheduler", "gateway"):
+        if self.spec.api_token and name == "scheduler":
             env["KVFLEET_API_TOKEN"] = self.spec.api_token
         if self.telemetry_address:
             scheme = "https" if self.spec.tls_dir else "http"
@@ -153,8 +153,12 @@ class LocalCluster:
             if s.gateway:
                 port = s.gateway_port or free_port(s.host)
                 self.gateway_url = f"http://{s.host}:{port}"
+                # With a scheduler token, the gateway holds none: each caller's bearer goes through.
+                token = s.api_token or os.environ.get("KVFLEET_API_TOKEN")
+                own_key = os.environ.get("KVFLEET_GATEWAY_API_KEY")
                 self._spawn("gateway", ["-m", "gateway_svc", "--host", s.host, "--port", str(port),
-                                        "--scheduler", self.scheduler_address])
+                                        "--scheduler", self.scheduler_address,
+                                        *(["--pass-through-key"] if token and not own_key else [])])
                 self._wait_http("gateway", self.gateway_url + "/health")
         except BaseException:
             self.stop()

@@ -4,7 +4,9 @@
                                      identity, and its client identity towards other services
   KVFLEET_TLS_CA                     the CA that signs the peers; set alone, a client trusts it
   KVFLEET_TLS_CLIENT_AUTH=true       a server requires client certificates (mutual TLS)
-  KVFLEET_TLS_ALLOWED_CLIENTS        common names a server accepts (e.g. kvfleet-scheduler)
+  KVFLEET_TLS_ALLOWED_CLIENTS        common names a server gated by authorize_peer (a worker) admits;
+                                     unset under TLS: only kvfleet-scheduler; `*`: any certificate
+                                     the CA signed
   KVFLEET_API_TOKEN                  the scheduler's client API wants "authorization: Bearer <token>";
                                      clients send it when set
 """
@@ -16,6 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+SCHEDULER_CLIENT = "kvfleet-scheduler"   # the common name of the scheduler's certificate
+ANY_CLIENT = "*"                         # KVFLEET_TLS_ALLOWED_CLIENTS: any certificate of the CA
 
 
 def _read(path: str | None, what: str) -> bytes | None:
@@ -33,7 +38,8 @@ class TlsConfig:
     key: str | None = None
     ca: str | None = None
     client_auth: bool = False
-    allowed_clients: frozenset[str] = frozenset()
+    # None: not configured, so authorize_peer's default applies (under TLS, the scheduler only)
+    allowed_clients: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         if bool(self.cert) != bool(self.key):
@@ -48,7 +54,7 @@ class TlsConfig:
         return cls(cert=env.get("KVFLEET_TLS_CERT") or None, key=env.get("KVFLEET_TLS_KEY") or None,
                    ca=env.get("KVFLEET_TLS_CA") or None,
                    client_auth=env.get("KVFLEET_TLS_CLIENT_AUTH", "").lower() in ("1", "true", "yes"),
-                   allowed_clients=allowed)
+                   allowed_clients=allowed or None)
 
     @property
     def serves_tls(self) -> bool:
@@ -57,6 +63,16 @@ class TlsConfig:
     @property
     def dials_tls(self) -> bool:
         return bool(self.ca or self.cert)
+
+    def admitted_clients(self, default: frozenset[str]) -> frozenset[str] | None:
+        """The client common names a gated server admits; None = anyone who reaches it.
+
+        A plaintext server cannot tell clients apart, so it admits anyone unless names were
+        configured (then nobody: no certificate, no name). Under TLS the default closes the door:
+        a worker must not obey whoever holds some certificate of the CA."""
+        if self.allowed_clients is None:
+            return default if self.serves_tls else None
+        return None if ANY_CLIENT in self.allowed_clients else self.allowed_clients
 
     def server_credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials([(_read(self.key, "key"), _read(self.cert, "certificate"))],
@@ -92,12 +108,20 @@ def peer_common_names(context) -> set[str]:
     return {v.decode() for v in context.auth_context().get("x509_common_name", [])}
 
 
-async def authorize_peer(context, tls: TlsConfig) -> None:
-    """Refuse a client whose certificate's common name is not allowed (mutual TLS only)."""
-    if tls.allowed_clients and not (peer_common_names(context) & tls.allowed_clients):
-        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                            f"client certificate {sorted(peer_common_names(context)) or 'none'} is not "
-                            f"allowed here; allowed: {sorted(tls.allowed_clients)}")
+async def authorize_peer(context, tls: TlsConfig,
+                         default: frozenset[str] = frozenset({SCHEDULER_CLIENT})) -> None:
+    """Refuse a client whose certificate's common name is not admitted (TlsConfig.admitted_clients)."""
+    allowed = tls.admitted_clients(default)
+    if allowed is None:
+        return
+    names = peer_common_names(context)
+    if names & allowed:
+        return
+    hint = "" if tls.client_auth else (" (this server does not ask for client certificates: set "
+                                       "KVFLEET_TLS_CLIENT_AUTH=true)")
+    await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                        f"client certificate {sorted(names) or 'none'} is not allowed here; allowed: "
+                        f"{sorted(allowed)}{hint}; KVFLEET_TLS_ALLOWED_CLIENTS changes that")
 
 
 async def authorize_token(context, token: str) -> None:

@@ -38,16 +38,22 @@ def test_plain_and_dashboards_profile_render() -> None:
 
 def test_tls_overlay_renders_and_says_what_it_needs(tmp_path) -> None:
     files = ("-f", "docker-compose.yml", "-f", "docker-compose.tls.yml")
-    missing = _config(*files)
+    missing = _config(*files, env={"KVFLEET_API_TOKEN": "t"})
     assert missing.returncode != 0 and "KVFLEET_TLS_DIR" in missing.stderr, missing.stderr
+    no_token = _config(*files, env={"KVFLEET_TLS_DIR": str(tmp_path)})
+    assert no_token.returncode != 0 and "KVFLEET_API_TOKEN" in no_token.stderr, no_token.stderr
     ok = _config(*files, env={"KVFLEET_TLS_DIR": str(tmp_path), "KVFLEET_API_TOKEN": "t"})
     assert ok.returncode == 0, ok.stderr
     services = yaml.safe_load(ok.stdout)["services"]
     for name in ("telemetry", "worker-0", "worker-1", "scheduler", "gateway"):
         env = services[name]["environment"]
         assert env["KVFLEET_TLS_CERT"].startswith("/tls/"), name
-        mounts = services[name]["volumes"]
-        assert any(str(tmp_path) in str(m) and "/tls" in str(m) for m in mounts), (name, mounts)
+        # its own folder only, whichever syntax this docker-compose renders volumes in
+        own = f"{tmp_path}/{name.split('-')[0]}"
+        mounts = [str(m) for m in services[name]["volumes"] if "/tls" in str(m)]
+        assert len(mounts) == 1 and own in mounts[0] and f"'{tmp_path}'" not in mounts[0], (name, mounts)
     assert services["worker-1"]["environment"]["KVFLEET_TLS_ALLOWED_CLIENTS"] == "kvfleet-scheduler"
     assert services["worker-1"]["environment"]["KVFLEET_WORKER_ID"] == "worker-1"   # base env kept
     assert services["scheduler"]["environment"]["KVFLEET_API_TOKEN"] == "t"
+    gateway = services["gateway"]["environment"]
+    assert gateway["KVFLEET_GATEWAY_PASS_THROUGH_KEY"] == "true" and "KVFLEET_API_TOKEN" not in gateway

@@ -1,8 +1,10 @@
-"""The compose deployment with TLS on (docker-compose.yml + docker-compose.tls.yml): certificates
-from deploy/tls/make_dev_certs.sh mounted into every container, TLS and a bearer token on the
-published scheduler port, mutual TLS towards the workers (the scheduler's certificate only) and
-towards telemetry, healthchecks over TLS. The tiny model keeps this second stack quick; the
-real model is exercised by test_compose.py. Needs Docker; see conftest.py.
+"""The compose deployment with TLS on (docker-compose.yml + docker-compose.tls.yml): each
+container mounts its own folder of deploy/tls/make_dev_certs.sh's output (its key and the CA
+certificate, never another's key nor the CA's), TLS and a bearer token on the published scheduler
+port, the gateway passing each caller's bearer token through, mutual TLS towards the workers (the
+scheduler's certificate only) and towards telemetry, server certificates naming their own service
+only, healthchecks over TLS. The tiny model keeps this second stack quick; the real model is
+exercised by test_compose.py. Needs Docker; see conftest.py.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import subprocess
 import tempfile
 import textwrap
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Iterator
@@ -33,10 +36,12 @@ TOKEN = "e2e-secret-token"
 @pytest.fixture(scope="module")
 def certs() -> Iterator[Path]:
     d = Path(tempfile.mkdtemp(prefix="kvfleet-e2e-tls-"))
+    # The containers' user (uid 10001) must read its key: own it (as root), or make it readable.
+    key_access = {"KVFLEET_KEY_OWNER": "10001"} if os.geteuid() == 0 else {"KVFLEET_KEY_MODE": "644"}
     try:
         subprocess.run(["bash", str(REPO / "deploy" / "tls" / "make_dev_certs.sh"), str(d)], check=True,
-                       capture_output=True, env={**os.environ, "KVFLEET_KEY_MODE": "644"}, timeout=120)
-        d.chmod(0o755)   # mounted at /tls: the containers' user (uid 10001) reads it
+                       capture_output=True, env={**os.environ, **key_access}, timeout=120)
+        d.chmod(0o755)
         yield d
     finally:
         shutil.rmtree(d, ignore_errors=True)
@@ -74,33 +79,62 @@ def test_sessions_need_tls_and_the_token(tls_stack: Stack, certs: Path) -> None:
     assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE, plaintext.value
 
 
-# Run inside the gateway container: GetInfo on worker-0 with the given identity's certificate.
+def test_each_container_holds_its_own_key_and_not_the_cas(tls_stack: Stack) -> None:
+    listing = "import os; print(' '.join(sorted(os.listdir('/tls'))))"
+    for service in ("telemetry", "worker-0", "worker-1", "scheduler", "gateway"):
+        ident = service.split("-")[0]
+        res = tls_stack.container(service).exec_run(["python", "-c", listing])
+        assert res.exit_code == 0, res.output.decode()
+        assert res.output.decode().split() == sorted(["ca.pem", f"{ident}.key", f"{ident}.pem"]), service
+
+
+# Run inside the gateway container: a call on worker-0 as some identity, whose certificate and
+# key come as PEM text in the environment (the container has the gateway's own files only).
 _WORKER_CALL = textwrap.dedent("""
-    import sys, grpc
-    from kvfleet_common.security import TlsConfig, channel
+    import os, sys, grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
     from kvfleet.v1 import worker_pb2, worker_pb2_grpc
-    who = sys.argv[1]
-    tls = TlsConfig() if who == "plain" else TlsConfig(ca="/tls/ca.pem", cert=f"/tls/{who}.pem", key=f"/tls/{who}.key")
-    with channel("worker-0:50061", tls) as ch:
+    what, name = sys.argv[1], sys.argv[2]   # getinfo|health, the name the worker is dialled as
+    if os.environ.get("CERT_PEM") == "plain":
+        ch = grpc.insecure_channel("worker-0:50061")
+    else:
+        creds = grpc.ssl_channel_credentials(open("/tls/ca.pem", "rb").read(), os.environ["KEY_PEM"].encode(),
+                                             os.environ["CERT_PEM"].encode())
+        ch = grpc.secure_channel("worker-0:50061", creds, [("grpc.ssl_target_name_override", name)])
+    with ch:
         try:
-            info = worker_pb2_grpc.WorkerStub(ch).GetInfo(worker_pb2.GetInfoRequest(), timeout=20)
-            print("OK", info.worker_id)
+            if what == "health":
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=20)
+                print("OK")
+            else:
+                info = worker_pb2_grpc.WorkerStub(ch).GetInfo(worker_pb2.GetInfoRequest(), timeout=20)
+                print("OK", info.worker_id)
         except grpc.RpcError as e:
             print(e.code().name)
 """)
 
 
-def test_workers_accept_only_the_scheduler(tls_stack: Stack) -> None:
-    gateway = tls_stack.container("gateway")
+def _worker_call(stack: Stack, certs: Path, identity: str, what: str = "getinfo", name: str = "worker-0") -> str:
+    env = {"CERT_PEM": "plain"} if identity == "plain" else {
+        "CERT_PEM": (certs / identity / f"{identity}.pem").read_text(),
+        "KEY_PEM": (certs / identity / f"{identity}.key").read_text()}
+    res = stack.container("gateway").exec_run(["python", "-c", _WORKER_CALL, what, name], environment=env)
+    assert res.exit_code == 0, res.output.decode()
+    return res.output.decode().strip().splitlines()[-1]
 
-    def call(identity: str) -> str:
-        res = gateway.exec_run(["python", "-c", _WORKER_CALL, identity])
-        assert res.exit_code == 0, res.output.decode()
-        return res.output.decode().strip().splitlines()[-1]
 
-    assert call("scheduler") == "OK worker-0"       # the scheduler's certificate is let in
-    assert call("gateway") == "PERMISSION_DENIED"   # signed by the same CA, but not the scheduler
-    assert call("plain") == "UNAVAILABLE"           # no TLS, no connection
+def test_workers_accept_only_the_scheduler(tls_stack: Stack, certs: Path) -> None:
+    assert _worker_call(tls_stack, certs, "scheduler") == "OK worker-0"     # the scheduler is let in
+    assert _worker_call(tls_stack, certs, "gateway") == "PERMISSION_DENIED"  # same CA, but not the scheduler
+    assert _worker_call(tls_stack, certs, "client") == "PERMISSION_DENIED"
+    assert _worker_call(tls_stack, certs, "plain") == "UNAVAILABLE"          # no TLS, no connection
+
+
+def test_a_workers_certificate_names_the_workers_only(tls_stack: Stack, certs: Path) -> None:
+    """Its key cannot pass for the scheduler or telemetry: TLS to it under their names fails."""
+    assert _worker_call(tls_stack, certs, "gateway", "health", "worker-0") == "OK"
+    assert _worker_call(tls_stack, certs, "gateway", "health", "scheduler") == "UNAVAILABLE"
+    assert _worker_call(tls_stack, certs, "gateway", "health", "telemetry") == "UNAVAILABLE"
 
 
 def test_spans_reach_telemetry_over_mutual_tls(tls_stack: Stack, certs: Path) -> None:
@@ -123,10 +157,21 @@ def test_spans_reach_telemetry_over_mutual_tls(tls_stack: Stack, certs: Path) ->
     assert no_cert.value.code() == grpc.StatusCode.UNAVAILABLE, no_cert.value
 
 
-def test_gateway_reaches_the_scheduler_over_tls(tls_stack: Stack) -> None:
+def _gateway_completion(stack: Stack, key: str | None) -> tuple[int, dict]:
     body = json.dumps({"model": "tiny", "prompt": [1, 2, 3, 4], "max_tokens": 5, "temperature": 0}).encode()
-    req = urllib.request.Request(f"{tls_stack.gateway_url}/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        out = json.load(resp)
-    assert 1 <= out["usage"]["completion_tokens"] <= 5, out
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(f"{stack.gateway_url}/v1/completions", data=body, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as err:
+        return err.code, json.load(err)
+
+
+def test_gateway_reaches_the_scheduler_over_tls_for_token_holders_only(tls_stack: Stack) -> None:
+    status, out = _gateway_completion(tls_stack, TOKEN)
+    assert status == 200 and 1 <= out["usage"]["completion_tokens"] <= 5, out
+    # The scheduler's token stays the scheduler's: the gateway lends it to nobody.
+    for key in (None, "not-the-token"):
+        status, out = _gateway_completion(tls_stack, key)
+        assert (status, out["error"]["code"]) == (401, "invalid_api_key"), (key, out)

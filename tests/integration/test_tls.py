@@ -1,4 +1,5 @@
 """TLS everywhere, mutual TLS towards workers and telemetry, and the client API's bearer token."""
+import asyncio
 import sqlite3
 import subprocess
 import time
@@ -84,3 +85,88 @@ def test_spans_reach_telemetry_over_mutual_tls(tls_cluster, certs):
                 return
         time.sleep(0.25)
     pytest.fail("no spans arrived over TLS")
+
+
+def _identity(certs: Path, name: str) -> TlsConfig:
+    return TlsConfig(cert=str(certs / f"{name}.pem"), key=str(certs / f"{name}.key"), ca=str(certs / "ca.pem"))
+
+
+def _get_info_as(certs: Path, worker_tls: TlsConfig, callers: list[str]) -> dict[str, str]:
+    """Start a worker with `worker_tls` on a loopback port; GetInfo as each caller identity:
+    {identity: "OK" or the status code's name}."""
+    from worker_svc.config import WorkerConfig
+    from worker_svc.server import create_server
+
+    async def run() -> dict[str, str]:
+        config = WorkerConfig(host="127.0.0.1", port=0, model="tiny", num_blocks=64, metrics_port=0,
+                              tls=worker_tls)
+        server, port, _ = await create_server(config)
+        got = {}
+        try:
+            for who in callers:
+                async with security.aio_channel(f"127.0.0.1:{port}", _identity(certs, who)) as ch:
+                    try:
+                        await wpb_grpc.WorkerStub(ch).GetInfo(wpb.GetInfoRequest(), timeout=5)
+                        got[who] = "OK"
+                    except grpc.aio.AioRpcError as exc:
+                        got[who] = exc.code().name
+        finally:
+            await server.stop(0)
+        return got
+
+    return asyncio.run(run())
+
+
+def test_a_worker_under_mutual_tls_admits_only_the_scheduler_unless_told(certs):
+    """No KVFLEET_TLS_ALLOWED_CLIENTS: a certificate of the CA is not enough to drive a worker."""
+    env = {"KVFLEET_TLS_CERT": str(certs / "worker.pem"), "KVFLEET_TLS_KEY": str(certs / "worker.key"),
+           "KVFLEET_TLS_CA": str(certs / "ca.pem"), "KVFLEET_TLS_CLIENT_AUTH": "true"}
+    callers = ["scheduler", "gateway", "client", "telemetry", "worker"]
+    assert _get_info_as(certs, TlsConfig.from_env(env), callers) == {
+        "scheduler": "OK", "gateway": "PERMISSION_DENIED", "client": "PERMISSION_DENIED",
+        "telemetry": "PERMISSION_DENIED", "worker": "PERMISSION_DENIED"}
+    # Configured otherwise: named clients, or any certificate of the CA.
+    named = TlsConfig.from_env({**env, "KVFLEET_TLS_ALLOWED_CLIENTS": "kvfleet-scheduler,kvfleet-client"})
+    assert _get_info_as(certs, named, ["client", "gateway"]) == {"client": "OK", "gateway": "PERMISSION_DENIED"}
+    anyone = TlsConfig.from_env({**env, "KVFLEET_TLS_ALLOWED_CLIENTS": "*"})
+    assert _get_info_as(certs, anyone, ["gateway"]) == {"gateway": "OK"}
+
+
+def test_a_worker_under_tls_without_client_certificates_admits_nobody(certs):
+    """Server-only TLS cannot tell the scheduler from anyone else: closed, with a hint."""
+    tls = TlsConfig(cert=str(certs / "worker.pem"), key=str(certs / "worker.key"), ca=str(certs / "ca.pem"))
+    assert _get_info_as(certs, tls, ["scheduler"]) == {"scheduler": "PERMISSION_DENIED"}
+
+
+@pytest.mark.parametrize("serving,dialled_as,ok", [
+    ("worker", "worker-0", True), ("worker", "kvfleet-worker-1.kvfleet-worker", True),
+    ("scheduler", "scheduler", True), ("telemetry", "telemetry", True),
+    ("worker", "scheduler", False),       # a worker's key cannot pass for the scheduler
+    ("telemetry", "worker-0", False),     # nor telemetry's for a worker
+    ("scheduler", "telemetry", False),
+    ("worker", "telemetry", False),
+])
+def test_server_certificates_carry_only_their_own_service_names(certs, serving, dialled_as, ok):
+    """A server on loopback with `serving`'s certificate; a client that dials it by the name
+    `dialled_as` (as the compose network or Kubernetes would resolve it) must trust it only if
+    the certificate is that service's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.server(ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_secure_port("127.0.0.1:0", _identity(certs, serving).server_credentials())
+    server.start()
+    try:
+        options = [("grpc.ssl_target_name_override", dialled_as)]
+        with security.channel(f"127.0.0.1:{port}", TlsConfig(ca=str(certs / "ca.pem")), options) as ch:
+            try:
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                answered = True
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+                answered = False
+    finally:
+        server.stop(0)
+    assert answered is ok

@@ -3,7 +3,9 @@ Docker here; tests/e2e renders them with docker-compose and runs the stacks)."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -79,12 +81,15 @@ def test_grafana_dashboard_shows_what_operators_need() -> None:
     assert len(ids) == len(set(ids))
 
 
+def _tls_mounts(svc: dict) -> list[str]:
+    return [v.rsplit(":", 2)[0] for v in svc["volumes"] if v.endswith(":/tls:ro")]
+
+
 def test_tls_overlay_covers_every_core_service(tls: dict) -> None:
     assert set(tls) == set(CORE)
     certs = (REPO / "deploy/tls/make_dev_certs.sh").read_text()
     issued = set(re.findall(r"^issue (\w+) ", certs, re.M))
     for name, svc in tls.items():
-        assert any(v.endswith(":/tls:ro") for v in svc["volumes"]), name
         env = svc["environment"]
         ident = Path(env["KVFLEET_TLS_CERT"]).stem
         assert ident in issued and env["KVFLEET_TLS_KEY"] == f"/tls/{ident}.key", name
@@ -98,4 +103,44 @@ def test_tls_overlay_covers_every_core_service(tls: dict) -> None:
         assert env["KVFLEET_TLS_CLIENT_AUTH"] == "true"
         assert env["KVFLEET_TLS_ALLOWED_CLIENTS"] == "kvfleet-scheduler"
     assert tls["telemetry"]["environment"]["KVFLEET_TLS_CLIENT_AUTH"] == "true"
-    assert "KVFLEET_API_TOKEN" in tls["scheduler"]["environment"]
+
+
+def test_tls_overlay_mounts_each_service_its_own_key_only(tls: dict) -> None:
+    """Not the whole folder: a gateway or worker that is broken into must not hand out the
+    scheduler's key (the one identity workers obey) nor the CA's (any identity at all)."""
+    for name, svc in tls.items():
+        ident = Path(svc["environment"]["KVFLEET_TLS_CERT"]).stem
+        (source,) = _tls_mounts(svc)
+        assert source.startswith("${KVFLEET_TLS_DIR:?") and source.endswith("}/" + ident), (name, source)
+        for path in (v for k, v in svc["environment"].items() if str(v).startswith("/tls/")):
+            assert Path(path).name in {"ca.pem", f"{ident}.pem", f"{ident}.key"}, (name, k, path)
+
+
+def test_tls_overlay_mounts_folders_the_cert_script_makes_with_the_files_named(tls: dict, tmp_path: Path) -> None:
+    subprocess.run(["bash", str(REPO / "deploy/tls/make_dev_certs.sh"), str(tmp_path)], check=True,
+                   capture_output=True, timeout=120)
+    for name, svc in tls.items():
+        (source,) = _tls_mounts(svc)
+        folder = tmp_path / source.rsplit("}/", 1)[1]
+        files = {p.name for p in folder.iterdir()}
+        assert "ca.key" not in files and not any(f.endswith(".key") and f != f"{folder.name}.key" for f in files)
+        for path in (v for v in svc["environment"].values() if str(v).startswith("/tls/")):
+            assert Path(path).name in files, (name, path)
+
+
+def test_tls_overlay_requires_the_token_and_the_gateway_passes_callers_keys_through(
+        tls: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway_svc.__main__ import parse_args
+    from gateway_svc.config import AuthMode
+
+    assert tls["scheduler"]["environment"]["KVFLEET_API_TOKEN"].startswith("${KVFLEET_API_TOKEN:?")
+    gateway = tls["gateway"]["environment"]
+    # The gateway holds no token of the scheduler's: it cannot serve a caller the scheduler refuses.
+    assert "KVFLEET_API_TOKEN" not in gateway and "KVFLEET_GATEWAY_ALLOW_ANONYMOUS" not in gateway
+    for k in [k for k in os.environ if k.startswith("KVFLEET_")]:
+        monkeypatch.delenv(k)
+    for k, v in gateway.items():
+        if k.startswith("KVFLEET_GATEWAY_"):
+            monkeypatch.setenv(k, v)
+    config, _ = parse_args([])
+    assert config.auth_mode is AuthMode.PASS_THROUGH

@@ -7,6 +7,7 @@ the rendered output is validated as well.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -21,7 +22,7 @@ K8S_VERSION = "1.30.0"  # grpc probes are GA since 1.27; validate against a wide
 WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
 EXPECTED_KINDS = {
     ("v1", "Namespace"), ("v1", "Service"), ("v1", "PersistentVolumeClaim"),
-    ("apps/v1", "Deployment"), ("apps/v1", "StatefulSet"),
+    ("apps/v1", "Deployment"), ("apps/v1", "StatefulSet"), ("networking.k8s.io/v1", "NetworkPolicy"),
 }
 
 
@@ -216,7 +217,8 @@ def test_kustomize_build_renders_valid_manifests_when_kustomize_is_installed() -
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(["Namespace", "ConfigMap", "PersistentVolumeClaim", "Deployment", "Deployment",
-                            "Deployment", "StatefulSet", "Service", "Service", "Service", "Service"]), kinds
+                            "Deployment", "StatefulSet", "Service", "Service", "Service", "Service",
+                            "NetworkPolicy"]), kinds
     (config_map,) = [d for d in docs if d["kind"] == "ConfigMap"]
     for d in docs:
         kv.validate(d, K8S_VERSION, strict=True)
@@ -227,3 +229,59 @@ def test_kustomize_build_renders_valid_manifests_when_kustomize_is_installed() -
             (c,) = d["spec"]["template"]["spec"]["containers"]
             # the generator's hashed name is substituted, so a config change rolls the pods
             assert [e["configMapRef"]["name"] for e in c.get("envFrom", [])] in ([], [config_map["metadata"]["name"]])
+
+
+def _pod_labels(kind: str, name: str) -> dict[str, str]:
+    return _one(kind, name)["spec"]["template"]["metadata"]["labels"]
+
+
+def _env(kind: str, name: str) -> dict[str, dict[str, Any]]:
+    (c,) = list(_containers(_one(kind, name)))
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def test_only_the_scheduler_reaches_the_workers_grpc_port() -> None:
+    """Any pod could otherwise drive a worker (run steps, read the KV of others' prompts): the
+    workers have no mutual TLS here, so the network is their gate."""
+    sts = _one("StatefulSet", "kvfleet-worker")
+    (c,) = list(_containers(sts))
+    grpc_port = {p["name"]: p["containerPort"] for p in c["ports"]}["grpc"]
+    scheduler = _pod_labels("Deployment", "kvfleet-scheduler")
+    workers = sts["spec"]["template"]["metadata"]["labels"]
+    policies = [p for p in _of_kind("NetworkPolicy")
+                if p["spec"]["podSelector"]["matchLabels"].items() <= workers.items()]
+    assert len(policies) == 1, "one NetworkPolicy must select the worker pods"
+    spec = policies[0]["spec"]
+    assert "Ingress" in spec["policyTypes"]
+    admitting_grpc = [rule for rule in spec["ingress"]
+                      if "ports" not in rule or any(p["port"] in ("grpc", grpc_port) for p in rule["ports"])]
+    assert admitting_grpc, "no rule lets the scheduler in"
+    for rule in admitting_grpc:
+        assert rule.get("from"), f"the worker's gRPC port is open to every source: {rule}"
+        for peer in rule["from"]:
+            assert set(peer) == {"podSelector"}, f"only pods of this namespace, by label: {peer}"
+            assert peer["podSelector"]["matchLabels"].items() <= scheduler.items(), peer
+            assert peer["podSelector"]["matchLabels"].get("app.kubernetes.io/component") == "scheduler", peer
+    # whatever else is open is the metrics port only
+    for rule in spec["ingress"]:
+        if rule not in admitting_grpc:
+            assert {p["port"] for p in rule["ports"]} == {"metrics"}, rule
+
+
+def test_the_scheduler_wants_a_token_and_the_gateway_passes_callers_through(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway_svc.__main__ import parse_args
+    from gateway_svc.config import AuthMode
+
+    token = _env("Deployment", "kvfleet-scheduler")["KVFLEET_API_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert token["name"] and token["key"] and not token.get("optional", False)   # no Secret, no open start
+    assert "KVFLEET_API_TOKEN" not in _config_literals()
+    gateway = _env("Deployment", "kvfleet-gateway")
+    assert "KVFLEET_API_TOKEN" not in gateway and "KVFLEET_GATEWAY_ALLOW_ANONYMOUS" not in gateway
+    for k in [k for k in os.environ if k.startswith("KVFLEET_")]:
+        monkeypatch.delenv(k)
+    for name, e in gateway.items():
+        if name.startswith("KVFLEET_GATEWAY_"):
+            monkeypatch.setenv(name, e["value"])
+    config, _ = parse_args([])
+    assert config.auth_mode is AuthMode.PASS_THROUGH
