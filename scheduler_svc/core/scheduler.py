@@ -399,6 +399,7 @@ class SchedulerCore:
         out = TickOutcome(tick=self._tick)
         if session.running:
             self._close(session, reason, out)
+            self._close_workloads()   # its workload may be complete now
         elif session.phase == Phase.QUEUED:
             return self.cancel(session_id)[1]
         return out

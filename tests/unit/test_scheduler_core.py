@@ -966,3 +966,14 @@ def test_strangers_are_sessions_a_worker_holds_that_the_scheduler_did_not_place_
     on_w0 = [s for s in (s0, s1) if core.session(s).worker_id == "w0"]
     assert core.strangers("w0", on_w0 + ["s-orphan", "s-old"]) == ["s-old", "s-orphan"]
     assert core.strangers("w1", on_w0) == on_w0
+
+
+def test_a_workload_whose_last_session_ends_on_a_stop_string_has_its_stats_at_once():
+    core, fake = make_core(), FakeWorkers()
+    wid, (sid,) = core.submit_workload([req(4, 8)])
+    step(core, fake)
+    step(core, fake)
+    out = core.finish(sid, FinishReason.STOP)           # the adapter saw a stop string
+    assert out.finished == [(sid, FinishReason.STOP)] and out.release == {"w0": [sid]}
+    stats = core.workload_stats(wid)
+    assert stats is not None and stats.sessions == 1 and stats.decode_tokens == 1
