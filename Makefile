@@ -6,6 +6,9 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/kvfleet/v1/*.proto)
 GEN_STAMP := kvfleet/v1/.generated
 
+NODE_CLIENT := tests/clients/node
+NODE_STAMP := $(NODE_CLIENT)/node_modules/.installed
+
 .PHONY: install protos demo test sweep soak bench clean
 
 install: $(STAMP) $(GEN_STAMP)
@@ -37,7 +40,13 @@ bench: install
 soak: install
 	$(BIN)/kvfleet soak --model smollm2-135m --sessions 300 --concurrency 64
 
-test: install
+# The grpc-js client the integration tests use as a client of another gRPC stack (needs node).
+$(NODE_STAMP): $(NODE_CLIENT)/package-lock.json
+	@if command -v npm >/dev/null 2>&1; then \
+		npm ci --prefix $(NODE_CLIENT) --no-audit --no-fund --loglevel=error && touch $@; \
+	else echo "npm not found: the grpc-js client test will be skipped"; fi
+
+test: install $(NODE_STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
 clean:
