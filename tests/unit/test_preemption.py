@@ -64,7 +64,7 @@ def test_growth_preempts_and_every_session_still_gets_its_tokens():
 
 def test_under_reserve_policy_the_same_load_waits_instead():
     limits = SchedulerLimits(max_running=8, prefill_token_budget=64)
-    core, fake = SchedulerCore(limits), FakeWorkers()
+    core = SchedulerCore(limits)
     core.add_worker(WorkerSpec("w0", 32, 4, BPT), vocab_size=48, max_position=512)
     for _ in range(3):
         core.submit(SessionRequest(prompt_ids=(1, 2, 3, 4), max_new_tokens=12))

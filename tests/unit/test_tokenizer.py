@@ -249,3 +249,14 @@ def test_stop_matcher_equals_cutting_the_whole_text() -> None:
         hits = [i for i in (text.find(s) for s in stops) if i >= 0]
         assert out == (text[:min(hits)] if hits else text)
         assert matcher.stopped == bool(hits)
+
+
+@needs_smollm
+def test_the_chat_template_is_compiled_once(ours: Tokenizer) -> None:
+    from kvfleet_models import tokenizer as tok
+
+    tok._compiled_chat_template.cache_clear()
+    for i in range(5):
+        ours.render_chat([{"role": "user", "content": f"question {i}"}])
+    info = tok._compiled_chat_template.cache_info()
+    assert (info.misses, info.hits) == (1, 4)
