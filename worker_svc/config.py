@@ -25,6 +25,7 @@ class WorkerConfig:
     # step costs about what the hand-off does); 0 = always in a thread.
     inline_step_s: float = 0.005
     metrics_port: int = 9401          # Prometheus /metrics; 0 = off
+    quant: str = "none"               # none | int8 (CPU, float32 only; see EngineConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
 
     def __post_init__(self) -> None:
@@ -37,5 +38,9 @@ class WorkerConfig:
         object.__setattr__(self, "kv_views", KVViewsMode.parse(self.kv_views))   # frozen
         if self.num_threads < 0:
             raise ValueError(f"threads must be >= 0 (0 = torch's setting), got {self.num_threads}")
+        if self.quant not in ("none", "int8"):
+            raise ValueError(f"quant must be none or int8, got {self.quant!r}")
+        if self.quant != "none" and self.dtype != "float32":
+            raise ValueError(f"quant={self.quant} needs dtype float32 (the activations), got {self.dtype!r}")
         if self.inline_step_s < 0:
             raise ValueError(f"inline step time must be >= 0, got {self.inline_step_s}")

@@ -85,4 +85,4 @@ def info_to_pb(worker_id: str, cfg: LlamaConfig, engine: Engine, block_size: int
                          device=str(engine.device), kv_bytes_per_token=engine.kv_bytes_per_token,
                          block_size=block_size, num_blocks=num_blocks,
                          kv_capacity_tokens=engine.capacity_tokens, weight_bytes=engine.weight_bytes,
-                         parameter_count=engine.parameter_count)
+                         parameter_count=engine.parameter_count, quant=engine.quant)

@@ -21,7 +21,7 @@ from kvfleet_models.config import LlamaConfig
 from worker_svc.block_allocator import BlockAllocator, KVBookkeeper
 from worker_svc.kv_cache import KVViews, PagedKVCache, make_views
 from worker_svc.kv_views_mode import KVViewsMode
-from worker_svc.model.cpu_backend import use_cpu_threads
+from worker_svc.model.cpu_backend import QUANT_MODES, use_cpu_threads
 from worker_svc.model.llama import LlamaModel, PhaseTimes, synchronize
 from worker_svc.runner import RunItem, run_step
 
@@ -127,6 +127,9 @@ class EngineConfig:
     # CPU threads a step may use; 0 = the process's torch setting (OMP_NUM_THREADS). See
     # ``use_cpu_threads`` for how they are split between torch and the host BLAS.
     num_threads: int = 0
+    # "none" | "int8": the products' weights (int8 = fbgemm's dynamic int8 linear, per-row
+    # scales, float32 activations; CPU and float32 only). Quality: tests/unit/test_quant_quality.py.
+    quant: str = "none"
 
     def __post_init__(self) -> None:
         if not _DEVICE_RE.match(self.device):
@@ -141,6 +144,11 @@ class EngineConfig:
         object.__setattr__(self, "kv_views", KVViewsMode.parse(self.kv_views))
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0 (0 = the process's setting), got {self.num_threads}")
+        if self.quant not in QUANT_MODES:
+            raise ValueError(f"quant must be one of {list(QUANT_MODES)}, got {self.quant!r}")
+        if self.quant != "none" and (self.dtype != "float32" or self.device not in ("cpu", "auto")):
+            raise ValueError(f"quant={self.quant} runs on the CPU with dtype float32 "
+                             f"(activations); got device {self.device!r}, dtype {self.dtype!r}")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -219,25 +227,33 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype_name = config.dtype
         dtype = _DTYPES[config.dtype]
-        self.model = LlamaModel(cfg, weights, self.device, dtype)
-        if self.device.type == "cpu":
-            use_cpu_threads(config.num_threads or torch.get_num_threads(), self.model.host_blas,
-                            self.model)
+        if config.quant != "none" and self.device.type != "cpu":
+            raise ValueError(f"quant={config.quant} runs on the CPU; device {config.device!r} "
+                             f"resolved to {self.device}")
+        self.quant = config.quant
+        self.model = LlamaModel(cfg, weights, self.device, dtype, quant=config.quant)
+        self.num_threads = config.num_threads or torch.get_num_threads()
+        self.use_threads()
+        kv_dtype = self.model.act_dtype      # float32 on a CPU whatever the weights
         self.cache = PagedKVCache(cfg.num_layers, config.num_blocks, config.block_size,
-                                  cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
+                                  cfg.num_kv_heads, cfg.head_dim, kv_dtype, self.device)
         # Both modes stay available so an experiment can switch the lever per step.
         self._views: dict[KVViewsMode, KVViews] = {
             mode: make_views(mode, self.cache) for mode in KVViewsMode}
         self.views = self._views[config.kv_views]
         self.books = KVBookkeeper(config.block_size, BlockAllocator(config.num_blocks))
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = torch.empty((), dtype=kv_dtype).element_size()
         self.kv_bytes_per_token = cfg.kv_bytes_per_token(elem)
         self.capacity_tokens = config.num_blocks * config.block_size
-        tensors = self.model.tensors()
-        self.parameter_count = sum(t.numel() for t in tensors)
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.parameter_count, self.weight_bytes = self.model.sizes()
         self._counts = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0,
                         "cache_misses": 0, "out_of_blocks": 0}
+
+    def use_threads(self, n: int = 0) -> None:
+        """(Re)claim the process's CPU threads for this engine: ``n``, or its configured count
+        (a process-wide setting; for benchmarks that alternate engines in one process)."""
+        if self.device.type == "cpu":
+            use_cpu_threads(n or self.num_threads, self.model.host_blas, self.model)
 
     # -- validation and admission ------------------------------------------------------------
 

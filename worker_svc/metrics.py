@@ -1,9 +1,15 @@
-"""The worker's Prometheus metrics."""
+"""The worker's Prometheus metrics.
+
+Its KV usage is `kvfleet:worker_kv_cache_usage_perc` (of this worker's blocks), never to be
+confused with the scheduler's `kvfleet:scheduler_kv_usage_perc` (of its budget over all workers).
+"""
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from kvfleet_common.metrics import ITL_BUCKETS, GaugeCollector
+from kvfleet_common.metrics import ITL_BUCKETS, Kind, Reading, SnapshotCollector
 from worker_svc.engine import Engine
 
 
@@ -17,7 +23,7 @@ class WorkerMetrics:
         self.tokens = Counter("kvfleet:worker_tokens", "Tokens processed, by phase", ["phase"],
                               registry=self.registry)
         self._stats = engine.stats()
-        self.registry.register(GaugeCollector(self._gauges))
+        self.registry.register(SnapshotCollector(self._readings))
 
     def observe_step(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
         self.step.observe(seconds)
@@ -28,14 +34,15 @@ class WorkerMetrics:
     def refresh(self) -> None:
         self._stats = self._engine.stats()
 
-    def _gauges(self) -> dict[str, tuple[str, float]]:
+    def _readings(self) -> Iterator[Reading]:
         s = self._stats
         total = s.used_blocks + s.free_blocks
-        return {
-            "kvfleet:worker_kv_blocks_used": ("KV blocks holding sessions", s.used_blocks),
-            "kvfleet:worker_kv_blocks_total": ("KV blocks in the cache", total),
-            "kvfleet:kv_cache_usage_perc": ("Used / total KV blocks (0..1)", s.used_blocks / total if total else 0.0),
-            "kvfleet:worker_sessions": ("Sessions whose KV the worker holds", s.active_sessions),
-            "kvfleet:worker_cache_misses_total": ("Items naming KV the worker did not hold", s.cache_misses),
-            "kvfleet:worker_steps_total": ("Steps run", s.steps),
-        }
+        yield Reading("kvfleet:worker_kv_blocks_used", "KV blocks holding sessions", s.used_blocks)
+        yield Reading("kvfleet:worker_kv_blocks", "KV blocks in the cache (its capacity)", total)
+        yield Reading("kvfleet:worker_kv_cache_usage_perc", "Used / all KV blocks of this worker (0..1)",
+                      s.used_blocks / total if total else 0.0)
+        yield Reading("kvfleet:worker_sessions", "Sessions whose KV the worker holds", s.active_sessions)
+        # The engine's own cumulative counts: counters, mirrored at scrape time.
+        yield Reading("kvfleet:worker_cache_misses", "Items naming KV the worker did not hold", s.cache_misses,
+                      Kind.COUNTER)
+        yield Reading("kvfleet:worker_steps", "Steps run", s.steps, Kind.COUNTER)

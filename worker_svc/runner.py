@@ -101,7 +101,7 @@ def run_step(model: LlamaModel, cache: PagedKVCache, views: KVViews, admitted: S
                       tokens=[t for a in items for t in a.tokens],
                       slots=[s for a in items for s in a.slots],
                       sample_items=sampled, dtype=model.dtype, device=model.device,
-                      host_blas=model.host_blas)
+                      host_blas=model.host_attention)
     logits = model.forward(st, cache, views, times, sync=sync)
     # Back to admitted order: row k of the result is the k-th sampled item of ``admitted``.
     rank = {order[j]: r for r, j in enumerate(sampled)}

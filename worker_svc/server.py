@@ -153,7 +153,8 @@ def build_engine(config: WorkerConfig) -> tuple[LlamaConfig, Engine]:
                                                block_size=config.block_size,
                                                num_blocks=config.num_blocks,
                                                kv_views=config.kv_views,
-                                               num_threads=config.num_threads))
+                                               num_threads=config.num_threads,
+                                               quant=config.quant))
     return cfg, engine
 
 
@@ -177,7 +178,7 @@ async def create_server(config: WorkerConfig, loaded: tuple[LlamaConfig, Engine]
 
 async def _serve(config: WorkerConfig) -> None:
     server, port, health = await create_server(config)
-    print(f"worker {config.worker_id} listening on {config.host}:{port}", flush=True)
+    log.info("worker %s listening on %s:%d", config.worker_id, config.host, port)
     await grpcutil.wait_for_termination_signal()
     log.info("worker %s draining", config.worker_id)
     grpcutil.set_not_serving(health, [SERVICE_NAME])

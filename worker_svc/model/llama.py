@@ -19,7 +19,17 @@ Weights are prepared once for this forward, not kept in the checkpoint's form:
   * on a CPU in float32 the matmuls and attention products go to numpy's BLAS with the
     matrix stored [in, out], and small products to torch's MKL (see ``cpu_backend`` for the
     measurements). Elsewhere (bfloat16, GPUs) only torch's matmul with [out, in]. A tied LM
-    head is the embedding, not a copy of it.
+    head is the embedding, not a copy of it;
+  * bfloat16 on a CPU is bfloat16 *weights*: the residual stream, norms, RoPE, attention (on
+    numpy's BLAS) and the KV cache stay float32, and each product casts its input to bfloat16
+    and its output back. Measured on the 2-core EPYC (smollm2, batch-1 decode step): 35 ms
+    with everything in bfloat16 (attention's bfloat16 bmm alone ~3 ms, norms and casts another
+    few) against 25 ms this way with oneDNN's packed products (``python -m bench.modes``);
+    on GPUs everything stays bfloat16;
+  * with ``quant="int8"`` (CPU, float32) every projection and the LM head are fbgemm int8
+    weights with per-row scales (``cpu_backend.quantize_int8``); attention, norms, RoPE and the
+    KV cache stay float32, attention on numpy's BLAS as in the float32 path. The embedding stays
+    float32 for the lookup (a tied head is then a float table plus its int8 copy).
 
 The step's input tensors (``StepTensors``: token ids, positions, slots, per-group masks) are
 built by ``worker_svc.runner`` from the engine's admitted items; this module only consumes them.
@@ -36,8 +46,9 @@ import torch.nn.functional as F
 
 from kvfleet_models.config import LlamaConfig
 from worker_svc.kv_cache import AttnGroup, KVViews, PagedKVCache
-from worker_svc.model.cpu_backend import (Matrix, attention_core, matmul, matmul_add_,
-                                          torch_rows)
+from worker_svc.model.cpu_backend import (QUANT_MODES, Matrix, attention_core, matmul,
+                                          matmul_add_, pack_bf16, torch_rows)
+from worker_svc.model.int8 import quantize_model
 
 
 @dataclass
@@ -95,9 +106,11 @@ class LayerWeights:
     gate_up: Matrix             # hidden -> 2 * intermediate
     down: Matrix                # intermediate -> hidden
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.input_norm, self.qkv.param, self.o.param, self.post_norm,
-                self.gate_up.param, self.down.param]
+    def matrices(self) -> list[Matrix]:
+        return [self.qkv, self.o, self.gate_up, self.down]
+
+    def vectors(self) -> list[torch.Tensor]:
+        return [self.input_norm, self.post_norm]
 
 
 def _pair_rows(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
@@ -111,30 +124,51 @@ class LlamaModel:
     """Weights as device tensors plus the forward; the KV cache is attached from outside."""
 
     def __init__(self, cfg: LlamaConfig, weights: dict[str, np.ndarray], device: torch.device,
-                 dtype: torch.dtype, host_blas: bool | None = None) -> None:
+                 dtype: torch.dtype, host_blas: bool | None = None, quant: str = "none") -> None:
         """host_blas: None = numpy's BLAS exactly when float32 on a CPU (False forces torch's
-        path, which GPUs take, so that a CPU-only test can check it)."""
+        path, which GPUs take, so that a CPU-only test can check it).
+        quant: "none" or "int8" (float32 on a CPU only: fbgemm's int8 products)."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
+        # The residual stream, norms, attention and KV cache: float32 on a CPU whatever the
+        # weights (see the module docstring), the weights' dtype elsewhere.
+        self.act_dtype = torch.float32 if device.type == "cpu" else dtype
+        if quant not in QUANT_MODES:
+            raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
+        if quant != "none" and (device.type != "cpu" or dtype != torch.float32 or host_blas):
+            raise ValueError(f"quant={quant} needs float32 on a CPU (and not host_blas)")
+        self.quant = quant
 
         def array(name: str) -> np.ndarray:
             if name not in weights:
                 raise KeyError(f"weight {name} is missing")
             return np.asarray(weights[name], dtype=np.float32)
 
-        def put(a: np.ndarray) -> torch.Tensor:
+        def put(a: np.ndarray, dtype: torch.dtype = dtype) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(device, dtype)
+
+        def vec(a: np.ndarray) -> torch.Tensor:
+            return put(a, self.act_dtype)
 
         # numpy's BLAS for float32 on a CPU (see ``cpu_backend``); torch elsewhere.
         cpu_f32 = device.type == "cpu" and dtype == torch.float32
         if host_blas and not cpu_f32:
             raise ValueError("host_blas needs float32 weights on a CPU")
-        self.host_blas = cpu_f32 if host_blas is None else host_blas
+        self.host_blas = (cpu_f32 and quant == "none") if host_blas is None else host_blas
+        # numpy's batched matmul for attention on every CPU path (activations are float32 there),
+        # unless host_blas=False asks for the torch path GPUs take.
+        self.host_attention = self.host_blas or (device.type == "cpu" and host_blas is None)
         # Row counts of a product that go to torch even on the host BLAS path.
         self.torch_rows = torch_rows(self.host_blas, threads=1)
 
-        def matrix(a: np.ndarray) -> Matrix:
-            """a: [out, in] as in the checkpoint."""
-            return Matrix(kn=put(a.T) if self.host_blas else None, nk=put(a))
+        cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16 and host_blas is None
+
+        def matrix(a: np.ndarray, lookup: bool = False) -> Matrix:
+            """a: [out, in] as in the checkpoint; lookup: also the embedding table (tied)."""
+            nk = put(a)
+            dnn = pack_bf16(nk) if cpu_bf16 else None
+            if dnn is not None:      # oneDNN's copy replaces torch's, unless rows are looked up
+                return Matrix(kn=None, nk=nk if lookup else None, dnn=dnn, shape=a.shape)
+            return Matrix(kn=put(a.T) if self.host_blas else None, nk=nk, shape=a.shape)
 
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         self.layers: list[LayerWeights] = []
@@ -143,22 +177,24 @@ class LlamaModel:
             q = _pair_rows(array(p + "self_attn.q_proj.weight"), hq, d) / math.sqrt(d)
             k = _pair_rows(array(p + "self_attn.k_proj.weight"), hkv, d)
             self.layers.append(LayerWeights(
-                input_norm=put(array(p + "input_layernorm.weight")),
+                input_norm=vec(array(p + "input_layernorm.weight")),
                 qkv=matrix(np.concatenate([q, k, array(p + "self_attn.v_proj.weight")])),
                 o=matrix(array(p + "self_attn.o_proj.weight")),
-                post_norm=put(array(p + "post_attention_layernorm.weight")),
+                post_norm=vec(array(p + "post_attention_layernorm.weight")),
                 gate_up=matrix(np.concatenate([array(p + "mlp.gate_proj.weight"),
                                                array(p + "mlp.up_proj.weight")])),
                 down=matrix(array(p + "mlp.down_proj.weight"))))
-        self.norm = put(array("model.norm.weight"))
+        self.norm = vec(array("model.norm.weight"))
         embed = array("model.embed_tokens.weight")                        # [V, hidden]
+        self.tied_head = "lm_head.weight" not in weights
         if "lm_head.weight" in weights:
-            self.embed: torch.Tensor | None = put(embed)
+            self.embed: torch.Tensor | None = vec(embed)
             self.lm_head = matrix(array("lm_head.weight"))
         elif cfg.tie_word_embeddings:
-            # The head's copies are the embedding: the lookup reads a few of the [V, hidden] rows.
+            # The head's copies are the embedding: the lookup reads a few of the [V, hidden] rows
+            # (an int8 head has no float copy to read: ``quantize_model`` keeps the table).
             self.embed = None
-            self.lm_head = matrix(embed)
+            self.lm_head = matrix(embed, lookup=True)
         else:
             raise KeyError("lm_head.weight is missing and tie_word_embeddings is False")
         # e^(i * angle) for every position and pair, complex64 whatever the model dtype: RoPE
@@ -167,24 +203,32 @@ class LlamaModel:
         inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
         angles = torch.arange(cfg.max_position, dtype=torch.float64)[:, None] * inv_freq
         self.rotary = torch.polar(torch.ones_like(angles), angles).to(device, torch.complex64)
+        if quant == "int8":
+            quantize_model(self)      # float [out, in] products -> smoothed int8, in place
 
     def use_threads(self, n: int) -> None:
         """With the host BLAS on ``n`` > 1 threads, every product goes to it: MKL would run on
         torch's single thread (see ``cpu_backend.use_cpu_threads``)."""
         self.torch_rows = torch_rows(self.host_blas, n)
 
-    def tensors(self) -> list[torch.Tensor]:
-        """Every distinct weight tensor (a tied head counted once)."""
-        out = [self.lm_head.param, self.norm]
-        for layer in self.layers:
-            out.extend(layer.tensors())
+    def sizes(self) -> tuple[int, int]:
+        """(parameters, bytes) of the weights, each distinct parameter counted once: a tied
+        head is the embedding's parameters (under int8, its bytes are the float table plus the
+        int8 copy)."""
+        matrices = [self.lm_head] + [m for layer in self.layers for m in layer.matrices()]
+        vectors = [self.norm] + [v for layer in self.layers for v in layer.vectors()]
+        params = sum(m.numel for m in matrices) + sum(v.numel() for v in vectors)
+        nbytes = sum(m.nbytes for m in matrices) + sum(v.numel() * v.element_size() for v in vectors)
         if self.embed is not None:
-            out.append(self.embed)
-        return out
+            nbytes += self.embed.numel() * self.embed.element_size()
+            if not self.tied_head:
+                params += self.embed.numel()
+        return params, nbytes
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         table = self.embed if self.embed is not None else self.lm_head.nk
-        return table.index_select(0, tokens)                               # [T, hidden]
+        assert table is not None
+        return table.index_select(0, tokens).to(self.act_dtype)            # [T, hidden]
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # Computed in float32 (torch's kernel upcasts half types), as HF does.
@@ -195,7 +239,7 @@ class LlamaModel:
         cfg = self.cfg
         t, width = qkv.shape[0], (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
         qk = qkv[:, :width].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim // 2, 2)
-        if self.dtype == torch.float32:
+        if qkv.dtype == torch.float32:
             torch.view_as_complex(qk).mul_(rot)
         else:
             rotated = torch.view_as_complex(qk.float()) * rot
@@ -213,12 +257,12 @@ class LlamaModel:
             q3 = q5.permute(0, 2, 3, 1, 4).reshape(b * hkv, g * n, d)      # [B*Hkv, G*Q, D]
         else:
             q3 = q5.permute(2, 0, 3, 1, 4).reshape(hkv * b, g * n, d)      # [Hkv*B, G*Q, D]
-        if self.host_blas:
+        if self.host_attention:
             o3 = attention_core(q3, kv, gt.mask, gt.group.order, b, n, hkv, g)   # [N, G*Q, D]
         else:
             assert gt.bias is not None
             scores = torch.baddbmm(gt.bias, q3, kv[0].transpose(1, 2))      # [N, G*Q, S]
-            if self.dtype == torch.float32:
+            if scores.dtype == torch.float32:
                 probs = torch.softmax(scores, dim=-1)
             else:
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)

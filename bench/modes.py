@@ -1,0 +1,115 @@
+"""Decode step time per engine mode (float32, bfloat16, int8), measured A/B in one process.
+
+    .venv/bin/python -m bench.modes                       # smollm2, batch 1 and 32, 2 threads
+    .venv/bin/python -m bench.modes --modes float32,int8 --batches 1 --repeats 9 --threads 1
+
+Each mode gets its own engine with the same sessions (``--context`` tokens of seeded prompt
+each, prefilled once). A round times ``--steps`` decode steps of every mode in turn, for each
+batch size; rounds repeat ``--repeats`` times, so that the other tenants of a shared machine
+hit every mode alike. Per mode and batch: the median step over all rounds, and the median of
+the per-round ratios to the first mode; per mode, a ``--prefill``-token prompt's prefill time
+(one per round). The 1-minute load average is printed with each round.
+Nothing is asserted: this prints figures to quote.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+from kvfleet_models.registry import load_model
+from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
+
+MODES = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quant": "int8"}}
+GREEDY = SamplingSpec()
+
+
+class Sessions:
+    """``batch`` decoding sessions on one engine; each ``step`` decodes all of them once."""
+
+    def __init__(self, engine: Engine, batch: int, context: int, tag: str) -> None:
+        rng = np.random.default_rng(batch)
+        self.engine, self.ids = engine, [f"{tag}-{batch}-{i}" for i in range(batch)]
+        self.tokens, self.positions = [], []
+        for sid in self.ids:
+            prompt = tuple(int(t) for t in rng.integers(100, 10000, context))
+            out = engine.step([PrefillItem(sid, prompt, 0, True, GREEDY)], [])
+            self.tokens.append(out.results[0].token_id)
+            self.positions.append(context)
+
+    def step(self) -> float:
+        decode = [DecodeItem(s, t, p, GREEDY, 1)
+                  for s, t, p in zip(self.ids, self.tokens, self.positions)]
+        t0 = time.perf_counter()
+        out = self.engine.step([], decode)
+        dt = time.perf_counter() - t0
+        self.tokens = [r.token_id for r in out.results]
+        self.positions = [p + 1 for p in self.positions]
+        return dt
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.modes", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--modes", default="float32,bfloat16,int8")
+    p.add_argument("--batches", default="1,32")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--context", type=int, default=128, help="prompt tokens per session")
+    p.add_argument("--steps", type=int, default=6, help="decode steps per mode per round")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--kv-views", default="persistent")
+    p.add_argument("--prefill", type=int, default=256, help="prompt tokens of the prefill timed")
+    a = p.parse_args(argv)
+    modes, batches = a.modes.split(","), [int(b) for b in a.batches.split(",")]
+    cfg, weights = load_model(a.model)
+    blocks = (sum(batches) * (a.context + (a.steps + 1) * a.repeats + 16) + a.prefill) // 16 + 8
+    engines, sessions = {}, {}
+    for m in modes:
+        t0 = time.perf_counter()
+        engines[m] = Engine(cfg, weights, EngineConfig(num_blocks=blocks, kv_views=a.kv_views,
+                                                       num_threads=a.threads, **MODES[m]))
+        engines[m].use_threads()
+        for b in batches:
+            sessions[m, b] = Sessions(engines[m], b, a.context, m)
+        print(f"{m}: built and prefilled in {time.perf_counter() - t0:.1f} s, weights "
+              f"{engines[m].weight_bytes / 1e6:.0f} MB", flush=True)
+    times: dict[tuple[str, int], list[float]] = {k: [] for k in sessions}
+    ratios: dict[tuple[str, int], list[float]] = {k: [] for k in sessions}
+    prefill: dict[str, list[float]] = {m: [] for m in modes}
+    prompt = tuple(int(t) for t in np.random.default_rng(7).integers(100, 10000, a.prefill))
+    for r in range(a.repeats):
+        load = os.getloadavg()[0]
+        line = []
+        for b in batches:
+            medians = {}
+            for m in modes:
+                engines[m].use_threads()
+                sessions[m, b].step()                       # first step after a switch: warm-up
+                step = [sessions[m, b].step() for _ in range(a.steps)]
+                times[m, b] += step
+                medians[m] = float(np.median(step))
+                ratios[m, b].append(medians[m] / medians[modes[0]])
+            line.append(f"b{b} " + " ".join(f"{m} {v * 1e3:.1f}" for m, v in medians.items()))
+        for m in modes:
+            engines[m].use_threads()
+            t0 = time.perf_counter()
+            engines[m].step([PrefillItem("prefill", prompt, 0, True, GREEDY)], [])
+            prefill[m].append(time.perf_counter() - t0)
+            engines[m].release(["prefill"])
+        print(f"round {r + 1} (load {load:.2f}): " + " | ".join(line) + " ms", flush=True)
+    print(f"\nmedian decode step, {a.threads} threads, {a.context}-token contexts, "
+          f"{a.repeats} rounds x {a.steps} steps (load now {os.getloadavg()[0]:.2f}):")
+    for b in batches:
+        for m in modes:
+            step = float(np.median(times[m, b]))
+            print(f"  batch {b:>3}  {m:<9} {step * 1e3:7.1f} ms  {b / step:7.1f} tok/s  "
+                  f"x{float(np.median(ratios[m, b])):.2f} of {modes[0]}")
+    for m in modes:
+        print(f"  prefill {a.prefill}  {m:<9} {a.prefill / float(np.median(prefill[m])):7.1f} tok/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,139 @@
+"""The int8 and bfloat16 CPU modes on the tiny models: configuration, sizes, the exactness of
+int8's smoothing folds, closeness to the reference. The real model's quality is measured in
+``test_quant_quality.py`` (slow); speed in ``python -m bench.modes`` (nothing timed here).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import worker_svc.model.cpu_backend as cpu_backend
+import worker_svc.model.int8 as int8
+from kvfleet.v1 import worker_pb2 as pb
+from kvfleet_models.config import LlamaConfig, tiny_config
+from kvfleet_models.reference import reference_generate, reference_logits
+from kvfleet_models.tiny import tiny_weights
+from worker_svc.__main__ import parse_args
+from worker_svc.config import WorkerConfig
+from worker_svc.convert import info_to_pb
+from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
+
+GREEDY = SamplingSpec()
+# Untied GQA and tied MHA: the o-projection fold differs when query heads share a kv head, and
+# a tied head keeps a float table for the lookup.
+GQA = LlamaConfig(name="tiny-gqa", vocab_size=48, hidden_size=32, num_layers=3, num_heads=4,
+                  num_kv_heads=2, intermediate_size=64, max_position=128, rope_theta=500.0)
+TIED = LlamaConfig(name="tiny-tied", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+                   num_kv_heads=4, intermediate_size=48, max_position=96, rope_theta=1000.0,
+                   tie_word_embeddings=True)
+MODELS = {"gqa": (GQA, tiny_weights(GQA, seed=1)), "tied": (TIED, tiny_weights(TIED, seed=3)),
+          "tiny": (tiny_config(), tiny_weights(tiny_config()))}
+
+
+def _prompt(n: int, vocab: int, salt: int = 0) -> tuple[int, ...]:
+    return tuple((7 * i + 3 * salt + 1) % vocab for i in range(n))
+
+
+def _logits(engine: Engine, prompt: tuple[int, ...], steps: int = 3) -> tuple[np.ndarray, list[int]]:
+    """Prefill then greedy decodes (feeding back the engine's own tokens): logits [steps + 1, V]."""
+    out = engine.step([PrefillItem("s", prompt, 0, True, GREEDY)], [], return_logits=True)
+    rows, tokens = [out.logits[0]], [out.results[0].token_id]
+    for k in range(steps):
+        out = engine.step([], [DecodeItem("s", tokens[-1], len(prompt) + k, GREEDY, k + 1)],
+                          return_logits=True)
+        rows.append(out.logits[0])
+        tokens.append(out.results[0].token_id)
+    return np.stack(rows), tokens
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_int8_smoothing_folds_are_exact_without_rounding(name, monkeypatch) -> None:
+    """With the int8 rounding taken out (the 'packed' weight is the smoothed float matrix),
+    the int8 model equals the reference: every division folded into the norms, V rows and up
+    rows is matched by its weight column's multiplication, including through attention."""
+    cfg, weights = MODELS[name]
+    monkeypatch.setattr(int8, "quantize_int8", lambda w: w.clone())
+    monkeypatch.setattr(cpu_backend, "int8_linear", lambda x, w: x @ w.t())
+    engine = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=64, quant="int8"))
+    prompt = _prompt(9, cfg.vocab_size)
+    got, tokens = _logits(engine, prompt)
+    ref = reference_logits(cfg, weights, list(prompt) + tokens[:-1])[len(prompt) - 1:]
+    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["gqa", "tied"])
+def test_int8_logits_close_to_reference(name) -> None:
+    """Real int8 products: logits within 5 % of their range of the reference's (a wrong fold or
+    scale moves them by the whole range), and the first greedy token equal."""
+    cfg, weights = MODELS[name]
+    engine = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=64, quant="int8"))
+    prompt = _prompt(11, cfg.vocab_size, salt=2)
+    got, tokens = _logits(engine, prompt)
+    ref = reference_logits(cfg, weights, list(prompt) + tokens[:-1])[len(prompt) - 1:]
+    spread = ref.max() - ref.min()
+    assert np.abs(got - ref).max() < 0.05 * spread
+    assert tokens[0] == reference_generate(cfg, weights, list(prompt), 1)[0]
+
+
+def test_int8_sizes_threads_and_info() -> None:
+    cfg, weights = MODELS["tied"]
+    saved = torch.get_num_threads()
+    try:
+        f32 = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=16))
+        q = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=16, quant="int8",
+                                              num_threads=2))
+        assert torch.get_num_threads() == 2          # fbgemm runs in torch's pool
+    finally:
+        torch.set_num_threads(saved)
+    assert q.parameter_count == f32.parameter_count == sum(w.size for w in weights.values())
+    matrices = [m for layer in q.model.layers for m in layer.matrices()] + [q.model.lm_head]
+    assert all(m.q8 is not None and m.kn is None and m.nk is None for m in matrices)
+    # int8 products + a scale per row, float32 norms and the tied head's float lookup table.
+    embed = weights["model.embed_tokens.weight"].size
+    vectors = q.parameter_count - sum(m.numel for m in matrices)
+    assert q.weight_bytes == sum(m.numel + 4 * m.shape[0] for m in matrices) + 4 * (vectors + embed)
+    assert q.kv_bytes_per_token == f32.kv_bytes_per_token
+    info = info_to_pb("w", cfg, q, 4, 16)
+    assert isinstance(info, pb.WorkerInfo) and info.quant == "int8" and info.dtype == "float32"
+    assert info_to_pb("w", cfg, f32, 4, 16).quant == "none"
+
+
+def test_bfloat16_on_cpu_keeps_activations_and_kv_in_float32() -> None:
+    cfg, weights = MODELS["gqa"]
+    engine = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=64, dtype="bfloat16"))
+    assert engine.model.act_dtype == torch.float32 and engine.cache.kv.dtype == torch.float32
+    qkv = engine.model.layers[0].qkv
+    assert (qkv.dnn if qkv.dnn is not None else qkv.nk).dtype == torch.bfloat16
+    if qkv.dnn is not None:                     # oneDNN's copy replaces torch's
+        assert qkv.nk is None and qkv.kn is None
+    assert engine.weight_bytes < 0.55 * 4 * engine.parameter_count
+    prompt = _prompt(10, cfg.vocab_size, salt=4)
+    got, tokens = _logits(engine, prompt)
+    ref = reference_logits(cfg, weights, list(prompt) + tokens[:-1])[len(prompt) - 1:]
+    assert np.abs(got - ref).max() < 0.05       # bfloat16 weights only: ~1e-2 (all-bf16: 0.25)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"quant": "int4"}, "quant must be one of"),
+    ({"quant": "INT8"}, "quant must be one of"),
+    ({"quant": "int8", "dtype": "bfloat16"}, "float32"),
+    ({"quant": "int8", "device": "cuda"}, "CPU"),
+])
+def test_quant_config_is_validated_once(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kwargs)
+    worker_kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+    if worker_kwargs != kwargs:
+        return
+    with pytest.raises(ValueError, match="quant"):
+        WorkerConfig(**worker_kwargs)
+
+
+def test_quant_flag_and_environment(monkeypatch) -> None:
+    assert parse_args([]).quant == "none"
+    assert parse_args(["--quant", "int8"]).quant == "int8"
+    monkeypatch.setenv("KVFLEET_QUANT", "int8")
+    assert parse_args([]).quant == "int8"
+    with pytest.raises(SystemExit):
+        parse_args(["--quant", "int4"])
