@@ -26,6 +26,7 @@ class ClusterOptions:
     max_concurrency: int
     max_session_tokens: int      # longest prompt + output of the workload
     block_size: int = 16
+    quant: str = "none"
 
     @property
     def name(self) -> str:
@@ -39,7 +40,7 @@ class ClusterOptions:
                "MKL_NUM_THREADS": str(self.worker_threads),
                "KVFLEET_KV_BUDGET_BYTES": str(_KV_BUDGET_BYTES)}
         return ClusterSpec(workers=self.workers, model=self.model, device=self.device,
-                           dtype=self.dtype, max_running=max(64, self.max_concurrency),
+                           dtype=self.dtype, quant=self.quant, max_running=max(64, self.max_concurrency),
                            prefill_token_budget=self.prefill_token_budget, num_blocks=num_blocks,
                            block_size=self.block_size, kv_views=self.kv_views, telemetry=True,
                            extra_env=env)

@@ -7,14 +7,15 @@ import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from bench import report
 from bench.cluster import BenchCluster, ClusterOptions, default_worker_threads
+from bench.plot import plot_results
 from bench.workload import Session, WorkloadSpec, mixed_sessions
+from kvfleet.progress import for_terminal
 
 DEFAULT_OUT = Path(__file__).with_name("results.json")
 
@@ -28,6 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (cluster, peer and limits)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quant", default="none", choices=["none", "int8"], help="the workers' --quant")
     p.add_argument("--concurrency", type=_ints, default=(1, 8, 32))
     p.add_argument("--sessions", type=_ints, default=(2, 16, 64),
                    help="sessions per concurrency, in the same order (default: two static "
@@ -54,21 +56,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-class Progress:
-    def __init__(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def __call__(self, message: str) -> None:
-        print(f"[{time.perf_counter() - self.t0:6.1f}s] {message}", file=sys.stderr, flush=True)
-
-
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    say = Progress()
+    # The bar counts the measured runs: each system at each concurrency.
+    systems = (0 if "cluster" in a.skip else len(a.workers)) + (0 if "peer" in a.skip else 1)
+    say = for_terminal("bench", total=len(a.concurrency) * systems or None)
     from kvfleet_models.registry import load_model
 
     cores = _cores()
@@ -83,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         "schema_version": 1,
         "machine": {"cores": cores, "platform": platform.platform(), "torch": torch.__version__,
                     "device": a.device, "processor": platform.processor()},
-        "config": {"model": a.model, "dtype": a.dtype, "kv_views": a.kv_views,
+        "config": {"model": a.model, "dtype": a.dtype, "quant": a.quant, "kv_views": a.kv_views,
                    "prefill_token_budget": a.prefill_budget, "seed": a.seed,
                    "prompt_tokens": list(spec.prompt_tokens), "output_tokens": list(spec.output_tokens),
                    "sessions": dict(zip(map(str, a.concurrency), a.sessions))},
@@ -115,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 n = int(a.worker_threads) if a.worker_threads != "auto" \
                     else default_worker_threads(a.device, w, cores, doc.get("engine_batch1"))
                 opts = ClusterOptions(workers=w, worker_threads=n, model=a.model, device=a.device,
-                                      dtype=a.dtype, kv_views=a.kv_views,
+                                      dtype=a.dtype, quant=a.quant, kv_views=a.kv_views,
                                       prefill_token_budget=a.prefill_budget,
                                       max_concurrency=max(a.concurrency),
                                       max_session_tokens=spec.prompt_tokens[1] + spec.output_tokens[1])
@@ -140,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 load = os.getloadavg()[0]
                 row = c.run(sessions, conc, breakdown=conc == a.breakdown_concurrency)
                 results.setdefault(c.options.name, []).append({**row, "loadavg_1m_before": load})
+                say.advance(message=f"{c.options.name} c={conc}: {row['output_tokens_per_s']:.1f} tok/s")
             if peer is not None:
                 from bench.peer import run_static
 
@@ -148,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                 row = run_static(peer, sessions, conc, a.device,
                                  progress=lambda m: say(f"peer c={conc}: {m}"))
                 results.setdefault("peer", []).append({**row, "loadavg_1m_before": load})
+                say.advance(message=f"peer c={conc}: {row['output_tokens_per_s']:.1f} tok/s")
     finally:
         for c in clusters:
             c.stop()
@@ -163,8 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             progress=say)
     doc["ratios"] = report.ratios(doc, breakdown_concurrency=a.breakdown_concurrency)
     doc["targets"] = report.targets(doc)
-    doc["total_s"] = round(time.perf_counter() - say.t0, 1)
+    doc["total_s"] = round(say.elapsed_s, 1)
+    say.close()
     print(report.table(doc))
     Path(a.out).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    say(f"wrote {a.out}")
+    png, svg = plot_results(doc, a.out)
+    print(f"wrote {a.out}, {png} and {svg}", file=sys.stderr)
     return 0

@@ -1,7 +1,8 @@
 """The HTTP server: OpenAI-compatible endpoints in front of the scheduler's gRPC API (aiohttp).
 
 One request is one trace: the gateway's span (GenAI conventions) is the parent of the
-scheduler's `session` span, its context sent in the Generate call's metadata. A client that
+scheduler's session span (`{operation} {model}`, kvfleet.span=session), its context sent in the
+Generate call's metadata. GET /metrics serves the gateway's own Prometheus metrics. A client that
 goes away mid-request has its handler cancelled (handler_cancellation), which cancels the
 Generate call, and the scheduler frees the session.
 """
@@ -20,6 +21,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from gateway_svc.config import AuthMode, GatewayConfig
 from gateway_svc.errors import ApiError, bad_request, internal_error, model_not_found, unauthorized
+from gateway_svc.metrics import CONTENT_TYPE_LATEST, GatewayMetrics, RequestMeter
 from gateway_svc.openai_schema import (
     SSE_DONE, Endpoint, GenerationRequest, ResponseBuilder, SchemaError, Usage, finish_reason,
     model_card, model_list, new_response_id, parse_request, sse,
@@ -32,6 +34,7 @@ from kvfleet.v1 import scheduler_pb2 as spb
 
 log = logging.getLogger(__name__)
 
+PROVIDER = "kvfleet"   # gen_ai.provider.name, as the scheduler's spans say
 MAX_BODY_BYTES = 16 * 1024 * 1024   # as the gRPC message limit: a long prompt of token ids fits
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}   # no proxy buffering of the stream
@@ -109,13 +112,20 @@ async def _body(request: web.Request) -> Any:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
 
 
-def _request_attributes(req: GenerationRequest) -> dict[str, Any]:
+def _request_attributes(request: web.Request, req: GenerationRequest) -> dict[str, Any]:
     # No gen_ai.request.model: the model name is the caller's until the scheduler is found to
     # serve it (_run sets it then, and names the span after it).
-    attrs: dict[str, Any] = {"gen_ai.operation.name": req.endpoint.value, "gen_ai.system": "kvfleet",
+    attrs: dict[str, Any] = {"gen_ai.operation.name": req.endpoint.value, "gen_ai.provider.name": PROVIDER,
                              "gen_ai.request.max_tokens": req.max_tokens,
                              "gen_ai.request.temperature": req.temperature, "gen_ai.request.top_p": req.top_p,
                              "kvfleet.request.stream": req.stream}
+    # server.*: the address the caller reached us at (its Host header), as HTTP servers report it
+    if request.url.host:
+        attrs["server.address"] = request.url.host
+    if request.url.port:
+        attrs["server.port"] = request.url.port
+    if req.top_k:   # 0 = off: no attribute
+        attrs["gen_ai.request.top_k"] = float(req.top_k)   # a double in the conventions
     if req.seed is not None:
         attrs["gen_ai.request.seed"] = req.seed
     if req.stop:
@@ -130,6 +140,7 @@ class Gateway:
         self.draining = False
         self._started = int(time.time())
         self._tracer = trace.get_tracer("kvfleet.gateway")
+        self.metrics = GatewayMetrics()
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -140,6 +151,25 @@ class Gateway:
         return await self._generate(request, Endpoint.CHAT)
 
     async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        meter = self.metrics.start(endpoint.value)
+        status = 500
+        try:
+            resp = await self._traced(request, endpoint, meter)
+            status = resp.status   # a stream that failed after its headers still answered 200
+            return resp
+        except ApiError as err:
+            status = err.status
+            raise
+        except web.HTTPException as exc:   # a body over the size limit
+            status = exc.status
+            raise
+        except asyncio.CancelledError:
+            status = 499   # the client went away (nginx's code for it)
+            raise
+        finally:
+            meter.done(status)
+
+    async def _traced(self, request: web.Request, endpoint: Endpoint, meter: RequestMeter) -> web.StreamResponse:
         try:
             req = parse_request(endpoint, await _body(request), chat_max_tokens=self.config.chat_max_tokens)
         except SchemaError as exc:
@@ -149,10 +179,10 @@ class Gateway:
         # span names (and rows of every per-name view) at will.
         parent = extract_context(request.headers.items())
         with self._tracer.start_as_current_span(endpoint.value, context=parent,
-                                                kind=SpanKind.SERVER, attributes=_request_attributes(req),
+                                                kind=SpanKind.SERVER, attributes=_request_attributes(request, req),
                                                 record_exception=False, set_status_on_exception=False) as span:
             try:
-                return await self._run(request, req, span)
+                return await self._run(request, req, span, meter)
             except ApiError as err:
                 _end_with_error(span, err.status, err.code or err.type, err.message)
                 raise
@@ -164,10 +194,12 @@ class Gateway:
                 _end_with_error(span, 500, type(exc).__qualname__, str(exc))
                 raise
 
-    async def _run(self, request: web.Request, req: GenerationRequest, span: Span) -> web.StreamResponse:
+    async def _run(self, request: web.Request, req: GenerationRequest, span: Span,
+                   meter: RequestMeter) -> web.StreamResponse:
         auth = request[_AUTH_KEY]
         await self.upstream.require_model(req.model, auth, refresh=self._per_caller_models)
         # From here on req.model is a model the cluster serves, not just what the caller wrote.
+        meter.model_name = req.model
         span.update_name(f"{req.endpoint.value} {req.model}")
         builder = ResponseBuilder(req.endpoint, new_response_id(req.endpoint), int(time.time()), req.model,
                                   include_usage=req.include_usage)
@@ -180,6 +212,7 @@ class Gateway:
             # Wait for the first event before answering, so a rejection (queue full, bad prompt,
             # no worker) is an HTTP status and not an error event inside a 200 stream.
             first = await anext(stream)
+            meter.first_event()
             if req.stream:
                 return await self._stream(request, builder, first, stream, span)
             text, last = first.text, first
@@ -244,6 +277,9 @@ class Gateway:
             raise model_not_found(name, sorted(served))
         return _json(model_card(name, self._started))
 
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     async def health(self, request: web.Request) -> web.Response:
         report = await self.upstream.health(request[_AUTH_KEY])
         ok = report.ok and not self.draining
@@ -277,6 +313,7 @@ def create_app(config: GatewayConfig, upstream: Upstream) -> tuple[web.Applicati
     app.router.add_get("/v1/models", gateway.models)
     app.router.add_get("/v1/models/{model}", gateway.model)
     app.router.add_get("/health", gateway.health)
+    app.router.add_get("/metrics", gateway.prometheus)
     return app, gateway
 
 

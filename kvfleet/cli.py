@@ -12,6 +12,8 @@ from pathlib import Path
 
 import grpc
 
+from kvfleet_common.flags import FlagParser
+
 DEFAULT_SCHEDULER = "localhost:50051"
 
 
@@ -30,6 +32,8 @@ def _add_cluster_flags(p: argparse.ArgumentParser, model: str = "tiny") -> None:
     p.add_argument("--workers", type=int, default=2, help="worker processes to start")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | xpu | auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quant", default="none", choices=["none", "int8"],
+                   help="workers' weight quantization: int8 = dynamic int8 products (CPU, float32)")
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--prefill-token-budget", type=int, default=512)
 
@@ -37,9 +41,10 @@ def _add_cluster_flags(p: argparse.ArgumentParser, model: str = "tiny") -> None:
 def _spec(a: argparse.Namespace, port: int = 0):
     from kvfleet.local_cluster import ClusterSpec
 
-    return ClusterSpec(workers=a.workers, model=a.model, device=a.device, dtype=a.dtype,
+    return ClusterSpec(workers=a.workers, model=a.model, device=a.device, dtype=a.dtype, quant=a.quant,
                        scheduler_port=port, max_running=a.max_running,
-                       prefill_token_budget=a.prefill_token_budget)
+                       prefill_token_budget=a.prefill_token_budget,
+                       log_format=getattr(a, "log_format", ""), log_level=getattr(a, "log_level", ""))
 
 
 @contextlib.contextmanager
@@ -69,11 +74,11 @@ def cmd_up(a: argparse.Namespace) -> int:
     """Start the cluster and keep it up: a process that dies is restarted (with backoff, logged);
     Ctrl-C or SIGTERM drains and stops everything, and so does a scheduler that keeps crashing."""
     import dataclasses
-    import logging
 
     from kvfleet.local_cluster import ClusterDown, LocalCluster, Supervisor
+    from kvfleet_common.logs import setup_logging
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(a.log_level, a.log_format)
     spec = _spec(a, a.port)
     if not a.no_gateway:
         spec = dataclasses.replace(spec, gateway=True, gateway_port=a.gateway_port)
@@ -149,12 +154,17 @@ def cmd_sweep(a: argparse.Namespace) -> int:
 
     spec = SweepSpec(sessions=a.sessions, prompt_len=a.prompt_len, max_new_tokens=a.max_new_tokens,
                      prefill_budget=a.prefill_budget, concurrency=a.concurrency, seed=a.seed)
-    with _scheduler(a) as address, SchedulerClient(address) as client:
-        doc = run_sweep(client, spec, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    from kvfleet.progress import for_terminal
+
+    with _scheduler(a) as address, SchedulerClient(address) as client, for_terminal("sweep") as progress:
+        doc = run_sweep(client, spec, progress=progress)
     print(format_table(doc))
     if a.out:
+        from kvfleet.sweep_plot import plot_sweep
+
         Path(a.out).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-        print(f"wrote {a.out}", file=sys.stderr)
+        png, svg = plot_sweep(doc, a.out)
+        print(f"wrote {a.out}, {png} and {svg}", file=sys.stderr)
     return 0 if doc["concurrency_sweep"]["corruption_free"] else 1
 
 
@@ -167,9 +177,11 @@ def cmd_experiment(a: argparse.Namespace) -> int:
                           experiment_id=a.experiment_id)
     if a.scheduler and not a.telemetry:
         raise ValueError("with --scheduler, also give --telemetry HOST:PORT (where its spans go)")
-    with _cluster(a) as (scheduler, telemetry), SchedulerClient(scheduler) as client:
-        doc, html = run_experiment(client, telemetry, spec,
-                                   progress=lambda m: print(m, file=sys.stderr, flush=True))
+    from kvfleet.progress import for_terminal
+
+    with _cluster(a) as (scheduler, telemetry), SchedulerClient(scheduler) as client, \
+            for_terminal("experiment") as progress:
+        doc, html = run_experiment(client, telemetry, spec, progress=progress)
     print(format_summary(doc))
     _write_outputs(doc, html, a.out)
     return 0
@@ -205,6 +217,7 @@ def cmd_summary(a: argparse.Namespace) -> int:
 
 def cmd_soak(a: argparse.Namespace) -> int:
     from kvfleet.local_cluster import LocalCluster
+    from kvfleet.progress import for_terminal
     from kvfleet.soak import SoakSpec, engine_reference, run_soak
 
     spec = SoakSpec(sessions=a.sessions, concurrency=a.concurrency, seed=a.seed,
@@ -212,8 +225,8 @@ def cmd_soak(a: argparse.Namespace) -> int:
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     log(f"soak: {spec.sessions} sessions, {spec.concurrency} concurrent streams, model {a.model}")
     reference = engine_reference(a.model)
-    with LocalCluster(_spec(a)) as cluster:
-        report = run_soak(cluster, spec, reference, progress=log)
+    with LocalCluster(_spec(a)) as cluster, for_terminal("soak", line_every=50) as progress:
+        report = run_soak(cluster, spec, reference, progress=progress)
     print("\n".join(report.lines()))
     return 0 if report.ok else 1
 
@@ -263,12 +276,24 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return cmd_sweep(a)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvfleet")
+    except PackageNotFoundError:   # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvfleet", description="kvfleet LLM-serving cluster")
-    sub = p.add_subparsers(dest="command", required=True)
+    p.add_argument("--version", action="version", version=f"kvfleet {_version()}")
+    # Every subcommand takes --config FILE (keys: its flag names); see kvfleet_common/flags.py.
+    sub = p.add_subparsers(dest="command", required=True, parser_class=FlagParser)
 
     up = sub.add_parser("up", help="start a local cluster (scheduler + workers); Ctrl-C drains and stops")
     _add_cluster_flags(up)
+    up.add_logging_flags()
     up.add_argument("--port", type=int, default=50051, help="the scheduler's client port")
     up.add_argument("--telemetry-port", type=int, default=4317, help="the telemetry service's OTLP port")
     up.add_argument("--gateway-port", type=int, default=8000,

@@ -8,7 +8,6 @@ import os
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import numpy as np
 
 from kvfleet_common import security
 from kvfleet.client import SchedulerClient
+from kvfleet.progress import Progress
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet.v1 import telemetry_pb2 as tpb
 from kvfleet.v1 import telemetry_pb2_grpc as tpb_grpc
@@ -97,10 +97,12 @@ def _check_unused(stub: tpb_grpc.TelemetryStub, experiment_id: str, metadata) ->
 
 
 def run_experiment(client: SchedulerClient, telemetry_address: str, spec: ExperimentSpec,
-                   progress: Callable[[str], None] = lambda m: None,
+                   progress: Progress | None = None,
                    telemetry_token: str | None = None) -> tuple[dict, str]:
     """Returns (summary document, HTML report). telemetry_token: the telemetry service's write
     token (default $KVFLEET_TELEMETRY_TOKEN; empty for an open service)."""
+    progress = progress or Progress.silent()
+    progress.set_total(spec.repeats * len(ARMS))
     workers = client.list_workers()
     if not workers:
         raise RuntimeError("the scheduler lists no workers")
@@ -113,8 +115,8 @@ def run_experiment(client: SchedulerClient, telemetry_address: str, spec: Experi
     tokens: dict[str, list[list[int]]] = {arm: [] for arm in ARMS}
     for r in range(spec.repeats):
         for arm in ARMS:   # ABAB...: drift on a shared machine hits both arms alike
-            progress(f"repeat {r + 1}/{spec.repeats}: {arm}")
             tokens[arm].extend(_run_arm(client, _request(spec, prompts, experiment_id, arm), len(prompts)))
+            progress.advance(message=f"repeat {r + 1}/{spec.repeats}: {arm}")
     workload_doc = json.dumps({"prompts": prompts, **asdict(spec), "model": workers[0].model},
                               sort_keys=True, separators=(",", ":"))
     with security.channel(telemetry_address) as channel:

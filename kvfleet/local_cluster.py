@@ -36,6 +36,7 @@ class ClusterSpec:
     model: str = "tiny"
     device: str = "cpu"
     dtype: str = "float32"
+    quant: str = "none"                # workers' --quant: none | int8
     host: str = "127.0.0.1"
     scheduler_port: int = 0            # 0 = a free port
     max_running: int = 64
@@ -52,6 +53,8 @@ class ClusterSpec:
     api_token: str = ""                # the scheduler's client API wants this bearer token
     gateway: bool = False              # also start the OpenAI-compatible HTTP gateway
     gateway_port: int = 0              # 0 = a free port
+    log_format: str = ""               # --log-format for every process ("": theirs, i.e. text or $KVFLEET_LOG_FORMAT)
+    log_level: str = ""                # --log-level likewise
     start_timeout_s: float = 180.0
 
     def __post_init__(self) -> None:
@@ -110,10 +113,15 @@ class LocalCluster:
             env.setdefault("OTEL_BSP_MAX_QUEUE_SIZE", "65536")
         return env
 
+    def _log_args(self) -> list[str]:
+        s = self.spec
+        return [*(["--log-format", s.log_format] if s.log_format else []),
+                *(["--log-level", s.log_level] if s.log_level else [])]
+
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         out = open(self.log_dir / f"{name}.log", "ab")
         env = {**os.environ, **self._env(name)}
-        proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen([sys.executable, *args, *self._log_args()], stdout=out, stderr=subprocess.STDOUT, env=env)
         out.close()                                   # the child holds its own descriptor
         self.procs[name] = proc
         self.commands[name] = list(args)
@@ -172,7 +180,7 @@ class LocalCluster:
         self._spawn(f"worker-{i}", ["-m", "worker_svc", "--host", s.host, "--port", port,
                                     "--metrics-port", str(metrics),
                                     "--worker-id", f"worker-{i}", "--model", s.model,
-                                    "--device", s.device, "--dtype", s.dtype,
+                                    "--device", s.device, "--dtype", s.dtype, "--quant", s.quant,
                                     "--num-blocks", str(s.num_blocks),
                                     "--block-size", str(s.block_size), "--kv-views", s.kv_views])
 

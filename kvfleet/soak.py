@@ -15,6 +15,7 @@ import grpc
 from kvfleet_common import security
 from kvfleet.client import SchedulerClient, build_request
 from kvfleet.local_cluster import LocalCluster
+from kvfleet.progress import Progress
 from kvfleet.v1 import worker_pb2 as wpb
 from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
 
@@ -108,7 +109,9 @@ def _request(p: _Plan):
 
 
 def run_soak(cluster: LocalCluster, spec: SoakSpec, reference: Callable[[_Plan], list[int]],
-             progress: Callable[[str], None] = lambda m: None) -> SoakReport:
+             progress: Progress | None = None) -> SoakReport:
+    progress = progress or Progress.silent()
+    progress.set_total(spec.sessions)
     report = SoakReport()
     names = [n for n in cluster.procs if n != "telemetry"]
     report.rss_before_kb = {n: _rss_kb(cluster.pid(n)) for n in names}
@@ -151,8 +154,7 @@ def run_soak(cluster: LocalCluster, spec: SoakSpec, reference: Callable[[_Plan],
             if outcome == "completed":
                 results[p.index] = tokens
             ended[0] += 1
-            if ended[0] % 50 == 0:
-                progress(f"{ended[0]}/{len(plans)} sessions ended ({time.monotonic() - start:.0f}s)")
+            progress.advance()
 
     def chaos() -> None:
         while ended[0] < spec.kill_after_share * len(plans):

@@ -6,13 +6,14 @@ with what the cluster generated at every concurrency, token for token.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from google.protobuf.json_format import MessageToDict
 
 from kvfleet.client import SchedulerClient
+from kvfleet.progress import Progress
 from kvfleet.v1 import scheduler_pb2 as spb
 
 # The smallest concurrency reaching this share of the best tokens_per_tick is the saturation point.
@@ -118,7 +119,9 @@ def snapshot_dict(snap: spb.TelemetrySnapshot) -> dict:
     return out
 
 
-def run_sweep(client: SchedulerClient, spec: SweepSpec, progress: Callable[[str], None] = lambda s: None) -> dict:
+def run_sweep(client: SchedulerClient, spec: SweepSpec, progress: Progress | None = None) -> dict:
+    progress = progress or Progress.silent()
+    progress.set_total(len(spec.concurrency))
     workers = client.list_workers()
     if not workers:
         raise RuntimeError("the scheduler lists no workers")
@@ -131,10 +134,10 @@ def run_sweep(client: SchedulerClient, spec: SweepSpec, progress: Callable[[str]
     reference = reference_outputs(model_name, prompts, spec.max_new_tokens)
     rows, exact, snapshot = [], True, None
     for c in spec.concurrency:
-        progress(f"concurrency {c}: {spec.sessions} sessions")
         outputs, stats, snap = run_one(client, spec, prompts, c)
         exact = exact and outputs == reference
         rows.append(result_row(c, stats))
+        progress.advance(message=f"concurrency {c}: {stats.ticks} ticks, {stats.tokens_per_tick:.2f} tokens/tick")
         if snap is not None:
             snapshot = snap
     doc = {

@@ -123,8 +123,10 @@ class SchedulerRuntime:
             self._spans.start_workload(workload_id, len(ids), arm)
         for sid, req, op in zip(ids, requests, operations):
             self._metrics.arrived(sid)
-            self._spans.start_session(sid, op, req.max_new_tokens, req.sampling.temperature,
+            self._spans.start_session(sid, op, req.max_new_tokens, req.sampling,
                                       workload_id=workload_id, parent=parent, arm=arm)
+            log.debug("session %s queued (%s)", sid, f"workload {workload_id}" if workload_id else "alone",
+                      extra={"session_id": sid})
         events: asyncio.Queue[SessionEvent] = asyncio.Queue()
         for sid in ids:
             self._subscribers[sid] = events
@@ -151,6 +153,7 @@ class SchedulerRuntime:
     def cancel(self, session_id: str, caller: str | None = None) -> str:
         """Cancel a session (by its owner when `caller` is given); returns the state it was in."""
         state, out = self._core.cancel(session_id, caller)
+        log.debug("session %s cancelled while %s", session_id, state, extra={"session_id": session_id})
         self._emit(out)
         self._deliver()
         self._wake.set()
@@ -245,6 +248,7 @@ class SchedulerRuntime:
         for work in plan.prefill:
             if work.start_position == 0:
                 self._spans.admitted(work.session_id)
+                self._metrics.admitted(work.session_id)
         sessions = [w.session_id for w in plan.prefill + plan.decode]
         span = self._spans.start_tick(plan.tick, sessions, sum(len(w.token_ids) for w in plan.prefill),
                                       len(plan.decode), self._arm_of(sessions))
@@ -303,6 +307,8 @@ class SchedulerRuntime:
             out, p, d = self._outbox.popleft()
             prefill += p
             decode += d
+            if p or d:   # a tick's answers (settled-only outcomes carry no tokens)
+                self._metrics.iteration(p, d)
             for sid, token in out.tokens:
                 self._metrics.token(sid)
                 self._publish(SessionEvent(sid, token=token, worker_id=self._core.session(sid).worker_id or ""))
@@ -318,7 +324,7 @@ class SchedulerRuntime:
     def _ended(self, session_id: str, reason: str) -> None:
         prompt, generated = self.usage(session_id)
         self._spans.finished(session_id, reason, prompt, generated)
-        self._metrics.finished_session(session_id, reason)
+        self._metrics.finished_session(session_id, reason, prompt, generated)
 
     def _publish(self, event: SessionEvent) -> None:
         queue = self._subscribers.get(event.session_id)

@@ -8,8 +8,10 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 
 import grpc
+from opentelemetry import context as otel_context
 
 from kvfleet_common import grpcutil
+from kvfleet_common.logs import bind_session
 from kvfleet_common.security import authorize_token
 from kvfleet_common.tracing import extract_context
 from kvfleet.v1 import scheduler_pb2 as spb
@@ -77,9 +79,16 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
 
     async def Generate(self, request, context) -> AsyncIterator[spb.GenerateEvent]:
         await self._gate(context)
+        parent = extract_context(context.invocation_metadata())
+        # The caller's trace context and the session id stay current for the rest of this call
+        # (its own task), so its log lines carry trace_id/span_id and session_id. Never detached:
+        # the task's context ends with the call.
+        otel_context.attach(parent)
         sreq = await self._session_request(request, context, caller_identity(context))
-        sub = await self._submit(context, lambda: self._runtime.submit(
-            [sreq], [_operation(request)], parent=extract_context(context.invocation_metadata())))
+        sub = await self._submit(context, lambda: self._runtime.submit([sreq], [_operation(request)], parent=parent))
+        bind_session(sub.session_ids[0])
+        log.debug("session %s: %d prompt tokens, up to %d new", sub.session_ids[0], len(sreq.prompt_ids),
+                  sreq.max_new_tokens)
         label = f"session {sub.session_ids[0]}"
         async with contextlib.aclosing(self._stream(sub, [sreq], [request], context, label, True)) as events:
             async for _, msg in events:
@@ -204,7 +213,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                 resp.workers.add(address=view.client.address, live=False)
                 continue
             resp.workers.add(worker_id=info.worker_id, address=view.client.address, live=view.live,
-                             model=info.model.name, device=info.device, dtype=info.dtype,
+                             model=info.model.name, device=info.device, dtype=info.dtype, quant=info.quant or "none",
                              sessions=view.sessions, kv_tokens=view.kv_tokens,
                              kv_capacity_tokens=info.kv_capacity_tokens,
                              reserved_tokens=view.reserved_tokens, vocab_size=info.model.vocab_size,
@@ -261,7 +270,7 @@ async def create_server(config: SchedulerConfig):
     prompts = PromptResolver.for_model(config.model or infos[0].model.name, infos[0].model,
                                        config.prompt_limits)
     spans = SchedulerSpans(prompts.model_name)
-    metrics = SchedulerMetrics()
+    metrics = SchedulerMetrics(prompts.model_name, infos[0].model.max_position)
     runtime = SchedulerRuntime(core, clients, spans, metrics, RuntimeConfig(
         step_timeout_s=config.step_timeout_s, health_interval_s=config.health_interval_s,
         no_worker_wait_s=config.no_worker_wait_s, reconcile_interval_s=config.reconcile_interval_s))
@@ -270,6 +279,7 @@ async def create_server(config: SchedulerConfig):
     spb_grpc.add_SchedulerServicer_to_server(servicer, server)
     health = grpcutil.add_health_and_reflection(server, [SERVICE_NAME])
     port = grpcutil.bind(server, config.host, config.port, config.tls)
+    spans.serving_at(config.host, port)
     await server.start()
     runtime.start()
     from kvfleet_common.metrics import serve_metrics
@@ -302,7 +312,7 @@ class RunningScheduler:
 
 async def _serve(config: SchedulerConfig) -> None:
     server, port, running = await create_server(config)
-    print(f"scheduler listening on {config.host}:{port}", flush=True)
+    log.info("scheduler listening on %s:%d", config.host, port)   # a log line, so JSON logs stay JSON
     await grpcutil.wait_for_termination_signal()
     log.info("scheduler draining (grace %.1fs)", config.drain_grace_s)
     await running.stop(config.drain_grace_s)

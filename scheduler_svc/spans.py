@@ -1,7 +1,9 @@
 """The scheduler's OpenTelemetry spans.
 
-A session's root span `session` follows the GenAI conventions; `queue` covers its wait for
-admission. A workload's root span `generation_wall` covers its whole generation and parents its
+A session's root span follows the GenAI conventions: named `{operation} {model}` (`text_completion
+tiny`, `chat smollm2-135m`), with the stable attribute `kvfleet.span=session` for code that looks
+session spans up without knowing the model. `queue` covers its wait for admission. A
+workload's root span `generation_wall` covers its whole generation and parents its
 sessions. A `tick` span covers one tick's dispatch; its W3C context travels to the workers in
 gRPC metadata, so their `worker_step` spans join the trace. A tick that serves one trace (one
 workload, or one lone session) is a child of that trace's root; a tick shared by several is a
@@ -9,13 +11,18 @@ root of its own, linked to each of them.
 """
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 
+from scheduler_svc.core.types import Sampling
 from scheduler_svc.experiments import ExperimentArm
+
+PROVIDER = "kvfleet"          # gen_ai.provider.name
+SESSION_SPAN = "session"      # the value of kvfleet.span on a session's root span
 
 @dataclass
 class _SessionSpans:
@@ -30,6 +37,13 @@ class SchedulerSpans:
         self._sessions: dict[str, _SessionSpans] = {}
         self._workloads: dict[str, Span] = {}
         self._session_workload: dict[str, str] = {}
+        self._server: dict[str, str | int] = {}
+
+    def serving_at(self, host: str, port: int) -> None:
+        """The scheduler's listening address, for server.address / server.port (a wildcard bind
+        names the machine instead)."""
+        address = socket.gethostname() if host in ("", "0.0.0.0", "::", "[::]") else host
+        self._server = {"server.address": address, "server.port": port}
 
     # ---- roots ------------------------------------------------------------------------------
 
@@ -45,19 +59,25 @@ class SchedulerSpans:
         if span is not None:
             span.end()
 
-    def start_session(self, session_id: str, operation: str, max_tokens: int, temperature: float,
+    def start_session(self, session_id: str, operation: str, max_tokens: int, sampling: Sampling,
                       workload_id: str | None = None, parent: Context | None = None,
                       arm: ExperimentArm | None = None) -> None:
         attrs: dict[str, str | int | float] = {
-            "gen_ai.operation.name": operation, "gen_ai.request.model": self._model,
-            "gen_ai.request.max_tokens": max_tokens, "gen_ai.request.temperature": temperature,
-            "kvfleet.session.id": session_id}
+            "gen_ai.operation.name": operation, "gen_ai.provider.name": PROVIDER,
+            "gen_ai.request.model": self._model, "gen_ai.request.max_tokens": max_tokens,
+            "gen_ai.request.temperature": sampling.temperature, **self._server,
+            "kvfleet.span": SESSION_SPAN, "kvfleet.session.id": session_id}
+        if sampling.top_k:   # 0 = off: no attribute rather than a value that means "none"
+            attrs["gen_ai.request.top_k"] = float(sampling.top_k)   # a double in the conventions
+        if sampling.top_p < 1.0:
+            attrs["gen_ai.request.top_p"] = sampling.top_p
         if workload_id is not None:
             self._session_workload[session_id] = workload_id
             parent = trace.set_span_in_context(self._workloads[workload_id])
         if arm is not None:
             attrs.update(arm.attributes())
-        root = self._tracer.start_span("session", context=parent, kind=SpanKind.SERVER, attributes=attrs)
+        root = self._tracer.start_span(f"{operation} {self._model}", context=parent, kind=SpanKind.SERVER,
+                                       attributes=attrs)
         queue = self._tracer.start_span("queue", context=trace.set_span_in_context(root),
                                         attributes={k: v for k, v in attrs.items() if k.startswith("experiment.")})
         self._sessions[session_id] = _SessionSpans(root, queue)

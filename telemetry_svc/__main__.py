@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import logging
-import os
 
+from kvfleet_common.flags import FlagParser
+from kvfleet_common.logs import LogSettings
 from telemetry_svc.auth import AuthPolicy
 from telemetry_svc.retention import DEFAULT_MAX_DB_MB, DEFAULT_RETENTION_HOURS, RetentionPolicy
 from telemetry_svc.server import TelemetryConfig, serve
@@ -14,33 +13,27 @@ from telemetry_svc.server import TelemetryConfig, serve
 DEFAULT_METRICS_PORT = 9402  # scheduler 9400, workers 9401
 
 
-def _truthy(value: str) -> bool:
-    return value.strip().lower() in ("1", "true", "yes")
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[TelemetryConfig, str]:
-    env = os.environ
+def parse_args(argv: list[str] | None = None) -> tuple[TelemetryConfig, LogSettings]:
     d = TelemetryConfig()
-    p = argparse.ArgumentParser(prog="python -m telemetry_svc", description=__doc__)
+    p = FlagParser(prog="python -m telemetry_svc", description=__doc__)
     p.add_argument("--host", default=d.host, help="interface to listen on (0.0.0.0 in a container)")
     p.add_argument("--port", type=int, default=d.port, help="OTLP/gRPC and Telemetry port")
     p.add_argument("--db", default=d.db_path, help="SQLite span store path")
     p.add_argument("--max-pending-spans", type=int, default=d.max_pending_spans,
                    help="spans in flight before exports get UNAVAILABLE with RetryInfo")  # fmt: skip
     p.add_argument("--grace", type=float, default=d.grace_s, help="seconds to drain on SIGTERM")
-    p.add_argument("--api-token", default=env.get("KVFLEET_TELEMETRY_TOKEN", ""),
-                   help="bearer token writes must carry (default $KVFLEET_TELEMETRY_TOKEN; prefer the "
-                        "variable: a flag shows in ps). Mutual TLS: $KVFLEET_TLS_ALLOWED_CLIENTS")  # fmt: skip
-    p.add_argument("--protect-reads", action="store_true",
-                   default=_truthy(env.get("KVFLEET_TELEMETRY_PROTECT_READS", "")),
+    p.add_argument("--api-token", env="KVFLEET_TELEMETRY_TOKEN", default="",
+                   help="bearer token writes must carry (prefer the variable: a flag "
+                        "shows in ps). Mutual TLS: $KVFLEET_TLS_ALLOWED_CLIENTS")  # fmt: skip
+    p.add_argument("--protect-reads", action="store_true", env="KVFLEET_TELEMETRY_PROTECT_READS",
                    help="reads (summaries, reports, timings, experiments) need the token/certificate too")  # fmt: skip
     p.add_argument("--retention-hours", type=float, default=DEFAULT_RETENTION_HOURS,
                    help="delete spans and artifacts received longer ago than this")  # fmt: skip
     p.add_argument("--max-db-mb", type=float, default=DEFAULT_MAX_DB_MB,
                    help="delete the oldest spans while the store holds more than this")  # fmt: skip
-    p.add_argument("--metrics-port", type=int, default=int(env.get("KVFLEET_METRICS_PORT", DEFAULT_METRICS_PORT)),
+    p.add_argument("--metrics-port", type=int, env="KVFLEET_METRICS_PORT", default=DEFAULT_METRICS_PORT,
                    help="Prometheus /metrics port (0 = off)")  # fmt: skip
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_logging_flags()
     a = p.parse_args(argv)
     from kvfleet_common.security import TlsConfig
 
@@ -52,12 +45,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[TelemetryConfig, str]:
                                  metrics_port=a.metrics_port)  # fmt: skip
     except ValueError as exc:
         p.error(str(exc))
-    return config, a.log_level
+    return config, LogSettings(a.log_level, a.log_format)
 
 
 def main(argv: list[str] | None = None) -> None:
-    config, log_level = parse_args(argv)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config, logs = parse_args(argv)
+    logs.apply()
     asyncio.run(serve(config))
 
 

@@ -124,24 +124,41 @@ def _scrape(stack: Stack, service: str, port: int) -> str:
 
 
 def test_prometheus_metrics_serve_every_name_the_dashboard_uses(stack: Stack) -> None:
-    scraped = _scrape(stack, "scheduler", 9400) + _scrape(stack, "worker-0", 9401)
-    finished = re.findall(r'^kvfleet:request_success_total\{finished_reason="length"\} (\S+)$', scraped, re.M)
+    # the gateway serves its own /metrics on its API port (the earlier tests sent it requests)
+    scraped = _scrape(stack, "scheduler", 9400) + _scrape(stack, "worker-0", 9401) + _scrape(stack, "gateway", 8000)
+    finished = re.findall(rf'^kvfleet:request_success_total\{{finished_reason="length",model_name="{stack.model}"\}} '
+                          r'(\S+)$', scraped, re.M)
     assert finished and float(finished[0]) >= 1, "no finished sessions counted"
+    served = re.findall(rf'^kvfleet:gateway_requests_total\{{endpoint="text_completion",model_name="{stack.model}",'
+                        r'status_code="200"\} (\S+)$', scraped, re.M)
+    assert served and float(served[0]) >= 1, "no gateway requests counted"
     dashboard = (REPO / "deploy" / "grafana" / "dashboards" / "kvfleet.json").read_text()
     used = set(re.findall(r"kvfleet:[a-z0-9_]+", dashboard))
     assert used, "the dashboard names no kvfleet metric"
-    # a histogram or counter shows as its family in `# TYPE` lines; strip the sample suffixes
-    families = set(re.findall(r"^# TYPE (kvfleet:[a-z0-9_]+) ", scraped, re.M))
-    missing = {m for m in used if re.sub(r"_(bucket|total|sum|count)$", "", m) not in families and m not in families}
-    assert not missing, f"dashboard metrics no service serves: {sorted(missing)}"
+    # {family: type}; a counter's TYPE line names it with or without _total (by client version)
+    types: dict[str, str] = {}
+    for name, kind in re.findall(r"^# TYPE (kvfleet:[a-z0-9_]+) (\S+)$", scraped, re.M):
+        types[re.sub(r"_total$", "", name) if kind == "counter" else name] = kind
+    # what each sample suffix promises: _total a counter, _bucket/_sum/_count a histogram
+    wrong = {}
+    for m in used:
+        suffix = re.search(r"_(bucket|total|sum|count)$", m)
+        family = m[:suffix.start()] if suffix else m
+        want = {"total": "counter", None: "gauge"}.get(suffix and suffix[1], "histogram")
+        if types.get(family) != want:
+            wrong[m] = types.get(family, "not served")
+    assert not wrong, f"dashboard metrics no service serves as the dashboard reads them: {wrong}"
+    # one meaning per name: the scheduler's budget and a worker's blocks are named apart
+    assert "kvfleet:kv_cache_usage_perc" not in types
 
 
 def test_telemetry_stored_spans_from_scheduler_and_workers(stack: Stack) -> None:
     # One lone session: its tick serves a single trace, so the workers' spans join its trace.
     _generate(stack, [5, 6, 7, 8], 4, ignore_eos=True)
-    counts = _wait_for(lambda: (t := _timings(stack)).get("session") and t.get("worker_step") and t,
+    session = f"text_completion {stack.model}"   # the session span is named `{operation} {model}`
+    counts = _wait_for(lambda: (t := _timings(stack)).get(session) and t.get("worker_step") and t,
                        30, "session and worker_step spans in GetTimings")
-    assert counts["session"] >= 1 and counts["tick"] >= 1 and counts["worker_step"] >= 1, counts
+    assert counts[session] >= 1 and counts["tick"] >= 1 and counts["worker_step"] >= 1, counts
 
     # every service exports in its own batches (OTEL_BSP_SCHEDULE_DELAY=1 s): wait for all three
     expected = {"kvfleet-scheduler", "kvfleet-worker", "kvfleet-gateway"}
@@ -155,7 +172,8 @@ def test_telemetry_stored_spans_from_scheduler_and_workers(stack: Stack) -> None
     # Trace context crossed the container boundary: a worker span shares a trace with a session.
     def joined() -> int:
         return _span_rows(stack, "SELECT COUNT(DISTINCT w.trace_id) FROM spans w JOIN spans s ON w.trace_id = "
-                                 "s.trace_id WHERE w.name = 'worker_step' AND s.name = 'session'")[0][0]
+                                 "s.trace_id WHERE w.name = 'worker_step' AND s.service = 'kvfleet-scheduler' "
+                                 "AND s.attributes LIKE '%\"kvfleet.span\": \"session\"%'")[0][0]
     _wait_for(lambda: joined() >= 1, 30, "a worker_step span in the trace of a session")
 
 

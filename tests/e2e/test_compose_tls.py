@@ -148,7 +148,8 @@ def test_spans_reach_telemetry_over_mutual_tls(tls_stack: Stack, certs: Path) ->
     deadline = time.monotonic() + 60
     while True:   # the exporters send every second
         counts = timings(_client_tls(certs, "client"))
-        if counts.get("session") and counts.get("worker_step"):
+        # the scheduler's session span is named `{operation} {model}`
+        if counts.get(f"text_completion {tls_stack.model}") and counts.get("worker_step"):
             break
         assert time.monotonic() < deadline, f"no session and worker_step spans stored over TLS: {counts}"
         time.sleep(1)

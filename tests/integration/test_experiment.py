@@ -55,9 +55,11 @@ def test_one_trace_spans_scheduler_and_workers(summary, traced_cluster):
     joined = [t for t, spans in by_trace.items()
               if ("generation_wall", "kvfleet-scheduler") in spans and ("worker_step", "kvfleet-worker") in spans]
     assert len(joined) == 10, "each arm run is one trace across both services"
-    session_attrs = [json.loads(a) for _, name, _, a in rows if name == "session"]
-    assert session_attrs
-    for attrs in session_attrs:
+    sessions = [(name, json.loads(a)) for _, name, _, a in rows if json.loads(a).get("kvfleet.span") == "session"]
+    assert sessions
+    for name, attrs in sessions:
+        assert name == "text_completion tiny"   # {gen_ai.operation.name} {gen_ai.request.model}
+        assert attrs["gen_ai.provider.name"] == "kvfleet" and "gen_ai.system" not in attrs
         assert attrs["gen_ai.operation.name"] == "text_completion"
         assert attrs["gen_ai.request.model"] == "tiny"
         assert attrs["gen_ai.request.max_tokens"] == 12
@@ -74,12 +76,12 @@ def test_a_lone_session_is_one_trace_too(traced_cluster):
     import time
     db = sqlite3.connect(traced_cluster.log_dir / "telemetry.db")
     for _ in range(40):
-        rows = db.execute("SELECT trace_id FROM spans WHERE name = 'session' AND attributes LIKE ?",
+        rows = db.execute("SELECT trace_id FROM spans WHERE name = 'text_completion tiny' AND attributes LIKE ?",
                           (f'%"kvfleet.session.id": "{sid}"%',)).fetchall()
         if rows:
             trace_id = rows[0][0]
             names = {n for (n,) in db.execute("SELECT name FROM spans WHERE trace_id = ?", (trace_id,))}
-            if {"session", "queue", "tick", "worker_step", "attention"} <= names:
+            if {"text_completion tiny", "queue", "tick", "worker_step", "attention"} <= names:
                 return
         time.sleep(0.25)
     pytest.fail(f"no complete trace for session {sid}")

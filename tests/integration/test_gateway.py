@@ -241,9 +241,9 @@ def test_disconnect_mid_stream_frees_the_session(client, grpc_client):
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
 
 
-def test_one_request_is_one_trace(client, cluster):
+def test_one_request_is_one_trace(client, cluster, gateway):
     got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
-                                         max_tokens=4, temperature=0)
+                                         max_tokens=4, temperature=0, extra_body={"top_k": 40})
     db_path = cluster.log_dir / "telemetry.db"
     end = time.monotonic() + 20
     while True:
@@ -253,16 +253,28 @@ def test_one_request_is_one_trace(client, cluster):
                           "AND attributes LIKE ?)", (f'%"{got.id}"%',)).fetchall()
         db.close()
         names = {(r[3], r[4]) for r in rows}
-        if {(f"chat {MODEL}", "kvfleet-gateway"), ("session", "kvfleet-scheduler"),
+        # both the gateway's span and the scheduler's session span are named `{operation} {model}`
+        if {(f"chat {MODEL}", "kvfleet-gateway"), (f"chat {MODEL}", "kvfleet-scheduler"),
                 ("worker_step", "kvfleet-worker")} <= names or time.monotonic() > end:
             break
         time.sleep(0.3)
     gw = [r for r in rows if r[4] == "kvfleet-gateway"]
-    session = [r for r in rows if r[3] == "session"]
+    session = [r for r in rows if json.loads(r[5]).get("kvfleet.span") == "session"]
     assert len(gw) == 1 and len(session) == 1, names
     assert session[0][2] == gw[0][1], "the scheduler's session span is a child of the gateway's"
+    assert (session[0][3], session[0][4]) == (f"chat {MODEL}", "kvfleet-scheduler")
     assert ("worker_step", "kvfleet-worker") in names
     attrs = json.loads(gw[0][5])
+    # GenAI conventions as current: gen_ai.provider.name, not the deprecated gen_ai.system
+    assert attrs["gen_ai.provider.name"] == "kvfleet" and "gen_ai.system" not in attrs
+    assert (attrs["server.address"], attrs["server.port"]) == ("127.0.0.1", gateway.port)
+    assert attrs["gen_ai.request.top_k"] == 40
+    sattrs = json.loads(session[0][5])
+    assert sattrs["gen_ai.provider.name"] == "kvfleet" and "gen_ai.system" not in sattrs
+    assert sattrs["gen_ai.operation.name"] == "chat" and sattrs["gen_ai.request.model"] == MODEL
+    assert sattrs["gen_ai.request.top_k"] == 40
+    scheduler_port = int(cluster.scheduler_address.rsplit(":", 1)[1])
+    assert sattrs["server.port"] == scheduler_port and sattrs["server.address"]
     assert attrs["gen_ai.operation.name"] == "chat" and attrs["gen_ai.request.model"] == MODEL
     assert (attrs["gen_ai.request.max_tokens"], attrs["gen_ai.request.temperature"]) == (4, 0.0)
     assert (attrs["gen_ai.usage.input_tokens"], attrs["gen_ai.usage.output_tokens"]) == \

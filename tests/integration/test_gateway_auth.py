@@ -131,6 +131,7 @@ def test_span_names_come_from_validated_values_only(cluster, gateways):
     assert sorted(name for name, _ in spans) == ["text_completion", "text_completion", "text_completion tiny"], spans
     for name, attrs in spans:
         assert bogus not in name and bogus not in json.dumps(attrs), (name, attrs)
+        assert attrs["gen_ai.provider.name"] == "kvfleet" and "gen_ai.system" not in attrs
         if name == "text_completion tiny":
             assert attrs["gen_ai.request.model"] == attrs["gen_ai.response.model"] == "tiny"
         else:

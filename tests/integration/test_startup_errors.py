@@ -40,3 +40,23 @@ def test_truncated_real_model_is_a_clear_startup_error(tmp_path: Path):
 def test_unknown_model_name_lists_the_known_ones():
     proc = _start("gpt-17")
     assert proc.returncode != 0 and "smollm2-135m" in proc.stderr and "tiny" in proc.stderr
+
+
+@pytest.mark.parametrize("module", ["scheduler_svc", "worker_svc", "telemetry_svc", "gateway_svc"])
+def test_config_file_with_an_unknown_key_names_it(tmp_path: Path, module):
+    config = tmp_path / "svc.toml"
+    config.write_text('log-format = "json"\nmax-runing = 4\n')
+    proc = subprocess.run([sys.executable, "-m", module, "--config", str(config)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "unknown key 'max-runing'" in proc.stderr and str(config) in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_environment_value_names_the_variable():
+    import os
+
+    proc = subprocess.run([sys.executable, "-m", "worker_svc", "--port", "0"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "KVFLEET_NUM_BLOCKS": "lots"})
+    assert proc.returncode == 2 and "KVFLEET_NUM_BLOCKS" in proc.stderr and "'lots'" in proc.stderr
+    assert "Traceback" not in proc.stderr

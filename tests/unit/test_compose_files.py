@@ -59,20 +59,40 @@ def test_dashboards_profile_fans_traces_out_and_scrapes_every_metrics_port(base:
     exporters = collector["service"]["pipelines"]["traces"]["exporters"]
     endpoints = {collector["exporters"][e]["endpoint"] for e in exporters if e in collector["exporters"]}
     assert {"telemetry:4317", "jaeger:4317"} <= endpoints
+    # session spans are named `{operation} {model}`: span metrics find them by this attribute
+    dimensions = {d["name"] for d in collector["connectors"]["spanmetrics"]["dimensions"]}
+    assert "kvfleet.span" in dimensions
     prom = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())
     targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
     assert f"scheduler:{SchedulerConfig(workers=('w:1',)).metrics_port}" in targets
     assert {f"worker-{i}:{WorkerConfig().metrics_port}" for i in (0, 1)} <= targets
+    # the gateway serves its /metrics on its API port
+    assert f"gateway:{base['gateway']['environment']['KVFLEET_GATEWAY_PORT']}" in targets
 
 
 def test_grafana_dashboard_shows_what_operators_need() -> None:
     dash = json.loads((REPO / "deploy/grafana/dashboards/kvfleet.json").read_text())
     exprs = " ".join(t["expr"] for p in dash["panels"] for t in p.get("targets", []))
     for metric in ("kvfleet:num_requests_running", "kvfleet:num_requests_waiting", "kvfleet:batch_occupancy",
-                   "kvfleet:kv_cache_usage_perc", "kvfleet:generation_tokens_total",
-                   "kvfleet:time_to_first_token_seconds_bucket", "kvfleet:inter_token_latency_seconds_bucket"):
+                   "kvfleet:scheduler_kv_usage_perc", "kvfleet:worker_kv_cache_usage_perc",
+                   "kvfleet:generation_tokens_total", "kvfleet:num_preemptions_total",
+                   "kvfleet:time_to_first_token_seconds_bucket", "kvfleet:inter_token_latency_seconds_bucket",
+                   "kvfleet:request_queue_time_seconds_bucket", "kvfleet:request_prefill_time_seconds_bucket",
+                   "kvfleet:request_decode_time_seconds_bucket", "kvfleet:request_prompt_tokens_bucket",
+                   "kvfleet:request_generation_tokens_bucket", "kvfleet:iteration_tokens_bucket",
+                   "kvfleet:gateway_requests_total", "kvfleet:gateway_request_duration_seconds_bucket"):
         assert metric in exprs, metric
     assert re.search(r"sum by \(reason\) \(rate\(kvfleet:request_rejections_total", exprs)
+    # one name, one meaning: the scheduler's budget and a worker's blocks are named apart
+    assert "kvfleet:kv_cache_usage_perc" not in exprs
+    # a counter is charted as a rate, never as its raw running total
+    for expr in (t["expr"] for p in dash["panels"] for t in p.get("targets", [])):
+        for m in re.finditer(r"[a-z_:]+_total\b", expr):
+            assert re.search(r"(rate|increase)\($", expr[:m.start()]), expr
+    # session spans are found by kvfleet.span, their names being `{operation} {model}`
+    assert 'span_name="session"' not in exprs and 'kvfleet_span="session"' in exprs
+    # the model filter the scheduler's families carry (model_name) is a dashboard variable
+    assert [v["name"] for v in dash["templating"]["list"]] == ["model_name"]
     sources = yaml.safe_load((REPO / "deploy/grafana/provisioning/datasources/datasources.yaml").read_text())
     uids = {d["uid"] for d in sources["datasources"]}
     used = {p["datasource"]["uid"] for p in dash["panels"] if "datasource" in p}
