@@ -5,11 +5,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/kvfleet/v1/*.proto)
 GEN_STAMP := kvfleet/v1/.generated
+PACKAGES := kvfleet_common kvfleet_models scheduler_svc worker_svc telemetry_svc gateway_svc kvfleet bench
 
 NODE_CLIENT := tests/clients/node
 NODE_STAMP := $(NODE_CLIENT)/node_modules/.installed
 
-.PHONY: install protos demo test sweep soak bench clean
+.PHONY: install protos demo test lint typecheck sweep soak bench clean
 
 install: $(STAMP) $(GEN_STAMP)
 
@@ -46,7 +47,15 @@ $(NODE_STAMP): $(NODE_CLIENT)/package-lock.json
 		npm ci --prefix $(NODE_CLIENT) --no-audit --no-fund --loglevel=error && touch $@; \
 	else echo "npm not found: the grpc-js client test will be skipped"; fi
 
-test: install $(NODE_STAMP)
+# Lint and format (ruff; `ruff format .` fixes the format) and types over every package.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: install
+	$(BIN)/python -m mypy --ignore-missing-imports $(PACKAGES)
+
+test: install $(NODE_STAMP) lint typecheck
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
 clean:

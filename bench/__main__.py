@@ -1,4 +1,5 @@
 """python -m bench: see bench/README.md."""
+
 import os
 import sys
 

@@ -1,5 +1,6 @@
 """A benchmark cluster: scheduler + N workers + telemetry as local processes, sized for the
 workload, and the measurements taken through it."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -17,14 +18,14 @@ _KV_BUDGET_BYTES = 64 * 1024**3
 @dataclass(frozen=True)
 class ClusterOptions:
     workers: int
-    worker_threads: int          # intra-op threads of each worker process (OMP_NUM_THREADS)
+    worker_threads: int  # intra-op threads of each worker process (OMP_NUM_THREADS)
     model: str
     device: str
     dtype: str
     kv_views: str
     prefill_token_budget: int
     max_concurrency: int
-    max_session_tokens: int      # longest prompt + output of the workload
+    max_session_tokens: int  # longest prompt + output of the workload
     block_size: int = 16
     quant: str = "none"
 
@@ -36,14 +37,25 @@ class ClusterOptions:
         per_session = -(-self.max_session_tokens // self.block_size)
         # Any worker may be given every session at once; a little slack for the warm-up.
         num_blocks = per_session * self.max_concurrency + 64
-        env = {"OMP_NUM_THREADS": str(self.worker_threads),
-               "MKL_NUM_THREADS": str(self.worker_threads),
-               "KVFLEET_KV_BUDGET_BYTES": str(_KV_BUDGET_BYTES)}
-        return ClusterSpec(workers=self.workers, model=self.model, device=self.device,
-                           dtype=self.dtype, quant=self.quant, max_running=max(64, self.max_concurrency),
-                           prefill_token_budget=self.prefill_token_budget, num_blocks=num_blocks,
-                           block_size=self.block_size, kv_views=self.kv_views, telemetry=True,
-                           extra_env=env)
+        env = {
+            "OMP_NUM_THREADS": str(self.worker_threads),
+            "MKL_NUM_THREADS": str(self.worker_threads),
+            "KVFLEET_KV_BUDGET_BYTES": str(_KV_BUDGET_BYTES),
+        }
+        return ClusterSpec(
+            workers=self.workers,
+            model=self.model,
+            device=self.device,
+            dtype=self.dtype,
+            quant=self.quant,
+            max_running=max(64, self.max_concurrency),
+            prefill_token_budget=self.prefill_token_budget,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            kv_views=self.kv_views,
+            telemetry=True,
+            extra_env=env,
+        )
 
 
 class BenchCluster:
@@ -64,8 +76,12 @@ class BenchCluster:
 
     def run(self, sessions: Sequence[Session], concurrency: int, breakdown: bool) -> dict:
         name = self.options.name
-        result = run_load(self.cluster.scheduler_address, sessions, concurrency,
-                          progress=lambda m: self.progress(f"{name} c={concurrency}: {m}"))
+        result = run_load(
+            self.cluster.scheduler_address,
+            sessions,
+            concurrency,
+            progress=lambda m: self.progress(f"{name} c={concurrency}: {m}"),
+        )
         row = summarize(result, sessions)
         if breakdown:
             db = self.cluster.log_dir / "telemetry.db"
@@ -90,7 +106,11 @@ def default_worker_threads(device: str, workers: int, cores: int, probe: dict | 
     if probe and per_worker > 1:
         decode = {int(k): v for k, v in probe.get("tok_s_by_threads", {}).items()}
         prefill = {int(k): v for k, v in probe.get("prefill_tok_s_by_threads", {}).items()}
-        if (1 in prefill and per_worker in prefill and prefill[per_worker] > 1.15 * prefill[1]
-                and decode.get(per_worker, 0.0) >= 0.9 * decode.get(1, 0.0)):
+        if (
+            1 in prefill
+            and per_worker in prefill
+            and prefill[per_worker] > 1.15 * prefill[1]
+            and decode.get(per_worker, 0.0) >= 0.9 * decode.get(1, 0.0)
+        ):
             return per_worker
     return 1

@@ -6,6 +6,7 @@ at each intra-op thread count tried: decode reads the weights (bandwidth-bound),
 multiplies by them (compute-bound, like a big batch), and on a shared machine a second thread
 can help the one and wreck the other, so the harness picks the workers' threads from both.
 """
+
 from __future__ import annotations
 
 import time
@@ -16,23 +17,32 @@ import torch
 
 from kvfleet_models.config import LlamaConfig
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
-from worker_svc.model.cpu_backend import use_cpu_threads
 from worker_svc.kv_views_mode import KVViewsMode
+from worker_svc.model.cpu_backend import use_cpu_threads
 
 
-def batch1_decode(cfg: LlamaConfig, weights: dict[str, np.ndarray], device: str, dtype: str,
-                  kv_views: str, threads: Sequence[int], prompt_len: int = 256,
-                  steps: int = 20, budget_s: float = 4.0) -> dict:
+def batch1_decode(
+    cfg: LlamaConfig,
+    weights: dict[str, np.ndarray],
+    device: str,
+    dtype: str,
+    kv_views: str,
+    threads: Sequence[int],
+    prompt_len: int = 256,
+    steps: int = 20,
+    budget_s: float = 4.0,
+) -> dict:
     """Per thread count: decode tokens/s of one session after a ``prompt_len`` prompt, and
     that prompt's prefill tokens/s."""
-    engine = Engine(cfg, weights, EngineConfig(device=device, dtype=dtype, num_blocks=64,
-                                               kv_views=KVViewsMode.parse(kv_views)))
+    engine = Engine(
+        cfg, weights, EngineConfig(device=device, dtype=dtype, num_blocks=64, kv_views=KVViewsMode.parse(kv_views))
+    )
     greedy = SamplingSpec()
     prompt = tuple(int(t) for t in np.random.default_rng(1).integers(100, cfg.vocab_size, prompt_len))
     saved = torch.get_num_threads()
     out: dict[str, float] = {}
     prefill: dict[str, float] = {}
-    engine.step([PrefillItem("warm", prompt[:16], 0, True, greedy)], [])   # first-call costs
+    engine.step([PrefillItem("warm", prompt[:16], 0, True, greedy)], [])  # first-call costs
     engine.release(["warm"])
     try:
         for n in threads if engine.device.type == "cpu" else [saved]:
@@ -44,7 +54,7 @@ def batch1_decode(cfg: LlamaConfig, weights: dict[str, np.ndarray], device: str,
             assert token is not None, "a last prefill chunk returns a token"
             prefill[str(n)] = round(prompt_len / (time.perf_counter() - t0), 1)
             times: list[float] = []
-            end = time.perf_counter() + budget_s      # a thread count that stalls is cut short
+            end = time.perf_counter() + budget_s  # a thread count that stalls is cut short
             for k in range(steps):
                 t0 = time.perf_counter()
                 res = engine.step([], [DecodeItem("probe", int(token), prompt_len + k, greedy, k + 1)])
@@ -59,5 +69,10 @@ def batch1_decode(cfg: LlamaConfig, weights: dict[str, np.ndarray], device: str,
         if engine.device.type == "cpu":
             use_cpu_threads(1, engine.model.host_blas, engine.model)
         torch.set_num_threads(saved)
-    return {"tok_s_by_threads": out, "best_tok_s": max(out.values()), "prompt_len": prompt_len,
-            "prefill_tok_s_by_threads": prefill, "kv_views": kv_views}
+    return {
+        "tok_s_by_threads": out,
+        "best_tok_s": max(out.values()),
+        "prompt_len": prompt_len,
+        "prefill_tok_s_by_threads": prefill,
+        "kv_views": kv_views,
+    }

@@ -6,6 +6,7 @@ is the first token's arrival minus the request's send time; inter-token latency 
 between consecutive tokens of a session (an event carrying k tokens gives one gap and k - 1
 zeros: the client saw them at once).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,15 +18,15 @@ import grpc
 import numpy as np
 
 from bench.workload import Session
-from kvfleet_common import grpcutil
 from kvfleet.client import build_request
 from kvfleet.v1 import scheduler_pb2_grpc as spb_grpc
+from kvfleet_common import grpcutil
 
 
 @dataclass
 class SessionTiming:
     send_ns: int
-    arrivals: list[tuple[int, int]] = field(default_factory=list)   # (perf ns, tokens)
+    arrivals: list[tuple[int, int]] = field(default_factory=list)  # (perf ns, tokens)
     finish_reason: int = 0
 
     @property
@@ -38,7 +39,7 @@ class LoadResult:
     concurrency: int
     timings: list[SessionTiming]
     wall_s: float
-    start_epoch_ns: int       # wall clock, to find the run's spans in the telemetry store
+    start_epoch_ns: int  # wall clock, to find the run's spans in the telemetry store
     end_epoch_ns: int
 
     @property
@@ -46,8 +47,9 @@ class LoadResult:
         return sum(t.tokens for t in self.timings)
 
 
-async def _run(address: str, sessions: Sequence[Session], concurrency: int, timeout_s: float,
-               progress: Callable[[str], None]) -> LoadResult:
+async def _run(
+    address: str, sessions: Sequence[Session], concurrency: int, timeout_s: float, progress: Callable[[str], None]
+) -> LoadResult:
     timings: list[SessionTiming | None] = [None] * len(sessions)
     next_index = 0
 
@@ -86,8 +88,13 @@ async def _run(address: str, sessions: Sequence[Session], concurrency: int, time
     return LoadResult(concurrency, timings, wall, start_epoch, time.time_ns())  # type: ignore[arg-type]
 
 
-def run_load(address: str, sessions: Sequence[Session], concurrency: int, timeout_s: float = 900.0,
-             progress: Callable[[str], None] = lambda m: None) -> LoadResult:
+def run_load(
+    address: str,
+    sessions: Sequence[Session],
+    concurrency: int,
+    timeout_s: float = 900.0,
+    progress: Callable[[str], None] = lambda m: None,
+) -> LoadResult:
     return asyncio.run(_run(address, sessions, concurrency, timeout_s, progress))
 
 
@@ -116,7 +123,9 @@ def summarize(result: LoadResult, sessions: Sequence[Session]) -> dict:
         "expected_output_tokens": expected,
         "wall_s": round(result.wall_s, 3),
         "output_tokens_per_s": round(result.output_tokens / result.wall_s, 3),
-        "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p99": _pct(ttft, 99),
-        "itl_ms_p50": _pct(itl, 50), "itl_ms_p99": _pct(itl, 99),
+        "ttft_ms_p50": _pct(ttft, 50),
+        "ttft_ms_p99": _pct(ttft, 99),
+        "itl_ms_p50": _pct(itl, 50),
+        "itl_ms_p99": _pct(itl, 99),
         "itl_ms_mean": float(np.mean(itl)) if itl else None,
     }

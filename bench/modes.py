@@ -11,18 +11,20 @@ the per-round ratios to the first mode; per mode, a ``--prefill``-token prompt's
 (one per round). The 1-minute load average is printed with each round.
 Nothing is asserted: this prints figures to quote.
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import time
+from typing import Any
 
 import numpy as np
 
 from kvfleet_models.registry import load_model
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
 
-MODES = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quant": "int8"}}
+MODES: dict[str, dict[str, Any]] = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quant": "int8"}}
 GREEDY = SamplingSpec()
 
 
@@ -36,16 +38,17 @@ class Sessions:
         for sid in self.ids:
             prompt = tuple(int(t) for t in rng.integers(100, 10000, context))
             out = engine.step([PrefillItem(sid, prompt, 0, True, GREEDY)], [])
-            self.tokens.append(out.results[0].token_id)
+            token = out.results[0].token_id
+            assert token is not None
+            self.tokens.append(token)
             self.positions.append(context)
 
     def step(self) -> float:
-        decode = [DecodeItem(s, t, p, GREEDY, 1)
-                  for s, t, p in zip(self.ids, self.tokens, self.positions)]
+        decode = [DecodeItem(s, t, p, GREEDY, 1) for s, t, p in zip(self.ids, self.tokens, self.positions)]
         t0 = time.perf_counter()
         out = self.engine.step([], decode)
         dt = time.perf_counter() - t0
-        self.tokens = [r.token_id for r in out.results]
+        self.tokens = [r.token_id if r.token_id is not None else 0 for r in out.results]
         self.positions = [p + 1 for p in self.positions]
         return dt
 
@@ -68,13 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     engines, sessions = {}, {}
     for m in modes:
         t0 = time.perf_counter()
-        engines[m] = Engine(cfg, weights, EngineConfig(num_blocks=blocks, kv_views=a.kv_views,
-                                                       num_threads=a.threads, **MODES[m]))
+        engines[m] = Engine(
+            cfg, weights, EngineConfig(num_blocks=blocks, kv_views=a.kv_views, num_threads=a.threads, **MODES[m])
+        )
         engines[m].use_threads()
         for b in batches:
             sessions[m, b] = Sessions(engines[m], b, a.context, m)
-        print(f"{m}: built and prefilled in {time.perf_counter() - t0:.1f} s, weights "
-              f"{engines[m].weight_bytes / 1e6:.0f} MB", flush=True)
+        print(
+            f"{m}: built and prefilled in {time.perf_counter() - t0:.1f} s, weights "
+            f"{engines[m].weight_bytes / 1e6:.0f} MB",
+            flush=True,
+        )
     times: dict[tuple[str, int], list[float]] = {k: [] for k in sessions}
     ratios: dict[tuple[str, int], list[float]] = {k: [] for k in sessions}
     prefill: dict[str, list[float]] = {m: [] for m in modes}
@@ -86,10 +93,10 @@ def main(argv: list[str] | None = None) -> int:
             medians = {}
             for m in modes:
                 engines[m].use_threads()
-                sessions[m, b].step()                       # first step after a switch: warm-up
-                step = [sessions[m, b].step() for _ in range(a.steps)]
-                times[m, b] += step
-                medians[m] = float(np.median(step))
+                sessions[m, b].step()  # first step after a switch: warm-up
+                steps = [sessions[m, b].step() for _ in range(a.steps)]
+                times[m, b] += steps
+                medians[m] = float(np.median(steps))
                 ratios[m, b].append(medians[m] / medians[modes[0]])
             line.append(f"b{b} " + " ".join(f"{m} {v * 1e3:.1f}" for m, v in medians.items()))
         for m in modes:
@@ -99,13 +106,17 @@ def main(argv: list[str] | None = None) -> int:
             prefill[m].append(time.perf_counter() - t0)
             engines[m].release(["prefill"])
         print(f"round {r + 1} (load {load:.2f}): " + " | ".join(line) + " ms", flush=True)
-    print(f"\nmedian decode step, {a.threads} threads, {a.context}-token contexts, "
-          f"{a.repeats} rounds x {a.steps} steps (load now {os.getloadavg()[0]:.2f}):")
+    print(
+        f"\nmedian decode step, {a.threads} threads, {a.context}-token contexts, "
+        f"{a.repeats} rounds x {a.steps} steps (load now {os.getloadavg()[0]:.2f}):"
+    )
     for b in batches:
         for m in modes:
             step = float(np.median(times[m, b]))
-            print(f"  batch {b:>3}  {m:<9} {step * 1e3:7.1f} ms  {b / step:7.1f} tok/s  "
-                  f"x{float(np.median(ratios[m, b])):.2f} of {modes[0]}")
+            print(
+                f"  batch {b:>3}  {m:<9} {step * 1e3:7.1f} ms  {b / step:7.1f} tok/s  "
+                f"x{float(np.median(ratios[m, b])):.2f} of {modes[0]}"
+            )
     for m in modes:
         print(f"  prefill {a.prefill}  {m:<9} {a.prefill / float(np.median(prefill[m])):7.1f} tok/s")
     return 0

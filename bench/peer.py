@@ -5,6 +5,7 @@ A static batch is left-padded to its longest prompt and runs greedy until its lo
 longest prompt and the longest output. Throughput counts only the useful tokens: each
 session's own output length, the same tokens the cluster is asked for.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,9 +36,8 @@ def load_peer(model: str, device: str, dtype: str):
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     path = gguf_path(model)
-    m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                             dtype=_DTYPES[dtype])
-    m.generation_config.eos_token_id = None       # never stop early: outputs have fixed lengths
+    m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=_DTYPES[dtype])
+    m.generation_config.eos_token_id = None  # never stop early: outputs have fixed lengths
     return m.to(device).eval()  # type: ignore[arg-type]
 
 
@@ -54,22 +54,29 @@ class _Progress:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def generate_batch(model, batch: Sequence[Session], device: str, pad_id: int = 0,
-                   progress: _Progress | None = None) -> torch.Tensor:
+def generate_batch(
+    model, batch: Sequence[Session], device: str, pad_id: int = 0, progress: _Progress | None = None
+) -> torch.Tensor:
     from transformers import StoppingCriteriaList
 
     width = max(len(s.prompt) for s in batch)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, s in enumerate(batch):                       # left padding
-        ids[row, width - len(s.prompt):] = torch.tensor(s.prompt)
-        mask[row, width - len(s.prompt):] = 1
+    for row, s in enumerate(batch):  # left padding
+        ids[row, width - len(s.prompt) :] = torch.tensor(s.prompt)
+        mask[row, width - len(s.prompt) :] = 1
     new = max(s.max_new_tokens for s in batch)
     criteria = StoppingCriteriaList([progress]) if progress is not None else None
     with torch.inference_mode():
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                             max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                             pad_token_id=pad_id, stopping_criteria=criteria)
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=pad_id,
+            stopping_criteria=criteria,
+        )
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
     return out
@@ -85,7 +92,7 @@ def pick_threads(model, sessions: Sequence[Session], device: str, options: Seque
     seconds = {}
     for n in options:
         torch.set_num_threads(n)
-        generate_batch(model, probe[:2], device)          # warm
+        generate_batch(model, probe[:2], device)  # warm
         t0 = time.perf_counter()
         generate_batch(model, probe, device)
         seconds[str(n)] = round(time.perf_counter() - t0, 3)
@@ -94,13 +101,14 @@ def pick_threads(model, sessions: Sequence[Session], device: str, options: Seque
     return {"threads": best, "seconds": seconds}
 
 
-def run_static(model, sessions: Sequence[Session], batch_size: int, device: str,
-               progress: Callable[[str], None] = lambda m: None) -> dict:
+def run_static(
+    model, sessions: Sequence[Session], batch_size: int, device: str, progress: Callable[[str], None] = lambda m: None
+) -> dict:
     useful = sum(s.max_new_tokens for s in sessions)
     computed = padded_prompt = 0
     t0 = time.perf_counter()
     for start in range(0, len(sessions), batch_size):
-        batch = sessions[start:start + batch_size]
+        batch = sessions[start : start + batch_size]
         new = max(s.max_new_tokens for s in batch)
         label = f"batch {start // batch_size + 1}/{-(-len(sessions) // batch_size)}"
         generate_batch(model, batch, device, progress=_Progress(progress, label, new))

@@ -2,8 +2,11 @@
 line per system (each cluster size, and the static-batching peer), from a run's results.json;
 written beside it (`results.json` -> `results.png` and `results.svg`).
 
-`python -m bench.plot [results.json]` redraws it from a saved run.
+`python -m bench.plot [results.json]` redraws it from a saved run; given several runs (one per
+engine mode: `--dtype`, `--quant`), `python -m bench.plot a.json b.json ...` draws them on one
+figure, each system labelled with its run's mode, beside the first as `modes.png` / `modes.svg`.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,7 +46,7 @@ def plot_results(doc: dict, json_path: str | Path) -> tuple[Path, Path]:
         for ax, key in ((ttft, "ttft_ms"), (itl, "itl_ms")):
             for pct, ls in (("p50", "-"), ("p99", ":")):
                 xs, ys = _series(rows, f"{key}_{pct}")
-                if xs:   # the peer runs static batches: no per-token latencies
+                if xs:  # the peer runs static batches: no per-token latencies
                     ax.plot(xs, ys, ls, label=f"{system} {pct}", **style)
     tput.set_title("output throughput")
     tput.set_ylabel("output tokens / s")
@@ -63,9 +66,12 @@ def plot_results(doc: dict, json_path: str | Path) -> tuple[Path, Path]:
         if ax.lines:
             ax.legend(fontsize="x-small")
     cfg, machine = doc.get("config", {}), doc.get("machine", {})
-    fig.suptitle(f"kvfleet bench: {cfg.get('model')} {cfg.get('dtype')} on {machine.get('device')} "
-                 f"({machine.get('cores')} cores), kv_views {cfg.get('kv_views')}, "
-                 f"prefill budget {cfg.get('prefill_token_budget')}", fontsize="medium")
+    fig.suptitle(
+        f"kvfleet bench: {cfg.get('model')} {cfg.get('dtype')} on {machine.get('device')} "
+        f"({machine.get('cores')} cores), kv_views {cfg.get('kv_views')}, "
+        f"prefill budget {cfg.get('prefill_token_budget')}",
+        fontsize="medium",
+    )
     png, svg = figure_paths(json_path)
     fig.savefig(png, dpi=DPI)
     fig.savefig(svg)
@@ -73,10 +79,30 @@ def plot_results(doc: dict, json_path: str | Path) -> tuple[Path, Path]:
     return png, svg
 
 
+def mode_of(doc: dict) -> str:
+    cfg = doc.get("config", {})
+    quant = cfg.get("quant", "none")
+    return str(cfg.get("dtype", "float32")) + ("" if quant in (None, "", "none") else f"+{quant}")
+
+
+def merge_runs(docs: list[dict]) -> dict:
+    """Several runs as one document: each system named with its run's mode (the peer too)."""
+    merged: dict = {"config": dict(docs[0].get("config", {})), "machine": docs[0].get("machine", {}), "results": {}}
+    merged["config"]["dtype"] = " / ".join(mode_of(d) for d in docs)
+    for doc in docs:
+        for system, rows in doc.get("results", {}).items():
+            merged["results"][f"{system} {mode_of(doc)}"] = rows
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    path = Path(args[0]) if args else Path(__file__).with_name("results.json")
-    png, svg = plot_results(json.loads(path.read_text()), path)
+    paths = [Path(a) for a in args] or [Path(__file__).with_name("results.json")]
+    docs = [json.loads(p.read_text()) for p in paths]
+    if len(docs) == 1:
+        png, svg = plot_results(docs[0], paths[0])
+    else:
+        png, svg = plot_results(merge_runs(docs), paths[0].with_name("modes.json"))
     print(f"wrote {png} and {svg}")
     return 0
 

@@ -1,4 +1,5 @@
 """Ratios, targets and the printed table of a benchmark run (all from the run's own figures)."""
+
 from __future__ import annotations
 
 TARGETS = {
@@ -56,8 +57,7 @@ def targets(doc: dict) -> dict:
         value = got[name]
         lower_is_better = name == "scheduler_rpc_share_at_32"
         met = None if value is None else (value <= goal if lower_is_better else value >= goal)
-        out[name] = {"value": value, "target": goal, "met": met,
-                     "direction": "<=" if lower_is_better else ">="}
+        out[name] = {"value": value, "target": goal, "met": met, "direction": "<=" if lower_is_better else ">="}
     return out
 
 
@@ -79,37 +79,53 @@ def _grid(heads: list[str], rows: list[list[str]]) -> list[str]:
 def table(doc: dict) -> str:
     cfg = doc["config"]
     threads = {k: v["worker_threads"] for k, v in doc.get("clusters", {}).items()}
-    lines = [f"== kvfleet benchmark: {cfg['model']} {cfg['dtype']} on {doc['machine']['device']} "
-             f"({doc['machine']['cores']} cores), kv_views {cfg['kv_views']}, "
-             f"prefill budget {cfg['prefill_token_budget']}, sessions per concurrency {cfg['sessions']}, "
-             f"threads per worker {threads}, peer threads {doc.get('peer_threads', {}).get('threads')}"]
+    lines = [
+        f"== kvfleet benchmark: {cfg['model']} {cfg['dtype']} on {doc['machine']['device']} "
+        f"({doc['machine']['cores']} cores), kv_views {cfg['kv_views']}, "
+        f"prefill budget {cfg['prefill_token_budget']}, sessions per concurrency {cfg['sessions']}, "
+        f"threads per worker {threads}, peer threads {doc.get('peer_threads', {}).get('threads')}"
+    ]
     lim = doc.get("limits")
     if lim:
-        lines.append(f"limits: bandwidth {lim['bandwidth_gbs']['best']:.1f} GB/s "
-                     f"(by threads {lim['bandwidth_gbs']['by_threads']}), "
-                     f"sgemm {lim['matmul_gflops']['best']:.0f} GFLOP/s; "
-                     f"{lim['weight_bytes_per_token'] / 1e6:.0f} MB of weights per token -> "
-                     f"batch-1 bound {lim['batch1_decode_bound_tok_s']:.1f} tok/s, "
-                     f"compute bound {lim['compute_bound_tok_s']:.0f} tok/s")
+        lines.append(
+            f"limits: bandwidth {lim['bandwidth_gbs']['best']:.1f} GB/s "
+            f"(by threads {lim['bandwidth_gbs']['by_threads']}), "
+            f"sgemm {lim['matmul_gflops']['best']:.0f} GFLOP/s; "
+            f"{lim['weight_bytes_per_token'] / 1e6:.0f} MB of weights per token -> "
+            f"batch-1 bound {lim['batch1_decode_bound_tok_s']:.1f} tok/s, "
+            f"compute bound {lim['compute_bound_tok_s']:.0f} tok/s"
+        )
     eng = doc.get("engine_batch1")
     if eng:
-        lines.append(f"engine alone, batch-1 decode: {eng['tok_s_by_threads']} tok/s by threads; "
-                     f"{eng['prompt_len']}-token prefill: {eng.get('prefill_tok_s_by_threads', {})} tok/s")
+        lines.append(
+            f"engine alone, batch-1 decode: {eng['tok_s_by_threads']} tok/s by threads; "
+            f"{eng['prompt_len']}-token prefill: {eng.get('prefill_tok_s_by_threads', {})} tok/s"
+        )
     rows = []
     ratios_ = doc.get("ratios", {})
     for name, res in doc.get("results", {}).items():
         for r in res:
             c = r["concurrency"]
-            rows.append([name, str(c), str(r["sessions"]),
-                         _fmt(r["output_tokens_per_s"]),
-                         _fmt(r.get("ttft_ms_p50"), 0), _fmt(r.get("ttft_ms_p99"), 0),
-                         _fmt(r.get("itl_ms_p50")), _fmt(r.get("itl_ms_p99")),
-                         _fmt(r["wall_s"]),
-                         _fmt(ratios_.get(f"{name}_vs_peer_c{c}"), 2) if name != "peer" else "1.00"])
+            rows.append(
+                [
+                    name,
+                    str(c),
+                    str(r["sessions"]),
+                    _fmt(r["output_tokens_per_s"]),
+                    _fmt(r.get("ttft_ms_p50"), 0),
+                    _fmt(r.get("ttft_ms_p99"), 0),
+                    _fmt(r.get("itl_ms_p50")),
+                    _fmt(r.get("itl_ms_p99")),
+                    _fmt(r["wall_s"]),
+                    _fmt(ratios_.get(f"{name}_vs_peer_c{c}"), 2) if name != "peer" else "1.00",
+                ]
+            )
     rows.sort(key=lambda r: (int(r[1]), r[0]))
     lines.append("")
-    lines += _grid(["system", "conc", "sessions", "out tok/s", "ttft p50", "ttft p99",
-                    "itl p50", "itl p99", "wall s", "vs peer"], rows)
+    lines += _grid(
+        ["system", "conc", "sessions", "out tok/s", "ttft p50", "ttft p99", "itl p50", "itl p99", "wall s", "vs peer"],
+        rows,
+    )
     lines.append("(latencies in ms, client-side; the peer's tok/s counts useful tokens only)")
     for name, res in doc.get("results", {}).items():
         for r in res:
@@ -122,12 +138,15 @@ def table(doc: dict) -> str:
                     f"kv write {b['kv_write_ms']:.1f}, sampling {b['sampling_ms']:.1f}, "
                     f"other {b['step_other_ms']:.1f}) + scheduler/RPC {b['scheduler_rpc_ms']:.1f} "
                     f"({100 * b['scheduler_rpc_share']:.1f} %: {b['rpc_in_tick_ms']:.1f} in the tick "
-                    f"span, {b['between_ticks_ms']:.1f} between ticks)")
+                    f"span, {b['between_ticks_ms']:.1f} between ticks)"
+                )
     sweep = doc.get("tiny_sweep")
     if sweep:
-        lines.append(f"tiny sweep: {sweep['ticks_per_s_median']:.0f} ticks/s median "
-                     f"(best {sweep['ticks_per_s_best']:.0f}, {sweep['ticks_per_sweep']} ticks per sweep, "
-                     f"{sweep['repeats']} repeats)")
+        lines.append(
+            f"tiny sweep: {sweep['ticks_per_s_median']:.0f} ticks/s median "
+            f"(best {sweep['ticks_per_s_best']:.0f}, {sweep['ticks_per_sweep']} ticks per sweep, "
+            f"{sweep['repeats']} repeats)"
+        )
     lines.append("")
     lines.append("ratios: " + ", ".join(f"{k} {v}" for k, v in ratios_.items()))
     for name, t in doc.get("targets", {}).items():

@@ -12,6 +12,7 @@ Each is the best of a few repeats at each thread count tried (best, not mean: th
 shared, and the bound is what it can do). Derived: batch-1 decode bound = bandwidth / bytes of
 weights read per token; compute bound at large batch = FLOP/s / (2 x matmul parameters).
 """
+
 from __future__ import annotations
 
 import time
@@ -24,10 +25,11 @@ from kvfleet_models.config import LlamaConfig
 
 try:
     from worker_svc.model.cpu_backend import set_host_blas_threads
-except ImportError:   # the harness also measures old trees: the setter lived in the model, or nowhere
+except ImportError:  # the harness also measures old trees: the setter lived in the model, or nowhere
     try:
         from worker_svc.model.llama import set_host_blas_threads  # type: ignore[no-redef,attr-defined]
     except ImportError:
+
         def set_host_blas_threads(n: int) -> bool:  # type: ignore[misc]
             return False
 
@@ -66,7 +68,7 @@ def _over_threads(device: torch.device, threads: Sequence[int], measure: Callabl
 
 
 def memory_bandwidth_gbs(device: torch.device, threads: Sequence[int], repeats: int = 8) -> dict:
-    n = 16384 if device.type == "cuda" else 8192           # 1 GiB on a GPU, 256 MiB on a CPU
+    n = 16384 if device.type == "cuda" else 8192  # 1 GiB on a GPU, 256 MiB on a CPU
     w = torch.randn(n, n, device=device)
     x = torch.randn(n, device=device)
     gb = w.numel() * 4 / 1e9
@@ -88,6 +90,7 @@ def matmul_gflops(device: torch.device, threads: Sequence[int], repeats: int = 4
     saved_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
+
         def measure() -> float:
             return 2 * n**3 / _best_time(lambda: a @ b, device, repeats) / 1e9
 
@@ -100,13 +103,16 @@ def matmul_params(cfg: LlamaConfig) -> int:
     """Weights a decoded token multiplies: every layer's projections and the LM head (the
     embedding is a lookup of one row; norms are negligible but counted)."""
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    per_layer = (cfg.hidden_size * (hq + 2 * hkv) * d + hq * d * cfg.hidden_size
-                 + 3 * cfg.hidden_size * cfg.intermediate_size + 2 * cfg.hidden_size)
+    per_layer = (
+        cfg.hidden_size * (hq + 2 * hkv) * d
+        + hq * d * cfg.hidden_size
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+        + 2 * cfg.hidden_size
+    )
     return cfg.num_layers * per_layer + cfg.hidden_size + cfg.vocab_size * cfg.hidden_size
 
 
-def decode_bounds(cfg: LlamaConfig, bytes_per_param: int, bandwidth_gbs: float,
-                  gflops: float) -> dict:
+def decode_bounds(cfg: LlamaConfig, bytes_per_param: int, bandwidth_gbs: float, gflops: float) -> dict:
     params = matmul_params(cfg)
     weight_bytes = params * bytes_per_param
     return {

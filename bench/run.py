@@ -1,5 +1,6 @@
 """`python -m bench`: the cluster against its static-batching peer and the machine's limits,
 measured in one run on the same prompts, model, dtype and machine. See bench/README.md."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,6 +8,7 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,6 +22,13 @@ from kvfleet.progress import for_terminal
 DEFAULT_OUT = Path(__file__).with_name("results.json")
 
 
+def _prefixed(say: Callable[[str], object], prefix: str) -> Callable[[str], None]:
+    def progress(message: str) -> None:
+        say(prefix + message)
+
+    return progress
+
+
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(",") if v.strip())
 
@@ -31,14 +40,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--quant", default="none", choices=["none", "int8"], help="the workers' --quant")
     p.add_argument("--concurrency", type=_ints, default=(1, 8, 32))
-    p.add_argument("--sessions", type=_ints, default=(2, 16, 64),
-                   help="sessions per concurrency, in the same order (default: two static "
-                        "batches' worth at 8 and 32, so that a freed slot has a session to take)")
+    p.add_argument(
+        "--sessions",
+        type=_ints,
+        default=(2, 16, 64),
+        help="sessions per concurrency, in the same order (default: two static "
+        "batches' worth at 8 and 32, so that a freed slot has a session to take)",
+    )
     p.add_argument("--workers", type=_ints, default=(1, 2), help="cluster sizes to measure")
-    p.add_argument("--worker-threads", default="auto",
-                   help="intra-op threads per worker process (auto: see bench/README.md)")
-    p.add_argument("--peer-threads", type=_ints, default=None,
-                   help="thread counts the peer is calibrated over (default 1..cores)")
+    p.add_argument(
+        "--worker-threads", default="auto", help="intra-op threads per worker process (auto: see bench/README.md)"
+    )
+    p.add_argument(
+        "--peer-threads", type=_ints, default=None, help="thread counts the peer is calibrated over (default 1..cores)"
+    )
     p.add_argument("--kv-views", default="persistent", choices=["rebuild", "persistent"])
     p.add_argument("--prefill-budget", type=int, default=256, help="scheduler prefill tokens per tick")
     p.add_argument("--breakdown-concurrency", type=int, default=32)
@@ -46,8 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-tokens", type=_ints, default=(16, 128), help="LOW,HIGH")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep-repeats", type=int, default=3)
-    p.add_argument("--skip", default="", help="comma list of parts to skip: "
-                                              "limits,engine,cluster,peer,sweep")
+    p.add_argument("--skip", default="", help="comma list of parts to skip: limits,engine,cluster,peer,sweep")
     p.add_argument("--out", default=str(DEFAULT_OUT))
     a = p.parse_args(argv)
     if len(a.sessions) != len(a.concurrency):
@@ -72,17 +86,28 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(a.device)
     say(f"loading {a.model}")
     cfg, weights = load_model(a.model)
-    spec = WorkloadSpec(prompt_tokens=tuple(a.prompt_tokens), output_tokens=tuple(a.output_tokens),
-                        seed=a.seed)
+    spec = WorkloadSpec(prompt_tokens=tuple(a.prompt_tokens), output_tokens=tuple(a.output_tokens), seed=a.seed)
     workload = mixed_sessions(max(a.sessions), cfg.vocab_size, spec)
     doc: dict = {
         "schema_version": 1,
-        "machine": {"cores": cores, "platform": platform.platform(), "torch": torch.__version__,
-                    "device": a.device, "processor": platform.processor()},
-        "config": {"model": a.model, "dtype": a.dtype, "quant": a.quant, "kv_views": a.kv_views,
-                   "prefill_token_budget": a.prefill_budget, "seed": a.seed,
-                   "prompt_tokens": list(spec.prompt_tokens), "output_tokens": list(spec.output_tokens),
-                   "sessions": dict(zip(map(str, a.concurrency), a.sessions))},
+        "machine": {
+            "cores": cores,
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "device": a.device,
+            "processor": platform.processor(),
+        },
+        "config": {
+            "model": a.model,
+            "dtype": a.dtype,
+            "quant": a.quant,
+            "kv_views": a.kv_views,
+            "prefill_token_budget": a.prefill_budget,
+            "seed": a.seed,
+            "prompt_tokens": list(spec.prompt_tokens),
+            "output_tokens": list(spec.output_tokens),
+            "sessions": dict(zip(map(str, a.concurrency), a.sessions)),
+        },
     }
     bytes_per_param = torch.empty((), dtype=getattr(torch, a.dtype)).element_size()
 
@@ -92,8 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         say("machine limits: bandwidth (gemv) and sgemm")
         bw = memory_bandwidth_gbs(device, threads)
         fl = matmul_gflops(device, threads)
-        doc["limits"] = {"bandwidth_gbs": bw, "matmul_gflops": fl,
-                         **decode_bounds(cfg, bytes_per_param, bw["best"], fl["best"])}
+        doc["limits"] = {
+            "bandwidth_gbs": bw,
+            "matmul_gflops": fl,
+            **decode_bounds(cfg, bytes_per_param, bw["best"], fl["best"]),
+        }
     if "engine" not in a.skip:
         from bench.engine_probe import batch1_decode
 
@@ -108,19 +136,32 @@ def main(argv: list[str] | None = None) -> int:
         if "cluster" not in a.skip:
             warm = [Session(s.prompt[:16], 4) for s in workload[:4]]
             for w in a.workers:
-                n = int(a.worker_threads) if a.worker_threads != "auto" \
+                n = (
+                    int(a.worker_threads)
+                    if a.worker_threads != "auto"
                     else default_worker_threads(a.device, w, cores, doc.get("engine_batch1"))
-                opts = ClusterOptions(workers=w, worker_threads=n, model=a.model, device=a.device,
-                                      dtype=a.dtype, quant=a.quant, kv_views=a.kv_views,
-                                      prefill_token_budget=a.prefill_budget,
-                                      max_concurrency=max(a.concurrency),
-                                      max_session_tokens=spec.prompt_tokens[1] + spec.output_tokens[1])
+                )
+                opts = ClusterOptions(
+                    workers=w,
+                    worker_threads=n,
+                    model=a.model,
+                    device=a.device,
+                    dtype=a.dtype,
+                    quant=a.quant,
+                    kv_views=a.kv_views,
+                    prefill_token_budget=a.prefill_budget,
+                    max_concurrency=max(a.concurrency),
+                    max_session_tokens=spec.prompt_tokens[1] + spec.output_tokens[1],
+                )
                 say(f"starting {opts.name} ({n} intra-op thread(s) per worker)")
                 c = BenchCluster(opts, say)
                 clusters.append(c)
                 c.start(warm)
-                doc.setdefault("clusters", {})[opts.name] = {"workers": w, "worker_threads": n,
-                                                            "log_dir": str(c.cluster.log_dir)}
+                doc.setdefault("clusters", {})[opts.name] = {
+                    "workers": w,
+                    "worker_threads": n,
+                    "log_dir": str(c.cluster.log_dir),
+                }
         if "peer" not in a.skip:
             from bench.peer import load_peer, pick_threads
 
@@ -142,8 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 say(f"peer: static batches of {conc}, {n} sessions")
                 load = os.getloadavg()[0]
-                row = run_static(peer, sessions, conc, a.device,
-                                 progress=lambda m: say(f"peer c={conc}: {m}"))
+                row = run_static(peer, sessions, conc, a.device, progress=_prefixed(say, f"peer c={conc}: "))
                 results.setdefault("peer", []).append({**row, "loadavg_1m_before": load})
                 say.advance(message=f"peer c={conc}: {row['output_tokens_per_s']:.1f} tok/s")
     finally:
@@ -157,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
 
         say("tiny-model sweep through a LocalCluster")
         doc["tiny_sweep"] = sweep_ticks_per_s(
-            repeats=a.sweep_repeats, extra_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
-            progress=say)
+            repeats=a.sweep_repeats, extra_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}, progress=say
+        )
     doc["ratios"] = report.ratios(doc, breakdown_concurrency=a.breakdown_concurrency)
     doc["targets"] = report.targets(doc)
     doc["total_s"] = round(say.elapsed_s, 1)

@@ -12,6 +12,7 @@ worker step (gRPC both ways, protobuf, the worker's servicer, the scheduler's pl
 bookkeeping, the event streams). Sampling is ``post_step_sync`` (argmax and the copy of the
 sampled ids to the host).
 """
+
 from __future__ import annotations
 
 import sqlite3
@@ -44,23 +45,31 @@ def wait_for_spans(db: Path, settle_s: float = 1.5, limit_s: float = 30.0) -> No
 
 def tick_breakdown(db: Path, start_epoch_ns: int, end_epoch_ns: int) -> dict:
     """Mean per-tick milliseconds and shares over the ticks that started in the window."""
-    ticks = _rows(db, "SELECT span_id, start_ns, end_ns FROM spans WHERE name = 'tick' "
-                      "AND start_ns >= ? AND start_ns <= ? ORDER BY start_ns",
-                  (start_epoch_ns, end_epoch_ns))
+    ticks = _rows(
+        db,
+        "SELECT span_id, start_ns, end_ns FROM spans WHERE name = 'tick' "
+        "AND start_ns >= ? AND start_ns <= ? ORDER BY start_ns",
+        (start_epoch_ns, end_epoch_ns),
+    )
     if len(ticks) < 2:
         return {"ticks": len(ticks), "error": "too few tick spans in the store"}
     ids = {t[0] for t in ticks}
     steps: dict[str, list[tuple[str, int]]] = {}
     for parent, span_id, dur in _rows(
-            db, "SELECT parent_span_id, span_id, duration_ns FROM spans WHERE name = 'worker_step' "
-                "AND start_ns >= ? AND start_ns <= ?", (start_epoch_ns, end_epoch_ns)):
+        db,
+        "SELECT parent_span_id, span_id, duration_ns FROM spans WHERE name = 'worker_step' "
+        "AND start_ns >= ? AND start_ns <= ?",
+        (start_epoch_ns, end_epoch_ns),
+    ):
         if parent in ids:
             steps.setdefault(parent, []).append((span_id, dur))
     phase: dict[tuple[str, str], int] = {}
     for parent, name, dur in _rows(
-            db, f"SELECT parent_span_id, name, duration_ns FROM spans WHERE name IN "
-                f"({','.join('?' * len(PHASES))}) AND start_ns >= ? AND start_ns <= ?",
-            (*PHASES, start_epoch_ns, end_epoch_ns)):
+        db,
+        f"SELECT parent_span_id, name, duration_ns FROM spans WHERE name IN "
+        f"({','.join('?' * len(PHASES))}) AND start_ns >= ? AND start_ns <= ?",
+        (*PHASES, start_epoch_ns, end_epoch_ns),
+    ):
         phase[(parent, name)] = dur
     period_ns = tick_ns = step_ns = 0
     phase_ns = dict.fromkeys(PHASES, 0)
@@ -95,5 +104,5 @@ def tick_breakdown(db: Path, start_epoch_ns: int, end_epoch_ns: int) -> dict:
         out[f"{name}_ms"] = round(phase_ns[name] * ms, 3)
     out["sampling_ms"] = out["post_step_sync_ms"]
     other = step_ns - sum(phase_ns.values())
-    out["step_other_ms"] = round(other * ms, 3)   # projections, MLP, norms, host-side prep
+    out["step_other_ms"] = round(other * ms, 3)  # projections, MLP, norms, host-side prep
     return out

@@ -3,6 +3,7 @@
 One list is drawn once per run; every system measured at a concurrency gets the same first
 ``n`` sessions of it, so the cluster and the peer see identical prompts and output lengths.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,12 +17,12 @@ _FIRST_PLAIN_ID = 100
 @dataclass(frozen=True)
 class Session:
     prompt: tuple[int, ...]
-    max_new_tokens: int        # generated in full: EOS is ignored
+    max_new_tokens: int  # generated in full: EOS is ignored
 
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    prompt_tokens: tuple[int, int] = (16, 256)   # inclusive range, uniform
+    prompt_tokens: tuple[int, int] = (16, 256)  # inclusive range, uniform
     output_tokens: tuple[int, int] = (16, 128)
     seed: int = 0
 

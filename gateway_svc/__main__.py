@@ -1,4 +1,5 @@
 """python -m gateway_svc: the OpenAI-compatible HTTP gateway in front of a running scheduler."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,31 +18,62 @@ def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, LogSetting
     p = FlagParser(prog="python -m gateway_svc", description="kvfleet OpenAI-compatible gateway")
     p.add_argument("--host", env="KVFLEET_GATEWAY_HOST", default=d.host)
     p.add_argument("--port", type=int, env="KVFLEET_GATEWAY_PORT", default=d.port)
-    p.add_argument("--scheduler", env="KVFLEET_GATEWAY_SCHEDULER", default=d.scheduler,
-                   help="the scheduler's gRPC address host:port")
-    p.add_argument("--api-key", env="KVFLEET_GATEWAY_API_KEY", default=None,
-                   help="require 'Authorization: Bearer <key>' on /v1/* (prefer the environment variable: "
-                        "a flag shows in the process list)")
-    p.add_argument("--pass-through-key", action="store_true", env="KVFLEET_GATEWAY_PASS_THROUGH_KEY",
-                   help="require 'Authorization: Bearer <token>' on /v1/* and send that token to the scheduler, "
-                        "which checks it (its KVFLEET_API_TOKEN); the gateway holds no key")
-    p.add_argument("--allow-anonymous", action="store_true", env="KVFLEET_GATEWAY_ALLOW_ANONYMOUS",
-                   help="serve callers without a key even though KVFLEET_API_TOKEN (the scheduler's token) is set; "
-                        "without this, the gateway refuses to start so")
-    p.add_argument("--request-timeout", type=float,
-                   env="KVFLEET_GATEWAY_REQUEST_TIMEOUT_S", default=d.request_timeout_s,
-                   help="seconds one generation may take (then 504)")
-    p.add_argument("--chat-max-tokens", type=int,
-                   env="KVFLEET_GATEWAY_CHAT_MAX_TOKENS", default=d.chat_max_tokens,
-                   help="max_tokens of a chat request that gives none")
+    p.add_argument(
+        "--scheduler",
+        env="KVFLEET_GATEWAY_SCHEDULER",
+        default=d.scheduler,
+        help="the scheduler's gRPC address host:port",
+    )
+    p.add_argument(
+        "--api-key",
+        env="KVFLEET_GATEWAY_API_KEY",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on /v1/* (prefer the environment variable: "
+        "a flag shows in the process list)",
+    )
+    p.add_argument(
+        "--pass-through-key",
+        action="store_true",
+        env="KVFLEET_GATEWAY_PASS_THROUGH_KEY",
+        help="require 'Authorization: Bearer <token>' on /v1/* and send that token to the scheduler, "
+        "which checks it (its KVFLEET_API_TOKEN); the gateway holds no key",
+    )
+    p.add_argument(
+        "--allow-anonymous",
+        action="store_true",
+        env="KVFLEET_GATEWAY_ALLOW_ANONYMOUS",
+        help="serve callers without a key even though KVFLEET_API_TOKEN (the scheduler's token) is set; "
+        "without this, the gateway refuses to start so",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        env="KVFLEET_GATEWAY_REQUEST_TIMEOUT_S",
+        default=d.request_timeout_s,
+        help="seconds one generation may take (then 504)",
+    )
+    p.add_argument(
+        "--chat-max-tokens",
+        type=int,
+        env="KVFLEET_GATEWAY_CHAT_MAX_TOKENS",
+        default=d.chat_max_tokens,
+        help="max_tokens of a chat request that gives none",
+    )
     p.add_argument("--drain-grace", type=float, env="KVFLEET_GATEWAY_DRAIN_GRACE_S", default=d.drain_grace_s)
     p.add_logging_flags()
     a = p.parse_args(argv)
-    config = GatewayConfig(host=a.host, port=a.port, scheduler=a.scheduler, api_key=a.api_key or None,
-                           scheduler_token=env("KVFLEET_API_TOKEN", ""), pass_through_key=a.pass_through_key,
-                           allow_anonymous=a.allow_anonymous,
-                           request_timeout_s=a.request_timeout, chat_max_tokens=a.chat_max_tokens,
-                           drain_grace_s=a.drain_grace)
+    config = GatewayConfig(
+        host=a.host,
+        port=a.port,
+        scheduler=a.scheduler,
+        api_key=a.api_key or None,
+        scheduler_token=env("KVFLEET_API_TOKEN", ""),
+        pass_through_key=a.pass_through_key,
+        allow_anonymous=a.allow_anonymous,
+        request_timeout_s=a.request_timeout,
+        chat_max_tokens=a.chat_max_tokens,
+        drain_grace_s=a.drain_grace,
+    )
     return config, LogSettings(a.log_level, a.log_format)
 
 
@@ -70,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     logs.apply()
     try:
         asyncio.run(serve(config))
-    except OSError as exc:   # the port is taken, say
+    except OSError as exc:  # the port is taken, say
         sys.exit(f"gateway: {exc}")
 
 

@@ -6,6 +6,7 @@ Generate call's metadata. GET /metrics serves the gateway's own Prometheus metri
 goes away mid-request has its handler cancelled (handler_cancellation), which cancels the
 Generate call, and the scheduler frees the session.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,26 +24,38 @@ from gateway_svc.config import AuthMode, GatewayConfig
 from gateway_svc.errors import ApiError, bad_request, internal_error, model_not_found, unauthorized
 from gateway_svc.metrics import CONTENT_TYPE_LATEST, GatewayMetrics, RequestMeter
 from gateway_svc.openai_schema import (
-    SSE_DONE, Endpoint, GenerationRequest, ResponseBuilder, SchemaError, Usage, finish_reason,
-    model_card, model_list, new_response_id, parse_request, sse,
+    SSE_DONE,
+    Endpoint,
+    GenerationRequest,
+    ResponseBuilder,
+    SchemaError,
+    Usage,
+    finish_reason,
+    model_card,
+    model_list,
+    new_response_id,
+    parse_request,
+    sse,
 )
 from gateway_svc.upstream import Auth, Upstream, events
 from kvfleet.client import finish_name
+from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet_common.security import token_metadata
 from kvfleet_common.tracing import extract_context, inject_metadata
-from kvfleet.v1 import scheduler_pb2 as spb
 
 log = logging.getLogger(__name__)
 
-PROVIDER = "kvfleet"   # gen_ai.provider.name, as the scheduler's spans say
-MAX_BODY_BYTES = 16 * 1024 * 1024   # as the gRPC message limit: a long prompt of token ids fits
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no"}   # no proxy buffering of the stream
+PROVIDER = "kvfleet"  # gen_ai.provider.name, as the scheduler's spans say
+MAX_BODY_BYTES = 16 * 1024 * 1024  # as the gRPC message limit: a long prompt of token ids fits
+_SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}  # no proxy buffering of the stream
 
 
 def _json(payload: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(payload, status=status, headers=headers,
-                             dumps=lambda o: json.dumps(o, ensure_ascii=False))
+    return web.json_response(payload, status=status, headers=headers, dumps=lambda o: json.dumps(o, ensure_ascii=False))
 
 
 def error_response(err: ApiError) -> web.Response:
@@ -56,11 +69,16 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         return await handler(request)
     except ApiError as err:
         return error_response(err)
-    except web.HTTPException as exc:   # unknown route, wrong method, body too large
+    except web.HTTPException as exc:  # unknown route, wrong method, body too large
         if exc.status < 400:
             raise
-        return error_response(ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}",
-                                       type="invalid_request_error" if exc.status < 500 else "server_error"))
+        return error_response(
+            ApiError(
+                exc.status,
+                f"{request.method} {request.path}: {exc.reason}",
+                type="invalid_request_error" if exc.status < 500 else "server_error",
+            )
+        )
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(internal_error())
@@ -115,17 +133,21 @@ async def _body(request: web.Request) -> Any:
 def _request_attributes(request: web.Request, req: GenerationRequest) -> dict[str, Any]:
     # No gen_ai.request.model: the model name is the caller's until the scheduler is found to
     # serve it (_run sets it then, and names the span after it).
-    attrs: dict[str, Any] = {"gen_ai.operation.name": req.endpoint.value, "gen_ai.provider.name": PROVIDER,
-                             "gen_ai.request.max_tokens": req.max_tokens,
-                             "gen_ai.request.temperature": req.temperature, "gen_ai.request.top_p": req.top_p,
-                             "kvfleet.request.stream": req.stream}
+    attrs: dict[str, Any] = {
+        "gen_ai.operation.name": req.endpoint.value,
+        "gen_ai.provider.name": PROVIDER,
+        "gen_ai.request.max_tokens": req.max_tokens,
+        "gen_ai.request.temperature": req.temperature,
+        "gen_ai.request.top_p": req.top_p,
+        "kvfleet.request.stream": req.stream,
+    }
     # server.*: the address the caller reached us at (its Host header), as HTTP servers report it
     if request.url.host:
         attrs["server.address"] = request.url.host
     if request.url.port:
         attrs["server.port"] = request.url.port
-    if req.top_k:   # 0 = off: no attribute
-        attrs["gen_ai.request.top_k"] = float(req.top_k)   # a double in the conventions
+    if req.top_k:  # 0 = off: no attribute
+        attrs["gen_ai.request.top_k"] = float(req.top_k)  # a double in the conventions
     if req.seed is not None:
         attrs["gen_ai.request.seed"] = req.seed
     if req.stop:
@@ -155,16 +177,16 @@ class Gateway:
         status = 500
         try:
             resp = await self._traced(request, endpoint, meter)
-            status = resp.status   # a stream that failed after its headers still answered 200
+            status = resp.status  # a stream that failed after its headers still answered 200
             return resp
         except ApiError as err:
             status = err.status
             raise
-        except web.HTTPException as exc:   # a body over the size limit
+        except web.HTTPException as exc:  # a body over the size limit
             status = exc.status
             raise
         except asyncio.CancelledError:
-            status = 499   # the client went away (nginx's code for it)
+            status = 499  # the client went away (nginx's code for it)
             raise
         finally:
             meter.done(status)
@@ -178,9 +200,14 @@ class Gateway:
         # name is fixed until the model is known: a name from the caller would let anyone mint
         # span names (and rows of every per-name view) at will.
         parent = extract_context(request.headers.items())
-        with self._tracer.start_as_current_span(endpoint.value, context=parent,
-                                                kind=SpanKind.SERVER, attributes=_request_attributes(request, req),
-                                                record_exception=False, set_status_on_exception=False) as span:
+        with self._tracer.start_as_current_span(
+            endpoint.value,
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes=_request_attributes(request, req),
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
             try:
                 return await self._run(request, req, span, meter)
             except ApiError as err:
@@ -194,17 +221,20 @@ class Gateway:
                 _end_with_error(span, 500, type(exc).__qualname__, str(exc))
                 raise
 
-    async def _run(self, request: web.Request, req: GenerationRequest, span: Span,
-                   meter: RequestMeter) -> web.StreamResponse:
+    async def _run(
+        self, request: web.Request, req: GenerationRequest, span: Span, meter: RequestMeter
+    ) -> web.StreamResponse:
         auth = request[_AUTH_KEY]
         await self.upstream.require_model(req.model, auth, refresh=self._per_caller_models)
         # From here on req.model is a model the cluster serves, not just what the caller wrote.
         meter.model_name = req.model
         span.update_name(f"{req.endpoint.value} {req.model}")
-        builder = ResponseBuilder(req.endpoint, new_response_id(req.endpoint), int(time.time()), req.model,
-                                  include_usage=req.include_usage)
-        span.set_attributes({"gen_ai.request.model": req.model, "gen_ai.response.id": builder.id,
-                             "gen_ai.response.model": req.model})
+        builder = ResponseBuilder(
+            req.endpoint, new_response_id(req.endpoint), int(time.time()), req.model, include_usage=req.include_usage
+        )
+        span.set_attributes(
+            {"gen_ai.request.model": req.model, "gen_ai.response.id": builder.id, "gen_ai.response.model": req.model}
+        )
         # inject_metadata() carries the current span, ours, so the scheduler's span is its child.
         call = self.upstream.generate(req, inject_metadata(), auth, self.config.request_timeout_s)
         try:
@@ -221,10 +251,11 @@ class Gateway:
             finish = _finish(last, span)
             return _json(builder.response(text, finish, _usage(last)))
         finally:
-            call.cancel()   # a no-op once finished; otherwise the scheduler frees the session
+            call.cancel()  # a no-op once finished; otherwise the scheduler frees the session
 
-    async def _stream(self, request: web.Request, builder: ResponseBuilder, first: spb.GenerateEvent,
-                      stream, span: Span) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, builder: ResponseBuilder, first: spb.GenerateEvent, stream, span: Span
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(headers=_SSE_HEADERS)
         await resp.prepare(request)
         span.set_attribute("http.response.status_code", 200)
@@ -283,16 +314,24 @@ class Gateway:
     async def health(self, request: web.Request) -> web.Response:
         report = await self.upstream.health(request[_AUTH_KEY])
         ok = report.ok and not self.draining
-        body = {"status": "ok" if ok else "unavailable", "scheduler": report.scheduler,
-                "live_workers": report.live_workers, "draining": self.draining}
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "scheduler": report.scheduler,
+            "live_workers": report.live_workers,
+            "draining": self.draining,
+        }
         return _json(body, 200 if ok else 503)
 
 
 def _finish(ev: spb.GenerateEvent, span: Span) -> str:
     finish = finish_reason(finish_name(ev.finish_reason))
-    span.set_attributes({"gen_ai.response.finish_reasons": [finish],
-                         "gen_ai.usage.input_tokens": ev.usage.input_tokens,
-                         "gen_ai.usage.output_tokens": ev.usage.output_tokens})
+    span.set_attributes(
+        {
+            "gen_ai.response.finish_reasons": [finish],
+            "gen_ai.usage.input_tokens": ev.usage.input_tokens,
+            "gen_ai.usage.output_tokens": ev.usage.output_tokens,
+        }
+    )
     return finish
 
 
@@ -302,7 +341,7 @@ def _usage(ev: spb.GenerateEvent) -> Usage:
 
 def _end_with_error(span: Span, status: int, error_type: str, message: str) -> None:
     span.set_attributes({"http.response.status_code": status, "error.type": error_type})
-    span.set_status(Status(StatusCode.ERROR, message[:500]))   # a 404 quotes the caller's model
+    span.set_status(Status(StatusCode.ERROR, message[:500]))  # a 404 quotes the caller's model
 
 
 def create_app(config: GatewayConfig, upstream: Upstream) -> tuple[web.Application, Gateway]:
@@ -336,14 +375,23 @@ async def create_server(config: GatewayConfig) -> tuple[RunningGateway, int]:
     upstream = Upstream(config.scheduler, models_ttl_s=config.models_ttl_s)
     app, gateway = create_app(config, upstream)
     # handler_cancellation: a client that disconnects cancels its handler, hence its gRPC call.
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=config.drain_grace_s,
-                           access_log=logging.getLogger("gateway_svc.access"))
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        shutdown_timeout=config.drain_grace_s,
+        access_log=logging.getLogger("gateway_svc.access"),
+    )
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
     port = runner.addresses[0][1]
-    log.info("gateway serving on http://%s:%d in front of the scheduler at %s (callers: %s)",
-             config.host, port, config.scheduler, config.auth_mode.value)
+    log.info(
+        "gateway serving on http://%s:%d in front of the scheduler at %s (callers: %s)",
+        config.host,
+        port,
+        config.scheduler,
+        config.auth_mode.value,
+    )
     if config.auth_mode is AuthMode.ANONYMOUS:
         log.warning("--allow-anonymous: anyone who reaches this port generates with the scheduler's token")
     return RunningGateway(runner, gateway), port

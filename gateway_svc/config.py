@@ -1,4 +1,5 @@
 """Gateway settings, built once in the entry point from flags and environment."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,28 +9,28 @@ from enum import Enum
 class AuthMode(Enum):
     """Who may generate through the gateway, and with which token it calls the scheduler."""
 
-    OPEN = "open"                  # anyone; the scheduler wants no token (the gateway holds none)
-    OWN_KEY = "own_key"            # callers show the gateway's key; the gateway sends its token
+    OPEN = "open"  # anyone; the scheduler wants no token (the gateway holds none)
+    OWN_KEY = "own_key"  # callers show the gateway's key; the gateway sends its token
     PASS_THROUGH = "pass_through"  # callers' bearer goes to the scheduler, which checks it
-    ANONYMOUS = "anonymous"        # anyone, with the gateway's token: only when told so
+    ANONYMOUS = "anonymous"  # anyone, with the gateway's token: only when told so
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
     host: str = "127.0.0.1"
-    port: int = 8000                      # 0 = any free port
-    scheduler: str = "localhost:50051"    # the scheduler's gRPC address host:port
-    api_key: str | None = None            # when set, /v1/* needs "Authorization: Bearer <key>"
+    port: int = 8000  # 0 = any free port
+    scheduler: str = "localhost:50051"  # the scheduler's gRPC address host:port
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     # The scheduler's bearer token (KVFLEET_API_TOKEN). Holding one means the scheduler wants it,
     # so the gateway must not hand it to every caller: it needs api_key or pass_through_key,
     # or allow_anonymous to say that an open gateway is meant.
     scheduler_token: str = ""
-    pass_through_key: bool = False        # forward the caller's "Authorization: Bearer" to the scheduler
-    allow_anonymous: bool = False         # serve callers without a key although the scheduler wants one
-    request_timeout_s: float = 600.0      # the gRPC deadline of one generation (-> 504)
-    chat_max_tokens: int = 256            # chat's max_tokens when the request gives none
-    models_ttl_s: float = 5.0             # how long the served-model list from ListWorkers is reused
-    drain_grace_s: float = 10.0           # on SIGTERM, how long in-flight requests may finish
+    pass_through_key: bool = False  # forward the caller's "Authorization: Bearer" to the scheduler
+    allow_anonymous: bool = False  # serve callers without a key although the scheduler wants one
+    request_timeout_s: float = 600.0  # the gRPC deadline of one generation (-> 504)
+    chat_max_tokens: int = 256  # chat's max_tokens when the request gives none
+    models_ttl_s: float = 5.0  # how long the served-model list from ListWorkers is reused
+    drain_grace_s: float = 10.0  # on SIGTERM, how long in-flight requests may finish
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -39,13 +40,17 @@ class GatewayConfig:
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty; give a key or leave it unset for no authentication")
         if self.api_key is not None and self.pass_through_key:
-            raise ValueError("give the gateway its own key (KVFLEET_GATEWAY_API_KEY) or pass the callers' "
-                             "key through (KVFLEET_GATEWAY_PASS_THROUGH_KEY), not both: callers send one")
+            raise ValueError(
+                "give the gateway its own key (KVFLEET_GATEWAY_API_KEY) or pass the callers' "
+                "key through (KVFLEET_GATEWAY_PASS_THROUGH_KEY), not both: callers send one"
+            )
         if self.scheduler_token and self.auth_mode is AuthMode.OPEN:
-            raise ValueError("the scheduler wants a token (KVFLEET_API_TOKEN is set), and a gateway without a "
-                             "key would hand it to every caller: set KVFLEET_GATEWAY_API_KEY, or "
-                             "--pass-through-key to forward each caller's own bearer token, or "
-                             "--allow-anonymous if an open gateway is what you want")
+            raise ValueError(
+                "the scheduler wants a token (KVFLEET_API_TOKEN is set), and a gateway without a "
+                "key would hand it to every caller: set KVFLEET_GATEWAY_API_KEY, or "
+                "--pass-through-key to forward each caller's own bearer token, or "
+                "--allow-anonymous if an open gateway is what you want"
+            )
         for name in ("request_timeout_s", "drain_grace_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -1,4 +1,5 @@
 """Errors in the OpenAI JSON shape, and the one place gRPC status codes become HTTP statuses."""
+
 from __future__ import annotations
 
 import logging
@@ -21,11 +22,10 @@ class ApiError(Exception):
     type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
-    retry_after_s: int | None = None   # sent as Retry-After, which the openai client honours
+    retry_after_s: int | None = None  # sent as Retry-After, which the openai client honours
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
@@ -40,9 +40,12 @@ def unauthorized(message: str) -> ApiError:
 
 
 def model_not_found(model: str, served: list[str]) -> ApiError:
-    return ApiError(404, f"the model {model!r} does not exist; this cluster serves "
-                         f"{', '.join(sorted(served)) or 'no model right now'}",
-                    param="model", code="model_not_found")
+    return ApiError(
+        404,
+        f"the model {model!r} does not exist; this cluster serves {', '.join(sorted(served)) or 'no model right now'}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def internal_error() -> ApiError:
@@ -68,13 +71,12 @@ def from_grpc(error: grpc.aio.AioRpcError | grpc.RpcError, what: str = "the sche
         return ApiError(404, details, code=reason)
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
         # The message keeps the scheduler's "reason: what to change" (queue_full, kv_budget).
-        return ApiError(429, details, type="rate_limit_error", code=reason or "resource_exhausted",
-                        retry_after_s=1)
+        return ApiError(429, details, type="rate_limit_error", code=reason or "resource_exhausted", retry_after_s=1)
     if code is grpc.StatusCode.UNAVAILABLE:
-        return ApiError(503, f"{what} is unavailable: {details}", type="server_error",
-                        code=reason or "unavailable", retry_after_s=1)
+        return ApiError(
+            503, f"{what} is unavailable: {details}", type="server_error", code=reason or "unavailable", retry_after_s=1
+        )
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return ApiError(504, f"{what} did not answer in time: {details}", type="server_error", code="timeout")
     log.error("%s failed with %s: %s", what, code.name, details, exc_info=error)
-    return ApiError(500, f"{what} failed ({code.name}); the gateway's log has the details",
-                    type="server_error")
+    return ApiError(500, f"{what} failed ({code.name}); the gateway's log has the details", type="server_error")

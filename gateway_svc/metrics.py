@@ -4,6 +4,7 @@ OpenAI server does): what callers see, gateway and scheduler together.
 `model_name` is the served model once the request was found to name it, and "" before (a 400,
 a 401, a 404 for an unknown model): a label taken from the caller would let anyone mint series.
 """
+
 from __future__ import annotations
 
 import time
@@ -20,16 +21,27 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("kvfleet:gateway_requests", "Generation requests answered, by HTTP status",
-                                ["endpoint", "model_name", "status_code"], registry=r)
-        self.latency = Histogram("kvfleet:gateway_request_duration_seconds",
-                                 "Time from a request's arrival to the end of its answer",
-                                 ["endpoint", "model_name"], buckets=E2E_BUCKETS, registry=r)
-        self.ttft = Histogram("kvfleet:gateway_time_to_first_token_seconds",
-                              "Time from a request's arrival to the scheduler's first event",
-                              ["endpoint", "model_name"], buckets=TTFT_BUCKETS, registry=r)
-        self.in_flight = Gauge("kvfleet:gateway_requests_in_flight", "Generation requests being served",
-                               registry=r)
+        self.requests = Counter(
+            "kvfleet:gateway_requests",
+            "Generation requests answered, by HTTP status",
+            ["endpoint", "model_name", "status_code"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "kvfleet:gateway_request_duration_seconds",
+            "Time from a request's arrival to the end of its answer",
+            ["endpoint", "model_name"],
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvfleet:gateway_time_to_first_token_seconds",
+            "Time from a request's arrival to the scheduler's first event",
+            ["endpoint", "model_name"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge("kvfleet:gateway_requests_in_flight", "Generation requests being served", registry=r)
 
     def start(self, endpoint: str) -> RequestMeter:
         return RequestMeter(self, endpoint)
@@ -45,7 +57,7 @@ class RequestMeter:
         self._m = metrics
         self._endpoint = endpoint
         self._start = time.monotonic()
-        self.model_name = ""   # set once the cluster is known to serve the requested model
+        self.model_name = ""  # set once the cluster is known to serve the requested model
         metrics.in_flight.inc()
 
     def first_event(self) -> None:

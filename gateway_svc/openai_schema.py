@@ -4,6 +4,7 @@ No network, no grpc, no protobuf: the HTTP adapter (app.py) parses a JSON body w
 `parse_request`, turns the result into a scheduler request, and builds what it sends back with
 `ResponseBuilder`. Everything here is table-tested in tests/unit/test_openai_schema.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,7 +56,7 @@ class SchemaError(ValueError):
 
 @dataclass(frozen=True)
 class ChatMessage:
-    role: str      # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant"
     content: str
 
 
@@ -68,16 +69,16 @@ class GenerationRequest:
 
     endpoint: Endpoint
     model: str
-    prompt: Prompt                 # text, token ids (completions) or messages (chat)
+    prompt: Prompt  # text, token ids (completions) or messages (chat)
     max_tokens: int
-    temperature: float             # 0 = greedy on the scheduler
+    temperature: float  # 0 = greedy on the scheduler
     top_p: float
-    top_k: int                     # 0 = off (an extension, as vLLM has it)
-    seed: int | None               # None: the adapter draws one, so unseeded requests vary
+    top_k: int  # 0 = off (an extension, as vLLM has it)
+    seed: int | None  # None: the adapter draws one, so unseeded requests vary
     stop: tuple[str, ...]
     stream: bool
-    include_usage: bool            # stream_options.include_usage
-    ignore_eos: bool               # an extension, as vLLM has it
+    include_usage: bool  # stream_options.include_usage
+    ignore_eos: bool  # an extension, as vLLM has it
 
     @property
     def chat_messages(self) -> list[dict[str, str]]:
@@ -95,20 +96,30 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
     def to_dict(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.total_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+        }
 
 
 # ---- request validation --------------------------------------------------------------------
 
 
 def _type_name(value: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-            list: "an array", dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)   # JSON true is not 1
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not 1
 
 
 def _get_int(body: dict[str, Any], name: str, default: int | None, minimum: int | None = None) -> int | None:
@@ -122,8 +133,9 @@ def _get_int(body: dict[str, Any], name: str, default: int | None, minimum: int 
     return int(value)
 
 
-def _get_number(body: dict[str, Any], name: str, default: float, low: float, high: float,
-                low_open: bool = False) -> float:
+def _get_number(
+    body: dict[str, Any], name: str, default: float, low: float, high: float, low_open: bool = False
+) -> float:
     value = body.get(name)
     if value is None:
         return default
@@ -162,14 +174,14 @@ def _parse_prompt(body: dict[str, Any]) -> str | tuple[int, ...]:
             raise SchemaError("prompt is empty; send some text or token ids", "prompt")
         return prompt
     if not isinstance(prompt, list):
-        raise SchemaError(f"prompt must be a string or an array of token ids, got {_type_name(prompt)}",
-                          "prompt")
+        raise SchemaError(f"prompt must be a string or an array of token ids, got {_type_name(prompt)}", "prompt")
     if not prompt:
         raise SchemaError("prompt is empty; send some text or token ids", "prompt")
     if all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) > 1:
-            raise SchemaError(f"batched prompts are not supported (got {len(prompt)}); "
-                              f"send one prompt per request", "prompt")
+            raise SchemaError(
+                f"batched prompts are not supported (got {len(prompt)}); send one prompt per request", "prompt"
+            )
         return _parse_prompt({"prompt": prompt[0]})
     return _token_ids(prompt, "prompt")
 
@@ -178,19 +190,20 @@ def _content(message: dict[str, Any], i: int, role: str) -> str:
     content = message.get("content")
     param = f"messages[{i}].content"
     if content is None:
-        if role == "assistant":     # an assistant turn that only called tools
+        if role == "assistant":  # an assistant turn that only called tools
             return ""
         raise SchemaError(f"{param} is required", param)
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise SchemaError(f"{param} must be a string or an array of text parts, got {_type_name(content)}",
-                          param)
+        raise SchemaError(f"{param} must be a string or an array of text parts, got {_type_name(content)}", param)
     texts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise SchemaError(f"{param}[{j}] must be a text part {{\"type\": \"text\", \"text\": ...}}; "
-                              f"only text content is supported", f"{param}[{j}]")
+            raise SchemaError(
+                f'{param}[{j}] must be a text part {{"type": "text", "text": ...}}; only text content is supported',
+                f"{param}[{j}]",
+            )
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -209,8 +222,10 @@ def _parse_messages(body: dict[str, Any]) -> tuple[ChatMessage, ...]:
             raise SchemaError(f"messages[{i}] must be an object, got {_type_name(m)}", f"messages[{i}]")
         role = m.get("role")
         if not isinstance(role, str) or role not in _ROLES:
-            raise SchemaError(f"messages[{i}].role must be one of system, developer, user, assistant; "
-                              f"got {role!r}", f"messages[{i}].role")
+            raise SchemaError(
+                f"messages[{i}].role must be one of system, developer, user, assistant; got {role!r}",
+                f"messages[{i}].role",
+            )
         out.append(ChatMessage(_ROLES[role], _content(m, i, role)))
     return tuple(out)
 
@@ -255,7 +270,7 @@ def parse_request(endpoint: Endpoint, body: Any, *, chat_max_tokens: int = 256) 
     prompt: Prompt
     if endpoint is Endpoint.COMPLETIONS:
         prompt = _parse_prompt(body)
-        max_tokens = _get_int(body, "max_tokens", 16, minimum=1)   # OpenAI's default for completions
+        max_tokens = _get_int(body, "max_tokens", 16, minimum=1)  # OpenAI's default for completions
     else:
         prompt = _parse_messages(body)
         # max_completion_tokens is the current name, max_tokens the deprecated one.
@@ -264,7 +279,7 @@ def parse_request(endpoint: Endpoint, body: Any, *, chat_max_tokens: int = 256) 
     seed = _get_int(body, "seed", None)
     if seed is not None and not -(1 << 63) <= seed < _UINT64:
         raise SchemaError(f"seed must fit in 64 bits, got {seed}", "seed")
-    top_k = _get_int(body, "top_k", 0, minimum=-1)   # -1 = off, as vLLM has it
+    top_k = _get_int(body, "top_k", 0, minimum=-1)  # -1 = off, as vLLM has it
     stream = _get_bool(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -273,17 +288,26 @@ def parse_request(endpoint: Endpoint, body: Any, *, chat_max_tokens: int = 256) 
     if options:
         value = options.get("include_usage")
         if value is not None and not isinstance(value, bool):
-            raise SchemaError(f"stream_options.include_usage must be a boolean, got {_type_name(value)}",
-                              "stream_options.include_usage")
+            raise SchemaError(
+                f"stream_options.include_usage must be a boolean, got {_type_name(value)}",
+                "stream_options.include_usage",
+            )
         include_usage = bool(value) and stream
     assert max_tokens is not None
     return GenerationRequest(
-        endpoint=endpoint, model=model, prompt=prompt, max_tokens=max_tokens,
-        temperature=_get_number(body, "temperature", 1.0, 0.0, 2.0),   # OpenAI's default is 1
+        endpoint=endpoint,
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=_get_number(body, "temperature", 1.0, 0.0, 2.0),  # OpenAI's default is 1
         top_p=_get_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-        top_k=max(top_k or 0, 0), seed=None if seed is None else seed % _UINT64,
-        stop=_parse_stop(body), stream=stream, include_usage=include_usage,
-        ignore_eos=_get_bool(body, "ignore_eos", False))
+        top_k=max(top_k or 0, 0),
+        seed=None if seed is None else seed % _UINT64,
+        stop=_parse_stop(body),
+        stream=stream,
+        include_usage=include_usage,
+        ignore_eos=_get_bool(body, "ignore_eos", False),
+    )
 
 
 # ---- responses -----------------------------------------------------------------------------
@@ -307,13 +331,12 @@ class ResponseBuilder:
 
     endpoint: Endpoint
     id: str
-    created: int        # unix seconds
+    created: int  # unix seconds
     model: str
-    include_usage: bool = False   # streamed chunks carry "usage": null, the last one the counts
+    include_usage: bool = False  # streamed chunks carry "usage": null, the last one the counts
 
     def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": None}
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "system_fingerprint": None}
 
     def response(self, text: str, finish: str, usage: Usage) -> dict[str, Any]:
         """The whole, non-streamed response. `finish` is an OpenAI finish_reason."""
@@ -321,8 +344,12 @@ class ResponseBuilder:
         if self.endpoint is Endpoint.COMPLETIONS:
             choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
         body["choices"] = [choice]
         body["usage"] = usage.to_dict()
         return body

@@ -1,4 +1,5 @@
 """The `kvfleet` command: start a local cluster, send sessions, run the sweep, read telemetry."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,7 @@ def _ints(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values:
         raise argparse.ArgumentTypeError("expected at least one integer")
     return values
@@ -32,8 +33,12 @@ def _add_cluster_flags(p: argparse.ArgumentParser, model: str = "tiny") -> None:
     p.add_argument("--workers", type=int, default=2, help="worker processes to start")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | xpu | auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--quant", default="none", choices=["none", "int8"],
-                   help="workers' weight quantization: int8 = dynamic int8 products (CPU, float32)")
+    p.add_argument(
+        "--quant",
+        default="none",
+        choices=["none", "int8"],
+        help="workers' weight quantization: int8 = dynamic int8 products (CPU, float32)",
+    )
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--prefill-token-budget", type=int, default=512)
 
@@ -41,10 +46,18 @@ def _add_cluster_flags(p: argparse.ArgumentParser, model: str = "tiny") -> None:
 def _spec(a: argparse.Namespace, port: int = 0):
     from kvfleet.local_cluster import ClusterSpec
 
-    return ClusterSpec(workers=a.workers, model=a.model, device=a.device, dtype=a.dtype, quant=a.quant,
-                       scheduler_port=port, max_running=a.max_running,
-                       prefill_token_budget=a.prefill_token_budget,
-                       log_format=getattr(a, "log_format", ""), log_level=getattr(a, "log_level", ""))
+    return ClusterSpec(
+        workers=a.workers,
+        model=a.model,
+        device=a.device,
+        dtype=a.dtype,
+        quant=a.quant,
+        scheduler_port=port,
+        max_running=a.max_running,
+        prefill_token_budget=a.prefill_token_budget,
+        log_format=getattr(a, "log_format", ""),
+        log_level=getattr(a, "log_level", ""),
+    )
 
 
 @contextlib.contextmanager
@@ -59,8 +72,7 @@ def _cluster(a: argparse.Namespace) -> Iterator[tuple[str, str]]:
 
     print(f"starting a local cluster ({a.workers} workers, model {a.model}) ...", file=sys.stderr)
     with LocalCluster(_spec(a)) as cluster:
-        print(f"scheduler at {cluster.scheduler_address}, telemetry at {cluster.telemetry_address}",
-              file=sys.stderr)
+        print(f"scheduler at {cluster.scheduler_address}, telemetry at {cluster.telemetry_address}", file=sys.stderr)
         yield cluster.scheduler_address, telemetry or cluster.telemetry_address
 
 
@@ -84,14 +96,19 @@ def cmd_up(a: argparse.Namespace) -> int:
         spec = dataclasses.replace(spec, gateway=True, gateway_port=a.gateway_port)
     spec = dataclasses.replace(spec, telemetry_port=a.telemetry_port)
     cluster = LocalCluster(spec)
-    print(f"starting {a.workers} workers ({a.model} on {a.device}), the scheduler, telemetry"
-          f"{' and the HTTP gateway' if spec.gateway else ''} ...", flush=True)
+    print(
+        f"starting {a.workers} workers ({a.model} on {a.device}), the scheduler, telemetry"
+        f"{' and the HTTP gateway' if spec.gateway else ''} ...",
+        flush=True,
+    )
     cluster.start()
     gateway = f", OpenAI API at {cluster.gateway_url}/v1" if cluster.gateway_url else ""
-    print(f"kvfleet is up: scheduler at {cluster.scheduler_address}{gateway}, telemetry (OTLP) at "
-          f"{cluster.telemetry_address} (workers {', '.join(cluster.worker_addresses)}; "
-          f"metrics ports {cluster.metrics_ports}; logs in {cluster.log_dir}). Ctrl-C drains and stops.",
-          flush=True)
+    print(
+        f"kvfleet is up: scheduler at {cluster.scheduler_address}{gateway}, telemetry (OTLP) at "
+        f"{cluster.telemetry_address} (workers {', '.join(cluster.worker_addresses)}; "
+        f"metrics ports {cluster.metrics_ports}; logs in {cluster.log_dir}). Ctrl-C drains and stops.",
+        flush=True,
+    )
     print("pids: " + ", ".join(f"{n}={p.pid}" for n, p in cluster.procs.items()), flush=True)
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
@@ -114,24 +131,38 @@ def cmd_up(a: argparse.Namespace) -> int:
 def _request_from_args(a: argparse.Namespace, prompt):
     from kvfleet.client import build_request
 
-    return build_request(prompt, a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
-                         top_p=a.top_p, seed=a.seed, stop=a.stop or (), ignore_eos=a.ignore_eos)
+    return build_request(
+        prompt,
+        a.max_new_tokens,
+        temperature=a.temperature,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        seed=a.seed,
+        stop=a.stop or (),
+        ignore_eos=a.ignore_eos,
+    )
 
 
 def _run_generate(a: argparse.Namespace, prompt) -> int:
     from kvfleet.client import SchedulerClient
 
     def show(ev) -> None:
-        print(ev.text if ev.text else " ".join(map(str, ev.token_ids)) + " " * bool(ev.token_ids),
-              end="", flush=True)
+        print(ev.text if ev.text else " ".join(map(str, ev.token_ids)) + " " * bool(ev.token_ids), end="", flush=True)
 
     with _scheduler(a) as address, SchedulerClient(address) as client:
-        result = client.generate(_request_from_args(a, prompt), timeout=a.timeout,
-                                 on_event=None if a.json else show)
+        result = client.generate(_request_from_args(a, prompt), timeout=a.timeout, on_event=None if a.json else show)
     if a.json:
-        print(json.dumps({"session_id": result.session_id, "prompt_token_ids": result.prompt_token_ids,
-                          "token_ids": result.token_ids, "text": result.text,
-                          "finish_reason": result.finish_reason}))
+        print(
+            json.dumps(
+                {
+                    "session_id": result.session_id,
+                    "prompt_token_ids": result.prompt_token_ids,
+                    "token_ids": result.token_ids,
+                    "text": result.text,
+                    "finish_reason": result.finish_reason,
+                }
+            )
+        )
     else:
         print(f"\n[{result.finish_reason}, {len(result.token_ids)} tokens]", file=sys.stderr)
     return 0
@@ -152,8 +183,14 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     from kvfleet.client import SchedulerClient
     from kvfleet.sweep import SweepSpec, format_table, run_sweep
 
-    spec = SweepSpec(sessions=a.sessions, prompt_len=a.prompt_len, max_new_tokens=a.max_new_tokens,
-                     prefill_budget=a.prefill_budget, concurrency=a.concurrency, seed=a.seed)
+    spec = SweepSpec(
+        sessions=a.sessions,
+        prompt_len=a.prompt_len,
+        max_new_tokens=a.max_new_tokens,
+        prefill_budget=a.prefill_budget,
+        concurrency=a.concurrency,
+        seed=a.seed,
+    )
     from kvfleet.progress import for_terminal
 
     with _scheduler(a) as address, SchedulerClient(address) as client, for_terminal("sweep") as progress:
@@ -172,15 +209,25 @@ def cmd_experiment(a: argparse.Namespace) -> int:
     from kvfleet.client import SchedulerClient
     from kvfleet.experiment import ExperimentSpec, format_summary, run_experiment
 
-    spec = ExperimentSpec(lever=a.lever, repeats=a.repeats, sessions=a.sessions, prompt_len=a.prompt_len,
-                          max_new_tokens=a.max_new_tokens, concurrency=a.concurrency, seed=a.seed,
-                          experiment_id=a.experiment_id)
+    spec = ExperimentSpec(
+        lever=a.lever,
+        repeats=a.repeats,
+        sessions=a.sessions,
+        prompt_len=a.prompt_len,
+        max_new_tokens=a.max_new_tokens,
+        concurrency=a.concurrency,
+        seed=a.seed,
+        experiment_id=a.experiment_id,
+    )
     if a.scheduler and not a.telemetry:
         raise ValueError("with --scheduler, also give --telemetry HOST:PORT (where its spans go)")
     from kvfleet.progress import for_terminal
 
-    with _cluster(a) as (scheduler, telemetry), SchedulerClient(scheduler) as client, \
-            for_terminal("experiment") as progress:
+    with (
+        _cluster(a) as (scheduler, telemetry),
+        SchedulerClient(scheduler) as client,
+        for_terminal("experiment") as progress,
+    ):
         doc, html = run_experiment(client, telemetry, spec, progress=progress)
     print(format_summary(doc))
     _write_outputs(doc, html, a.out)
@@ -206,10 +253,10 @@ def cmd_summary(a: argparse.Namespace) -> int:
 
     with open_channel(a.telemetry) as channel:
         stub = tpb_grpc.TelemetryStub(channel)
-        doc = json.loads(stub.GetSummary(tpb.SummaryRequest(experiment_id=a.experiment,
-                                                            gate_spec_json=spec_json), timeout=60).json)
-        html = stub.GetReport(tpb.ReportRequest(experiment_id=a.experiment, gate_spec_json=spec_json),
-                              timeout=60).html
+        doc = json.loads(
+            stub.GetSummary(tpb.SummaryRequest(experiment_id=a.experiment, gate_spec_json=spec_json), timeout=60).json
+        )
+        html = stub.GetReport(tpb.ReportRequest(experiment_id=a.experiment, gate_spec_json=spec_json), timeout=60).html
     print(format_summary(doc))
     _write_outputs(doc, html, a.out)
     return 0
@@ -220,8 +267,13 @@ def cmd_soak(a: argparse.Namespace) -> int:
     from kvfleet.progress import for_terminal
     from kvfleet.soak import SoakSpec, engine_reference, run_soak
 
-    spec = SoakSpec(sessions=a.sessions, concurrency=a.concurrency, seed=a.seed,
-                    new_tokens=(4, a.max_new_tokens), restart_after_s=a.restart_after)
+    spec = SoakSpec(
+        sessions=a.sessions,
+        concurrency=a.concurrency,
+        seed=a.seed,
+        new_tokens=(4, a.max_new_tokens),
+        restart_after_s=a.restart_after,
+    )
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     log(f"soak: {spec.sessions} sessions, {spec.concurrency} concurrent streams, model {a.model}")
     reference = engine_reference(a.model)
@@ -257,18 +309,25 @@ def cmd_demo(a: argparse.Namespace) -> int:
     from kvfleet.client import SchedulerClient, build_request
     from kvfleet.local_cluster import LocalCluster
 
-    print(f"== starting a local cluster: {a.workers} workers on {a.model} "
-          f"(loading the model takes a little while) ...", flush=True)
+    print(
+        f"== starting a local cluster: {a.workers} workers on {a.model} (loading the model takes a little while) ...",
+        flush=True,
+    )
     with LocalCluster(_spec(a)) as cluster, SchedulerClient(cluster.scheduler_address) as client:
         print(f"scheduler at {cluster.scheduler_address}, telemetry at {cluster.telemetry_address}")
-        for title, prompt in (("completion", "The capital of France is"),
-                              ("chat", [{"role": "user", "content": "Name three primary colors."}])):
+        for title, prompt in (
+            ("completion", "The capital of France is"),
+            ("chat", [{"role": "user", "content": "Name three primary colors."}]),
+        ):
             shown = prompt if isinstance(prompt, str) else prompt[-1]["content"]
             print(f"\n== {title}: {shown!r}\n", flush=True)
-            result = client.generate(build_request(prompt, a.max_new_tokens),
-                                     on_event=lambda ev: print(ev.text, end="", flush=True))
-            print(f"\n[{len(result.prompt_token_ids)} prompt tokens, {len(result.token_ids)} "
-                  f"generated, finish: {result.finish_reason}]")
+            result = client.generate(
+                build_request(prompt, a.max_new_tokens), on_event=lambda ev: print(ev.text, end="", flush=True)
+            )
+            print(
+                f"\n[{len(result.prompt_token_ids)} prompt tokens, {len(result.token_ids)} "
+                f"generated, finish: {result.finish_reason}]"
+            )
     print("\n== the concurrency sweep on the tiny model\n", flush=True)
     a.scheduler, a.model = None, "tiny"
     a.sessions, a.prompt_len, a.max_new_tokens, a.prefill_budget = 8, 4, 8, 4
@@ -281,7 +340,7 @@ def _version() -> str:
 
     try:
         return version("kvfleet")
-    except PackageNotFoundError:   # run from a checkout that was never installed
+    except PackageNotFoundError:  # run from a checkout that was never installed
         return "unknown (not installed)"
 
 
@@ -296,13 +355,19 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_logging_flags()
     up.add_argument("--port", type=int, default=50051, help="the scheduler's client port")
     up.add_argument("--telemetry-port", type=int, default=4317, help="the telemetry service's OTLP port")
-    up.add_argument("--gateway-port", type=int, default=8000,
-                    help="the OpenAI-compatible HTTP gateway's port (key: env KVFLEET_GATEWAY_API_KEY)")
+    up.add_argument(
+        "--gateway-port",
+        type=int,
+        default=8000,
+        help="the OpenAI-compatible HTTP gateway's port (key: env KVFLEET_GATEWAY_API_KEY)",
+    )
     up.add_argument("--no-gateway", action="store_true", help="start no HTTP gateway")
     up.set_defaults(fn=cmd_up)
 
-    for name, fn, helptext in (("generate", cmd_generate, "send one session and stream its tokens"),
-                               ("chat", cmd_chat, "send chat messages and stream the answer")):
+    for name, fn, helptext in (
+        ("generate", cmd_generate, "send one session and stream its tokens"),
+        ("chat", cmd_chat, "send chat messages and stream the answer"),
+    ):
         g = sub.add_parser(name, help=helptext)
         if name == "generate":
             g.add_argument("prompt", help="prompt text (or comma-separated ids with --token-ids)")
@@ -362,8 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--concurrency", type=int, default=64)
     so.add_argument("--max-new-tokens", type=int, default=40)
     so.add_argument("--seed", type=int, default=0)
-    so.add_argument("--restart-after", type=float, default=3.0,
-                    help="seconds between killing a worker and restarting it")
+    so.add_argument(
+        "--restart-after", type=float, default=3.0, help="seconds between killing a worker and restarting it"
+    )
     so.set_defaults(fn=cmd_soak)
 
     te = sub.add_parser("telemetry", help="print the scheduler's live telemetry snapshot")

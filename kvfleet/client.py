@@ -10,6 +10,7 @@ A scheduler that answers its health check with NOT_SERVING is draining: its UNAV
 and so is an UNAVAILABLE before any event from one that is up (its own refusal, e.g. no live worker).
 `stream()` is the raw single call (cancellable), with no retry.
 """
+
 from __future__ import annotations
 
 import time
@@ -19,10 +20,10 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvfleet_common import grpcutil
-from kvfleet_common.security import TlsConfig, channel, token_metadata
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet.v1 import scheduler_pb2_grpc as spb_grpc
+from kvfleet_common import grpcutil
+from kvfleet_common.security import TlsConfig, channel, token_metadata
 
 
 @dataclass
@@ -37,10 +38,10 @@ class Completion:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    attempts: int = 8               # calls in all, the first included (1 = never retry)
-    first_backoff_s: float = 0.25   # doubled after each failed attempt ...
-    max_backoff_s: float = 4.0      # ... up to this
-    probe_timeout_s: float = 1.0    # the health check that tells a refusal from an outage
+    attempts: int = 8  # calls in all, the first included (1 = never retry)
+    first_backoff_s: float = 0.25  # doubled after each failed attempt ...
+    max_backoff_s: float = 4.0  # ... up to this
+    probe_timeout_s: float = 1.0  # the health check that tells a refusal from an outage
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
@@ -69,14 +70,24 @@ def finish_name(value: int) -> str:
     return spb.FinishReason.Name(value).removeprefix("FINISH_").lower()
 
 
-def build_request(prompt: str | Sequence[int] | list[dict], max_new_tokens: int, temperature: float = 0.0,
-                  top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                  stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
-                  ignore_eos: bool = False) -> spb.GenerateRequest:
-    req = spb.GenerateRequest(max_new_tokens=max_new_tokens,
-                              sampling=spb.SamplingParams(temperature=temperature, top_k=top_k,
-                                                          top_p=top_p, seed=seed),
-                              stop_token_ids=list(stop_token_ids), stop=list(stop), ignore_eos=ignore_eos)
+def build_request(
+    prompt: str | Sequence[int] | list[dict],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_token_ids: Sequence[int] = (),
+    stop: Sequence[str] = (),
+    ignore_eos: bool = False,
+) -> spb.GenerateRequest:
+    req = spb.GenerateRequest(
+        max_new_tokens=max_new_tokens,
+        sampling=spb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+        stop_token_ids=list(stop_token_ids),
+        stop=list(stop),
+        ignore_eos=ignore_eos,
+    )
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], dict):
@@ -92,17 +103,18 @@ class _Splice:
 
     def __init__(self, tokens: list[int], text_len: int) -> None:
         self._tokens = list(tokens)
-        self._pos = 0                   # tokens of the re-sent session matched so far
-        self._text_left = text_len      # characters of its text still to drop
+        self._pos = 0  # tokens of the re-sent session matched so far
+        self._text_left = text_len  # characters of its text still to drop
 
     def trim(self, ev: spb.GenerateEvent) -> spb.GenerateEvent | None:
         """The event's new part; None when nothing in it is new."""
         ids = list(ev.token_ids)
         n = min(len(ids), len(self._tokens) - self._pos)
-        if ids[:n] != self._tokens[self._pos:self._pos + n] or \
-                (ev.finished and self._pos + n < len(self._tokens)):
-            raise ResumeMismatch(f"session re-sent after an outage diverged from the {len(self._tokens)} "
-                                 f"tokens already delivered (at token {self._pos})")
+        if ids[:n] != self._tokens[self._pos : self._pos + n] or (ev.finished and self._pos + n < len(self._tokens)):
+            raise ResumeMismatch(
+                f"session re-sent after an outage diverged from the {len(self._tokens)} "
+                f"tokens already delivered (at token {self._pos})"
+            )
         self._pos += n
         t = min(len(ev.text), self._text_left)
         self._text_left -= t
@@ -110,15 +122,21 @@ class _Splice:
         out.CopyFrom(ev)
         del out.token_ids[:n]
         out.text = ev.text[t:]
-        out.ClearField("prompt_token_ids")   # the caller had them with its first event
+        out.ClearField("prompt_token_ids")  # the caller had them with its first event
         if not (out.token_ids or out.text or out.finished):
             return None
         return out
 
 
 class SchedulerClient:
-    def __init__(self, address: str, tls: TlsConfig | None = None, token: str | None = None,
-                 retry: RetryPolicy = RetryPolicy(), sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        address: str,
+        tls: TlsConfig | None = None,
+        token: str | None = None,
+        retry: RetryPolicy = RetryPolicy(),
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         """TLS and the bearer token default to KVFLEET_TLS_* and KVFLEET_API_TOKEN (kvfleet_common.security)."""
         self.address = address
         self.retry = retry
@@ -127,7 +145,7 @@ class SchedulerClient:
         self.stub = spb_grpc.SchedulerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._md = tuple(token_metadata(token))
-        self.retries = 0                # attempts re-sent by events(), for callers and tests
+        self.retries = 0  # attempts re-sent by events(), for callers and tests
 
     def close(self) -> None:
         self._channel.close()
@@ -145,14 +163,14 @@ class SchedulerClient:
         """The session's events, as `stream()` gives them, across scheduler restarts (see the
         module docstring). `timeout` bounds the whole session, retries included."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        delivered: list[int] = []       # tokens the caller already has
-        text_len = 0                    # characters of text the caller already has
-        started = False                 # the caller has had an event
+        delivered: list[int] = []  # tokens the caller already has
+        text_len = 0  # characters of text the caller already has
+        started = False  # the caller has had an event
         failures = 0
         while True:
             splice = _Splice(delivered, text_len) if started else None
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            call = self.stub.Generate(request, timeout=remaining, metadata=self._md)   # stream(), cancellable
+            call = self.stub.Generate(request, timeout=remaining, metadata=self._md)  # stream(), cancellable
             try:
                 for ev in call:
                     if splice is not None:
@@ -172,19 +190,20 @@ class SchedulerClient:
                 self._sleep(self.retry.backoff_s(failures))
                 self.retries += 1
             finally:
-                call.cancel()           # a no-op once it ended; frees the session if the caller stopped early
+                call.cancel()  # a no-op once it ended; frees the session if the caller stopped early
 
-    def _should_retry(self, exc: grpc.RpcError, request: spb.GenerateRequest, started: bool,
-                      failures: int, deadline: float | None) -> bool:
+    def _should_retry(
+        self, exc: grpc.RpcError, request: spb.GenerateRequest, started: bool, failures: int, deadline: float | None
+    ) -> bool:
         if exc.code() != grpc.StatusCode.UNAVAILABLE or failures >= self.retry.attempts:  # type: ignore[attr-defined]
             return False
         if started and not resumable(request):
-            return False                # a fresh sampling would not continue what the caller has
+            return False  # a fresh sampling would not continue what the caller has
         if deadline is not None and time.monotonic() + self.retry.backoff_s(failures) >= deadline:
             return False
         state = self._probe()
         if state == health_pb2.HealthCheckResponse.NOT_SERVING:
-            return False                # draining: it said "retry against another scheduler"
+            return False  # draining: it said "retry against another scheduler"
         # Up and serving, and the session never started: that UNAVAILABLE was its own refusal
         # (no live worker, after waiting for one). Unreachable: it died or restarts; try again.
         return not (state == health_pb2.HealthCheckResponse.SERVING and not started)
@@ -192,13 +211,18 @@ class SchedulerClient:
     def _probe(self) -> int:
         """The scheduler's health status, or UNKNOWN when it does not answer."""
         try:
-            return self._health.Check(health_pb2.HealthCheckRequest(), timeout=self.retry.probe_timeout_s,
-                                      metadata=self._md).status
+            return self._health.Check(
+                health_pb2.HealthCheckRequest(), timeout=self.retry.probe_timeout_s, metadata=self._md
+            ).status
         except grpc.RpcError:
             return health_pb2.HealthCheckResponse.UNKNOWN
 
-    def generate(self, request: spb.GenerateRequest, timeout: float | None = None,
-                 on_event: Callable[[spb.GenerateEvent], None] | None = None) -> Completion:
+    def generate(
+        self,
+        request: spb.GenerateRequest,
+        timeout: float | None = None,
+        on_event: Callable[[spb.GenerateEvent], None] | None = None,
+    ) -> Completion:
         """The whole session; on_event sees each event as it arrives (e.g. to print a stream)."""
         result: Completion | None = None
         for ev in self.events(request, timeout):
@@ -206,7 +230,7 @@ class SchedulerClient:
                 on_event(ev)
             if result is None:
                 result = Completion(session_id=ev.session_id, prompt_token_ids=list(ev.prompt_token_ids))
-            result.session_id = ev.session_id   # a new one if the session was re-sent
+            result.session_id = ev.session_id  # a new one if the session was re-sent
             result.token_ids.extend(ev.token_ids)
             result.text += ev.text
             result.worker_id = ev.worker_id or result.worker_id
@@ -215,16 +239,20 @@ class SchedulerClient:
         assert result is not None, "the scheduler closed the stream without an event"
         return result
 
-    def submit_workload(self, request: spb.WorkloadRequest, timeout: float | None = None) -> Iterator[spb.WorkloadEvent]:
+    def submit_workload(
+        self, request: spb.WorkloadRequest, timeout: float | None = None
+    ) -> Iterator[spb.WorkloadEvent]:
         return self.stub.SubmitWorkload(request, timeout=timeout, metadata=self._md)
 
     def telemetry(self, workload_id: str = "", at_tick: int = 0, timeout: float | None = 30.0) -> spb.TelemetrySnapshot:
-        return self.stub.GetTelemetry(spb.TelemetryRequest(workload_id=workload_id, at_tick=at_tick),
-                                      timeout=timeout, metadata=self._md)
+        return self.stub.GetTelemetry(
+            spb.TelemetryRequest(workload_id=workload_id, at_tick=at_tick), timeout=timeout, metadata=self._md
+        )
 
     def telemetry_future(self, workload_id: str, at_tick: int, timeout: float = 60.0):
-        return self.stub.GetTelemetry.future(spb.TelemetryRequest(workload_id=workload_id, at_tick=at_tick),
-                                             timeout=timeout, metadata=self._md)
+        return self.stub.GetTelemetry.future(
+            spb.TelemetryRequest(workload_id=workload_id, at_tick=at_tick), timeout=timeout, metadata=self._md
+        )
 
     def cancel(self, session_id: str) -> spb.CancelResponse:
         return self.stub.Cancel(spb.CancelRequest(session_id=session_id), timeout=10, metadata=self._md)

@@ -7,6 +7,7 @@ deployment; an http(s):// URL (the gateway's /health) must answer 200. Exit code
 1 answered but not serving (NOT_SERVING while draining, UNKNOWN, an HTTP error status);
 2 no answer (no connection, deadline). Kubernetes has its own `grpc:` and `httpGet:` probes.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -2,6 +2,7 @@
 
 `Supervisor` keeps them up (what `kvfleet up` runs): a process that exits is started again on
 its old address after a backoff; only a scheduler that keeps crashing stops the cluster."""
+
 from __future__ import annotations
 
 import asyncio
@@ -36,25 +37,25 @@ class ClusterSpec:
     model: str = "tiny"
     device: str = "cpu"
     dtype: str = "float32"
-    quant: str = "none"                # workers' --quant: none | int8
+    quant: str = "none"  # workers' --quant: none | int8
     host: str = "127.0.0.1"
-    scheduler_port: int = 0            # 0 = a free port
+    scheduler_port: int = 0  # 0 = a free port
     max_running: int = 64
     prefill_token_budget: int = 512
     num_blocks: int = 4096
     block_size: int = 16
     kv_views: str = "rebuild"
-    telemetry: bool = True             # start a telemetry service and send traces to it
-    telemetry_port: int = 0            # 0 = a free port
+    telemetry: bool = True  # start a telemetry service and send traces to it
+    telemetry_port: int = 0  # 0 = a free port
     extra_env: dict[str, str] = field(default_factory=dict)
-    scheduler_args: tuple[str, ...] = ()   # more flags for python -m scheduler_svc
-    tls_dir: str = ""                  # certificates from deploy/tls/make_dev_certs.sh: TLS everywhere,
-                                       # mutual TLS towards workers and telemetry
-    api_token: str = ""                # the scheduler's client API wants this bearer token
-    gateway: bool = False              # also start the OpenAI-compatible HTTP gateway
-    gateway_port: int = 0              # 0 = a free port
-    log_format: str = ""               # --log-format for every process ("": theirs, i.e. text or $KVFLEET_LOG_FORMAT)
-    log_level: str = ""                # --log-level likewise
+    scheduler_args: tuple[str, ...] = ()  # more flags for python -m scheduler_svc
+    tls_dir: str = ""  # certificates from deploy/tls/make_dev_certs.sh: TLS everywhere,
+    # mutual TLS towards workers and telemetry
+    api_token: str = ""  # the scheduler's client API wants this bearer token
+    gateway: bool = False  # also start the OpenAI-compatible HTTP gateway
+    gateway_port: int = 0  # 0 = a free port
+    log_format: str = ""  # --log-format for every process ("": theirs, i.e. text or $KVFLEET_LOG_FORMAT)
+    log_level: str = ""  # --log-level likewise
     start_timeout_s: float = 180.0
 
     def __post_init__(self) -> None:
@@ -67,8 +68,8 @@ class LocalCluster:
         self.spec = spec
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kvfleet-"))
         self.procs: dict[str, subprocess.Popen] = {}
-        self.commands: dict[str, list[str]] = {}      # name -> its arguments, to start it again
-        self.started_at: dict[str, float] = {}        # name -> time.monotonic() of its last start
+        self.commands: dict[str, list[str]] = {}  # name -> its arguments, to start it again
+        self.started_at: dict[str, float] = {}  # name -> time.monotonic() of its last start
         self.worker_addresses: list[str] = []
         self.scheduler_address = ""
         self.telemetry_address = ""
@@ -87,15 +88,18 @@ class LocalCluster:
         d = self.spec.tls_dir
         if not d:
             return {}
-        ident = name.split("-")[0]           # worker-0 -> worker
-        env = {"KVFLEET_TLS_CERT": f"{d}/{ident}.pem", "KVFLEET_TLS_KEY": f"{d}/{ident}.key",
-               "KVFLEET_TLS_CA": f"{d}/ca.pem",
-               "OTEL_EXPORTER_OTLP_CERTIFICATE": f"{d}/ca.pem",
-               "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE": f"{d}/{ident}.pem",
-               "OTEL_EXPORTER_OTLP_CLIENT_KEY": f"{d}/{ident}.key"}
-        if ident == "worker":                # only the scheduler may drive a worker
+        ident = name.split("-")[0]  # worker-0 -> worker
+        env = {
+            "KVFLEET_TLS_CERT": f"{d}/{ident}.pem",
+            "KVFLEET_TLS_KEY": f"{d}/{ident}.key",
+            "KVFLEET_TLS_CA": f"{d}/ca.pem",
+            "OTEL_EXPORTER_OTLP_CERTIFICATE": f"{d}/ca.pem",
+            "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE": f"{d}/{ident}.pem",
+            "OTEL_EXPORTER_OTLP_CLIENT_KEY": f"{d}/{ident}.key",
+        }
+        if ident == "worker":  # only the scheduler may drive a worker
             env.update(KVFLEET_TLS_CLIENT_AUTH="true", KVFLEET_TLS_ALLOWED_CLIENTS="kvfleet-scheduler")
-        if ident == "telemetry":             # only cluster services may send spans
+        if ident == "telemetry":  # only cluster services may send spans
             env.update(KVFLEET_TLS_CLIENT_AUTH="true")
         return env
 
@@ -115,14 +119,18 @@ class LocalCluster:
 
     def _log_args(self) -> list[str]:
         s = self.spec
-        return [*(["--log-format", s.log_format] if s.log_format else []),
-                *(["--log-level", s.log_level] if s.log_level else [])]
+        return [
+            *(["--log-format", s.log_format] if s.log_format else []),
+            *(["--log-level", s.log_level] if s.log_level else []),
+        ]
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         out = open(self.log_dir / f"{name}.log", "ab")
         env = {**os.environ, **self._env(name)}
-        proc = subprocess.Popen([sys.executable, *args, *self._log_args()], stdout=out, stderr=subprocess.STDOUT, env=env)
-        out.close()                                   # the child holds its own descriptor
+        proc = subprocess.Popen(
+            [sys.executable, *args, *self._log_args()], stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+        out.close()  # the child holds its own descriptor
         self.procs[name] = proc
         self.commands[name] = list(args)
         self.started_at[name] = time.monotonic()
@@ -141,8 +149,19 @@ class LocalCluster:
             if s.telemetry:
                 port = s.telemetry_port or free_port(s.host)
                 self.telemetry_address = f"{s.host}:{port}"
-                self._spawn("telemetry", ["-m", "telemetry_svc", "--host", s.host, "--port", str(port),
-                                          "--db", str(self.log_dir / "telemetry.db")])
+                self._spawn(
+                    "telemetry",
+                    [
+                        "-m",
+                        "telemetry_svc",
+                        "--host",
+                        s.host,
+                        "--port",
+                        str(port),
+                        "--db",
+                        str(self.log_dir / "telemetry.db"),
+                    ],
+                )
                 self._wait_healthy([self.telemetry_address])
             for i in range(s.workers):
                 self.worker_addresses.append(f"{s.host}:{free_port(s.host)}")
@@ -151,12 +170,28 @@ class LocalCluster:
             port = s.scheduler_port or free_port(s.host)
             self.scheduler_address = f"{s.host}:{port}"
             self.metrics_ports["scheduler"] = free_port(s.host)
-            self._spawn("scheduler", ["-m", "scheduler_svc", "--host", s.host, "--port", str(port),
-                                      "--metrics-port", str(self.metrics_ports["scheduler"]),
-                                      "--workers", ",".join(self.worker_addresses), "--model", s.model,
-                                      "--max-running", str(s.max_running),
-                                      "--prefill-token-budget", str(s.prefill_token_budget),
-                                      *s.scheduler_args])
+            self._spawn(
+                "scheduler",
+                [
+                    "-m",
+                    "scheduler_svc",
+                    "--host",
+                    s.host,
+                    "--port",
+                    str(port),
+                    "--metrics-port",
+                    str(self.metrics_ports["scheduler"]),
+                    "--workers",
+                    ",".join(self.worker_addresses),
+                    "--model",
+                    s.model,
+                    "--max-running",
+                    str(s.max_running),
+                    "--prefill-token-budget",
+                    str(s.prefill_token_budget),
+                    *s.scheduler_args,
+                ],
+            )
             self._wait_healthy([self.scheduler_address])
             if s.gateway:
                 port = s.gateway_port or free_port(s.host)
@@ -164,9 +199,20 @@ class LocalCluster:
                 # With a scheduler token, the gateway holds none: each caller's bearer goes through.
                 token = s.api_token or os.environ.get("KVFLEET_API_TOKEN")
                 own_key = os.environ.get("KVFLEET_GATEWAY_API_KEY")
-                self._spawn("gateway", ["-m", "gateway_svc", "--host", s.host, "--port", str(port),
-                                        "--scheduler", self.scheduler_address,
-                                        *(["--pass-through-key"] if token and not own_key else [])])
+                self._spawn(
+                    "gateway",
+                    [
+                        "-m",
+                        "gateway_svc",
+                        "--host",
+                        s.host,
+                        "--port",
+                        str(port),
+                        "--scheduler",
+                        self.scheduler_address,
+                        *(["--pass-through-key"] if token and not own_key else []),
+                    ],
+                )
                 self._wait_http("gateway", self.gateway_url + "/health")
         except BaseException:
             self.stop()
@@ -177,12 +223,35 @@ class LocalCluster:
         s = self.spec
         port = self.worker_addresses[i].rsplit(":", 1)[1]
         metrics = self.metrics_ports.setdefault(f"worker-{i}", free_port(s.host))
-        self._spawn(f"worker-{i}", ["-m", "worker_svc", "--host", s.host, "--port", port,
-                                    "--metrics-port", str(metrics),
-                                    "--worker-id", f"worker-{i}", "--model", s.model,
-                                    "--device", s.device, "--dtype", s.dtype, "--quant", s.quant,
-                                    "--num-blocks", str(s.num_blocks),
-                                    "--block-size", str(s.block_size), "--kv-views", s.kv_views])
+        self._spawn(
+            f"worker-{i}",
+            [
+                "-m",
+                "worker_svc",
+                "--host",
+                s.host,
+                "--port",
+                port,
+                "--metrics-port",
+                str(metrics),
+                "--worker-id",
+                f"worker-{i}",
+                "--model",
+                s.model,
+                "--device",
+                s.device,
+                "--dtype",
+                s.dtype,
+                "--quant",
+                s.quant,
+                "--num-blocks",
+                str(s.num_blocks),
+                "--block-size",
+                str(s.block_size),
+                "--kv-views",
+                s.kv_views,
+            ],
+        )
 
     def kill_worker(self, i: int) -> None:
         """SIGKILL: a crash, not a drain."""
@@ -208,8 +277,9 @@ class LocalCluster:
                     raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up:\n{tail}")
             pending = [a for a in pending if not asyncio.run(check_health(a, 1.0, self.client_tls))]
             if pending and time.monotonic() > end:
-                raise TimeoutError(f"not healthy within {self.spec.start_timeout_s:.0f}s: {pending} "
-                                   f"(logs in {self.log_dir})")
+                raise TimeoutError(
+                    f"not healthy within {self.spec.start_timeout_s:.0f}s: {pending} (logs in {self.log_dir})"
+                )
             if pending:
                 time.sleep(0.2)
 
@@ -225,10 +295,11 @@ class LocalCluster:
                     if resp.status == 200:
                         return
             except (urllib.error.URLError, ConnectionError):
-                pass   # an HTTPError (503 until a worker is live) is a URLError too
+                pass  # an HTTPError (503 until a worker is live) is a URLError too
             if time.monotonic() > end:
-                raise TimeoutError(f"{name} not healthy within {self.spec.start_timeout_s:.0f}s "
-                                   f"(logs in {self.log_dir})")
+                raise TimeoutError(
+                    f"{name} not healthy within {self.spec.start_timeout_s:.0f}s (logs in {self.log_dir})"
+                )
             time.sleep(0.2)
 
     def stop(self, grace_s: float = 10.0) -> None:
@@ -254,10 +325,10 @@ class LocalCluster:
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    first_delay_s: float = 0.5      # wait before the first restart, doubled for each crash in a row ...
-    max_delay_s: float = 30.0       # ... up to this
-    stable_after_s: float = 30.0    # up this long: its next crash counts as the first again
-    max_restarts: int = 0           # crashes in a row before giving up on the cluster; 0 = never
+    first_delay_s: float = 0.5  # wait before the first restart, doubled for each crash in a row ...
+    max_delay_s: float = 30.0  # ... up to this
+    stable_after_s: float = 30.0  # up this long: its next crash counts as the first again
+    max_restarts: int = 0  # crashes in a row before giving up on the cluster; 0 = never
 
     def __post_init__(self) -> None:
         if not 0 < self.first_delay_s <= self.max_delay_s:
@@ -284,17 +355,18 @@ class Supervisor:
     crashed process is due again after its backoff, so one slow start holds up no other restart.
     Processes the caller removed from `cluster.procs` (e.g. `kill_worker`) are left alone."""
 
-    def __init__(self, cluster: LocalCluster, policies: dict[str, RestartPolicy] | None = None,
-                 clock=time.monotonic) -> None:
+    def __init__(
+        self, cluster: LocalCluster, policies: dict[str, RestartPolicy] | None = None, clock=time.monotonic
+    ) -> None:
         self.cluster = cluster
         self.policies = {**DEFAULT_POLICIES, **(policies or {})}
         self.clock = clock
-        self.crashes: dict[str, int] = {}     # name -> crashes in a row
-        self.restarts: dict[str, int] = {}    # name -> restarts in all
-        self._due: dict[str, float] = {}      # name -> when to start it again
+        self.crashes: dict[str, int] = {}  # name -> crashes in a row
+        self.restarts: dict[str, int] = {}  # name -> restarts in all
+        self._due: dict[str, float] = {}  # name -> when to start it again
 
     def policy(self, name: str) -> RestartPolicy:
-        return self.policies.get(name.split("-")[0], RestartPolicy())   # worker-1 -> worker
+        return self.policies.get(name.split("-")[0], RestartPolicy())  # worker-1 -> worker
 
     def poll(self) -> None:
         """Notice exits, start again those whose backoff has passed; ClusterDown to give up."""
@@ -307,11 +379,19 @@ class Supervisor:
             crashes = 1 if up_for >= policy.stable_after_s else self.crashes.get(name, 0) + 1
             self.crashes[name] = crashes
             if policy.max_restarts and crashes > policy.max_restarts:
-                raise ClusterDown(f"{name} exited {crashes} times in a row (last code {proc.returncode}); "
-                                  f"logs in {self.cluster.log_dir}")
+                raise ClusterDown(
+                    f"{name} exited {crashes} times in a row (last code {proc.returncode}); "
+                    f"logs in {self.cluster.log_dir}"
+                )
             delay = policy.delay_s(crashes)
-            log.warning("%s exited with code %s after %.1fs; restarting in %.1fs (crash %d in a row)",
-                        name, proc.returncode, up_for, delay, crashes)
+            log.warning(
+                "%s exited with code %s after %.1fs; restarting in %.1fs (crash %d in a row)",
+                name,
+                proc.returncode,
+                up_for,
+                delay,
+                crashes,
+            )
             self._due[name] = now + delay
         for name, due in list(self._due.items()):
             if now >= due:

@@ -4,6 +4,7 @@ the stream is a terminal, plain timestamped lines otherwise (a log file, CI, a p
 A plain line: `[  12.3s] sweep 2/4 (50%, eta 12s): concurrency 4: 8 sessions`; a note without
 progress: `[   0.4s] sweep: reference outputs from the numpy model (tiny)`.
 """
+
 from __future__ import annotations
 
 import sys
@@ -15,13 +16,20 @@ class Progress:
     """`advance()` when one unit of work is done, `note()` (or call it) to say what is going on.
     A Progress is also a `Callable[[str], None]`, for code that only reports messages."""
 
-    def __init__(self, desc: str, total: int | None = None, stream: TextIO | None = None,
-                 tty: bool | None = None, line_every: int = 1, clock=time.monotonic) -> None:
+    def __init__(
+        self,
+        desc: str,
+        total: int | None = None,
+        stream: TextIO | None = None,
+        tty: bool | None = None,
+        line_every: int = 1,
+        clock=time.monotonic,
+    ) -> None:
         self.desc = desc
         self.total = total
         self.done = 0
         self.stream = stream
-        self.line_every = max(1, line_every)   # plain lines for message-less advances: every N units
+        self.line_every = max(1, line_every)  # plain lines for message-less advances: every N units
         self._clock = clock
         self._t0 = clock()
         self._bar = None
@@ -29,8 +37,9 @@ class Progress:
             from tqdm import tqdm
 
             # disable=False: bench/__main__ sets TQDM_DISABLE to silence gguf's own bars.
-            self._bar = tqdm(total=total, desc=desc, file=stream, unit="step", dynamic_ncols=True,
-                             disable=False, leave=True)
+            self._bar = tqdm(
+                total=total, desc=desc, file=stream, unit="step", dynamic_ncols=True, disable=False, leave=True
+            )
 
     @classmethod
     def silent(cls) -> "Progress":

@@ -1,5 +1,6 @@
 """A bounded soak: many sessions of random lengths, many concurrent streams, random cancels and
 deadlines, one worker killed and restarted midway. Nothing a client was promised may be lost."""
+
 from __future__ import annotations
 
 import random
@@ -9,15 +10,16 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
-from kvfleet_common import security
 from kvfleet.client import SchedulerClient, build_request
 from kvfleet.local_cluster import LocalCluster
 from kvfleet.progress import Progress
 from kvfleet.v1 import worker_pb2 as wpb
 from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
+from kvfleet_common import security
 
 
 @dataclass(frozen=True)
@@ -26,10 +28,10 @@ class SoakSpec:
     concurrency: int = 64
     prompt_len: tuple[int, int] = (4, 48)
     new_tokens: tuple[int, int] = (4, 40)
-    cancel_share: float = 0.1        # cancelled by the client after a few tokens
-    deadline_share: float = 0.1      # sent with a deadline too short to finish
-    sampled_share: float = 0.3       # seeded sampling instead of greedy
-    kill_after_share: float = 0.4    # kill a worker when this share of sessions has ended
+    cancel_share: float = 0.1  # cancelled by the client after a few tokens
+    deadline_share: float = 0.1  # sent with a deadline too short to finish
+    sampled_share: float = 0.3  # seeded sampling instead of greedy
+    kill_after_share: float = 0.4  # kill a worker when this share of sessions has ended
     restart_after_s: float = 3.0
     seed: int = 0
     time_limit_s: float = 600.0
@@ -48,8 +50,8 @@ class _Plan:
 
 @dataclass
 class SoakReport:
-    outcomes: Counter = field(default_factory=Counter)     # completed / cancelled / expired / rejected / lost
-    mismatched: list[int] = field(default_factory=list)    # completed sessions whose tokens differ
+    outcomes: Counter = field(default_factory=Counter)  # completed / cancelled / expired / rejected / lost
+    mismatched: list[int] = field(default_factory=list)  # completed sessions whose tokens differ
     lost_details: list[str] = field(default_factory=list)
     kv_bytes_after: int = -1
     worker_sessions_after: int = -1
@@ -60,23 +62,31 @@ class SoakReport:
 
     def lines(self) -> list[str]:
         o = self.outcomes
-        out = [f"sessions: completed {o['completed']}, cancelled {o['cancelled']}, expired {o['expired']}, "
-               f"rejected {o['rejected']}, lost {o['lost']}",
-               f"completed sessions equal to their solo reference: {o['completed'] - len(self.mismatched)}"
-               f" of {o['completed']}",
-               f"KV bytes at the end: {self.kv_bytes_after}; sessions held by workers: {self.worker_sessions_after}",
-               f"worker killed and restarted midway: {self.killed_worker or 'none'}",
-               f"duration: {self.duration_s:.1f}s"]
+        out = [
+            f"sessions: completed {o['completed']}, cancelled {o['cancelled']}, expired {o['expired']}, "
+            f"rejected {o['rejected']}, lost {o['lost']}",
+            f"completed sessions equal to their solo reference: {o['completed'] - len(self.mismatched)}"
+            f" of {o['completed']}",
+            f"KV bytes at the end: {self.kv_bytes_after}; sessions held by workers: {self.worker_sessions_after}",
+            f"worker killed and restarted midway: {self.killed_worker or 'none'}",
+            f"duration: {self.duration_s:.1f}s",
+        ]
         for name in sorted(self.rss_before_kb):
-            out.append(f"resident memory {name}: {self.rss_before_kb[name] / 1024:.0f} MiB before, "
-                       f"{self.rss_after_kb.get(name, 0) / 1024:.0f} MiB after")
+            out.append(
+                f"resident memory {name}: {self.rss_before_kb[name] / 1024:.0f} MiB before, "
+                f"{self.rss_after_kb.get(name, 0) / 1024:.0f} MiB after"
+            )
         out += [f"lost: {d}" for d in self.lost_details[:10]]
         return out
 
     @property
     def ok(self) -> bool:
-        return self.outcomes["lost"] == 0 and not self.mismatched and self.kv_bytes_after == 0 \
+        return (
+            self.outcomes["lost"] == 0
+            and not self.mismatched
+            and self.kv_bytes_after == 0
             and self.worker_sessions_after == 0
+        )
 
 
 def _rss_kb(pid: int) -> int:
@@ -96,11 +106,17 @@ def _plans(spec: SoakSpec, vocab: int) -> list[_Plan]:
     for i in range(spec.sessions):
         n = rng.randint(*spec.new_tokens)
         roll = rng.random()
-        plans.append(_Plan(
-            index=i, prompt=[rng.randrange(vocab) for _ in range(rng.randint(*spec.prompt_len))],
-            new_tokens=n, temperature=0.8 if rng.random() < spec.sampled_share else 0.0, seed=rng.randrange(2**31),
-            cancel_after=rng.randint(1, max(1, n - 1)) if roll < spec.cancel_share else None,
-            deadline_s=0.05 if spec.cancel_share <= roll < spec.cancel_share + spec.deadline_share else None))
+        plans.append(
+            _Plan(
+                index=i,
+                prompt=[rng.randrange(vocab) for _ in range(rng.randint(*spec.prompt_len))],
+                new_tokens=n,
+                temperature=0.8 if rng.random() < spec.sampled_share else 0.0,
+                seed=rng.randrange(2**31),
+                cancel_after=rng.randint(1, max(1, n - 1)) if roll < spec.cancel_share else None,
+                deadline_s=0.05 if spec.cancel_share <= roll < spec.cancel_share + spec.deadline_share else None,
+            )
+        )
     return plans
 
 
@@ -108,8 +124,9 @@ def _request(p: _Plan):
     return build_request(p.prompt, p.new_tokens, temperature=p.temperature, seed=p.seed, ignore_eos=True)
 
 
-def run_soak(cluster: LocalCluster, spec: SoakSpec, reference: Callable[[_Plan], list[int]],
-             progress: Progress | None = None) -> SoakReport:
+def run_soak(
+    cluster: LocalCluster, spec: SoakSpec, reference: Callable[[_Plan], list[int]], progress: Progress | None = None
+) -> SoakReport:
     progress = progress or Progress.silent()
     progress.set_total(spec.sessions)
     report = SoakReport()
@@ -127,7 +144,7 @@ def run_soak(cluster: LocalCluster, spec: SoakSpec, reference: Callable[[_Plan],
         tokens: list[int] = []
         outcome = "lost"
         try:
-            stream = client.stream(_request(p), timeout=p.deadline_s or spec.time_limit_s)
+            stream: Any = client.stream(_request(p), timeout=p.deadline_s or spec.time_limit_s)  # a grpc call
             finished = False
             for ev in stream:
                 tokens.extend(ev.token_ids)
@@ -197,20 +214,25 @@ def run_soak(cluster: LocalCluster, spec: SoakSpec, reference: Callable[[_Plan],
 
 def engine_reference(model: str) -> Callable[[_Plan], list[int]]:
     """Each session run alone (batch of one) on a local engine: the solo reference."""
-    from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
     from kvfleet_models.registry import load_model
+    from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
 
     cfg, weights = load_model(model)
     engine = Engine(cfg, weights, EngineConfig(num_blocks=256, block_size=16))
 
+    def _token(out) -> int:
+        token = out.results[0].token_id
+        assert token is not None, "the reference engine held the session's KV"
+        return int(token)
+
     def run(p: _Plan) -> list[int]:
         sampling = SamplingSpec(temperature=p.temperature, seed=p.seed)
         out = engine.step([PrefillItem("ref", tuple(p.prompt), 0, True, sampling, 0)], [])
-        tokens = [out.results[0].token_id]
+        tokens = [_token(out)]
         while len(tokens) < p.new_tokens:
             pos = len(p.prompt) + len(tokens) - 1
             out = engine.step([], [DecodeItem("ref", tokens[-1], pos, sampling, len(tokens))])
-            tokens.append(out.results[0].token_id)
+            tokens.append(_token(out))
         engine.release(["ref"])
         return tokens
 

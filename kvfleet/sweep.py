@@ -4,10 +4,12 @@ Every figure in `results` is the scheduler's own WorkloadStats of the real run o
 `reference_outputs` come from the pure-numpy model, unbatched; `corruption_free` compares them
 with what the cluster generated at every concurrency, token for token.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from google.protobuf.json_format import MessageToDict
@@ -54,13 +56,13 @@ def reference_outputs(model: str, prompts: Sequence[Sequence[int]], max_new_toke
 
 
 def _workload_request(spec: SweepSpec, prompts, concurrency: int, snapshot: bool) -> spb.WorkloadRequest:
-    req = spb.WorkloadRequest(policy=spb.WorkloadPolicy(max_running=concurrency,
-                                                        prefill_token_budget=spec.prefill_budget),
-                              snapshot_at_tick=spec.snapshot_tick if snapshot else 0)
+    req = spb.WorkloadRequest(
+        policy=spb.WorkloadPolicy(max_running=concurrency, prefill_token_budget=spec.prefill_budget),
+        snapshot_at_tick=spec.snapshot_tick if snapshot else 0,
+    )
     for p in prompts:
         # Greedy, no EOS: every session runs to max_new_tokens, as the tick rules assume.
-        req.sessions.add(prompt_ids=spb.TokenIds(ids=p), max_new_tokens=spec.max_new_tokens,
-                         ignore_eos=True)
+        req.sessions.add(prompt_ids=spb.TokenIds(ids=p), max_new_tokens=spec.max_new_tokens, ignore_eos=True)
     return req
 
 
@@ -108,7 +110,7 @@ def saturation(rows: list[dict]) -> int:
 def snapshot_dict(snap: spb.TelemetrySnapshot) -> dict:
     d = MessageToDict(snap, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
     # JSON numbers, not the strings protobuf uses for 64-bit integers.
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in sorted(d.items()):
         if k == "rejected_by_reason":
             out[k] = {r: int(n) for r, n in v.items()}
@@ -149,32 +151,66 @@ def run_sweep(client: SchedulerClient, spec: SweepSpec, progress: Progress | Non
             "schema_version": 1,
         },
         "evidence_kind": "synthetic-unit" if model_name == "tiny" else "real-model",
-        "model": {"hidden": cfg.hidden_size, "n_heads": cfg.num_heads, "n_kv_heads": cfg.num_kv_heads,
-                  "n_layers": cfg.num_layers, "vocab": cfg.vocab_size, "name": model_name,
-                  "reference": "pure-numpy KV-cached dense Llama, unbatched (kvfleet_models/reference.py)"},
+        "model": {
+            "hidden": cfg.hidden_size,
+            "n_heads": cfg.num_heads,
+            "n_kv_heads": cfg.num_kv_heads,
+            "n_layers": cfg.num_layers,
+            "vocab": cfg.vocab_size,
+            "name": model_name,
+            "reference": "pure-numpy KV-cached dense Llama, unbatched (kvfleet_models/reference.py)",
+        },
         "prompts": {f"s{i}": p for i, p in enumerate(prompts)},
         "schema_version": 1,
-        "workload": {"max_new_tokens": spec.max_new_tokens, "prompt_len": spec.prompt_len,
-                     "sessions": spec.sessions, "prefill_token_budget": spec.prefill_budget,
-                     "seed": spec.seed},
+        "workload": {
+            "max_new_tokens": spec.max_new_tokens,
+            "prompt_len": spec.prompt_len,
+            "sessions": spec.sessions,
+            "prefill_token_budget": spec.prefill_budget,
+            "seed": spec.seed,
+        },
     }
     if snapshot is not None:
         doc[f"mid_run_telemetry_concurrency_{spec.snapshot_concurrency}"] = {
-            "at_tick": spec.snapshot_tick, **snapshot_dict(snapshot)}
+            "at_tick": spec.snapshot_tick,
+            **snapshot_dict(snapshot),
+        }
     return doc
 
 
 def format_table(doc: dict) -> str:
-    cols = ["concurrency", "ticks", "decode_batches", "decode_tokens", "prefill_tokens",
-            "avg_batch_occupancy", "max_batch_occupancy", "peak_kv_bytes", "tokens_per_tick",
-            "rejected_admissions", "cache_misses"]
-    heads = ["conc", "ticks", "batches", "decode", "prefill", "avg_occ", "max_occ", "peak_kv_B",
-             "tok/tick", "rejected", "misses"]
+    cols = [
+        "concurrency",
+        "ticks",
+        "decode_batches",
+        "decode_tokens",
+        "prefill_tokens",
+        "avg_batch_occupancy",
+        "max_batch_occupancy",
+        "peak_kv_bytes",
+        "tokens_per_tick",
+        "rejected_admissions",
+        "cache_misses",
+    ]
+    heads = [
+        "conc",
+        "ticks",
+        "batches",
+        "decode",
+        "prefill",
+        "avg_occ",
+        "max_occ",
+        "peak_kv_B",
+        "tok/tick",
+        "rejected",
+        "misses",
+    ]
     rows = doc["concurrency_sweep"]["results"]
     widths = [max(len(h), *(len(str(r[c])) for r in rows)) for h, c in zip(heads, cols)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(heads, widths))]
     lines += ["  ".join(str(r[c]).rjust(w) for c, w in zip(cols, widths)) for r in rows]
     sweep = doc["concurrency_sweep"]
-    lines.append(f"corruption_free: {sweep['corruption_free']}   "
-                 f"saturation_concurrency: {sweep['saturation_concurrency']}")
+    lines.append(
+        f"corruption_free: {sweep['corruption_free']}   saturation_concurrency: {sweep['saturation_concurrency']}"
+    )
     return "\n".join(lines)

@@ -1,5 +1,6 @@
 """The sweep's picture: tokens per tick, batch occupancy and peak KV against concurrency, drawn
 from the sweep's JSON and written beside it (`sweep.json` -> `sweep.png` and `sweep.svg`)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,7 +27,7 @@ def plot_sweep(doc: dict, json_path: str | Path) -> tuple[Path, Path]:
     """Draw the sweep and write the PNG and SVG beside `json_path`; returns their paths."""
     import matplotlib
 
-    matplotlib.use("Agg")   # files only: no display, whatever MPLBACKEND says
+    matplotlib.use("Agg")  # files only: no display, whatever MPLBACKEND says
     import matplotlib.pyplot as plt
 
     sweep = doc["concurrency_sweep"]
@@ -54,9 +55,12 @@ def plot_sweep(doc: dict, json_path: str | Path) -> tuple[Path, Path]:
         ax.set_ylim(bottom=0)
     model = doc.get("model", {}).get("name", "?")
     w = doc.get("workload", {})
-    fig.suptitle(f"kvfleet sweep: model {model}, {w.get('sessions')} sessions, prompt {w.get('prompt_len')} "
-                 f"tokens, {w.get('max_new_tokens')} new, prefill budget {w.get('prefill_token_budget')}"
-                 f"  (corruption free: {sweep.get('corruption_free')})", fontsize="medium")
+    fig.suptitle(
+        f"kvfleet sweep: model {model}, {w.get('sessions')} sessions, prompt {w.get('prompt_len')} "
+        f"tokens, {w.get('max_new_tokens')} new, prefill budget {w.get('prefill_token_budget')}"
+        f"  (corruption free: {sweep.get('corruption_free')})",
+        fontsize="medium",
+    )
     png, svg = figure_paths(json_path)
     fig.savefig(png, dpi=DPI)
     fig.savefig(svg)

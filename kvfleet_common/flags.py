@@ -12,6 +12,7 @@ flag, while the environment is ambient (a container's or a shell's). A key that 
 command is an error naming the key, and so is a value of the wrong type or outside the choices.
 Values are read when the arguments are parsed, never at import.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,7 +68,7 @@ def _coerce(action: argparse.Action, value: Any) -> Any:
         raise ValueError(f"expected true or false, got {value!r}")
     if isinstance(value, bool):
         raise ValueError(f"expected a value, not {value!r}")
-    if isinstance(value, list):   # workers = ["a:1", "b:2"] for a comma-separated flag
+    if isinstance(value, list):  # workers = ["a:1", "b:2"] for a comma-separated flag
         value = ",".join(str(v) for v in value)
     convert: Callable[[Any], Any] = action.type if callable(action.type) else str
     if isinstance(value, float) and convert is int:
@@ -82,16 +83,21 @@ def _coerce(action: argparse.Action, value: Any) -> Any:
 
 
 class FlagParser(argparse.ArgumentParser):
-    def __init__(self, *args: Any, config: bool = True, environ: Mapping[str, str] | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, config: bool = True, environ: Mapping[str, str] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
-        self._env_of: dict[str, str] = {}            # dest -> its environment variable
-        self._environ = environ                      # None: os.environ, read at parse time
+        self._env_of: dict[str, str] = {}  # dest -> its environment variable
+        self._environ = environ  # None: os.environ, read at parse time
         self._has_config = config
         if config:
-            self.add_argument("--config", metavar="FILE", default=None,
-                              help="a TOML or YAML file whose keys are these flags' names; "
-                                   "precedence: flag > file > environment > default")
+            self.add_argument(
+                "--config",
+                metavar="FILE",
+                default=None,
+                help="a TOML or YAML file whose keys are these flags' names; "
+                "precedence: flag > file > environment > default",
+            )
 
     def add_argument(self, *args: Any, env: str | None = None, **kwargs: Any) -> argparse.Action:
         if env:
@@ -103,15 +109,24 @@ class FlagParser(argparse.ArgumentParser):
         return action
 
     def add_logging_flags(self, level: str = "INFO") -> None:
-        self.add_argument("--log-level", default=level, type=str.upper, choices=LOG_LEVELS,
-                          env="KVFLEET_LOG_LEVEL", help="")
-        self.add_argument("--log-format", default="text", choices=LOG_FORMATS, env="KVFLEET_LOG_FORMAT",
-                          help="text, or json: one object per line with trace_id/span_id and session_id")
+        self.add_argument(
+            "--log-level", default=level, type=str.upper, choices=LOG_LEVELS, env="KVFLEET_LOG_LEVEL", help=""
+        )
+        self.add_argument(
+            "--log-format",
+            default="text",
+            choices=LOG_FORMATS,
+            env="KVFLEET_LOG_FORMAT",
+            help="text, or json: one object per line with trace_id/span_id and session_id",
+        )
 
     def _flags(self) -> dict[str, argparse.Action]:
         """The actions a file may set, by dest (dashes and underscores both map to it)."""
-        return {a.dest: a for a in self._actions
-                if a.option_strings and a.dest not in ("help", "version", "config") and a.default != argparse.SUPPRESS}
+        return {
+            a.dest: a
+            for a in self._actions
+            if a.option_strings and a.dest not in ("help", "version", "config") and a.default != argparse.SUPPRESS
+        }
 
     def _layered_defaults(self, config_path: str | None) -> dict[str, Any]:
         flags = self._flags()
@@ -131,16 +146,21 @@ class FlagParser(argparse.ArgumentParser):
             for key, value in doc.items():
                 dest = str(key).lstrip("-").replace("-", "_")
                 if dest not in flags:
-                    self.error(f"config file {config_path}: unknown key {key!r} "
-                               f"(known: {', '.join(sorted(d.replace('_', '-') for d in flags))})")
+                    self.error(
+                        f"config file {config_path}: unknown key {key!r} "
+                        f"(known: {', '.join(sorted(d.replace('_', '-') for d in flags))})"
+                    )
                 try:
                     out[dest] = _coerce(flags[dest], value)
                 except ValueError as exc:
                     self.error(f"config file {config_path}: {key}: {exc}")
         return out
 
-    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
-                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+    def parse_known_args(  # type: ignore[override]
+        self,
+        args: Sequence[str] | None = None,
+        namespace: argparse.Namespace | None = None,
+    ) -> tuple[argparse.Namespace, list[str]]:
         # Called by parse_args, and by a parent parser's subcommand action with this parser's
         # own arguments: the one place to lay the file and the environment under the flags.
         config_path = None

@@ -1,4 +1,5 @@
 """Pieces every kvfleet gRPC server shares: health, reflection, graceful drain, error mapping."""
+
 from __future__ import annotations
 
 import asyncio
@@ -89,8 +90,9 @@ def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
     return [(k, max_receive_bytes if k == "grpc.max_receive_message_length" else v) for k, v in SERVER_OPTIONS]
 
 
-async def drain(server: grpc.aio.Server, health_servicer: health.HealthServicer,
-                service_names: Iterable[str], grace_s: float | None) -> None:
+async def drain(
+    server: grpc.aio.Server, health_servicer: health.HealthServicer, service_names: Iterable[str], grace_s: float | None
+) -> None:
     """Report NOT_SERVING (load balancers stop sending), then let in-flight RPCs finish within
     grace_s before the server stops. Stop admitting work before calling this."""
     set_not_serving(health_servicer, service_names)

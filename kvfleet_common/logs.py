@@ -5,6 +5,7 @@ A JSON line carries the trace and span ids of the OpenTelemetry span current whe
 `session_id` (`log.info(..., extra={"session_id": sid})`) or, failing that, the one bound to the
 current task by `bind_session`.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -68,6 +69,7 @@ class JsonFormatter(logging.Formatter):
 @dataclass(frozen=True)
 class LogSettings:
     """A service's --log-level and --log-format, parsed with its flags and applied in main()."""
+
     level: str = "INFO"
     format: str = "text"
 

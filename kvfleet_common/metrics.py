@@ -1,4 +1,5 @@
 """Prometheus /metrics over HTTP on a separate port, one registry per service (no globals)."""
+
 from __future__ import annotations
 
 import logging
@@ -13,16 +14,51 @@ from prometheus_client.registry import Collector
 log = logging.getLogger(__name__)
 
 # Latency buckets (seconds) as vLLM uses for time to first token and inter-token latency.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-               0.75, 1.0, 2.5, 5.0, 10.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-               120.0, 240.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
 # Queue, prefill and decode time of a request: from milliseconds (an idle cluster, a short
 # prompt) to minutes (a long queue on CPU workers), so finer at the low end than E2E_BUCKETS.
-PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-                 20.0, 40.0, 80.0, 160.0, 320.0)
+PHASE_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+)
 # Tokens a tick (one batched step) processes, prefill chunks plus decode slots.
 ITERATION_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -44,7 +80,7 @@ def token_buckets(limit: int) -> tuple[float, ...]:
 
 class Kind(Enum):
     GAUGE = "gauge"
-    COUNTER = "counter"   # a cumulative count kept elsewhere (an engine's, a core's): never falls
+    COUNTER = "counter"  # a cumulative count kept elsewhere (an engine's, a core's): never falls
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
 """Model hyperparameters shared by the torch model, the numpy reference and the loaders."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,8 +28,15 @@ class LlamaConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "intermediate_size", "max_position"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "max_position",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.hidden_size % self.num_heads:
@@ -53,5 +61,13 @@ class LlamaConfig:
 
 def tiny_config() -> LlamaConfig:
     """The synthetic unit model of the concurrency sweep: hidden 32, 4 heads, 6 layers, vocab 48."""
-    return LlamaConfig(name="tiny", vocab_size=48, hidden_size=32, num_layers=6, num_heads=4,
-                       num_kv_heads=4, intermediate_size=64, max_position=512)
+    return LlamaConfig(
+        name="tiny",
+        vocab_size=48,
+        hidden_size=32,
+        num_layers=6,
+        num_heads=4,
+        num_kv_heads=4,
+        intermediate_size=64,
+        max_position=512,
+    )

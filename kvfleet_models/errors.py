@@ -3,6 +3,7 @@
 Loaders raise ModelLoadError instead of whatever the parsing library threw, so that a worker
 can report a bad ``--model`` flag as one readable line naming the file, not a deep traceback.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -21,17 +22,19 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     for n in range(cfg.num_layers):
         p = f"model.layers.{n}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q_dim, h),
-            p + "self_attn.k_proj.weight": (cfg.kv_dim, h),
-            p + "self_attn.v_proj.weight": (cfg.kv_dim, h),
-            p + "self_attn.o_proj.weight": (h, q_dim),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q_dim, h),
+                p + "self_attn.k_proj.weight": (cfg.kv_dim, h),
+                p + "self_attn.v_proj.weight": (cfg.kv_dim, h),
+                p + "self_attn.o_proj.weight": (h, q_dim),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+            }
+        )
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)
     return shapes

@@ -7,6 +7,7 @@ Three things differ from a Hugging Face checkpoint and are undone here:
   * the rows of q_proj and k_proj are permuted for llama.cpp's rotary layout (see
     ``unpermute_rotary_rows``).
 """
+
 from __future__ import annotations
 
 import math
@@ -158,13 +159,15 @@ def dequantize_tensor(tensor: Any, path: Path) -> np.ndarray:
     try:
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError:
-        raise ModelLoadError(f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, "
-                             "which gguf cannot dequantize") from None
+        raise ModelLoadError(
+            f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which gguf cannot dequantize"
+        ) from None
     except ValueError as e:
         raise ModelLoadError(f"{path}: tensor {tensor.name} is damaged ({e})") from None
     if array.size != math.prod(shape):
-        raise ModelLoadError(f"{path}: tensor {tensor.name} holds {array.size} values, shape {shape} needs "
-                             f"{math.prod(shape)}")
+        raise ModelLoadError(
+            f"{path}: tensor {tensor.name} holds {array.size} values, shape {shape} needs {math.prod(shape)}"
+        )
     # F32 comes back as a view of the memory-mapped file: copy so the weights outlive the reader.
     return np.array(array, dtype=np.float32, copy=True).reshape(shape)
 

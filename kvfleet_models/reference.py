@@ -3,6 +3,7 @@
 Written for obviousness, not speed; everything is computed in float64 so that the torch
 model (float32) is compared against something strictly more accurate than itself.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -29,11 +30,11 @@ def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 def _rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
     """HF "rotate_half" RoPE: dims i and i + D/2 form a pair. x: [T, H, D]."""
     d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)   # [D/2]
-    angles = positions[:, None].astype(np.float64) * inv_freq[None, :]      # [T, D/2]
-    cos = np.concatenate([np.cos(angles)] * 2, axis=-1)[:, None, :]         # [T, 1, D]
+    inv_freq = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)  # [D/2]
+    angles = positions[:, None].astype(np.float64) * inv_freq[None, :]  # [T, D/2]
+    cos = np.concatenate([np.cos(angles)] * 2, axis=-1)[:, None, :]  # [T, 1, D]
     sin = np.concatenate([np.sin(angles)] * 2, axis=-1)[:, None, :]
-    rotated = np.concatenate([-x[..., d // 2:], x[..., : d // 2]], axis=-1)
+    rotated = np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], axis=-1)
     return x * cos + rotated * sin
 
 
@@ -42,8 +43,9 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def _forward(cfg: LlamaConfig, weights: dict[str, np.ndarray], token_ids: list[int],
-             cache: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+def _forward(
+    cfg: LlamaConfig, weights: dict[str, np.ndarray], token_ids: list[int], cache: list[tuple[np.ndarray, np.ndarray]]
+) -> np.ndarray:
     """Run ``token_ids`` after the tokens already in ``cache`` (extended in place).
 
     ``cache[i]`` is layer i's (K, V), each [S, num_kv_heads, D] after RoPE. Returns [T, vocab].
@@ -52,7 +54,7 @@ def _forward(cfg: LlamaConfig, weights: dict[str, np.ndarray], token_ids: list[i
     start = cache[0][0].shape[0] if cache else 0
     t = len(token_ids)
     positions = np.arange(start, start + t)
-    x = _w(weights, "model.embed_tokens.weight")[np.asarray(token_ids)]     # [T, hidden]
+    x = _w(weights, "model.embed_tokens.weight")[np.asarray(token_ids)]  # [T, hidden]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         h = _rms_norm(x, _w(weights, p + "input_layernorm.weight"), cfg.rms_norm_eps)
@@ -62,14 +64,14 @@ def _forward(cfg: LlamaConfig, weights: dict[str, np.ndarray], token_ids: list[i
         q, k = _rope(q, positions, cfg.rope_theta), _rope(k, positions, cfg.rope_theta)
         if len(cache) <= i:
             cache.append((np.zeros((0, hkv, d)), np.zeros((0, hkv, d))))
-        k_all = np.concatenate([cache[i][0], k])                               # [S, Hkv, D]
+        k_all = np.concatenate([cache[i][0], k])  # [S, Hkv, D]
         v_all = np.concatenate([cache[i][1], v])
         cache[i] = (k_all, v_all)
         # GQA: query head j reads kv head j // (hq // hkv).
-        k_rep = np.repeat(k_all, hq // hkv, axis=1)                             # [S, Hq, D]
+        k_rep = np.repeat(k_all, hq // hkv, axis=1)  # [S, Hq, D]
         v_rep = np.repeat(v_all, hq // hkv, axis=1)
-        scores = np.einsum("thd,shd->hts", q, k_rep) / np.sqrt(d)               # [Hq, T, S]
-        causal = np.arange(k_all.shape[0])[None, :] <= positions[:, None]       # [T, S]
+        scores = np.einsum("thd,shd->hts", q, k_rep) / np.sqrt(d)  # [Hq, T, S]
+        causal = np.arange(k_all.shape[0])[None, :] <= positions[:, None]  # [T, S]
         scores = np.where(causal[None], scores, -np.inf)
         attn = np.einsum("hts,shd->thd", _softmax(scores), v_rep).reshape(t, hq * d)
         x = x + attn @ _w(weights, p + "self_attn.o_proj.weight").T
@@ -82,14 +84,16 @@ def _forward(cfg: LlamaConfig, weights: dict[str, np.ndarray], token_ids: list[i
     return x @ _lm_head(cfg, weights).T
 
 
-def reference_logits(cfg: LlamaConfig, weights: dict[str, np.ndarray],
-                     token_ids: list[int] | tuple[int, ...]) -> np.ndarray:
+def reference_logits(
+    cfg: LlamaConfig, weights: dict[str, np.ndarray], token_ids: list[int] | tuple[int, ...]
+) -> np.ndarray:
     """Logits [T, vocab] (float64) of every position of one sequence."""
     return _forward(cfg, weights, list(token_ids), [])
 
 
-def reference_generate(cfg: LlamaConfig, weights: dict[str, np.ndarray],
-                       prompt_ids: list[int] | tuple[int, ...], max_new_tokens: int) -> list[int]:
+def reference_generate(
+    cfg: LlamaConfig, weights: dict[str, np.ndarray], prompt_ids: list[int] | tuple[int, ...], max_new_tokens: int
+) -> list[int]:
     """Greedy continuation (argmax, ties to the lowest id) using an incremental KV cache."""
     cache: list[tuple[np.ndarray, np.ndarray]] = []
     out: list[int] = []

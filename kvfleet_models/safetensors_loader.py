@@ -1,4 +1,5 @@
 """Llama weights from a Hugging Face-style directory: config.json plus *.safetensors shards."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """Deterministic synthetic weights for the tiny test model, named as in HF LlamaForCausalLM."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -6,6 +6,7 @@ file carries (or read from a Hugging Face ``tokenizer.json``), so no hub downloa
 UTF-8 character, and ``StopStringMatcher`` cuts a text stream at a stop string without ever
 emitting a prefix of one that might still complete.
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,8 +28,10 @@ _CONTROL, _USER_DEFINED = 3, 4
 # GPT-2's regex is ByteLevel's built-in one (use_regex=True); "smollm" (SmolLM/StarCoder family)
 # isolates every digit first, exactly what SmolLM2's own tokenizer.json does with
 # Digits(individual_digits=True) ahead of ByteLevel(add_prefix_space=false).
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DIGITS_FIRST = ("smollm", "starcoder", "refact", "codeshell")
 _GPT2_REGEX = ("gpt2", "default", None)
 _LLAMA3_REGEX = ("llama-bpe", "llama3", "llama-v3", "falcon3", "smaug-bpe", "dbrx")
@@ -43,10 +46,12 @@ def _pre_tokenizer(pre: str | None) -> Any:
     if pre in _DIGITS_FIRST:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in _LLAMA3_REGEX:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     if pre not in _GPT2_REGEX:
         logger.warning("unknown tokenizer.ggml.pre %r: splitting text with GPT-2's rules", pre)
     return byte_level
@@ -65,14 +70,13 @@ def _chat_environment() -> Any:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: Any = None, sort_keys: bool = False) -> str:
+    def tojson(
+        x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+    ) -> str:
         # jinja2's own tojson escapes HTML characters, which templates do not expect.
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -83,10 +87,10 @@ def _chat_environment() -> Any:
 class Tokenizer:
     """A byte-level BPE tokenizer plus the model's special ids and chat template."""
 
-    backend: Any                   # tokenizers.Tokenizer
+    backend: Any  # tokenizers.Tokenizer
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    add_bos: bool                  # whether encode() starts with BOS (the model file says)
+    add_bos: bool  # whether encode() starts with BOS (the model file says)
     chat_template: str | None
 
     @classmethod
@@ -109,10 +113,12 @@ class Tokenizer:
         backend.pre_tokenizer = _pre_tokenizer(field_value(reader, "tokenizer.ggml.pre"))
         backend.decoder = decoders.ByteLevel()
         # Control tokens (<|im_start|>, ...) must match whole in text and never be merged into.
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t, k in zip(tokens, types) if k == _CONTROL])
-        backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                            for t, k in zip(tokens, types) if k == _USER_DEFINED])
+        backend.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
+        )
+        backend.add_tokens(
+            [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
+        )
         stops = [field_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
         return cls(
             backend=backend,
@@ -144,8 +150,13 @@ class Tokenizer:
 
         eos = model_config.get("eos_token_id", token_id("eos_token"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(backend=backend, bos_token_id=token_id("bos_token"), eos_token_ids=eos_ids,
-                   add_bos=bool(config.get("add_bos_token", False)), chat_template=template)
+        return cls(
+            backend=backend,
+            bos_token_id=token_id("bos_token"),
+            eos_token_ids=eos_ids,
+            add_bos=bool(config.get("add_bos_token", False)),
+            chat_template=template,
+        )
 
     @classmethod
     def for_model(cls, name_or_path: str) -> Tokenizer:
@@ -185,8 +196,11 @@ class Tokenizer:
         bos = self.token_text(self.bos_token_id) if self.bos_token_id is not None else None
         eos = self.token_text(self.eos_token_ids[0]) if self.eos_token_ids else None
         template = _compiled_chat_template(self.chat_template)
-        return str(template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   bos_token=bos or "", eos_token=eos or ""))
+        return str(
+            template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos or "", eos_token=eos or ""
+            )
+        )
 
 
 @functools.lru_cache(maxsize=8)
@@ -227,18 +241,18 @@ class IncrementalDetokenizer:
         if len(text) <= len(done) or text.endswith(_REPLACEMENT):
             return ""
         self._prefix, self._read = self._read, len(self._ids)
-        return text[len(done):]
+        return text[len(done) :]
 
     def flush(self) -> str:
         """Whatever is still held back (e.g. an incomplete character at the end of the stream)."""
-        rest = self._decode(self._prefix)[len(self._decode(self._prefix, self._read)):]
+        rest = self._decode(self._prefix)[len(self._decode(self._prefix, self._read)) :]
         self._prefix = self._read = len(self._ids)
         return rest
 
 
 class StopResult(NamedTuple):
-    text: str       # safe to emit now
-    stopped: bool   # a stop string was found; ``text`` ends just before it
+    text: str  # safe to emit now
+    stopped: bool  # a stop string was found; ``text`` ends just before it
 
 
 class StopStringMatcher:
@@ -266,10 +280,10 @@ class StopStringMatcher:
         hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
         if hits:
             self._held, self._stopped = "", True
-            return StopResult(text[:min(hits)], True)
+            return StopResult(text[: min(hits)], True)
         keep = self._partial_match_len(text)
-        self._held = text[len(text) - keep:] if keep else ""
-        return StopResult(text[:len(text) - keep], False)
+        self._held = text[len(text) - keep :] if keep else ""
+        return StopResult(text[: len(text) - keep], False)
 
     def flush(self) -> str:
         """The held-back text, at the end of a stream that never hit a stop string."""

@@ -1,4 +1,5 @@
 """python -m scheduler_svc: run the scheduler in front of running workers."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,43 +19,79 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
     p = FlagParser(prog="python -m scheduler_svc", description="kvfleet scheduler")
     p.add_argument("--host", env="KVFLEET_SCHEDULER_HOST", default="127.0.0.1")
     p.add_argument("--port", type=int, env="KVFLEET_SCHEDULER_PORT", default=50051)
-    p.add_argument("--workers", env="KVFLEET_WORKERS", default="",
-                   help="comma-separated worker addresses host:port")
+    p.add_argument("--workers", env="KVFLEET_WORKERS", default="", help="comma-separated worker addresses host:port")
     p.add_argument("--model", env="KVFLEET_MODEL", default=None, help="model name for the tokenizer")
     p.add_argument("--max-running", type=int, env="KVFLEET_MAX_RUNNING", default=d.max_running)
-    p.add_argument("--prefill-token-budget", type=int,
-                   env="KVFLEET_PREFILL_TOKEN_BUDGET", default=d.prefill_token_budget)
+    p.add_argument(
+        "--prefill-token-budget", type=int, env="KVFLEET_PREFILL_TOKEN_BUDGET", default=d.prefill_token_budget
+    )
     p.add_argument("--kv-budget-bytes", type=int, env="KVFLEET_KV_BUDGET_BYTES", default=d.kv_budget_bytes)
     p.add_argument("--max-queue-depth", type=int, env="KVFLEET_MAX_QUEUE_DEPTH", default=d.max_queue_depth)
-    p.add_argument("--max-prompt-tokens", type=int,
-                   env="KVFLEET_MAX_PROMPT_TOKENS", default=d.max_prompt_tokens)
+    p.add_argument("--max-prompt-tokens", type=int, env="KVFLEET_MAX_PROMPT_TOKENS", default=d.max_prompt_tokens)
     p.add_argument("--max-new-tokens", type=int, env="KVFLEET_MAX_NEW_TOKENS", default=d.max_new_tokens)
-    p.add_argument("--max-prompt-bytes", type=int, env="KVFLEET_MAX_PROMPT_BYTES", default=256 * 1024,
-                   help="text or chat prompt size limit in UTF-8 bytes, checked before tokenizing")
-    p.add_argument("--max-priority", type=int, env="KVFLEET_MAX_PRIORITY", default=d.max_priority,
-                   help="priorities run from -N (most urgent) to N; 0 is the default")
-    p.add_argument("--kv-policy", env="KVFLEET_KV_POLICY", default=d.kv_policy, choices=["reserve", "preempt"],
-                   help="reserve worst-case KV at admission, or preempt under KV pressure")
+    p.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        env="KVFLEET_MAX_PROMPT_BYTES",
+        default=256 * 1024,
+        help="text or chat prompt size limit in UTF-8 bytes, checked before tokenizing",
+    )
+    p.add_argument(
+        "--max-priority",
+        type=int,
+        env="KVFLEET_MAX_PRIORITY",
+        default=d.max_priority,
+        help="priorities run from -N (most urgent) to N; 0 is the default",
+    )
+    p.add_argument(
+        "--kv-policy",
+        env="KVFLEET_KV_POLICY",
+        default=d.kv_policy,
+        choices=["reserve", "preempt"],
+        help="reserve worst-case KV at admission, or preempt under KV pressure",
+    )
     p.add_argument("--step-timeout", type=float, env="KVFLEET_STEP_TIMEOUT_S", default=30.0)
-    p.add_argument("--no-worker-wait", type=float, env="KVFLEET_NO_WORKER_WAIT_S", default=30.0,
-                   help="seconds sessions wait for a live worker before failing with UNAVAILABLE")
+    p.add_argument(
+        "--no-worker-wait",
+        type=float,
+        env="KVFLEET_NO_WORKER_WAIT_S",
+        default=30.0,
+        help="seconds sessions wait for a live worker before failing with UNAVAILABLE",
+    )
     p.add_argument("--drain-grace", type=float, env="KVFLEET_DRAIN_GRACE_S", default=10.0)
-    p.add_argument("--metrics-port", type=int, env="KVFLEET_METRICS_PORT", default=9400,
-                   help="Prometheus /metrics port (0 = off)")
+    p.add_argument(
+        "--metrics-port", type=int, env="KVFLEET_METRICS_PORT", default=9400, help="Prometheus /metrics port (0 = off)"
+    )
     p.add_logging_flags()
     a = p.parse_args(argv)
     setup_logging(a.log_level, a.log_format)
-    limits = SchedulerLimits(max_running=a.max_running, prefill_token_budget=a.prefill_token_budget,
-                             kv_budget_bytes=a.kv_budget_bytes, max_queue_depth=a.max_queue_depth,
-                             max_prompt_tokens=a.max_prompt_tokens, max_new_tokens=a.max_new_tokens,
-                             kv_policy=a.kv_policy, max_priority=a.max_priority)
+    limits = SchedulerLimits(
+        max_running=a.max_running,
+        prefill_token_budget=a.prefill_token_budget,
+        kv_budget_bytes=a.kv_budget_bytes,
+        max_queue_depth=a.max_queue_depth,
+        max_prompt_tokens=a.max_prompt_tokens,
+        max_new_tokens=a.max_new_tokens,
+        kv_policy=a.kv_policy,
+        max_priority=a.max_priority,
+    )
     workers = tuple(w.strip() for w in a.workers.split(",") if w.strip())
     from kvfleet_common.security import TlsConfig
 
-    return SchedulerConfig(tls=TlsConfig.from_env(), api_token=env("KVFLEET_API_TOKEN", ""), host=a.host, port=a.port, workers=workers, limits=limits, model=a.model,
-                           prompt_limits=PromptLimits(max_prompt_bytes=a.max_prompt_bytes),
-                           step_timeout_s=a.step_timeout, drain_grace_s=a.drain_grace,
-                           metrics_port=a.metrics_port, no_worker_wait_s=a.no_worker_wait)
+    return SchedulerConfig(
+        tls=TlsConfig.from_env(),
+        api_token=env("KVFLEET_API_TOKEN", ""),
+        host=a.host,
+        port=a.port,
+        workers=workers,
+        limits=limits,
+        model=a.model,
+        prompt_limits=PromptLimits(max_prompt_bytes=a.max_prompt_bytes),
+        step_timeout_s=a.step_timeout,
+        drain_grace_s=a.drain_grace,
+        metrics_port=a.metrics_port,
+        no_worker_wait_s=a.no_worker_wait,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

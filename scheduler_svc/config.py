@@ -1,4 +1,5 @@
 """Scheduler settings, built once in the entry point from flags and environment."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,20 +12,20 @@ from scheduler_svc.prompts import PromptLimits
 @dataclass(frozen=True)
 class SchedulerConfig:
     host: str = "127.0.0.1"
-    port: int = 50051                       # 0 = any free port
-    workers: tuple[str, ...] = ()           # worker addresses host:port
+    port: int = 50051  # 0 = any free port
+    workers: tuple[str, ...] = ()  # worker addresses host:port
     limits: SchedulerLimits = field(default_factory=SchedulerLimits)
     prompt_limits: PromptLimits = field(default_factory=PromptLimits)
-    model: str | None = None                # for the tokenizer; None = ask the workers
-    step_timeout_s: float = 30.0            # a worker step slower than this marks the worker dead
+    model: str | None = None  # for the tokenizer; None = ask the workers
+    step_timeout_s: float = 30.0  # a worker step slower than this marks the worker dead
     worker_connect_timeout_s: float = 60.0  # how long start-up waits for the workers
-    health_interval_s: float = 1.0          # how often dead workers are probed
-    no_worker_wait_s: float = 30.0          # sessions wait this long for a live worker, then UNAVAILABLE
-    reconcile_interval_s: float = 10.0      # how often workers' held sessions are checked for orphans
+    health_interval_s: float = 1.0  # how often dead workers are probed
+    no_worker_wait_s: float = 30.0  # sessions wait this long for a live worker, then UNAVAILABLE
+    reconcile_interval_s: float = 10.0  # how often workers' held sessions are checked for orphans
     drain_grace_s: float = 10.0
-    metrics_port: int = 9400                # Prometheus /metrics; 0 = off
-    tls: TlsConfig = field(default_factory=TlsConfig)   # serving, and dialling the workers
-    api_token: str = ""                     # clients must send "authorization: Bearer <token>"
+    metrics_port: int = 9400  # Prometheus /metrics; 0 = off
+    tls: TlsConfig = field(default_factory=TlsConfig)  # serving, and dialling the workers
+    api_token: str = ""  # clients must send "authorization: Bearer <token>"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

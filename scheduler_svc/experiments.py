@@ -1,5 +1,6 @@
 """A/B experiment levers: what each arm of a lever asks the workers to do, and which workload
 runs under which arm."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -30,8 +31,7 @@ class ExperimentArm:
         return LEVERS[self.lever][self.arm]
 
     def attributes(self) -> dict[str, str]:
-        return {"experiment.id": self.experiment_id, "experiment.arm": self.arm,
-                "experiment.lever": self.lever}
+        return {"experiment.id": self.experiment_id, "experiment.arm": self.arm, "experiment.lever": self.lever}
 
 
 class ExperimentArms:

@@ -1,6 +1,7 @@
 """Turning a GenerateRequest's prompt (token ids, text or chat) into token ids, and tokens back
 into streamed text. The tokenizer lives here, at the front door, so prompt lengths are known
 before admission."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,10 +24,10 @@ class PromptError(ValueError):
 class PromptLimits:
     """Bounds checked before any tokenizing, so one request cannot stall the others."""
 
-    max_prompt_bytes: int = 256 * 1024      # text, or all chat contents together (UTF-8)
+    max_prompt_bytes: int = 256 * 1024  # text, or all chat contents together (UTF-8)
     max_chat_messages: int = 1024
     max_stop_strings: int = 16
-    max_stop_bytes: int = 256               # each stop string (UTF-8)
+    max_stop_bytes: int = 256  # each stop string (UTF-8)
     max_stop_token_ids: int = 256
 
     def __post_init__(self) -> None:
@@ -41,28 +42,32 @@ class PromptLimits:
             if not stop:
                 raise PromptError("a stop string is empty; remove it")
             if len(stop.encode()) > self.max_stop_bytes:
-                raise PromptError(f"a stop string is {len(stop.encode())} bytes; at most "
-                                  f"{self.max_stop_bytes} are allowed")
+                raise PromptError(
+                    f"a stop string is {len(stop.encode())} bytes; at most {self.max_stop_bytes} are allowed"
+                )
         if len(req.stop_token_ids) > self.max_stop_token_ids:
-            raise PromptError(f"{len(req.stop_token_ids)} stop token ids; at most "
-                              f"{self.max_stop_token_ids} are allowed")
+            raise PromptError(
+                f"{len(req.stop_token_ids)} stop token ids; at most {self.max_stop_token_ids} are allowed"
+            )
         kind = req.WhichOneof("prompt")
         if kind == "text":
             size = len(req.text.encode())
         elif kind == "chat":
             if len(req.chat.messages) > self.max_chat_messages:
-                raise PromptError(f"chat has {len(req.chat.messages)} messages; at most "
-                                  f"{self.max_chat_messages} are allowed")
+                raise PromptError(
+                    f"chat has {len(req.chat.messages)} messages; at most {self.max_chat_messages} are allowed"
+                )
             size = sum(len(m.content.encode()) + len(m.role.encode()) for m in req.chat.messages)
         else:
             return
         if size > self.max_prompt_bytes:
-            raise PromptError(f"the prompt is {size} bytes; the limit is {self.max_prompt_bytes} "
-                              f"(--max-prompt-bytes); shorten it")
+            raise PromptError(
+                f"the prompt is {size} bytes; the limit is {self.max_prompt_bytes} (--max-prompt-bytes); shorten it"
+            )
 
 
 class TextStream(Protocol):
-    def push(self, token: int) -> tuple[str, bool]: ...   # (text delta, a stop string was hit)
+    def push(self, token: int) -> tuple[str, bool]: ...  # (text delta, a stop string was hit)
     def flush(self) -> str: ...
 
 
@@ -120,8 +125,13 @@ class PromptResolver:
             from kvfleet_models.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.for_model(name)
-        return cls(model_name=name, vocab_size=model.vocab_size,
-                   eos_token_ids=frozenset(model.eos_token_ids), tokenizer=tokenizer, limits=limits)
+        return cls(
+            model_name=name,
+            vocab_size=model.vocab_size,
+            eos_token_ids=frozenset(model.eos_token_ids),
+            tokenizer=tokenizer,
+            limits=limits,
+        )
 
     def prompt_ids(self, req: spb.GenerateRequest) -> tuple[int, ...]:
         kind = req.WhichOneof("prompt")
@@ -151,14 +161,16 @@ class PromptResolver:
 
     def session_request(self, req: spb.GenerateRequest, owner: str = "") -> SessionRequest:
         if req.stop and self.tokenizer is None:
-            raise PromptError(f"stop strings need a tokenizer; model {self.model_name!r} has none "
-                              f"(use stop_token_ids)")
+            raise PromptError(f"stop strings need a tokenizer; model {self.model_name!r} has none (use stop_token_ids)")
         return SessionRequest(
-            prompt_ids=self.prompt_ids(req), max_new_tokens=req.max_new_tokens,
+            prompt_ids=self.prompt_ids(req),
+            max_new_tokens=req.max_new_tokens,
             sampling=convert.sampling_from_pb(req.sampling),
             stop_token_ids=frozenset(req.stop_token_ids),
             eos_token_ids=frozenset() if req.ignore_eos else self.eos_token_ids,
-            priority=req.priority, owner=owner)
+            priority=req.priority,
+            owner=owner,
+        )
 
     def stream(self, sreq: SessionRequest, stop: list[str]) -> TextStream:
         if self.tokenizer is None:

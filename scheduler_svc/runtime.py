@@ -6,6 +6,7 @@ one FIFO, the outbox; `_deliver` drains it into the streams and metrics. The tic
 once per tick, after the next tick's steps have gone out (so the workers compute meanwhile), and
 out-of-band calls (cancel, finish) call it at once; the FIFO keeps every stream's events in order.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +20,13 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span
 
 from scheduler_svc.core import (
-    FinishReason, SchedulerCore, SessionRequest, StepResult, TickOutcome, TickPlan, WorkloadPolicy,
+    FinishReason,
+    SchedulerCore,
+    SessionRequest,
+    StepResult,
+    TickOutcome,
+    TickPlan,
+    WorkloadPolicy,
 )
 from scheduler_svc.core.session import Phase
 from scheduler_svc.core.stats import TelemetrySnapshot, WorkloadStats
@@ -40,7 +47,7 @@ class RuntimeConfig:
     step_timeout_s: float = 30.0
     health_interval_s: float = 1.0
     no_worker_wait_s: float = 30.0
-    reconcile_interval_s: float = 10.0   # how often live workers' held sessions are checked
+    reconcile_interval_s: float = 10.0  # how often live workers' held sessions are checked
 
 
 @dataclass(frozen=True)
@@ -49,7 +56,7 @@ class SessionEvent:
     token: int | None = None
     finish: FinishReason | None = None
     worker_id: str = ""
-    dropped: str = ""          # the session was given up on, unfinished (the reason)
+    dropped: str = ""  # the session was given up on, unfinished (the reason)
 
 
 @dataclass(frozen=True)
@@ -71,8 +78,14 @@ class WorkerView:
 
 
 class SchedulerRuntime:
-    def __init__(self, core: SchedulerCore, clients: Sequence[WorkerClient], spans: SchedulerSpans,
-                 metrics: SchedulerMetrics, config: RuntimeConfig = RuntimeConfig()) -> None:
+    def __init__(
+        self,
+        core: SchedulerCore,
+        clients: Sequence[WorkerClient],
+        spans: SchedulerSpans,
+        metrics: SchedulerMetrics,
+        config: RuntimeConfig = RuntimeConfig(),
+    ) -> None:
         self._core = core
         self._clients = {c.worker_id: c for c in clients}
         self._spans = spans
@@ -80,7 +93,7 @@ class SchedulerRuntime:
         self._config = config
         self._arms = ExperimentArms()
         self._subscribers: dict[str, asyncio.Queue[SessionEvent]] = {}
-        self._outbox: deque[tuple[TickOutcome, int, int]] = deque()   # (outcome, prefill, decode tokens)
+        self._outbox: deque[tuple[TickOutcome, int, int]] = deque()  # (outcome, prefill, decode tokens)
         # Sessions to free on each worker: sent with that worker's next step (or a Release
         # alongside the next tick's steps), so freeing costs no round trip of its own.
         self._pending_release: dict[str, list[str]] = {}
@@ -93,8 +106,10 @@ class SchedulerRuntime:
     # ---- lifecycle ----------------------------------------------------------------------
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._run(), name="tick-loop"),
-                       asyncio.create_task(self._probe_dead_workers(), name="worker-probe")]
+        self._tasks = [
+            asyncio.create_task(self._run(), name="tick-loop"),
+            asyncio.create_task(self._probe_dead_workers(), name="worker-probe"),
+        ]
 
     async def drain(self, grace_s: float) -> None:
         end = time.monotonic() + grace_s
@@ -111,9 +126,14 @@ class SchedulerRuntime:
 
     # ---- the servicer's calls --------------------------------------------------------------
 
-    def submit(self, requests: Sequence[SessionRequest], operations: Sequence[str],
-               policy: WorkloadPolicy | None = None, arm: ExperimentArm | None = None,
-               parent: Context | None = None) -> Submission:
+    def submit(
+        self,
+        requests: Sequence[SessionRequest],
+        operations: Sequence[str],
+        policy: WorkloadPolicy | None = None,
+        arm: ExperimentArm | None = None,
+        parent: Context | None = None,
+    ) -> Submission:
         """Admit one session (policy None) or a workload; raises AdmissionRejected."""
         if policy is None:
             workload_id, ids = None, [self._core.submit(requests[0])]
@@ -123,10 +143,15 @@ class SchedulerRuntime:
             self._spans.start_workload(workload_id, len(ids), arm)
         for sid, req, op in zip(ids, requests, operations):
             self._metrics.arrived(sid)
-            self._spans.start_session(sid, op, req.max_new_tokens, req.sampling,
-                                      workload_id=workload_id, parent=parent, arm=arm)
-            log.debug("session %s queued (%s)", sid, f"workload {workload_id}" if workload_id else "alone",
-                      extra={"session_id": sid})
+            self._spans.start_session(
+                sid, op, req.max_new_tokens, req.sampling, workload_id=workload_id, parent=parent, arm=arm
+            )
+            log.debug(
+                "session %s queued (%s)",
+                sid,
+                f"workload {workload_id}" if workload_id else "alone",
+                extra={"session_id": sid},
+            )
         events: asyncio.Queue[SessionEvent] = asyncio.Queue()
         for sid in ids:
             self._subscribers[sid] = events
@@ -137,7 +162,7 @@ class SchedulerRuntime:
         """The client's stream is over: cancel what is unfinished and forget the sessions."""
         for sid in submission.session_ids:
             if not self._finished(sid):
-                self.cancel(sid)   # the client went away: free its slot or KV
+                self.cancel(sid)  # the client went away: free its slot or KV
             self._subscribers.pop(sid, None)
             self._core.forget_session(sid)
         if submission.workload_id is not None:
@@ -250,8 +275,9 @@ class SchedulerRuntime:
                 self._spans.admitted(work.session_id)
                 self._metrics.admitted(work.session_id)
         sessions = [w.session_id for w in plan.prefill + plan.decode]
-        span = self._spans.start_tick(plan.tick, sessions, sum(len(w.token_ids) for w in plan.prefill),
-                                      len(plan.decode), self._arm_of(sessions))
+        span = self._spans.start_tick(
+            plan.tick, sessions, sum(len(w.token_ids) for w in plan.prefill), len(plan.decode), self._arm_of(sessions)
+        )
         try:
             results, failed = await self._dispatch(plan, span)
             return self._core.update(plan, results, failed)
@@ -267,21 +293,29 @@ class SchedulerRuntime:
         steps = []
         for w in ids:
             prefill, decode = by_worker[w]
-            steps.append(self._clients[w].step(
-                prefill, decode, self._pending_release.pop(w, ()),
-                self._arm_of(x.session_id for x in prefill + decode), span, self._config.step_timeout_s))
+            steps.append(
+                self._clients[w].step(
+                    prefill,
+                    decode,
+                    self._pending_release.pop(w, ()),
+                    self._arm_of(x.session_id for x in prefill + decode),
+                    span,
+                    self._config.step_timeout_s,
+                )
+            )
         others, self._pending_release = self._pending_release, {}
         gathered = asyncio.gather(*steps, self._release(others), return_exceptions=True)
         if self._outbox:
-            await asyncio.sleep(0)   # let the steps go out first: the workers compute meanwhile
+            await asyncio.sleep(0)  # let the steps go out first: the workers compute meanwhile
             self._deliver()
-        responses = (await gathered)[:len(ids)]
+        responses = (await gathered)[: len(ids)]
         results: dict[str, StepResult] = {}
         failed: set[str] = set()
         for worker_id, resp in zip(ids, responses):
             if isinstance(resp, WorkerCallFailed):
-                log.warning("worker %s failed its step (%s: %s); moving its sessions",
-                            worker_id, resp.code.name, resp.details)
+                log.warning(
+                    "worker %s failed its step (%s: %s); moving its sessions", worker_id, resp.code.name, resp.details
+                )
                 failed.add(worker_id)
             elif isinstance(resp, BaseException):
                 raise resp
@@ -307,7 +341,7 @@ class SchedulerRuntime:
             out, p, d = self._outbox.popleft()
             prefill += p
             decode += d
-            if p or d:   # a tick's answers (settled-only outcomes carry no tokens)
+            if p or d:  # a tick's answers (settled-only outcomes carry no tokens)
                 self._metrics.iteration(p, d)
             for sid, token in out.tokens:
                 self._metrics.token(sid)
@@ -343,9 +377,11 @@ class SchedulerRuntime:
             return
         wait = self._config.no_worker_wait_s
         if now - self._no_worker_since >= wait:
-            self._emit(self._core.drop_queued(
-                f"no live worker for {wait:.0f}s; the session was dropped unfinished; "
-                f"retry when a worker is up"))
+            self._emit(
+                self._core.drop_queued(
+                    f"no live worker for {wait:.0f}s; the session was dropped unfinished; retry when a worker is up"
+                )
+            )
 
     # ---- releases and dead workers -------------------------------------------------------------
 
@@ -355,9 +391,11 @@ class SchedulerRuntime:
             await self._release(pending)
 
     async def _release(self, release: Mapping[str, Sequence[str]]) -> None:
-        calls = [self._clients[w].release(sids, self._config.step_timeout_s)
-                 for w, sids in release.items()
-                 if w in self._clients and self._core.workers.get(w).live]
+        calls = [
+            self._clients[w].release(sids, self._config.step_timeout_s)
+            for w, sids in release.items()
+            if w in self._clients and self._core.workers.get(w).live
+        ]
         for res in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(res, BaseException):
                 log.warning("release failed: %s", res)
@@ -370,8 +408,7 @@ class SchedulerRuntime:
         while not self._stopping:
             if time.monotonic() >= next_reconcile:
                 next_reconcile = time.monotonic() + self._config.reconcile_interval_s
-                await asyncio.gather(*(self._reconcile(w) for w in self._clients
-                                       if self._core.workers.get(w).live))
+                await asyncio.gather(*(self._reconcile(w) for w in self._clients if self._core.workers.get(w).live))
             await asyncio.sleep(interval)
             for worker_id, client in self._clients.items():
                 if self._core.workers.get(worker_id).live:
@@ -379,7 +416,7 @@ class SchedulerRuntime:
                 if not await client.answers(timeout=min(interval, 2.0)):
                     continue
                 self._core.worker_recovered(worker_id)
-                await self._reconcile(worker_id)   # what it still holds of sessions moved elsewhere
+                await self._reconcile(worker_id)  # what it still holds of sessions moved elsewhere
                 log.info("worker %s is back", worker_id)
                 self._wake.set()
 
@@ -395,13 +432,18 @@ class SchedulerRuntime:
             return
         strangers = self._core.strangers(worker_id, held.session_ids)
         if strangers:
-            log.warning("worker %s holds %d sessions the scheduler did not place there; freeing them",
-                        worker_id, len(strangers))
+            log.warning(
+                "worker %s holds %d sessions the scheduler did not place there; freeing them", worker_id, len(strangers)
+            )
             self._metrics.orphans_released(len(strangers))
             await self._release({worker_id: strangers})
 
 
 def _settled(plan: TickPlan) -> TickOutcome:
     """What schedule() settled while planning (cancellations, preemptions), as an outcome."""
-    return TickOutcome(tick=plan.tick, finished=list(plan.finished), requeued=list(plan.requeued),
-                       release={w: list(s) for w, s in plan.release.items()})
+    return TickOutcome(
+        tick=plan.tick,
+        finished=list(plan.finished),
+        requeued=list(plan.requeued),
+        release={w: list(s) for w, s in plan.release.items()},
+    )

@@ -1,4 +1,5 @@
 """The scheduler's gRPC adapter: requests -> core, the tick loop -> worker RPCs, tokens -> streams."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,16 +11,21 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 import grpc
 from opentelemetry import context as otel_context
 
+from kvfleet.v1 import scheduler_pb2 as spb
+from kvfleet.v1 import scheduler_pb2_grpc as spb_grpc
 from kvfleet_common import grpcutil
 from kvfleet_common.logs import bind_session
 from kvfleet_common.security import authorize_token
 from kvfleet_common.tracing import extract_context
-from kvfleet.v1 import scheduler_pb2 as spb
-from kvfleet.v1 import scheduler_pb2_grpc as spb_grpc
 from scheduler_svc import convert
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core import (
-    AdmissionRejected, FinishReason, NotSessionOwner, RejectReason, SchedulerCore, SessionRequest,
+    AdmissionRejected,
+    FinishReason,
+    NotSessionOwner,
+    RejectReason,
+    SchedulerCore,
+    SessionRequest,
 )
 from scheduler_svc.experiments import ExperimentArm
 from scheduler_svc.metrics import SchedulerMetrics
@@ -54,12 +60,12 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
     async def _gate(self, context) -> None:
         await authorize_token(context, self._api_token)
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                "the scheduler is shutting down and takes no new sessions; "
-                                "retry against another scheduler")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "the scheduler is shutting down and takes no new sessions; retry against another scheduler",
+            )
 
-    async def _session_request(self, req: spb.GenerateRequest, context, owner: str,
-                               where: str = "") -> SessionRequest:
+    async def _session_request(self, req: spb.GenerateRequest, context, owner: str, where: str = "") -> SessionRequest:
         try:
             return await self._prompts.resolve(req, owner)
         except PromptError as exc:
@@ -87,8 +93,9 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         sreq = await self._session_request(request, context, caller_identity(context))
         sub = await self._submit(context, lambda: self._runtime.submit([sreq], [_operation(request)], parent=parent))
         bind_session(sub.session_ids[0])
-        log.debug("session %s: %d prompt tokens, up to %d new", sub.session_ids[0], len(sreq.prompt_ids),
-                  sreq.max_new_tokens)
+        log.debug(
+            "session %s: %d prompt tokens, up to %d new", sub.session_ids[0], len(sreq.prompt_ids), sreq.max_new_tokens
+        )
         label = f"session {sub.session_ids[0]}"
         async with contextlib.aclosing(self._stream(sub, [sreq], [request], context, label, True)) as events:
             async for _, msg in events:
@@ -97,28 +104,40 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
     async def SubmitWorkload(self, request, context) -> AsyncIterator[spb.WorkloadEvent]:
         await self._gate(context)
         owner = caller_identity(context)
-        reqs = [await self._session_request(r, context, owner, f"session {i}: ")
-                for i, r in enumerate(request.sessions)]
+        reqs = [
+            await self._session_request(r, context, owner, f"session {i}: ") for i, r in enumerate(request.sessions)
+        ]
         arm = None
         if request.HasField("experiment"):
             try:
                 arm = ExperimentArm(request.experiment.id, request.experiment.arm, request.experiment.lever)
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        sub = await self._submit(context, lambda: self._runtime.submit(
-            reqs, [_operation(r) for r in request.sessions], convert.policy_from_pb(request), arm))
+        sub = await self._submit(
+            context,
+            lambda: self._runtime.submit(
+                reqs, [_operation(r) for r in request.sessions], convert.policy_from_pb(request), arm
+            ),
+        )
         wid = sub.workload_id or ""
-        async with contextlib.aclosing(self._stream(sub, reqs, list(request.sessions), context,
-                                                    f"workload {wid}", False)) as events:
+        async with contextlib.aclosing(
+            self._stream(sub, reqs, list(request.sessions), context, f"workload {wid}", False)
+        ) as events:
             async for index, msg in events:
                 yield spb.WorkloadEvent(workload_id=wid, session_index=index, event=msg)
         stats = self._runtime.workload_stats(wid)
         assert stats is not None, "a workload whose sessions all finished has its stats"
         yield spb.WorkloadEvent(workload_id=wid, done=True, stats=convert.workload_stats_to_pb(stats))
 
-    async def _stream(self, sub: Submission, sreqs: Sequence[SessionRequest],
-                      requests: Sequence[spb.GenerateRequest], context, label: str,
-                      echo_prompt: bool) -> AsyncGenerator[tuple[int, spb.GenerateEvent], None]:
+    async def _stream(
+        self,
+        sub: Submission,
+        sreqs: Sequence[SessionRequest],
+        requests: Sequence[spb.GenerateRequest],
+        context,
+        label: str,
+        echo_prompt: bool,
+    ) -> AsyncGenerator[tuple[int, spb.GenerateEvent], None]:
         """The events of a submission's sessions, one message per session per batch of events,
         until every session has finished; (session index, message). Shared by Generate and
         SubmitWorkload: the client's deadline, dropped sessions and a client that goes away
@@ -145,8 +164,9 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         except asyncio.TimeoutError:
             for sid in open_ids:
                 self._runtime.cancel(sid)
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"{label} did not finish before the client's deadline")
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"{label} did not finish before the client's deadline"
+            )
         except SessionDropped as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{label}: {exc}")
         finally:
@@ -175,17 +195,21 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
     async def Cancel(self, request, context):
         await authorize_token(context, self._api_token)
         if not request.session_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "session_id is empty; pass the id from the session's first event")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "session_id is empty; pass the id from the session's first event"
+            )
         try:
             state = self._runtime.cancel(request.session_id, caller_identity(context))
         except KeyError:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"no session {request.session_id!r}; it may have finished already")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no session {request.session_id!r}; it may have finished already"
+            )
         except NotSessionOwner:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                f"session {request.session_id!r} was started by another caller; "
-                                f"only its owner (the same token or client certificate) may cancel it")
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"session {request.session_id!r} was started by another caller; "
+                f"only its owner (the same token or client certificate) may cancel it",
+            )
         return spb.CancelResponse(cancelled=state in ("queued", "prefill", "decode"), state=state)
 
     async def GetTelemetry(self, request, context):
@@ -195,13 +219,16 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"no workload {request.workload_id!r}")
             snap = await self._runtime.wait_for_snapshot(request.workload_id, context.time_remaining())
             if snap is None:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"workload {request.workload_id} captured no snapshot at tick "
-                                    f"{request.at_tick}; submit it with snapshot_at_tick={request.at_tick}")
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"workload {request.workload_id} captured no snapshot at tick "
+                    f"{request.at_tick}; submit it with snapshot_at_tick={request.at_tick}",
+                )
             return convert.snapshot_to_pb(snap)
         if request.at_tick or request.workload_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "workload_id and at_tick go together; send both or neither")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "workload_id and at_tick go together; send both or neither"
+            )
         return convert.snapshot_to_pb(self._runtime.snapshot())
 
     async def ListWorkers(self, request, context):
@@ -212,12 +239,22 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
             if info is None:
                 resp.workers.add(address=view.client.address, live=False)
                 continue
-            resp.workers.add(worker_id=info.worker_id, address=view.client.address, live=view.live,
-                             model=info.model.name, device=info.device, dtype=info.dtype, quant=info.quant or "none",
-                             sessions=view.sessions, kv_tokens=view.kv_tokens,
-                             kv_capacity_tokens=info.kv_capacity_tokens,
-                             reserved_tokens=view.reserved_tokens, vocab_size=info.model.vocab_size,
-                             weight_bytes=info.weight_bytes, kv_bytes_per_token=info.kv_bytes_per_token)
+            resp.workers.add(
+                worker_id=info.worker_id,
+                address=view.client.address,
+                live=view.live,
+                model=info.model.name,
+                device=info.device,
+                dtype=info.dtype,
+                quant=info.quant or "none",
+                sessions=view.sessions,
+                kv_tokens=view.kv_tokens,
+                kv_capacity_tokens=info.kv_capacity_tokens,
+                reserved_tokens=view.reserved_tokens,
+                vocab_size=info.model.vocab_size,
+                weight_bytes=info.weight_bytes,
+                kv_bytes_per_token=info.kv_bytes_per_token,
+            )
         return resp
 
 
@@ -265,15 +302,29 @@ async def create_server(config: SchedulerConfig):
     infos = await asyncio.gather(*(c.wait_ready(config.worker_connect_timeout_s) for c in clients))
     for client, info in zip(clients, infos):
         core.add_worker(client.spec(), info.model.vocab_size, info.model.max_position)
-        log.info("worker %s at %s: %s on %s, %d KV tokens", info.worker_id, client.address,
-                 info.model.name, info.device, info.kv_capacity_tokens)
-    prompts = PromptResolver.for_model(config.model or infos[0].model.name, infos[0].model,
-                                       config.prompt_limits)
+        log.info(
+            "worker %s at %s: %s on %s, %d KV tokens",
+            info.worker_id,
+            client.address,
+            info.model.name,
+            info.device,
+            info.kv_capacity_tokens,
+        )
+    prompts = PromptResolver.for_model(config.model or infos[0].model.name, infos[0].model, config.prompt_limits)
     spans = SchedulerSpans(prompts.model_name)
     metrics = SchedulerMetrics(prompts.model_name, infos[0].model.max_position)
-    runtime = SchedulerRuntime(core, clients, spans, metrics, RuntimeConfig(
-        step_timeout_s=config.step_timeout_s, health_interval_s=config.health_interval_s,
-        no_worker_wait_s=config.no_worker_wait_s, reconcile_interval_s=config.reconcile_interval_s))
+    runtime = SchedulerRuntime(
+        core,
+        clients,
+        spans,
+        metrics,
+        RuntimeConfig(
+            step_timeout_s=config.step_timeout_s,
+            health_interval_s=config.health_interval_s,
+            no_worker_wait_s=config.no_worker_wait_s,
+            reconcile_interval_s=config.reconcile_interval_s,
+        ),
+    )
     servicer = SchedulerServicer(runtime, prompts, config.api_token)
     server = grpc.aio.server(options=grpcutil.SERVER_OPTIONS)
     spb_grpc.add_SchedulerServicer_to_server(servicer, server)
@@ -286,16 +337,16 @@ async def create_server(config: SchedulerConfig):
 
     metrics.tick(core.snapshot(), 0, 0)
     metrics_port = serve_metrics(metrics.registry, config.host, config.metrics_port)
-    log.info("scheduler serving on %s:%d with %d workers (metrics port %s)", config.host, port,
-             len(clients), metrics_port)
+    log.info(
+        "scheduler serving on %s:%d with %d workers (metrics port %s)", config.host, port, len(clients), metrics_port
+    )
     return server, port, RunningScheduler(server, servicer, runtime, health)
 
 
 class RunningScheduler:
     """Handles for a started scheduler, for a graceful stop."""
 
-    def __init__(self, server: grpc.aio.Server, servicer: SchedulerServicer, runtime: SchedulerRuntime,
-                 health) -> None:
+    def __init__(self, server: grpc.aio.Server, servicer: SchedulerServicer, runtime: SchedulerRuntime, health) -> None:
         self.server = server
         self.servicer = servicer
         self.runtime = runtime
@@ -312,7 +363,7 @@ class RunningScheduler:
 
 async def _serve(config: SchedulerConfig) -> None:
     server, port, running = await create_server(config)
-    log.info("scheduler listening on %s:%d", config.host, port)   # a log line, so JSON logs stay JSON
+    log.info("scheduler listening on %s:%d", config.host, port)  # a log line, so JSON logs stay JSON
     await grpcutil.wait_for_termination_signal()
     log.info("scheduler draining (grace %.1fs)", config.drain_grace_s)
     await running.stop(config.drain_grace_s)

@@ -9,6 +9,7 @@ gRPC metadata, so their `worker_step` spans join the trace. A tick that serves o
 workload, or one lone session) is a child of that trace's root; a tick shared by several is a
 root of its own, linked to each of them.
 """
+
 from __future__ import annotations
 
 import socket
@@ -21,8 +22,9 @@ from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from scheduler_svc.core.types import Sampling
 from scheduler_svc.experiments import ExperimentArm
 
-PROVIDER = "kvfleet"          # gen_ai.provider.name
-SESSION_SPAN = "session"      # the value of kvfleet.span on a session's root span
+PROVIDER = "kvfleet"  # gen_ai.provider.name
+SESSION_SPAN = "session"  # the value of kvfleet.span on a session's root span
+
 
 @dataclass
 class _SessionSpans:
@@ -51,24 +53,37 @@ class SchedulerSpans:
         attrs: dict[str, str | int] = {"kvfleet.workload.id": workload_id, "kvfleet.workload.sessions": sessions}
         if arm is not None:
             attrs.update(arm.attributes())
-        self._workloads[workload_id] = self._tracer.start_span("generation_wall", kind=SpanKind.SERVER,
-                                                               attributes=attrs)
+        self._workloads[workload_id] = self._tracer.start_span(
+            "generation_wall", kind=SpanKind.SERVER, attributes=attrs
+        )
 
     def end_workload(self, workload_id: str) -> None:
         span = self._workloads.pop(workload_id, None)
         if span is not None:
             span.end()
 
-    def start_session(self, session_id: str, operation: str, max_tokens: int, sampling: Sampling,
-                      workload_id: str | None = None, parent: Context | None = None,
-                      arm: ExperimentArm | None = None) -> None:
+    def start_session(
+        self,
+        session_id: str,
+        operation: str,
+        max_tokens: int,
+        sampling: Sampling,
+        workload_id: str | None = None,
+        parent: Context | None = None,
+        arm: ExperimentArm | None = None,
+    ) -> None:
         attrs: dict[str, str | int | float] = {
-            "gen_ai.operation.name": operation, "gen_ai.provider.name": PROVIDER,
-            "gen_ai.request.model": self._model, "gen_ai.request.max_tokens": max_tokens,
-            "gen_ai.request.temperature": sampling.temperature, **self._server,
-            "kvfleet.span": SESSION_SPAN, "kvfleet.session.id": session_id}
-        if sampling.top_k:   # 0 = off: no attribute rather than a value that means "none"
-            attrs["gen_ai.request.top_k"] = float(sampling.top_k)   # a double in the conventions
+            "gen_ai.operation.name": operation,
+            "gen_ai.provider.name": PROVIDER,
+            "gen_ai.request.model": self._model,
+            "gen_ai.request.max_tokens": max_tokens,
+            "gen_ai.request.temperature": sampling.temperature,
+            **self._server,
+            "kvfleet.span": SESSION_SPAN,
+            "kvfleet.session.id": session_id,
+        }
+        if sampling.top_k:  # 0 = off: no attribute rather than a value that means "none"
+            attrs["gen_ai.request.top_k"] = float(sampling.top_k)  # a double in the conventions
         if sampling.top_p < 1.0:
             attrs["gen_ai.request.top_p"] = sampling.top_p
         if workload_id is not None:
@@ -76,10 +91,14 @@ class SchedulerSpans:
             parent = trace.set_span_in_context(self._workloads[workload_id])
         if arm is not None:
             attrs.update(arm.attributes())
-        root = self._tracer.start_span(f"{operation} {self._model}", context=parent, kind=SpanKind.SERVER,
-                                       attributes=attrs)
-        queue = self._tracer.start_span("queue", context=trace.set_span_in_context(root),
-                                        attributes={k: v for k, v in attrs.items() if k.startswith("experiment.")})
+        root = self._tracer.start_span(
+            f"{operation} {self._model}", context=parent, kind=SpanKind.SERVER, attributes=attrs
+        )
+        queue = self._tracer.start_span(
+            "queue",
+            context=trace.set_span_in_context(root),
+            attributes={k: v for k, v in attrs.items() if k.startswith("experiment.")},
+        )
         self._sessions[session_id] = _SessionSpans(root, queue)
 
     def admitted(self, session_id: str) -> None:
@@ -95,9 +114,13 @@ class SchedulerSpans:
             return
         if spans.queue is not None:
             spans.queue.end()
-        spans.root.set_attributes({"gen_ai.usage.input_tokens": input_tokens,
-                                   "gen_ai.usage.output_tokens": output_tokens,
-                                   "gen_ai.response.finish_reasons": [reason]})
+        spans.root.set_attributes(
+            {
+                "gen_ai.usage.input_tokens": input_tokens,
+                "gen_ai.usage.output_tokens": output_tokens,
+                "gen_ai.response.finish_reasons": [reason],
+            }
+        )
         spans.root.end()
 
     def failed(self, session_id: str, message: str) -> None:
@@ -114,11 +137,15 @@ class SchedulerSpans:
         spans = self._sessions.get(session_id)
         return spans.root if spans is not None else None
 
-    def start_tick(self, tick: int, session_ids: list[str], prefill_tokens: int, decode_batch: int,
-                   arm: ExperimentArm | None) -> Span:
+    def start_tick(
+        self, tick: int, session_ids: list[str], prefill_tokens: int, decode_batch: int, arm: ExperimentArm | None
+    ) -> Span:
         roots = {id(r): r for r in (self._root_of(s) for s in session_ids) if r is not None}
-        attrs: dict[str, int | str] = {"kvfleet.tick": tick, "kvfleet.tick.prefill_tokens": prefill_tokens,
-                                       "kvfleet.tick.decode_batch": decode_batch}
+        attrs: dict[str, int | str] = {
+            "kvfleet.tick": tick,
+            "kvfleet.tick.prefill_tokens": prefill_tokens,
+            "kvfleet.tick.decode_batch": decode_batch,
+        }
         if arm is not None:
             attrs.update(arm.attributes())
         if len(roots) == 1:

@@ -1,13 +1,13 @@
 """gRPC clients of the workers the scheduler dispatches to: typed calls in core values, with the
 tick's trace context carried in the metadata."""
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
@@ -63,9 +63,13 @@ class WorkerClient:
     def spec(self) -> WorkerSpec:
         assert self.info is not None
         i = self.info
-        return WorkerSpec(worker_id=i.worker_id, capacity_tokens=i.kv_capacity_tokens,
-                          block_size=i.block_size, kv_bytes_per_token=i.kv_bytes_per_token,
-                          weight_bytes=i.weight_bytes)
+        return WorkerSpec(
+            worker_id=i.worker_id,
+            capacity_tokens=i.kv_capacity_tokens,
+            block_size=i.block_size,
+            kv_bytes_per_token=i.kv_bytes_per_token,
+            weight_bytes=i.weight_bytes,
+        )
 
     async def fetch_info(self, timeout: float = 5.0) -> wpb.WorkerInfo:
         self.info = await self.stub.GetInfo(wpb.GetInfoRequest(), timeout=timeout)
@@ -88,14 +92,22 @@ class WorkerClient:
                 return await self.fetch_info()
             except grpc.aio.AioRpcError as exc:
                 if time.monotonic() + delay > end:
-                    raise ConnectionError(f"worker at {self.address} did not answer within "
-                                          f"{deadline_s:.0f}s: {exc.code().name} {exc.details()}") from exc
+                    raise ConnectionError(
+                        f"worker at {self.address} did not answer within "
+                        f"{deadline_s:.0f}s: {exc.code().name} {exc.details()}"
+                    ) from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
-    async def step(self, prefill: Sequence[PrefillWork], decode: Sequence[DecodeWork],
-                   release: Sequence[str], arm: ExperimentArm | None, span: Span | None,
-                   timeout: float) -> Mapping[str, StepResult]:
+    async def step(
+        self,
+        prefill: Sequence[PrefillWork],
+        decode: Sequence[DecodeWork],
+        release: Sequence[str],
+        arm: ExperimentArm | None,
+        span: Span | None,
+        timeout: float,
+    ) -> Mapping[str, StepResult]:
         """One tick's work on this worker (releases first), in one round trip."""
         request = convert.step_request(prefill, decode)
         request.release_session_ids.extend(release)

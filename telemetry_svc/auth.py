@@ -54,11 +54,13 @@ class AuthPolicy:
                 why = "wrong bearer token" if sent else "no bearer token"
                 return grpc.StatusCode.UNAUTHENTICATED, (
                     f"{why}; send metadata 'authorization: Bearer <token>' "
-                    "(OTLP exporters: OTEL_EXPORTER_OTLP_HEADERS=authorization=Bearer <token>)")
+                    "(OTLP exporters: OTEL_EXPORTER_OTLP_HEADERS=authorization=Bearer <token>)"
+                )
         if self.allowed_clients and not (peer_names & self.allowed_clients):
             return grpc.StatusCode.PERMISSION_DENIED, (
                 f"client certificate {sorted(peer_names) or 'none'} may not write here; "
-                f"allowed: {sorted(self.allowed_clients)}")
+                f"allowed: {sorted(self.allowed_clients)}"
+            )
         return None
 
 

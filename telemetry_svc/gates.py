@@ -176,7 +176,9 @@ def evaluate_gate(gate: Gate, c: Comparison | None, min_samples: int) -> GateRes
     # NO_COST_TRANSFER
     allowed = tol * c.control_median
     regressed = -c.median_saving > allowed and p < a
-    return GateResult(gate, not regressed, f"median regression {-c.median_saving:.0f} ns (allowed {allowed:.0f}), {sig}")
+    return GateResult(
+        gate, not regressed, f"median regression {-c.median_saving:.0f} ns (allowed {allowed:.0f}), {sig}"
+    )
 
 
 def evaluate(spec: GateSpec, comparisons: Mapping[str, Comparison]) -> tuple[GateResult, ...]:

@@ -65,7 +65,7 @@ def strip_plot(title: str, control: Sequence[int], candidate: Sequence[int]) -> 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
     def cells(tag: str, row: Sequence[str]) -> str:
-        return "".join(f'<{tag}{" class=l" if i < left else ""}>{c}</{tag}>' for i, c in enumerate(row))
+        return "".join(f"<{tag}{' class=l' if i < left else ''}>{c}</{tag}>" for i, c in enumerate(row))
 
     body = "".join(f"<tr>{cells('td', r)}</tr>" for r in rows)
     return f"<table><tr>{cells('th', header)}</tr>{body}</table>"
@@ -93,7 +93,8 @@ def build_report(summary: dict[str, Any], data: ExperimentData) -> str:
                  for name, row in summary["comparison_ns"].items()]  # fmt: skip
     comps = _table(["span", *keys, "median_saving_ci95"], comp_rows)
     plots = "".join(
-        f"<h3>{escape(name)}</h3>" + strip_plot(name, data.samples(name, Arm.CONTROL), data.samples(name, Arm.CANDIDATE))
+        f"<h3>{escape(name)}</h3>"
+        + strip_plot(name, data.samples(name, Arm.CONTROL), data.samples(name, Arm.CANDIDATE))
         for name in summary["comparison_ns"]
     )
     hashes = _table(["artifact", "sha256"], [[escape(k), f"<code>{escape(str(v))}</code>"]

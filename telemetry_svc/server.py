@@ -29,8 +29,15 @@ from kvfleet_common.security import TlsConfig
 from telemetry_svc.auth import AuthInterceptor, AuthPolicy
 from telemetry_svc.gates import GateSpec, InvalidGateSpec, load_default_spec, parse_gate_spec
 from telemetry_svc.metrics import TelemetryMetrics
-from telemetry_svc.model import (Artifact, ArtifactConflict, ArtifactKind, InvalidArtifact, InvalidPageToken,
-                                 UnknownExperiment, token_sha256)  # fmt: skip
+from telemetry_svc.model import (
+    Artifact,
+    ArtifactConflict,
+    ArtifactKind,
+    InvalidArtifact,
+    InvalidPageToken,
+    UnknownExperiment,  # fmt: skip
+    token_sha256,
+)
 from telemetry_svc.otlp import convert, count_spans
 from telemetry_svc.report import build_report
 from telemetry_svc.retention import RetentionPolicy, enforce
@@ -294,16 +301,22 @@ class TelemetryServer:
             self.metrics_port = serve_metrics(self.metrics.registry, self._config.host, self._config.metrics_port)
         except OSError as exc:
             # Losing our own /metrics must not stop the cluster's traces from being received.
-            logger.error("telemetry metrics port %d unavailable (%s); running without /metrics",
-                         self._config.metrics_port, exc)
+            logger.error(
+                "telemetry metrics port %d unavailable (%s); running without /metrics", self._config.metrics_port, exc
+            )
 
     async def enforce_retention(self) -> None:
         """One retention pass in a worker thread (the store batches its deletes)."""
         result = await asyncio.to_thread(enforce, self.store, self._config.retention, time.time_ns())
         self.metrics.retention(result)
         if result.deleted_by_age or result.deleted_by_size:
-            logger.info("retention deleted %d spans by age, %d by size; store %.1f MB, %d spans",
-                        result.deleted_by_age, result.deleted_by_size, result.live_bytes / 2**20, result.spans)
+            logger.info(
+                "retention deleted %d spans by age, %d by size; store %.1f MB, %d spans",
+                result.deleted_by_age,
+                result.deleted_by_size,
+                result.live_bytes / 2**20,
+                result.spans,
+            )
 
     async def _retention_loop(self) -> None:
         while not self._stopping.is_set():
@@ -359,8 +372,11 @@ async def serve(config: TelemetryConfig) -> None:
     logger.info("telemetry listening on %s:%d (store %s, metrics port %s)", config.host, port,
                 srv.store.location, srv.metrics_port)  # fmt: skip
     if not config.auth.configured:
-        logger.warning("telemetry is OPEN: anyone who can reach port %d may export spans and record artifacts; "
-                       "set KVFLEET_TELEMETRY_TOKEN (or --api-token) and/or KVFLEET_TLS_ALLOWED_CLIENTS", port)
+        logger.warning(
+            "telemetry is OPEN: anyone who can reach port %d may export spans and record artifacts; "
+            "set KVFLEET_TELEMETRY_TOKEN (or --api-token) and/or KVFLEET_TLS_ALLOWED_CLIENTS",
+            port,
+        )
     await grpcutil.wait_for_termination_signal()
     logger.info("shutting down: draining for up to %.1f s", config.grace_s)
     await srv.stop(config.grace_s)

@@ -79,7 +79,7 @@ def _exact_sf(u: int, m: int, n: int) -> float:
         for j in range(i, deg + 1):  # divide by (1 - q^i)
             c[j] += c[j - i]
     total = math.comb(m + n, m)
-    return sum(c[max(u, 0):]) / total
+    return sum(c[max(u, 0) :]) / total
 
 
 def mann_whitney(control: Sequence[float] | np.ndarray, candidate: Sequence[float] | np.ndarray) -> MannWhitney:

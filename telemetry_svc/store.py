@@ -21,8 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping, Protocol, Sequence
 
-from telemetry_svc.model import (ARMS, Arm, Artifact, ArtifactConflict, ArtifactKind, ExperimentData,
-                                 InvalidPageToken, SpanRecord, UnknownExperiment)  # fmt: skip
+from telemetry_svc.model import (
+    ARMS,
+    Arm,
+    Artifact,
+    ArtifactConflict,
+    ArtifactKind,
+    ExperimentData,
+    InvalidPageToken,  # fmt: skip
+    SpanRecord,
+    UnknownExperiment,
+)
 from telemetry_svc.stats import quantile
 
 _TABLES = """

@@ -159,7 +159,13 @@ def build_summary(data: ExperimentData, spec: GateSpec, opts: SummaryOptions = S
         "profile_contract": profile_contract(data, opts.step_span),
         "gates": {r.gate.name: r.passed for r in results},
         "gate_details": [
-            {"name": r.gate.name, "kind": r.gate.kind.value, "span": r.gate.span, "passed": r.passed, "reason": r.reason}
+            {
+                "name": r.gate.name,
+                "kind": r.gate.kind.value,
+                "span": r.gate.span,
+                "passed": r.passed,
+                "reason": r.reason,
+            }
             for r in results
         ],
         "comparison_ns": {name: comparison_row(c) for name, c in comps.items()},

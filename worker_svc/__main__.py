@@ -1,8 +1,8 @@
 """python -m worker_svc: run one worker."""
+
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 
 from kvfleet_common.flags import FlagParser
@@ -12,7 +12,6 @@ from worker_svc.kv_views_mode import KVViewsMode
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
-    env = os.environ.get
     p = FlagParser(prog="python -m worker_svc", description="kvfleet worker")
     p.add_argument("--host", env="KVFLEET_WORKER_HOST", default="127.0.0.1")
     p.add_argument("--port", type=int, env="KVFLEET_WORKER_PORT", default=50061)
@@ -20,28 +19,54 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--model", env="KVFLEET_MODEL", default="tiny")
     p.add_argument("--device", env="KVFLEET_DEVICE", default="cpu")
     p.add_argument("--dtype", env="KVFLEET_DTYPE", default="float32")
-    p.add_argument("--quant", env="KVFLEET_QUANT", default="none", choices=["none", "int8"],
-                   help="weight quantization: int8 = dynamic int8 products (CPU, float32)")
+    p.add_argument(
+        "--quant",
+        env="KVFLEET_QUANT",
+        default="none",
+        choices=["none", "int8"],
+        help="weight quantization: int8 = dynamic int8 products (CPU, float32)",
+    )
     p.add_argument("--block-size", type=int, env="KVFLEET_BLOCK_SIZE", default=16)
     p.add_argument("--num-blocks", type=int, env="KVFLEET_NUM_BLOCKS", default=4096)
-    p.add_argument("--kv-views", env="KVFLEET_KV_VIEWS", default="rebuild",
-                   choices=[m.value for m in KVViewsMode])
-    p.add_argument("--metrics-port", type=int, env="KVFLEET_METRICS_PORT", default=9401,
-                   help="Prometheus /metrics port (0 = off)")
-    p.add_argument("--threads", type=int, env="KVFLEET_WORKER_THREADS", default=0,
-                   help="CPU threads per step (0 = torch's setting, i.e. OMP_NUM_THREADS or the cores)")
-    p.add_argument("--inline-step-ms", type=float, env="KVFLEET_INLINE_STEP_MS", default=5.0,
-                   help="steps expected under this many ms run on the event loop (0 = never)")
+    p.add_argument("--kv-views", env="KVFLEET_KV_VIEWS", default="rebuild", choices=[m.value for m in KVViewsMode])
+    p.add_argument(
+        "--metrics-port", type=int, env="KVFLEET_METRICS_PORT", default=9401, help="Prometheus /metrics port (0 = off)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        env="KVFLEET_WORKER_THREADS",
+        default=0,
+        help="CPU threads per step (0 = torch's setting, i.e. OMP_NUM_THREADS or the cores)",
+    )
+    p.add_argument(
+        "--inline-step-ms",
+        type=float,
+        env="KVFLEET_INLINE_STEP_MS",
+        default=5.0,
+        help="steps expected under this many ms run on the event loop (0 = never)",
+    )
     p.add_logging_flags()
     a = p.parse_args(argv)
     setup_logging(a.log_level, a.log_format)
     from kvfleet_common.security import TlsConfig
 
-    return WorkerConfig(tls=TlsConfig.from_env(), host=a.host, port=a.port, worker_id=a.worker_id, model=a.model,
-                        device=a.device, dtype=a.dtype, quant=a.quant, block_size=a.block_size,
-                        num_blocks=a.num_blocks, kv_views=KVViewsMode.parse(a.kv_views),
-                        metrics_port=a.metrics_port,
-                        num_threads=a.threads, inline_step_s=a.inline_step_ms / 1000)
+    return WorkerConfig(
+        tls=TlsConfig.from_env(),
+        host=a.host,
+        port=a.port,
+        worker_id=a.worker_id,
+        model=a.model,
+        device=a.device,
+        dtype=a.dtype,
+        quant=a.quant,
+        block_size=a.block_size,
+        num_blocks=a.num_blocks,
+        kv_views=KVViewsMode.parse(a.kv_views),
+        metrics_port=a.metrics_port,
+        num_threads=a.threads,
+        inline_step_s=a.inline_step_ms / 1000,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

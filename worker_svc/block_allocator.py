@@ -4,6 +4,7 @@ Pure Python on purpose (no torch): the books are kept on the host and unit-teste
 only ``kv_cache.py`` touches device memory. A token's place in the cache is its *slot*,
 ``block * block_size + offset``, the row index into the flattened cache tensors.
 """
+
 from __future__ import annotations
 
 from collections import deque

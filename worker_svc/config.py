@@ -1,4 +1,5 @@
 """Worker settings, built once in the entry point from flags and environment."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,22 +11,22 @@ from worker_svc.kv_views_mode import KVViewsMode
 @dataclass(frozen=True)
 class WorkerConfig:
     host: str = "127.0.0.1"
-    port: int = 50061                 # 0 = any free port
+    port: int = 50061  # 0 = any free port
     worker_id: str = "worker-0"
-    model: str = "tiny"               # a known name, a .gguf file or a Hugging Face directory
-    device: str = "cpu"               # cpu | cuda | cuda:N | xpu | auto
-    dtype: str = "float32"            # float32 | bfloat16 | float16
+    model: str = "tiny"  # a known name, a .gguf file or a Hugging Face directory
+    device: str = "cpu"  # cpu | cuda | cuda:N | xpu | auto
+    dtype: str = "float32"  # float32 | bfloat16 | float16
     block_size: int = 16
     num_blocks: int = 4096
     # REBUILD (control) | PERSISTENT (candidate); a string naming one is parsed on construction.
     kv_views: KVViewsMode = KVViewsMode.REBUILD
     drain_grace_s: float = 10.0
-    num_threads: int = 0              # CPU threads per step; 0 = torch's setting (OMP_NUM_THREADS)
+    num_threads: int = 0  # CPU threads per step; 0 = torch's setting (OMP_NUM_THREADS)
     # A step expected to take less than this runs on the event loop, not in a thread (a tiny
     # step costs about what the hand-off does); 0 = always in a thread.
     inline_step_s: float = 0.005
-    metrics_port: int = 9401          # Prometheus /metrics; 0 = off
-    quant: str = "none"               # none | int8 (CPU, float32 only; see EngineConfig)
+    metrics_port: int = 9401  # Prometheus /metrics; 0 = off
+    quant: str = "none"  # none | int8 (CPU, float32 only; see EngineConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
 
     def __post_init__(self) -> None:
@@ -35,7 +36,7 @@ class WorkerConfig:
             raise ValueError("block_size and num_blocks must be positive")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        object.__setattr__(self, "kv_views", KVViewsMode.parse(self.kv_views))   # frozen
+        object.__setattr__(self, "kv_views", KVViewsMode.parse(self.kv_views))  # frozen
         if self.num_threads < 0:
             raise ValueError(f"threads must be >= 0 (0 = torch's setting), got {self.num_threads}")
         if self.quant not in ("none", "int8"):

@@ -1,4 +1,5 @@
 """Protobuf <-> engine value conversion for the worker (the only worker code that sees pb types)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,7 +7,12 @@ from dataclasses import dataclass
 from kvfleet.v1 import worker_pb2 as pb
 from kvfleet_models.config import LlamaConfig
 from worker_svc.engine import (
-    DecodeItem, Engine, ItemStatus, PrefillItem, SamplingSpec, StepOutput,
+    DecodeItem,
+    Engine,
+    ItemStatus,
+    PrefillItem,
+    SamplingSpec,
+    StepOutput,
 )
 from worker_svc.kv_views_mode import KVViewsMode
 
@@ -18,21 +24,34 @@ _STATUS = {
 
 
 def sampling_from_pb(s: pb.Sampling) -> SamplingSpec:
-    return SamplingSpec(temperature=s.temperature, top_k=s.top_k,
-                        top_p=s.top_p if s.top_p > 0 else 1.0, seed=s.seed)
+    return SamplingSpec(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p if s.top_p > 0 else 1.0, seed=s.seed)
 
 
 def prefill_from_pb(items) -> list[PrefillItem]:
-    return [PrefillItem(session_id=i.session_id, token_ids=tuple(i.token_ids),
-                        start_position=i.start_position, last_chunk=i.last_chunk,
-                        sampling=sampling_from_pb(i.sampling), generated_so_far=i.generated_so_far)
-            for i in items]
+    return [
+        PrefillItem(
+            session_id=i.session_id,
+            token_ids=tuple(i.token_ids),
+            start_position=i.start_position,
+            last_chunk=i.last_chunk,
+            sampling=sampling_from_pb(i.sampling),
+            generated_so_far=i.generated_so_far,
+        )
+        for i in items
+    ]
 
 
 def decode_from_pb(items) -> list[DecodeItem]:
-    return [DecodeItem(session_id=i.session_id, token_id=i.token_id, position=i.position,
-                       sampling=sampling_from_pb(i.sampling), generated_so_far=i.generated_so_far)
-            for i in items]
+    return [
+        DecodeItem(
+            session_id=i.session_id,
+            token_id=i.token_id,
+            position=i.position,
+            sampling=sampling_from_pb(i.sampling),
+            generated_so_far=i.generated_so_far,
+        )
+        for i in items
+    ]
 
 
 @dataclass(frozen=True)
@@ -41,7 +60,7 @@ class StepCall:
 
     prefill: list[PrefillItem]
     decode: list[DecodeItem]
-    kv_views: KVViewsMode | None          # None: the worker's configured mode
+    kv_views: KVViewsMode | None  # None: the worker's configured mode
     release_session_ids: tuple[str, ...]  # freed before the step runs
     experiment_id: str
     experiment_arm: str
@@ -60,29 +79,47 @@ def step_from_pb(request: pb.StepRequest) -> StepCall:
     if any(not i for i in ids):
         raise ValueError("every item needs a session_id")
     kv_views = KVViewsMode.parse(request.kv_views) if request.kv_views else None
-    return StepCall(prefill, decode, kv_views, tuple(request.release_session_ids),
-                    request.experiment_id, request.experiment_arm)
+    return StepCall(
+        prefill, decode, kv_views, tuple(request.release_session_ids), request.experiment_id, request.experiment_arm
+    )
 
 
 def step_to_pb(out: StepOutput, step_ns: int) -> pb.StepResponse:
     resp = pb.StepResponse(step_ns=step_ns)
     for r in out.results:
-        resp.results.add(session_id=r.session_id, status=_STATUS[r.status],
-                         has_token=r.token_id is not None,
-                         token_id=r.token_id if r.token_id is not None else 0,
-                         kv_tokens=r.kv_tokens)
+        resp.results.add(
+            session_id=r.session_id,
+            status=_STATUS[r.status],
+            has_token=r.token_id is not None,
+            token_id=r.token_id if r.token_id is not None else 0,
+            kv_tokens=r.kv_tokens,
+        )
     return resp
 
 
-def info_to_pb(worker_id: str, cfg: LlamaConfig, engine: Engine, block_size: int,
-               num_blocks: int) -> pb.WorkerInfo:
-    model = pb.ModelConfig(name=cfg.name, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                           num_layers=cfg.num_layers, num_heads=cfg.num_heads,
-                           num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                           intermediate_size=cfg.intermediate_size, max_position=cfg.max_position,
-                           eos_token_ids=list(cfg.eos_token_ids))
-    return pb.WorkerInfo(worker_id=worker_id, model=model, dtype=engine.dtype_name,
-                         device=str(engine.device), kv_bytes_per_token=engine.kv_bytes_per_token,
-                         block_size=block_size, num_blocks=num_blocks,
-                         kv_capacity_tokens=engine.capacity_tokens, weight_bytes=engine.weight_bytes,
-                         parameter_count=engine.parameter_count, quant=engine.quant)
+def info_to_pb(worker_id: str, cfg: LlamaConfig, engine: Engine, block_size: int, num_blocks: int) -> pb.WorkerInfo:
+    model = pb.ModelConfig(
+        name=cfg.name,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        intermediate_size=cfg.intermediate_size,
+        max_position=cfg.max_position,
+        eos_token_ids=list(cfg.eos_token_ids),
+    )
+    return pb.WorkerInfo(
+        worker_id=worker_id,
+        model=model,
+        dtype=engine.dtype_name,
+        device=str(engine.device),
+        kv_bytes_per_token=engine.kv_bytes_per_token,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        kv_capacity_tokens=engine.capacity_tokens,
+        weight_bytes=engine.weight_bytes,
+        parameter_count=engine.parameter_count,
+        quant=engine.quant,
+    )

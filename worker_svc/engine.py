@@ -5,6 +5,7 @@ Per-item failures (CACHE_MISS, OUT_OF_BLOCKS) are results, not exceptions: the r
 batch proceeds. A request that could never succeed (token id out of vocabulary, position past
 ``max_position``, a session twice in one step) raises ``ValueError`` before anything changes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,9 +32,9 @@ _DEVICE_RE = re.compile(r"^(cpu|auto|xpu|cuda|cuda:\d+|xpu:\d+)$")
 
 @dataclass(frozen=True)
 class SamplingSpec:
-    temperature: float = 0.0   # 0 = greedy argmax
-    top_k: int = 0             # 0 = off
-    top_p: float = 1.0         # 1 = off
+    temperature: float = 0.0  # 0 = greedy argmax
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -48,34 +49,34 @@ class SamplingSpec:
 @dataclass(frozen=True)
 class PrefillItem:
     session_id: str
-    token_ids: tuple[int, ...]   # this chunk of the prompt
-    start_position: int          # tokens of this session already in the KV (0 for the first chunk)
-    last_chunk: bool             # sample the first new token after this chunk
+    token_ids: tuple[int, ...]  # this chunk of the prompt
+    start_position: int  # tokens of this session already in the KV (0 for the first chunk)
+    last_chunk: bool  # sample the first new token after this chunk
     sampling: SamplingSpec
-    generated_so_far: int = 0    # index of the token to sample (for seeded sampling)
+    generated_so_far: int = 0  # index of the token to sample (for seeded sampling)
 
 
 @dataclass(frozen=True)
 class DecodeItem:
     session_id: str
-    token_id: int                # latest token; its K/V are appended now
-    position: int                # == tokens already held for this session
+    token_id: int  # latest token; its K/V are appended now
+    position: int  # == tokens already held for this session
     sampling: SamplingSpec
     generated_so_far: int
 
 
 class ItemStatus(Enum):
     OK = "ok"
-    CACHE_MISS = "cache_miss"          # unknown session or position != tokens held
-    OUT_OF_BLOCKS = "out_of_blocks"    # not enough free KV blocks for this item
+    CACHE_MISS = "cache_miss"  # unknown session or position != tokens held
+    OUT_OF_BLOCKS = "out_of_blocks"  # not enough free KV blocks for this item
 
 
 @dataclass(frozen=True)
 class ItemResult:
     session_id: str
     status: ItemStatus
-    token_id: int | None         # None for a non-last prefill chunk or a failed item
-    kv_tokens: int               # tokens held for the session after the step
+    token_id: int | None  # None for a non-last prefill chunk or a failed item
+    kv_tokens: int  # tokens held for the session after the step
 
 
 @dataclass(frozen=True)
@@ -90,13 +91,13 @@ class StepProfile:
     kv_view_prepare_ns: int
     attention_ns: int
     step_ns: int
-    post_step_sync_ns: int   # device synchronize + copying sampled tokens to the host
-    kv_write_ns: int = 0     # writing new K/V into the paged cache (both modes pay it)
+    post_step_sync_ns: int  # device synchronize + copying sampled tokens to the host
+    kv_write_ns: int = 0  # writing new K/V into the paged cache (both modes pay it)
 
 
 @dataclass(frozen=True)
 class StepOutput:
-    results: list[ItemResult]    # one per item, prefill items first then decode items, in input order
+    results: list[ItemResult]  # one per item, prefill items first then decode items, in input order
     profile: StepProfile
     # Only with step(..., return_logits=True): float32 [items, vocab], the logits each sampled
     # token was drawn from; NaN rows for items that sampled nothing. For tests and debugging.
@@ -117,13 +118,13 @@ class EngineStats:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    device: str = "cpu"          # "cpu" | "cuda" | "cuda:N" | "xpu" | "auto" (cuda, then xpu, then cpu)
-    dtype: str = "float32"       # "float32" | "bfloat16" | "float16"
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N" | "xpu" | "auto" (cuda, then xpu, then cpu)
+    dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
     block_size: int = 16
     num_blocks: int = 1024
     # REBUILD (control) | PERSISTENT (candidate); a string naming one is parsed on construction.
     kv_views: KVViewsMode = KVViewsMode.REBUILD
-    profile_sync: bool = False   # synchronise around phases so StepProfile shows device time
+    profile_sync: bool = False  # synchronise around phases so StepProfile shows device time
     # CPU threads a step may use; 0 = the process's torch setting (OMP_NUM_THREADS). See
     # ``use_cpu_threads`` for how they are split between torch and the host BLAS.
     num_threads: int = 0
@@ -147,8 +148,10 @@ class EngineConfig:
         if self.quant not in QUANT_MODES:
             raise ValueError(f"quant must be one of {list(QUANT_MODES)}, got {self.quant!r}")
         if self.quant != "none" and (self.dtype != "float32" or self.device not in ("cpu", "auto")):
-            raise ValueError(f"quant={self.quant} runs on the CPU with dtype float32 "
-                             f"(activations); got device {self.device!r}, dtype {self.dtype!r}")
+            raise ValueError(
+                f"quant={self.quant} runs on the CPU with dtype float32 "
+                f"(activations); got device {self.device!r}, dtype {self.dtype!r}"
+            )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -183,7 +186,7 @@ def sample_token(logits: torch.Tensor, spec: SamplingSpec, index: int) -> int:
     if spec.top_p < 1.0:
         sorted_x, order = torch.sort(x, descending=True, stable=True)
         probs = torch.softmax(sorted_x, dim=-1)
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= spec.top_p   # mass before this token
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= spec.top_p  # mass before this token
         x = x.clone()
         x[order[drop]] = float("-inf")
     gen = torch.Generator(device="cpu")
@@ -195,14 +198,14 @@ def sample_token(logits: torch.Tensor, spec: SamplingSpec, index: int) -> int:
 class _Request:
     """A prefill or decode item, in the one shape admission needs."""
 
-    out_index: int               # its place in the step's results
+    out_index: int  # its place in the step's results
     session_id: str
     tokens: tuple[int, ...]
-    start: int                   # the position of its first token
-    sample: bool                 # sample after it (a decode, or a prompt's last chunk)
+    start: int  # the position of its first token
+    sample: bool  # sample after it (a decode, or a prompt's last chunk)
     sampling: SamplingSpec
-    index: int                   # generated_so_far, for seeded draws
-    creates: bool                # may create the session (a prefill item at position 0)
+    index: int  # generated_so_far, for seeded draws
+    creates: bool  # may create the session (a prefill item at position 0)
 
 
 @dataclass(frozen=True)
@@ -214,10 +217,16 @@ class _Admitted:
 
 
 def _requests(prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem]) -> list[_Request]:
-    out = [_Request(i, p.session_id, tuple(p.token_ids), p.start_position, p.last_chunk,
-                    p.sampling, p.generated_so_far, True) for i, p in enumerate(prefill)]
-    out += [_Request(len(prefill) + i, d.session_id, (d.token_id,), d.position, True,
-                     d.sampling, d.generated_so_far, False) for i, d in enumerate(decode)]
+    out = [
+        _Request(
+            i, p.session_id, tuple(p.token_ids), p.start_position, p.last_chunk, p.sampling, p.generated_so_far, True
+        )
+        for i, p in enumerate(prefill)
+    ]
+    out += [
+        _Request(len(prefill) + i, d.session_id, (d.token_id,), d.position, True, d.sampling, d.generated_so_far, False)
+        for i, d in enumerate(decode)
+    ]
     return out
 
 
@@ -228,26 +237,26 @@ class Engine:
         self.dtype_name = config.dtype
         dtype = _DTYPES[config.dtype]
         if config.quant != "none" and self.device.type != "cpu":
-            raise ValueError(f"quant={config.quant} runs on the CPU; device {config.device!r} "
-                             f"resolved to {self.device}")
+            raise ValueError(
+                f"quant={config.quant} runs on the CPU; device {config.device!r} resolved to {self.device}"
+            )
         self.quant = config.quant
         self.model = LlamaModel(cfg, weights, self.device, dtype, quant=config.quant)
         self.num_threads = config.num_threads or torch.get_num_threads()
         self.use_threads()
-        kv_dtype = self.model.act_dtype      # float32 on a CPU whatever the weights
-        self.cache = PagedKVCache(cfg.num_layers, config.num_blocks, config.block_size,
-                                  cfg.num_kv_heads, cfg.head_dim, kv_dtype, self.device)
+        kv_dtype = self.model.act_dtype  # float32 on a CPU whatever the weights
+        self.cache = PagedKVCache(
+            cfg.num_layers, config.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, self.device
+        )
         # Both modes stay available so an experiment can switch the lever per step.
-        self._views: dict[KVViewsMode, KVViews] = {
-            mode: make_views(mode, self.cache) for mode in KVViewsMode}
+        self._views: dict[KVViewsMode, KVViews] = {mode: make_views(mode, self.cache) for mode in KVViewsMode}
         self.views = self._views[config.kv_views]
         self.books = KVBookkeeper(config.block_size, BlockAllocator(config.num_blocks))
         elem = torch.empty((), dtype=kv_dtype).element_size()
         self.kv_bytes_per_token = cfg.kv_bytes_per_token(elem)
         self.capacity_tokens = config.num_blocks * config.block_size
         self.parameter_count, self.weight_bytes = self.model.sizes()
-        self._counts = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0,
-                        "cache_misses": 0, "out_of_blocks": 0}
+        self._counts = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "cache_misses": 0, "out_of_blocks": 0}
 
     def use_threads(self, n: int = 0) -> None:
         """(Re)claim the process's CPU threads for this engine: ``n``, or its configured count
@@ -269,19 +278,20 @@ class Engine:
             if start < 0:
                 raise ValueError(f"session {sid!r}: negative position {start}")
             if start + len(tokens) > self.cfg.max_position:
-                raise ValueError(f"session {sid!r}: positions up to {start + len(tokens)} exceed "
-                                 f"max_position {self.cfg.max_position}")
+                raise ValueError(
+                    f"session {sid!r}: positions up to {start + len(tokens)} exceed "
+                    f"max_position {self.cfg.max_position}"
+                )
             bad = [t for t in tokens if not 0 <= t < self.cfg.vocab_size]
             if bad:
-                raise ValueError(f"session {sid!r}: token ids {bad} outside vocab_size "
-                                 f"{self.cfg.vocab_size}")
+                raise ValueError(f"session {sid!r}: token ids {bad} outside vocab_size {self.cfg.vocab_size}")
 
     def _admit(self, r: _Request) -> _Admitted | ItemStatus:
         sid = r.session_id
         if self.books.has(sid):
-            miss = self.books.num_tokens(sid) != r.start   # also a second "first chunk"
+            miss = self.books.num_tokens(sid) != r.start  # also a second "first chunk"
         else:
-            miss = not (r.creates and r.start == 0)        # only a first prefill chunk creates
+            miss = not (r.creates and r.start == 0)  # only a first prefill chunk creates
         if miss:
             self._counts["cache_misses"] += 1
             return ItemStatus.CACHE_MISS
@@ -295,8 +305,14 @@ class Engine:
 
     # -- the step ----------------------------------------------------------------------------
 
-    def step(self, prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem], *,
-             return_logits: bool = False, kv_views: KVViewsMode | str | None = None) -> StepOutput:
+    def step(
+        self,
+        prefill: Sequence[PrefillItem],
+        decode: Sequence[DecodeItem],
+        *,
+        return_logits: bool = False,
+        kv_views: KVViewsMode | str | None = None,
+    ) -> StepOutput:
         """Run every admissible item in one batched forward; see the module docstring.
 
         kv_views overrides the configured mode for this step (a mode, or the string naming one;
@@ -317,37 +333,45 @@ class Engine:
 
         times = PhaseTimes()
         tokens: dict[int, int] = {}
-        logits_out = np.full((len(requests), self.cfg.vocab_size), np.nan, np.float32) \
-            if return_logits else None
+        logits_out = np.full((len(requests), self.cfg.vocab_size), np.nan, np.float32) if return_logits else None
         sync_ns = 0
         if admitted:
             sync = self.device.type != "cpu" and self.config.profile_sync
             try:
-                logits = run_step(self.model, self.cache, views, [a.run for a in admitted],
-                                  times, sync=sync)                 # [N, V] on device
+                logits = run_step(
+                    self.model, self.cache, views, [a.run for a in admitted], times, sync=sync
+                )  # [N, V] on device
             except BaseException:
                 # The books already hold these tokens but the cache may not: drop the sessions
                 # so that their next request is a clean CACHE_MISS, not silently wrong KV.
                 self.release(a.run.session_id for a in admitted)
                 raise
-            sync_ns = self._sample([a.request for a in admitted if a.run.sample], logits, tokens,
-                                   logits_out)
-            self._counts["prefill_tokens"] += sum(
-                len(a.run.tokens) for a in admitted if a.request.creates)
+            sync_ns = self._sample([a.request for a in admitted if a.run.sample], logits, tokens, logits_out)
+            self._counts["prefill_tokens"] += sum(len(a.run.tokens) for a in admitted if a.request.creates)
             self._counts["decode_tokens"] += sum(1 for a in admitted if not a.request.creates)
         self._counts["steps"] += 1
 
-        results = [ItemResult(r.session_id, failed.get(r.out_index, ItemStatus.OK),
-                              tokens.get(r.out_index), self.books.num_tokens(r.session_id))
-                   for r in requests]
-        profile = StepProfile(kv_view_prepare_ns=times.kv_view_prepare_ns,
-                              attention_ns=times.attention_ns,
-                              step_ns=time.perf_counter_ns() - t_start,
-                              post_step_sync_ns=sync_ns, kv_write_ns=times.kv_write_ns)
+        results = [
+            ItemResult(
+                r.session_id,
+                failed.get(r.out_index, ItemStatus.OK),
+                tokens.get(r.out_index),
+                self.books.num_tokens(r.session_id),
+            )
+            for r in requests
+        ]
+        profile = StepProfile(
+            kv_view_prepare_ns=times.kv_view_prepare_ns,
+            attention_ns=times.attention_ns,
+            step_ns=time.perf_counter_ns() - t_start,
+            post_step_sync_ns=sync_ns,
+            kv_write_ns=times.kv_write_ns,
+        )
         return StepOutput(results, profile, logits_out)
 
-    def _sample(self, sampled: list[_Request], logits: torch.Tensor, tokens: dict[int, int],
-                logits_out: np.ndarray | None) -> int:
+    def _sample(
+        self, sampled: list[_Request], logits: torch.Tensor, tokens: dict[int, int], logits_out: np.ndarray | None
+    ) -> int:
         """Fill ``tokens`` (by output index) from logits [N, V]; returns the sync time in ns.
 
         Greedy rows are reduced on the device so that only N ints cross to the host; logits
@@ -385,9 +409,13 @@ class Engine:
 
     def stats(self) -> EngineStats:
         c = self._counts
-        return EngineStats(steps=c["steps"], prefill_tokens=c["prefill_tokens"],
-                           decode_tokens=c["decode_tokens"], cache_misses=c["cache_misses"],
-                           active_sessions=len(self.books.session_ids()),
-                           used_blocks=self.books.allocator.num_used,
-                           free_blocks=self.books.allocator.num_free,
-                           out_of_blocks=c["out_of_blocks"])
+        return EngineStats(
+            steps=c["steps"],
+            prefill_tokens=c["prefill_tokens"],
+            decode_tokens=c["decode_tokens"],
+            cache_misses=c["cache_misses"],
+            active_sessions=len(self.books.session_ids()),
+            used_blocks=self.books.allocator.num_used,
+            free_blocks=self.books.allocator.num_free,
+            out_of_blocks=c["out_of_blocks"],
+        )

@@ -20,6 +20,7 @@ chunks of one token). Each group is one batched attention; a group's K/V come as
 ``[2, N, S, D]`` (K and V stacked; N = items x kv heads in the order ``AttnGroup.order`` names)
 so that attention is a plain ``bmm`` with no copy of K/V.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,10 +39,10 @@ class BatchLayout:
     """
 
     session_ids: tuple[str, ...]
-    starts: tuple[int, ...]                  # tokens already cached before this step, per item
-    lengths: tuple[int, ...]                 # new (query) tokens this step, per item
+    starts: tuple[int, ...]  # tokens already cached before this step, per item
+    lengths: tuple[int, ...]  # new (query) tokens this step, per item
     block_tables: tuple[tuple[int, ...], ...]  # blocks per item after this step's append
-    num_multi: int = 0                       # items [0, num_multi) have lengths > 1
+    num_multi: int = 0  # items [0, num_multi) have lengths > 1
 
     @property
     def totals(self) -> tuple[int, ...]:
@@ -60,9 +61,9 @@ class BatchLayout:
 class AttnGroup:
     """How a views object lays one group's K/V out for attention."""
 
-    items: range                  # the group's items in the layout
-    order: str                    # "bh": K/V batch axis is (item, kv head); "hb": (kv head, item)
-    kv_len: int                   # S: keys per item, padded; keys at or past an item's total are junk
+    items: range  # the group's items in the layout
+    order: str  # "bh": K/V batch axis is (item, kv head); "hb": (kv head, item)
+    kv_len: int  # S: keys per item, padded; keys at or past an item's total are junk
     # Position of each item in the attention batch, or None when it is the layout order.
     perm: tuple[int, ...] | None = None
 
@@ -77,16 +78,25 @@ class PagedKVCache:
     and a NaN from uninitialised memory would survive the mask (NaN * 0 is NaN).
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv = torch.zeros((num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim),
-                              dtype=dtype, device=device)
+        self.kv = torch.zeros(
+            (num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim), dtype=dtype, device=device
+        )
 
     @property
     def k(self) -> torch.Tensor:
-        return self.kv[:, 0]           # [L, Hkv, slots, D]
+        return self.kv[:, 0]  # [L, Hkv, slots, D]
 
     @property
     def v(self) -> torch.Tensor:
@@ -105,10 +115,10 @@ class PagedKVCache:
 
     def gather_blocks(self, layer: int, index: torch.Tensor, items: int) -> torch.Tensor:
         """K/V of whole blocks: [2, Hkv * items, blocks * block_size, D] ("hb" order)."""
-        src = self.kv[layer]                                     # [2, Hkv, slots, D]
+        src = self.kv[layer]  # [2, Hkv, slots, D]
         two, hkv, _, d = src.shape
         by_block = src.view(two, hkv, self.num_blocks, self.block_size, d)
-        got = by_block.index_select(2, index)                    # [2, Hkv, B * blocks, bs, D]
+        got = by_block.index_select(2, index)  # [2, Hkv, B * blocks, bs, D]
         return got.view(two, hkv * items, -1, d)
 
     def gather_slots(self, slots: torch.Tensor) -> torch.Tensor:
@@ -123,7 +133,7 @@ class RebuildViews:
 
     def __init__(self, cache: PagedKVCache) -> None:
         self.cache = cache
-        self._groups: list[tuple[AttnGroup, torch.Tensor]] = []   # with their block index
+        self._groups: list[tuple[AttnGroup, torch.Tensor]] = []  # with their block index
 
     def begin_step(self, layout: BatchLayout) -> list[AttnGroup]:
         bs = self.cache.block_size
@@ -132,8 +142,7 @@ class RebuildViews:
             if not items:
                 continue
             kv_len = max(layout.totals[i] for i in items)
-            index = self.cache.block_index(tuple(layout.block_tables[i] for i in items),
-                                           -(-kv_len // bs))
+            index = self.cache.block_index(tuple(layout.block_tables[i] for i in items), -(-kv_len // bs))
             self._groups.append((AttnGroup(items, self.order, kv_len), index))
         return [g for g, _ in self._groups]
 
@@ -170,21 +179,22 @@ class PersistentViews:
 
     def __init__(self, cache: PagedKVCache, rows: int = 4, capacity: int | None = None) -> None:
         self.cache = cache
-        capacity = capacity or cache.block_size   # small: doubling finds the working size
+        capacity = capacity or cache.block_size  # small: doubling finds the working size
         self.slab = self._zeros(rows, capacity)
         self._row: dict[str, int] = {}
-        self._len: dict[str, int] = {}            # tokens present in the session's row
-        self._sessions: list[str] = []            # session of each used row (rows are dense)
+        self._len: dict[str, int] = {}  # tokens present in the session's row
+        self._sessions: list[str] = []  # session of each used row (rows are dense)
         # Per group of this step: (first row, last row + 1) when consecutive, else the rows.
         self._groups: list[tuple[int, int] | torch.Tensor] = []
-        self._lengths: list[int] = []             # this step's padded key length per group
+        self._lengths: list[int] = []  # this step's padded key length per group
         self._tok_rows: torch.Tensor | None = None  # [T] row of each new token
-        self._tok_pos: torch.Tensor | None = None   # [T] position of each new token
+        self._tok_pos: torch.Tensor | None = None  # [T] position of each new token
 
     def _zeros(self, rows: int, capacity: int) -> torch.Tensor:
         num_layers, two, hkv, _, d = self.cache.kv.shape
-        return torch.zeros((num_layers, two, rows, hkv, capacity, d),
-                           dtype=self.cache.kv.dtype, device=self.cache.kv.device)
+        return torch.zeros(
+            (num_layers, two, rows, hkv, capacity, d), dtype=self.cache.kv.dtype, device=self.cache.kv.device
+        )
 
     def _grow(self, rows: int, capacity: int) -> None:
         old_rows, old_cap = self.slab.shape[2], self.slab.shape[4]
@@ -211,7 +221,7 @@ class PersistentViews:
                 self._add_row(sid)
             if self._len[sid] != start:
                 stale.append((sid, start, table))
-        self._grow(len(self._sessions), layout.max_total)   # rows and length, by doubling
+        self._grow(len(self._sessions), layout.max_total)  # rows and length, by doubling
         for sid, start, table in stale:
             # The session was stepped under the other kv_views mode (the engine switches per
             # step): refill its row from the paged cache, the source of truth.
@@ -243,7 +253,8 @@ class PersistentViews:
         self._tok_rows = torch.tensor(np.repeat(rows, layout.lengths), device=self.slab.device)
         self._tok_pos = torch.tensor(
             np.concatenate([np.arange(s, s + n) for s, n in zip(layout.starts, layout.lengths)]),
-            device=self.slab.device)
+            device=self.slab.device,
+        )
         return groups
 
     def append(self, layer: int, kv: torch.Tensor) -> None:
@@ -254,13 +265,13 @@ class PersistentViews:
         """[2, B * Hkv, S, D] for the group-th group of ``begin_step`` (a view when rows are
         consecutive)."""
         where, length = self._groups[group], self._lengths[group]
-        slab = self.slab[layer]                                  # [2, rows, Hkv, cap, D]
+        slab = self.slab[layer]  # [2, rows, Hkv, cap, D]
         if isinstance(where, tuple):
-            kv = slab[:, where[0]:where[1], :, :length]
+            kv = slab[:, where[0] : where[1], :, :length]
         else:
             kv = slab[:, where, :, :length]
         two, b, hkv, s, d = kv.shape
-        return kv.reshape(two, b * hkv, s, d)    # a view: (row, head) strides merge
+        return kv.reshape(two, b * hkv, s, d)  # a view: (row, head) strides merge
 
     def release(self, session_id: str) -> None:
         row = self._row.pop(session_id, None)

@@ -4,14 +4,15 @@ An Enum parsed once where a string enters the worker (flags, the StepRequest, a 
 caller), so the engine and the views never compare magic strings. Torch-free, so the entry
 point can validate flags without importing the model.
 """
+
 from __future__ import annotations
 
 from enum import Enum
 
 
 class KVViewsMode(Enum):
-    REBUILD = "rebuild"         # the control: gather every session's blocks every layer
-    PERSISTENT = "persistent"   # the candidate: per-session rows kept across steps
+    REBUILD = "rebuild"  # the control: gather every session's blocks every layer
+    PERSISTENT = "persistent"  # the candidate: per-session rows kept across steps
 
     @classmethod
     def parse(cls, value: KVViewsMode | str) -> KVViewsMode:

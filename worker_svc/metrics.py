@@ -3,6 +3,7 @@
 Its KV usage is `kvfleet:worker_kv_cache_usage_perc` (of this worker's blocks), never to be
 confused with the scheduler's `kvfleet:scheduler_kv_usage_perc` (of its budget over all workers).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -18,10 +19,10 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         self._engine = engine
         self._worker_id = worker_id
-        self.step = Histogram("kvfleet:worker_step_seconds", "Wall time of one batched step",
-                              buckets=ITL_BUCKETS, registry=self.registry)
-        self.tokens = Counter("kvfleet:worker_tokens", "Tokens processed, by phase", ["phase"],
-                              registry=self.registry)
+        self.step = Histogram(
+            "kvfleet:worker_step_seconds", "Wall time of one batched step", buckets=ITL_BUCKETS, registry=self.registry
+        )
+        self.tokens = Counter("kvfleet:worker_tokens", "Tokens processed, by phase", ["phase"], registry=self.registry)
         self._stats = engine.stats()
         self.registry.register(SnapshotCollector(self._readings))
 
@@ -29,7 +30,7 @@ class WorkerMetrics:
         self.step.observe(seconds)
         self.tokens.labels(phase="prefill").inc(prefill_tokens)
         self.tokens.labels(phase="decode").inc(decode_tokens)
-        self._stats = self._engine.stats()   # read here, in the serving thread, not at scrape time
+        self._stats = self._engine.stats()  # read here, in the serving thread, not at scrape time
 
     def refresh(self) -> None:
         self._stats = self._engine.stats()
@@ -39,10 +40,14 @@ class WorkerMetrics:
         total = s.used_blocks + s.free_blocks
         yield Reading("kvfleet:worker_kv_blocks_used", "KV blocks holding sessions", s.used_blocks)
         yield Reading("kvfleet:worker_kv_blocks", "KV blocks in the cache (its capacity)", total)
-        yield Reading("kvfleet:worker_kv_cache_usage_perc", "Used / all KV blocks of this worker (0..1)",
-                      s.used_blocks / total if total else 0.0)
+        yield Reading(
+            "kvfleet:worker_kv_cache_usage_perc",
+            "Used / all KV blocks of this worker (0..1)",
+            s.used_blocks / total if total else 0.0,
+        )
         yield Reading("kvfleet:worker_sessions", "Sessions whose KV the worker holds", s.active_sessions)
         # The engine's own cumulative counts: counters, mirrored at scrape time.
-        yield Reading("kvfleet:worker_cache_misses", "Items naming KV the worker did not hold", s.cache_misses,
-                      Kind.COUNTER)
+        yield Reading(
+            "kvfleet:worker_cache_misses", "Items naming KV the worker did not hold", s.cache_misses, Kind.COUNTER
+        )
         yield Reading("kvfleet:worker_steps", "Steps run", s.steps, Kind.COUNTER)

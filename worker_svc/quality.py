@@ -6,6 +6,7 @@ top-1 agreement (how often their greedy choice is the same) and the perplexity r
 (exp of the mean NLL difference). Runs the sequence through the engine's own paged cache in
 prefill chunks, so it measures the path the worker serves, not a separate forward.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,14 +24,14 @@ from worker_svc.runner import step_tensors
 
 @dataclass(frozen=True)
 class TeacherForced:
-    top1: np.ndarray     # [n - 1] the engine's argmax after each prefix
-    nll: np.ndarray      # [n - 1] -log p(token[i + 1] | token[:i + 1]), float64
+    top1: np.ndarray  # [n - 1] the engine's argmax after each prefix
+    nll: np.ndarray  # [n - 1] -log p(token[i + 1] | token[:i + 1]), float64
 
 
 @dataclass(frozen=True)
 class Agreement:
     positions: int
-    top1_agreement: float    # fraction of positions where both engines' argmax is the same
+    top1_agreement: float  # fraction of positions where both engines' argmax is the same
     ppl_base: float
     ppl_test: float
 
@@ -39,8 +40,9 @@ class Agreement:
         return self.ppl_test / self.ppl_base
 
 
-def teacher_forced(engine: Engine, token_ids: Sequence[int], chunk: int = 512,
-                   session_id: str = "teacher-forced") -> TeacherForced:
+def teacher_forced(
+    engine: Engine, token_ids: Sequence[int], chunk: int = 512, session_id: str = "teacher-forced"
+) -> TeacherForced:
     """Every position's logits of ``token_ids`` (one session, chunks of ``chunk`` tokens)."""
     model, ids = engine.model, list(token_ids)
     top1: list[np.ndarray] = []
@@ -48,21 +50,26 @@ def teacher_forced(engine: Engine, token_ids: Sequence[int], chunk: int = 512,
     engine.release([session_id])
     try:
         for start in range(0, len(ids) - 1, chunk):
-            tokens = ids[start:start + chunk]
+            tokens = ids[start : start + chunk]
             n = len(tokens)
             if not engine.books.can_append(session_id, n):
                 raise ValueError(f"{len(ids)} tokens do not fit the engine's KV cache")
             slots = list(engine.books.append(session_id, n))
-            layout = BatchLayout(session_ids=(session_id,), starts=(start,), lengths=(n,),
-                                 block_tables=(tuple(engine.books.blocks(session_id)),),
-                                 num_multi=int(n > 1))
+            layout = BatchLayout(
+                session_ids=(session_id,),
+                starts=(start,),
+                lengths=(n,),
+                block_tables=(tuple(engine.books.blocks(session_id)),),
+                num_multi=int(n > 1),
+            )
             groups = engine.views.begin_step(layout)
-            st = step_tensors(model.cfg, layout, groups, tokens, slots, [0], model.dtype,
-                              model.device, host_blas=model.host_attention)
-            st = replace(st, sample_rows=torch.arange(n, device=model.device))   # every row
-            logits = model.forward(st, engine.cache, engine.views, PhaseTimes())   # [n, V]
-            targets = torch.tensor(ids[start + 1:start + n + 1])
-            rows = len(targets)                  # the last chunk's last token has no target
+            st = step_tensors(
+                model.cfg, layout, groups, tokens, slots, [0], model.dtype, model.device, host_blas=model.host_attention
+            )
+            st = replace(st, sample_rows=torch.arange(n, device=model.device))  # every row
+            logits = model.forward(st, engine.cache, engine.views, PhaseTimes())  # [n, V]
+            targets = torch.tensor(ids[start + 1 : start + n + 1])
+            rows = len(targets)  # the last chunk's last token has no target
             logp = torch.log_softmax(logits[:rows].double(), dim=-1)
             nll.append(-logp.gather(1, targets[:, None])[:, 0].cpu().numpy())
             top1.append(torch.argmax(logits[:rows], dim=-1).cpu().numpy())
@@ -74,7 +81,9 @@ def teacher_forced(engine: Engine, token_ids: Sequence[int], chunk: int = 512,
 def compare(base: TeacherForced, test: TeacherForced) -> Agreement:
     if len(base.top1) != len(test.top1):
         raise ValueError("the two runs cover different sequences")
-    return Agreement(positions=len(base.top1),
-                     top1_agreement=float(np.mean(base.top1 == test.top1)),
-                     ppl_base=math.exp(float(base.nll.mean())),
-                     ppl_test=math.exp(float(test.nll.mean())))
+    return Agreement(
+        positions=len(base.top1),
+        top1_agreement=float(np.mean(base.top1 == test.top1)),
+        ppl_base=math.exp(float(base.nll.mean())),
+        ppl_test=math.exp(float(test.nll.mean())),
+    )

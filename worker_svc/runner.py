@@ -6,6 +6,7 @@ them (multi-token items first), asks the KV views for the step's groups, builds 
 tensors and additive masks once per step (``StepTensors``, shared by every layer), runs the
 forward and puts the logits back in the engine's order.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -24,30 +25,36 @@ class RunItem:
     """One admitted item, as the runner needs it: its new tokens and where they go."""
 
     session_id: str
-    tokens: tuple[int, ...]      # new tokens this step (a prefill chunk, or one decode token)
-    start: int                   # tokens of the session already cached before this step
-    slots: tuple[int, ...]       # paged-cache slot of each new token
-    blocks: tuple[int, ...]      # the session's block table after this step's append
-    sample: bool                 # whether the logits of the item's last token are wanted
+    tokens: tuple[int, ...]  # new tokens this step (a prefill chunk, or one decode token)
+    start: int  # tokens of the session already cached before this step
+    slots: tuple[int, ...]  # paged-cache slot of each new token
+    blocks: tuple[int, ...]  # the session's block table after this step's append
+    sample: bool  # whether the logits of the item's last token are wanted
 
 
-def _group_tensors(g: AttnGroup, layout: BatchLayout, offsets: np.ndarray, num_kv_heads: int,
-                   group_size: int, dtype: torch.dtype, device: torch.device,
-                   host_blas: bool) -> GroupTensors:
+def _group_tensors(
+    g: AttnGroup,
+    layout: BatchLayout,
+    offsets: np.ndarray,
+    num_kv_heads: int,
+    group_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    host_blas: bool,
+) -> GroupTensors:
     items = list(g.items)
     starts = np.array([layout.starts[i] for i in items])
     lengths = np.array([layout.lengths[i] for i in items])
     b, q, s = len(items), int(lengths.max()), g.kv_len
-    att = np.arange(b) if g.perm is None else np.array(g.perm)   # attention row of each item
+    att = np.arange(b) if g.perm is None else np.array(g.perm)  # attention row of each item
     pad_index = None
     if q > 1 or g.perm is not None:
-        pad_index = torch.from_numpy(np.concatenate(
-            [r * q + np.arange(n) for r, n in zip(att, lengths)])).to(device)
+        pad_index = torch.from_numpy(np.concatenate([r * q + np.arange(n) for r, n in zip(att, lengths)])).to(device)
     # Query i of an item sits at position start + i; a padding query (i >= n) copies the last
     # real query's mask so that no row is all-masked (which would make NaNs, harmless but noisy).
     query_pos = np.empty((b, q), dtype=np.int64)
     query_pos[att] = starts[:, None] + np.minimum(np.arange(q)[None, :], lengths[:, None] - 1)
-    allowed = np.arange(s)[None, None, :] <= query_pos[:, :, None]              # [B, Q, S]
+    allowed = np.arange(s)[None, None, :] <= query_pos[:, :, None]  # [B, Q, S]
     mask = None if allowed.all() else np.where(allowed, 0.0, -np.inf).astype(np.float32)
     bias = None
     if not host_blas:
@@ -59,13 +66,22 @@ def _group_tensors(g: AttnGroup, layout: BatchLayout, offsets: np.ndarray, num_k
             m = m.view(1, b, 1, q, s).expand(num_kv_heads, b, group_size, q, s)
         bias = m.reshape(b * num_kv_heads, group_size * q, s)
     start, stop = int(offsets[items[0]]), int(offsets[items[-1] + 1])
-    return GroupTensors(group=g, rows=slice(start, stop), batch=b, query_len=q,
-                        pad_index=pad_index, mask=mask, bias=bias)
+    return GroupTensors(
+        group=g, rows=slice(start, stop), batch=b, query_len=q, pad_index=pad_index, mask=mask, bias=bias
+    )
 
 
-def step_tensors(cfg: LlamaConfig, layout: BatchLayout, groups: list[AttnGroup],
-                 tokens: list[int], slots: list[int], sample_items: list[int],
-                 dtype: torch.dtype, device: torch.device, host_blas: bool = False) -> StepTensors:
+def step_tensors(
+    cfg: LlamaConfig,
+    layout: BatchLayout,
+    groups: list[AttnGroup],
+    tokens: list[int],
+    slots: list[int],
+    sample_items: list[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    host_blas: bool = False,
+) -> StepTensors:
     """Host-side preparation of a step: index tensors and per-group masks."""
     lengths = np.asarray(layout.lengths)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
@@ -76,14 +92,22 @@ def step_tensors(cfg: LlamaConfig, layout: BatchLayout, groups: list[AttnGroup],
 
     g = cfg.num_heads // cfg.num_kv_heads
     return StepTensors(
-        tokens=dev(tokens), positions=dev(positions), slots=dev(slots),
-        groups=tuple(_group_tensors(x, layout, offsets, cfg.num_kv_heads, g, dtype, device, host_blas)
-                     for x in groups),
-        sample_rows=dev(offsets[np.asarray(sample_items, dtype=np.int64) + 1] - 1))
+        tokens=dev(tokens),
+        positions=dev(positions),
+        slots=dev(slots),
+        groups=tuple(_group_tensors(x, layout, offsets, cfg.num_kv_heads, g, dtype, device, host_blas) for x in groups),
+        sample_rows=dev(offsets[np.asarray(sample_items, dtype=np.int64) + 1] - 1),
+    )
 
 
-def run_step(model: LlamaModel, cache: PagedKVCache, views: KVViews, admitted: Sequence[RunItem],
-             times: PhaseTimes, sync: bool = False) -> torch.Tensor:
+def run_step(
+    model: LlamaModel,
+    cache: PagedKVCache,
+    views: KVViews,
+    admitted: Sequence[RunItem],
+    times: PhaseTimes,
+    sync: bool = False,
+) -> torch.Tensor:
     """One forward over ``admitted`` (non-empty); returns logits [N, V] on the device, row k
     for the k-th item of ``admitted`` whose ``sample`` is set."""
     # Attention groups want multi-token items first, then one-token items.
@@ -94,14 +118,21 @@ def run_step(model: LlamaModel, cache: PagedKVCache, views: KVViews, admitted: S
         starts=tuple(a.start for a in items),
         lengths=tuple(len(a.tokens) for a in items),
         block_tables=tuple(a.blocks for a in items),
-        num_multi=sum(1 for a in items if len(a.tokens) > 1))
+        num_multi=sum(1 for a in items if len(a.tokens) > 1),
+    )
     groups = views.begin_step(layout)
     sampled = [j for j, a in enumerate(items) if a.sample]
-    st = step_tensors(model.cfg, layout, groups,
-                      tokens=[t for a in items for t in a.tokens],
-                      slots=[s for a in items for s in a.slots],
-                      sample_items=sampled, dtype=model.dtype, device=model.device,
-                      host_blas=model.host_attention)
+    st = step_tensors(
+        model.cfg,
+        layout,
+        groups,
+        tokens=[t for a in items for t in a.tokens],
+        slots=[s for a in items for s in a.slots],
+        sample_items=sampled,
+        dtype=model.dtype,
+        device=model.device,
+        host_blas=model.host_attention,
+    )
     logits = model.forward(st, cache, views, times, sync=sync)
     # Back to admitted order: row k of the result is the k-th sampled item of ``admitted``.
     rank = {order[j]: r for r, j in enumerate(sampled)}

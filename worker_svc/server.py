@@ -1,4 +1,5 @@
 """The worker's gRPC adapter: pb -> engine values -> Engine.step -> pb."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,16 +8,16 @@ import time
 
 import grpc
 
+from kvfleet.v1 import worker_pb2 as pb
+from kvfleet.v1 import worker_pb2_grpc as pb_grpc
 from kvfleet_common import grpcutil
 from kvfleet_common.security import authorize_peer
 from kvfleet_common.tracing import extract_context
-from kvfleet.v1 import worker_pb2 as pb
-from kvfleet.v1 import worker_pb2_grpc as pb_grpc
+from kvfleet_models.config import LlamaConfig
 from worker_svc import convert
 from worker_svc.config import WorkerConfig
 from worker_svc.engine import Engine, EngineConfig, StepOutput
 from worker_svc.metrics import WorkerMetrics
-from kvfleet_models.config import LlamaConfig
 from worker_svc.spans import emit_step_spans
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,9 @@ def runs_inline(last_s: float, last_tokens: int, tokens: int, limit_s: float) ->
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, config: WorkerConfig, cfg: LlamaConfig, engine: Engine,
-                 metrics: WorkerMetrics | None = None) -> None:
+    def __init__(
+        self, config: WorkerConfig, cfg: LlamaConfig, engine: Engine, metrics: WorkerMetrics | None = None
+    ) -> None:
         self._config = config
         self.metrics = metrics or WorkerMetrics(engine, config.worker_id)
         self._cfg = cfg
@@ -51,10 +53,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def GetInfo(self, request, context):
         await authorize_peer(context, self._config.tls)
         if self._abandoned is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                "the worker is finishing a step whose deadline expired; retry shortly")
-        return convert.info_to_pb(self._config.worker_id, self._cfg, self._engine,
-                                  self._config.block_size, self._config.num_blocks)
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the worker is finishing a step whose deadline expired; retry shortly"
+            )
+        return convert.info_to_pb(
+            self._config.worker_id, self._cfg, self._engine, self._config.block_size, self._config.num_blocks
+        )
 
     async def Step(self, request, context):
         await authorize_peer(context, self._config.tls)
@@ -69,14 +73,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         kv_views = call.kv_views or self._config.kv_views
         attrs: dict[str, str | int] = {
-            "kvfleet.worker.id": self._config.worker_id, "kvfleet.kv_views": kv_views.value,
+            "kvfleet.worker.id": self._config.worker_id,
+            "kvfleet.kv_views": kv_views.value,
             "kvfleet.step.prefill_items": len(call.prefill),
-            "kvfleet.step.decode_items": len(call.decode)}
+            "kvfleet.step.decode_items": len(call.decode),
+        }
         if call.experiment_id:
             attrs["experiment.id"] = call.experiment_id
             attrs["experiment.arm"] = call.experiment_arm
-        emit_step_spans(extract_context(context.invocation_metadata()), wall_start, out.profile,
-                        self._cfg.num_layers, attrs)
+        emit_step_spans(
+            extract_context(context.invocation_metadata()), wall_start, out.profile, self._cfg.num_layers, attrs
+        )
         return convert.step_to_pb(out, step_ns)
 
     async def _locked_step(self, call: convert.StepCall) -> tuple[StepOutput, int]:
@@ -95,8 +102,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             if runs_inline(*self._last_step, call.tokens, self._config.inline_step_s):
                 out = self._engine.step(call.prefill, call.decode, kv_views=call.kv_views)
             else:
-                thread = asyncio.ensure_future(asyncio.to_thread(
-                    self._engine.step, call.prefill, call.decode, kv_views=call.kv_views))
+                thread = asyncio.ensure_future(
+                    asyncio.to_thread(self._engine.step, call.prefill, call.decode, kv_views=call.kv_views)
+                )
                 try:
                     out = await asyncio.shield(thread)
                 except asyncio.CancelledError:
@@ -139,22 +147,35 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         async with self._lock:
             s = self._engine.stats()
             held = sorted(self._engine.books.session_ids())
-        return pb.WorkerStats(steps=s.steps, prefill_tokens=s.prefill_tokens,
-                              decode_tokens=s.decode_tokens, cache_misses=s.cache_misses,
-                              active_sessions=s.active_sessions, used_blocks=s.used_blocks,
-                              free_blocks=s.free_blocks, session_ids=held)
+        return pb.WorkerStats(
+            steps=s.steps,
+            prefill_tokens=s.prefill_tokens,
+            decode_tokens=s.decode_tokens,
+            cache_misses=s.cache_misses,
+            active_sessions=s.active_sessions,
+            used_blocks=s.used_blocks,
+            free_blocks=s.free_blocks,
+            session_ids=held,
+        )
 
 
 def build_engine(config: WorkerConfig) -> tuple[LlamaConfig, Engine]:
     from kvfleet_models.registry import load_model
 
     cfg, weights = load_model(config.model)
-    engine = Engine(cfg, weights, EngineConfig(device=config.device, dtype=config.dtype,
-                                               block_size=config.block_size,
-                                               num_blocks=config.num_blocks,
-                                               kv_views=config.kv_views,
-                                               num_threads=config.num_threads,
-                                               quant=config.quant))
+    engine = Engine(
+        cfg,
+        weights,
+        EngineConfig(
+            device=config.device,
+            dtype=config.dtype,
+            block_size=config.block_size,
+            num_blocks=config.num_blocks,
+            kv_views=config.kv_views,
+            num_threads=config.num_threads,
+            quant=config.quant,
+        ),
+    )
     return cfg, engine
 
 
@@ -170,9 +191,17 @@ async def create_server(config: WorkerConfig, loaded: tuple[LlamaConfig, Engine]
     from kvfleet_common.metrics import serve_metrics
 
     serve_metrics(servicer.metrics.registry, config.host, config.metrics_port)
-    log.info("worker %s serving %s on %s:%d (device %s, dtype %s, %d KV blocks of %d)",
-             config.worker_id, cfg.name, config.host, port, engine.device, engine.dtype_name,
-             config.num_blocks, config.block_size)
+    log.info(
+        "worker %s serving %s on %s:%d (device %s, dtype %s, %d KV blocks of %d)",
+        config.worker_id,
+        cfg.name,
+        config.host,
+        port,
+        engine.device,
+        engine.dtype_name,
+        config.num_blocks,
+        config.block_size,
+    )
     return server, port, health
 
 

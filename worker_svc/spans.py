@@ -6,6 +6,7 @@ total (attribute kvfleet.phase.calls says how many calls were summed). The phase
 interleaved layer by layer, so no honest single interval exists; a total is what the
 experiment compares.
 """
+
 from __future__ import annotations
 
 from opentelemetry import trace
@@ -14,18 +15,22 @@ from opentelemetry.context import Context
 from worker_svc.engine import StepProfile
 
 
-def emit_step_spans(parent: Context, start_ns: int, profile: StepProfile, layers: int,
-                    attrs: dict[str, str | int]) -> None:
+def emit_step_spans(
+    parent: Context, start_ns: int, profile: StepProfile, layers: int, attrs: dict[str, str | int]
+) -> None:
     """start_ns: wall-clock (epoch) ns when the step began."""
     tracer = trace.get_tracer("kvfleet.worker")
     step = tracer.start_span("worker_step", context=parent, start_time=start_ns, attributes=attrs)
     ctx = trace.set_span_in_context(step, parent)
-    phases = (("kv_view_prepare", profile.kv_view_prepare_ns, layers),
-              ("attention", profile.attention_ns, layers),
-              ("kv_write", profile.kv_write_ns, layers),
-              ("post_step_sync", profile.post_step_sync_ns, 1))
+    phases = (
+        ("kv_view_prepare", profile.kv_view_prepare_ns, layers),
+        ("attention", profile.attention_ns, layers),
+        ("kv_write", profile.kv_write_ns, layers),
+        ("post_step_sync", profile.post_step_sync_ns, 1),
+    )
     for name, total_ns, calls in phases:
-        span = tracer.start_span(name, context=ctx, start_time=start_ns,
-                                 attributes={**attrs, "kvfleet.phase.calls": calls})
+        span = tracer.start_span(
+            name, context=ctx, start_time=start_ns, attributes={**attrs, "kvfleet.phase.calls": calls}
+        )
         span.end(end_time=start_ns + total_ns)
     step.end(end_time=start_ns + profile.step_ns)

@@ -2,16 +2,38 @@
 
 No grpc, protobuf or sockets here; the gRPC adapter in scheduler_svc.server drives it.
 """
-from scheduler_svc.core.types import (
-    AdmissionRejected, FinishReason, NotSessionOwner, RejectReason, Sampling, SessionRequest, StepStatus,
-    StepResult, WorkerSpec, WorkloadPolicy,
-)
+
 from scheduler_svc.core.limits import SchedulerLimits
 from scheduler_svc.core.plan import DecodeWork, PrefillWork, TickOutcome, TickPlan
 from scheduler_svc.core.scheduler import SchedulerCore
+from scheduler_svc.core.types import (
+    AdmissionRejected,
+    FinishReason,
+    NotSessionOwner,
+    RejectReason,
+    Sampling,
+    SessionRequest,
+    StepResult,
+    StepStatus,
+    WorkerSpec,
+    WorkloadPolicy,
+)
 
 __all__ = [
-    "AdmissionRejected", "DecodeWork", "FinishReason", "NotSessionOwner", "PrefillWork", "RejectReason", "Sampling",
-    "SchedulerCore", "SchedulerLimits", "SessionRequest", "StepResult", "StepStatus", "TickOutcome",
-    "TickPlan", "WorkerSpec", "WorkloadPolicy",
+    "AdmissionRejected",
+    "DecodeWork",
+    "FinishReason",
+    "NotSessionOwner",
+    "PrefillWork",
+    "RejectReason",
+    "Sampling",
+    "SchedulerCore",
+    "SchedulerLimits",
+    "SessionRequest",
+    "StepResult",
+    "StepStatus",
+    "TickOutcome",
+    "TickPlan",
+    "WorkerSpec",
+    "WorkloadPolicy",
 ]

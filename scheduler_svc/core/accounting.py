@@ -4,6 +4,7 @@ finishes, workload stats and the live snapshot.
 An observer: the core feeds it each tick's tally (from the plan and its outcome), finishes,
 rejections and preemptions; it never decides anything and the core never reads policy from it.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -11,7 +12,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from scheduler_svc.core.stats import (
-    BatchCounters, RateWindow, TelemetrySnapshot, WorkloadStats,
+    BatchCounters,
+    RateWindow,
+    TelemetrySnapshot,
+    WorkloadStats,
 )
 
 # Finished workloads kept for late GetTelemetry/stat reads.
@@ -23,7 +27,7 @@ class WorkloadTally:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     cache_misses: int = 0
-    kv_bytes: int = 0              # held at the tick's end, after frees
+    kv_bytes: int = 0  # held at the tick's end, after frees
 
 
 @dataclass(frozen=True)
@@ -35,8 +39,8 @@ class TickTally:
     prefill_tokens: int
     decode_tokens: int
     cache_misses: int
-    kv_bytes: int                  # held at the tick's end, after frees
-    by_workload: Mapping[str, WorkloadTally]   # every workload present at the tick's start
+    kv_bytes: int  # held at the tick's end, after frees
+    by_workload: Mapping[str, WorkloadTally]  # every workload present at the tick's start
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ class _Workload:
     counters: BatchCounters = field(default_factory=BatchCounters)
     rates: RateWindow = field(default_factory=RateWindow)
     snapshot: TelemetrySnapshot | None = None
-    stats: WorkloadStats | None = None      # set when every session has finished
+    stats: WorkloadStats | None = None  # set when every session has finished
 
 
 class Accounting:
@@ -85,12 +89,16 @@ class Accounting:
     def preempted(self, n: int = 1) -> None:
         self.preemptions += n
 
-    def open_workload(self, workload_id: str, session_ids: Iterable[str], max_running: int,
-                      snapshot_at_tick: int) -> None:
+    def open_workload(
+        self, workload_id: str, session_ids: Iterable[str], max_running: int, snapshot_at_tick: int
+    ) -> None:
         ids = tuple(session_ids)
         self._workloads[workload_id] = _Workload(
-            session_ids=ids, max_running=max_running, snapshot_at_tick=snapshot_at_tick,
-            rejected_at_start=dict(self.rejections))
+            session_ids=ids,
+            max_running=max_running,
+            snapshot_at_tick=snapshot_at_tick,
+            rejected_at_start=dict(self.rejections),
+        )
         for sid in ids:
             self._workload_of[sid] = workload_id
 
@@ -149,8 +157,11 @@ class Accounting:
         return [wid for wid, wl in self._workloads.items() if wl.stats is None]
 
     def _rejections_since(self, wl: _Workload) -> dict[str, int]:
-        return {r: n - wl.rejected_at_start.get(r, 0) for r, n in self.rejections.items()
-                if n - wl.rejected_at_start.get(r, 0) > 0}
+        return {
+            r: n - wl.rejected_at_start.get(r, 0)
+            for r, n in self.rejections.items()
+            if n - wl.rejected_at_start.get(r, 0) > 0
+        }
 
     def snapshot(self, g: Gauges, workload_id: str | None = None) -> TelemetrySnapshot:
         """The live state; with a workload id, totals, gauges and rates of that workload alone."""

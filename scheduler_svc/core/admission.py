@@ -1,5 +1,6 @@
 """Whether a request may enter the queue: pure checks that raise AdmissionRejected with the reason
 and what the caller should change. Nothing here mutates state; the core counts the rejections."""
+
 from __future__ import annotations
 
 import math
@@ -22,7 +23,8 @@ class ModelBounds:
     def merged(self, vocab_size: int, max_position: int) -> "ModelBounds":
         return ModelBounds(
             vocab_size if self.vocab_size is None else min(self.vocab_size, vocab_size),
-            max_position if self.max_position is None else min(self.max_position, max_position))
+            max_position if self.max_position is None else min(self.max_position, max_position),
+        )
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,8 @@ def workload_caps(requests_count: int, policy: WorkloadPolicy, limits: Scheduler
         raise _reject(_BAD, "a workload needs at least one session")
     return WorkloadCaps(
         max_running=_cap("max_running", policy.max_running, limits.max_running),
-        prefill_token_budget=_cap("prefill_token_budget", policy.prefill_token_budget,
-                                  limits.prefill_token_budget))
+        prefill_token_budget=_cap("prefill_token_budget", policy.prefill_token_budget, limits.prefill_token_budget),
+    )
 
 
 def _cap(name: str, asked: int | None, limit: int) -> int:
@@ -60,8 +62,7 @@ def check_request(req: SessionRequest, limits: SchedulerLimits, bounds: ModelBou
     if req.max_new_tokens < 1:
         raise _reject(_BAD, f"{where}max_new_tokens must be at least 1, got {req.max_new_tokens}")
     if req.max_new_tokens > limits.max_new_tokens:
-        raise _reject(_BAD, f"{where}max_new_tokens {req.max_new_tokens} exceeds the limit "
-                            f"{limits.max_new_tokens}")
+        raise _reject(_BAD, f"{where}max_new_tokens {req.max_new_tokens} exceeds the limit {limits.max_new_tokens}")
     s = req.sampling
     if not math.isfinite(s.temperature) or s.temperature < 0:
         raise _reject(_BAD, f"{where}temperature must be >= 0 (0 = greedy), got {s.temperature}")
@@ -70,23 +71,28 @@ def check_request(req: SessionRequest, limits: SchedulerLimits, bounds: ModelBou
     if s.top_k < 0:
         raise _reject(_BAD, f"{where}top_k must be >= 0 (0 = off), got {s.top_k}")
     if abs(req.priority) > limits.max_priority:
-        raise _reject(_BAD, f"{where}priority must be in -{limits.max_priority}..{limits.max_priority} "
-                            f"(lower runs first, 0 = default), got {req.priority}")
+        raise _reject(
+            _BAD,
+            f"{where}priority must be in -{limits.max_priority}..{limits.max_priority} "
+            f"(lower runs first, 0 = default), got {req.priority}",
+        )
     if bounds.vocab_size is not None:
         out = [t for t in req.prompt_ids if not 0 <= t < bounds.vocab_size]
         if out:
-            raise _reject(_BAD, f"{where}prompt token id {out[0]} is outside the vocabulary "
-                                f"0..{bounds.vocab_size - 1}")
+            raise _reject(_BAD, f"{where}prompt token id {out[0]} is outside the vocabulary 0..{bounds.vocab_size - 1}")
     if len(req.prompt_ids) > limits.max_prompt_tokens:
-        raise _reject(RejectReason.PROMPT_TOO_LONG,
-                      f"{where}the prompt has {len(req.prompt_ids)} tokens; the limit is "
-                      f"{limits.max_prompt_tokens}")
+        raise _reject(
+            RejectReason.PROMPT_TOO_LONG,
+            f"{where}the prompt has {len(req.prompt_ids)} tokens; the limit is {limits.max_prompt_tokens}",
+        )
     total = len(req.prompt_ids) + req.max_new_tokens
     if bounds.max_position is not None and total > bounds.max_position:
-        raise _reject(RejectReason.PROMPT_TOO_LONG,
-                      f"{where}prompt ({len(req.prompt_ids)}) + max_new_tokens ({req.max_new_tokens}) "
-                      f"= {total} exceeds the model's context of {bounds.max_position} tokens; "
-                      f"shorten the prompt or lower max_new_tokens")
+        raise _reject(
+            RejectReason.PROMPT_TOO_LONG,
+            f"{where}prompt ({len(req.prompt_ids)}) + max_new_tokens ({req.max_new_tokens}) "
+            f"= {total} exceeds the model's context of {bounds.max_position} tokens; "
+            f"shorten the prompt or lower max_new_tokens",
+        )
 
 
 def check_capacity(req: SessionRequest, kv: KvReservations, where: str = "") -> None:
@@ -96,15 +102,19 @@ def check_capacity(req: SessionRequest, kv: KvReservations, where: str = "") -> 
     worst = len(req.prompt_ids) + req.max_new_tokens - 1
     if not kv.could_ever_fit(worst):
         worst_bytes = worst * kv.max_bytes_per_token()
-        raise _reject(RejectReason.KV_BUDGET,
-                      f"{where}prompt + max_new_tokens needs up to {worst} tokens of KV "
-                      f"({worst_bytes} bytes before rounding to whole blocks), more than the KV "
-                      f"budget ({kv.kv_budget_bytes} bytes) or any worker's cache holds; "
-                      f"lower max_new_tokens or shorten the prompt")
+        raise _reject(
+            RejectReason.KV_BUDGET,
+            f"{where}prompt + max_new_tokens needs up to {worst} tokens of KV "
+            f"({worst_bytes} bytes before rounding to whole blocks), more than the KV "
+            f"budget ({kv.kv_budget_bytes} bytes) or any worker's cache holds; "
+            f"lower max_new_tokens or shorten the prompt",
+        )
 
 
 def check_queue_room(queued: int, arriving: int, limits: SchedulerLimits) -> None:
     if queued + arriving > limits.max_queue_depth:
-        raise _reject(RejectReason.QUEUE_FULL,
-                      f"the queue holds {queued} of {limits.max_queue_depth} sessions and cannot "
-                      f"take {arriving} more; retry later or send fewer")
+        raise _reject(
+            RejectReason.QUEUE_FULL,
+            f"the queue holds {queued} of {limits.max_queue_depth} sessions and cannot "
+            f"take {arriving} more; retry later or send fewer",
+        )

@@ -1,4 +1,5 @@
 """A tick's prefill token budget: the scheduler's, and each present workload's own."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping

@@ -1,6 +1,7 @@
 """The KV books: which worker holds which session's KV, how much each session has reserved, and
 who gives way when a worker is full. Placement, the byte budget and preemption victims live here;
 the tick rules (scheduler.py) decide when to ask."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
@@ -17,7 +18,7 @@ def round_up(tokens: int, block_size: int) -> int:
 class WorkerSlot:
     spec: WorkerSpec
     live: bool = True
-    reserved_tokens: int = 0       # sum of its sessions' reservations (block-rounded)
+    reserved_tokens: int = 0  # sum of its sessions' reservations (block-rounded)
     sessions: set[str] = field(default_factory=set)
 
     @property
@@ -32,14 +33,14 @@ class WorkerSlot:
 @dataclass(frozen=True)
 class Reservation:
     worker_id: str
-    tokens: int                    # block-rounded
+    tokens: int  # block-rounded
 
 
 @dataclass(frozen=True)
 class VictimCandidate:
     session_id: str
-    priority: int                  # lower = more urgent
-    admission_index: int           # position in admission order (higher = admitted later)
+    priority: int  # lower = more urgent
+    admission_index: int  # position in admission order (higher = admitted later)
 
 
 def choose_victim(candidates: Sequence[VictimCandidate]) -> str:

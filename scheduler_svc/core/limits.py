@@ -1,4 +1,5 @@
 """The scheduler's configurable limits."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,8 +7,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SchedulerLimits:
-    max_running: int = 64               # concurrency: sessions admitted and not finished
-    prefill_token_budget: int = 512     # prompt tokens prefilled per tick (longer prompts chunk)
+    max_running: int = 64  # concurrency: sessions admitted and not finished
+    prefill_token_budget: int = 512  # prompt tokens prefilled per tick (longer prompts chunk)
     kv_budget_bytes: int = 64 * 1024 * 1024
     max_queue_depth: int = 1024
     max_prompt_tokens: int = 4096
@@ -27,8 +28,16 @@ class SchedulerLimits:
     def __post_init__(self) -> None:
         if self.kv_policy not in ("reserve", "preempt"):
             raise ValueError(f"kv_policy must be 'reserve' or 'preempt', got {self.kv_policy!r}")
-        for name in ("max_running", "prefill_token_budget", "kv_budget_bytes", "max_queue_depth",
-                     "max_prompt_tokens", "max_new_tokens", "max_priority", "max_kv_retries"):
+        for name in (
+            "max_running",
+            "prefill_token_budget",
+            "kv_budget_bytes",
+            "max_queue_depth",
+            "max_prompt_tokens",
+            "max_new_tokens",
+            "max_priority",
+            "max_kv_retries",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

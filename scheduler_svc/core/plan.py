@@ -1,4 +1,5 @@
 """What one tick asks the workers to do, and what came of it."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -12,18 +13,18 @@ from scheduler_svc.core.types import FinishReason, Sampling
 class PrefillWork:
     session_id: str
     worker_id: str
-    token_ids: tuple[int, ...]     # this tick's chunk
-    start_position: int            # tokens of the session already in the worker's KV
-    last_chunk: bool               # the worker samples the next token after this chunk
+    token_ids: tuple[int, ...]  # this tick's chunk
+    start_position: int  # tokens of the session already in the worker's KV
+    last_chunk: bool  # the worker samples the next token after this chunk
     sampling: Sampling
-    generated_so_far: int          # index of the token to sample
+    generated_so_far: int  # index of the token to sample
 
 
 @dataclass(frozen=True)
 class DecodeWork:
     session_id: str
     worker_id: str
-    token_id: int                  # the session's latest token, entering the KV now
+    token_id: int  # the session's latest token, entering the KV now
     position: int
     sampling: Sampling
     generated_so_far: int
@@ -39,7 +40,7 @@ class TickPlan:
     decode: tuple[DecodeWork, ...]
     finished: tuple[tuple[str, FinishReason], ...] = ()
     requeued: tuple[str, ...] = ()
-    release: Mapping[str, tuple[str, ...]] = field(default_factory=dict)   # worker -> sessions
+    release: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # worker -> sessions
 
     @property
     def empty(self) -> bool:
@@ -60,10 +61,10 @@ class TickOutcome:
     """What came of a tick's steps (`update()`), or of a finish outside the tick rules."""
 
     tick: int
-    tokens: list[tuple[str, int]] = field(default_factory=list)          # (session, token) in order
+    tokens: list[tuple[str, int]] = field(default_factory=list)  # (session, token) in order
     finished: list[tuple[str, FinishReason]] = field(default_factory=list)
-    release: dict[str, list[str]] = field(default_factory=dict)          # worker -> sessions to free
-    requeued: list[str] = field(default_factory=list)                    # sessions to recompute
+    release: dict[str, list[str]] = field(default_factory=dict)  # worker -> sessions to free
+    requeued: list[str] = field(default_factory=list)  # sessions to recompute
     # Sessions given up on (session, why): the stream ends with an error, nothing is recomputed.
     dropped: list[tuple[str, str]] = field(default_factory=list)
 

@@ -16,6 +16,7 @@ One tick (see the README's scheduling rules):
 Admission checks live in admission.py, the KV books and preemption victims in kv_reservations.py,
 and every figure the scheduler reports in accounting.py, which only observes.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -34,10 +35,16 @@ from scheduler_svc.core.plan import DecodeWork, PrefillWork, TickOutcome, TickPl
 from scheduler_svc.core.session import Phase, Session
 from scheduler_svc.core.stats import BatchCounters, TelemetrySnapshot, WorkloadStats
 from scheduler_svc.core.types import (
-    AdmissionRejected, FinishReason, NotSessionOwner, RejectReason, SessionRequest, StepResult,
-    StepStatus, WorkerSpec, WorkloadPolicy,
+    AdmissionRejected,
+    FinishReason,
+    NotSessionOwner,
+    RejectReason,
+    SessionRequest,
+    StepResult,
+    StepStatus,
+    WorkerSpec,
+    WorkloadPolicy,
 )
-
 
 _T = TypeVar("_T")
 
@@ -48,8 +55,12 @@ def random_id(prefix: str) -> str:
 
 
 class SchedulerCore:
-    def __init__(self, limits: SchedulerLimits, clock: Callable[[], float] = time.monotonic,
-                 new_id: Callable[[str], str] = random_id) -> None:
+    def __init__(
+        self,
+        limits: SchedulerLimits,
+        clock: Callable[[], float] = time.monotonic,
+        new_id: Callable[[str], str] = random_id,
+    ) -> None:
         self.limits = limits
         self._clock = clock
         self._new_id = new_id
@@ -57,14 +68,14 @@ class SchedulerCore:
         self.accounting = Accounting(limits.kv_budget_bytes, limits.max_running)
         self._bounds = ModelBounds()
         self._sessions: dict[str, Session] = {}
-        self._queue: list[tuple[int, int, str]] = []     # (priority, seq, session id), sorted
-        self._running: list[str] = []                     # admission order
-        self._caps: dict[str, WorkloadCaps] = {}          # workloads not yet finished
+        self._queue: list[tuple[int, int, str]] = []  # (priority, seq, session id), sorted
+        self._running: list[str] = []  # admission order
+        self._caps: dict[str, WorkloadCaps] = {}  # workloads not yet finished
         self._cancel_requested: set[str] = set()
         self._seq = 0
         self._tick = 0
         self._tick_started = 0.0
-        self._tick_workloads: tuple[str, ...] = ()        # workloads present at the planned tick's start
+        self._tick_workloads: tuple[str, ...] = ()  # workloads present at the planned tick's start
 
     # ---- workers -------------------------------------------------------------------------
 
@@ -101,8 +112,9 @@ class SchedulerCore:
     def submit(self, request: SessionRequest) -> str:
         return self._enqueue([request], None)[0]
 
-    def submit_workload(self, requests: Sequence[SessionRequest],
-                        policy: WorkloadPolicy = WorkloadPolicy()) -> tuple[str, list[str]]:
+    def submit_workload(
+        self, requests: Sequence[SessionRequest], policy: WorkloadPolicy = WorkloadPolicy()
+    ) -> tuple[str, list[str]]:
         """Validate every request, then enqueue all of them (or none) before the next tick."""
         caps = self._checked(lambda: admission.workload_caps(len(requests), policy, self.limits))
         workload_id = self._new_id("w")
@@ -185,22 +197,36 @@ class SchedulerCore:
             preempted = self._make_room_for_decodes(settled)
 
         self._tick_workloads = tuple(self.accounting.active_workloads())
-        budget = PrefillBudget(self.limits.prefill_token_budget,
-                               {w: self._caps[w].prefill_token_budget for w in self._tick_workloads})
+        budget = PrefillBudget(
+            self.limits.prefill_token_budget, {w: self._caps[w].prefill_token_budget for w in self._tick_workloads}
+        )
         # Decode batch: sessions whose prefill finished in an earlier tick.
-        decode = [self._decode_work(self._sessions[sid]) for sid in self._running
-                  if self._sessions[sid].phase == Phase.DECODE]
+        decode = [
+            self._decode_work(self._sessions[sid]) for sid in self._running if self._sessions[sid].phase == Phase.DECODE
+        ]
         # Chunked prefills already under way go first.
-        prefill = [w for w in (self._prefill_chunk(self._sessions[sid], budget) for sid in self._running
-                               if self._sessions[sid].phase == Phase.PREFILL) if w is not None]
+        prefill = [
+            w
+            for w in (
+                self._prefill_chunk(self._sessions[sid], budget)
+                for sid in self._running
+                if self._sessions[sid].phase == Phase.PREFILL
+            )
+            if w is not None
+        ]
         prefill += self._admit(tick, budget, preempted)
         if prefill or decode:
             self._tick = tick
         else:
-            self._close_workloads()   # e.g. every remaining session was cancelled
-        return TickPlan(tick=tick, prefill=tuple(prefill), decode=tuple(decode),
-                        finished=tuple(settled.finished), requeued=tuple(settled.requeued),
-                        release={w: tuple(s) for w, s in settled.release.items()})
+            self._close_workloads()  # e.g. every remaining session was cancelled
+        return TickPlan(
+            tick=tick,
+            prefill=tuple(prefill),
+            decode=tuple(decode),
+            finished=tuple(settled.finished),
+            requeued=tuple(settled.requeued),
+            release={w: tuple(s) for w, s in settled.release.items()},
+        )
 
     def _settle_cancellations(self, out: TickOutcome) -> None:
         for sid in sorted(self._cancel_requested, key=lambda s: self._sessions[s].seq):
@@ -222,13 +248,16 @@ class SchedulerCore:
                 break
             session = self._sessions[sid]
             wid = session.workload_id
-            if wid is not None and wid in self._caps and (
-                    running_by_wl.get(wid, 0) >= self._caps[wid].max_running or budget.room(wid) <= 0):
-                continue   # this workload is at its own cap; it does not block others
+            if (
+                wid is not None
+                and wid in self._caps
+                and (running_by_wl.get(wid, 0) >= self._caps[wid].max_running or budget.room(wid) <= 0)
+            ):
+                continue  # this workload is at its own cap; it does not block others
             if sid in preempted or session.retry_not_before > self._tick_started:
-                continue   # not back in the tick that preempted it, nor before its retry backoff
+                continue  # not back in the tick that preempted it, nor before its retry backoff
             if not self._try_place(session, tick):
-                break      # strict FCFS on KV: a large head-of-line request is not starved
+                break  # strict FCFS on KV: a large head-of-line request is not starved
             self._dequeue(session)
             if wid is not None:
                 running_by_wl[wid] = running_by_wl.get(wid, 0) + 1
@@ -264,16 +293,22 @@ class SchedulerCore:
         where a worker (or the KV budget) is full, preempt the least urgent, most recently
         admitted session on that worker until the growth fits. Returns the preempted ids."""
         preempted: set[str] = set()
-        for sid in list(self._running):                    # oldest first get room first
+        for sid in list(self._running):  # oldest first get room first
             session = self._sessions[sid]
             if session.phase != Phase.DECODE or sid in preempted:
                 continue
             worker_id = session.worker_id
             assert worker_id is not None
             while not self.kv.grow(sid, session.kv_tokens + 1):
-                victim = self._sessions[choose_victim([
-                    VictimCandidate(s, self._sessions[s].request.priority, i)
-                    for i, s in enumerate(self._running) if self._sessions[s].worker_id == worker_id])]
+                victim = self._sessions[
+                    choose_victim(
+                        [
+                            VictimCandidate(s, self._sessions[s].request.priority, i)
+                            for i, s in enumerate(self._running)
+                            if self._sessions[s].worker_id == worker_id
+                        ]
+                    )
+                ]
                 out.free(worker_id, victim.session_id)
                 out.requeued.append(victim.session_id)
                 preempted.add(victim.session_id)
@@ -288,25 +323,35 @@ class SchedulerCore:
         if room <= 0:
             return None
         start = session.kv_tokens
-        chunk = session.prefill_target[start:start + room]
+        chunk = session.prefill_target[start : start + room]
         budget.spend(session.workload_id, len(chunk))
         last = start + len(chunk) == len(session.prefill_target)
-        return PrefillWork(session_id=session.session_id, worker_id=session.worker_id or "",
-                           token_ids=chunk, start_position=start, last_chunk=last,
-                           sampling=session.request.sampling,
-                           generated_so_far=len(session.generated))
+        return PrefillWork(
+            session_id=session.session_id,
+            worker_id=session.worker_id or "",
+            token_ids=chunk,
+            start_position=start,
+            last_chunk=last,
+            sampling=session.request.sampling,
+            generated_so_far=len(session.generated),
+        )
 
     @staticmethod
     def _decode_work(session: Session) -> DecodeWork:
-        return DecodeWork(session_id=session.session_id, worker_id=session.worker_id or "",
-                          token_id=session.generated[-1], position=session.kv_tokens,
-                          sampling=session.request.sampling,
-                          generated_so_far=len(session.generated))
+        return DecodeWork(
+            session_id=session.session_id,
+            worker_id=session.worker_id or "",
+            token_id=session.generated[-1],
+            position=session.kv_tokens,
+            sampling=session.request.sampling,
+            generated_so_far=len(session.generated),
+        )
 
     # ---- the tick: update --------------------------------------------------------------------
 
-    def update(self, plan: TickPlan, results: Mapping[str, StepResult],
-               failed_workers: Set[str] = frozenset()) -> TickOutcome:
+    def update(
+        self, plan: TickPlan, results: Mapping[str, StepResult], failed_workers: Set[str] = frozenset()
+    ) -> TickOutcome:
         """Apply the workers' answers to a scheduled tick."""
         out = TickOutcome(tick=plan.tick)
         if plan.empty:
@@ -347,10 +392,16 @@ class SchedulerCore:
 
         held = self._held_kv_bytes()
         tally = TickTally(
-            started=self._tick_started, ended=self._clock(), prefill_tokens=total.prefill,
-            decode_tokens=total.decode, cache_misses=total.misses, kv_bytes=sum(held.values()),
-            by_workload={wid: WorkloadTally(t.prefill, t.decode, t.misses, held.get(wid, 0))
-                         for wid, t in tallies.items()})
+            started=self._tick_started,
+            ended=self._clock(),
+            prefill_tokens=total.prefill,
+            decode_tokens=total.decode,
+            cache_misses=total.misses,
+            kv_bytes=sum(held.values()),
+            by_workload={
+                wid: WorkloadTally(t.prefill, t.decode, t.misses, held.get(wid, 0)) for wid, t in tallies.items()
+            },
+        )
         self.accounting.record_tick(tally, self._gauges)
         self._close_workloads()
         return out
@@ -363,11 +414,15 @@ class SchedulerCore:
             status = result.status.value if result is not None else "no answer"
             worker = session.worker_id
             self._close(session, None, out)
-            out.dropped.append((session.session_id,
-                                f"worker {worker} could not hold the session's KV ({status}) "
-                                f"{session.kv_retries} times; the session was stopped unfinished. "
-                                f"Retry it; if this persists the cluster's KV bookkeeping needs "
-                                f"attention (see the scheduler's log)"))
+            out.dropped.append(
+                (
+                    session.session_id,
+                    f"worker {worker} could not hold the session's KV ({status}) "
+                    f"{session.kv_retries} times; the session was stopped unfinished. "
+                    f"Retry it; if this persists the cluster's KV bookkeeping needs "
+                    f"attention (see the scheduler's log)",
+                )
+            )
             return
         assert session.worker_id is not None
         out.free(session.worker_id, session.session_id)
@@ -399,7 +454,7 @@ class SchedulerCore:
         out = TickOutcome(tick=self._tick)
         if session.running:
             self._close(session, reason, out)
-            self._close_workloads()   # its workload may be complete now
+            self._close_workloads()  # its workload may be complete now
         elif session.phase == Phase.QUEUED:
             return self.cancel(session_id)[1]
         return out
@@ -470,11 +525,18 @@ class SchedulerCore:
         if workload_id is None:
             reserved = self.kv.reserved_bytes()
         else:
-            reserved = sum(self.kv.reserved(s.session_id) * self.kv.bytes_per_token(s.worker_id)
-                           for s in mine if s.worker_id)
+            reserved = sum(
+                self.kv.reserved(s.session_id) * self.kv.bytes_per_token(s.worker_id) for s in mine if s.worker_id
+            )
         live = self.kv.live
-        return Gauges(running=len(mine), queued=queued, kv_bytes=kv, reserved_bytes=reserved,
-                      live_workers=len(live), weight_bytes=sum(w.spec.weight_bytes for w in live))
+        return Gauges(
+            running=len(mine),
+            queued=queued,
+            kv_bytes=kv,
+            reserved_bytes=reserved,
+            live_workers=len(live),
+            weight_bytes=sum(w.spec.weight_bytes for w in live),
+        )
 
     def snapshot(self, workload_id: str | None = None) -> TelemetrySnapshot:
         """The live state; with a workload id, totals, gauges and rates of that workload alone."""

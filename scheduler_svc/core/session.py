@@ -1,4 +1,5 @@
 """The scheduler's bookkeeping for one session."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,8 +10,8 @@ from scheduler_svc.core.types import FinishReason, SessionRequest
 
 class Phase(str, Enum):
     QUEUED = "queued"
-    PREFILL = "prefill"      # admitted; prompt (or recompute context) going into the KV in chunks
-    DECODE = "decode"        # prefilled in an earlier tick; one token a tick
+    PREFILL = "prefill"  # admitted; prompt (or recompute context) going into the KV in chunks
+    DECODE = "decode"  # prefilled in an earlier tick; one token a tick
     FINISHED = "finished"
 
 
@@ -19,16 +20,16 @@ class Session:
     session_id: str
     request: SessionRequest
     workload_id: str | None
-    seq: int                                  # arrival order (FCFS)
+    seq: int  # arrival order (FCFS)
     phase: Phase = Phase.QUEUED
-    worker_id: str | None = None              # where its KV is reserved while it runs
+    worker_id: str | None = None  # where its KV is reserved while it runs
     generated: list[int] = field(default_factory=list)
-    kv_tokens: int = 0                        # tokens held on the worker, as it reported
-    prefill_target: tuple[int, ...] = ()      # what the current prefill puts into the KV
+    kv_tokens: int = 0  # tokens held on the worker, as it reported
+    prefill_target: tuple[int, ...] = ()  # what the current prefill puts into the KV
     finish_reason: FinishReason | None = None
     admitted_tick: int = 0
-    kv_retries: int = 0                       # recomputes after its worker lost its KV
-    retry_not_before: float = 0.0             # not admitted again before this time (the core's clock)
+    kv_retries: int = 0  # recomputes after its worker lost its KV
+    retry_not_before: float = 0.0  # not admitted again before this time (the core's clock)
 
     @property
     def prompt_len(self) -> int:

@@ -1,4 +1,5 @@
 """Counters the scheduler keeps while it runs: global telemetry and per-workload figures."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -57,12 +58,19 @@ class WorkloadStats:
 
     @classmethod
     def from_counters(cls, sessions: int, c: BatchCounters) -> "WorkloadStats":
-        return cls(sessions=sessions, ticks=c.ticks, decode_batches=c.decode_batches,
-                   decode_tokens=c.decode_tokens, prefill_tokens=c.prefill_tokens,
-                   avg_batch_occupancy=c.avg_batch_occupancy,
-                   max_batch_occupancy=c.max_batch_occupancy, peak_kv_bytes=c.peak_kv_bytes,
-                   tokens_per_tick=c.tokens_per_tick, rejected_admissions=c.rejected,
-                   cache_misses=c.cache_misses)
+        return cls(
+            sessions=sessions,
+            ticks=c.ticks,
+            decode_batches=c.decode_batches,
+            decode_tokens=c.decode_tokens,
+            prefill_tokens=c.prefill_tokens,
+            avg_batch_occupancy=c.avg_batch_occupancy,
+            max_batch_occupancy=c.max_batch_occupancy,
+            peak_kv_bytes=c.peak_kv_bytes,
+            tokens_per_tick=c.tokens_per_tick,
+            rejected_admissions=c.rejected,
+            cache_misses=c.cache_misses,
+        )
 
 
 @dataclass(frozen=True)

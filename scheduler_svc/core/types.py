@@ -1,4 +1,5 @@
 """Value types that cross the core's boundary."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,9 +40,9 @@ class FinishReason(str, Enum):
 
 @dataclass(frozen=True)
 class Sampling:
-    temperature: float = 0.0   # 0 = greedy
-    top_k: int = 0             # 0 = off
-    top_p: float = 1.0         # 1 = off
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
     seed: int = 0
 
 
@@ -51,9 +52,9 @@ class SessionRequest:
     max_new_tokens: int
     sampling: Sampling = Sampling()
     stop_token_ids: frozenset[int] = frozenset()
-    eos_token_ids: frozenset[int] = frozenset()   # filled by the adapter unless ignore_eos
+    eos_token_ids: frozenset[int] = frozenset()  # filled by the adapter unless ignore_eos
     priority: int = 0
-    owner: str = ""            # who may cancel it: the caller's identity, as the adapter saw it
+    owner: str = ""  # who may cancel it: the caller's identity, as the adapter saw it
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class WorkloadPolicy:
 @dataclass(frozen=True)
 class WorkerSpec:
     worker_id: str
-    capacity_tokens: int       # block_size x num_blocks
+    capacity_tokens: int  # block_size x num_blocks
     block_size: int
     kv_bytes_per_token: int
     weight_bytes: int = 0

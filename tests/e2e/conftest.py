@@ -13,6 +13,7 @@ Settings (environment):
   KVFLEET_E2E_BUILD    0 = use the image as it is, do not build it (default 1)
   KVFLEET_E2E_LOGS     folder for the stack's logs, kept after teardown (out/e2e)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -74,17 +75,18 @@ class Stack:
     gateway_url: str
     model: str
     project: str = PROJECT
-    files: tuple[str, ...] = ("docker-compose.yml",)   # compose files, relative to the repository
+    files: tuple[str, ...] = ("docker-compose.yml",)  # compose files, relative to the repository
 
     def compose(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
         files = [arg for f in self.files for arg in ("-f", str(REPO / f))]
         cmd = [*_compose_command(), "-p", self.project, *files, *args]
-        return subprocess.run(cmd, cwd=REPO, env=self.env, check=check, timeout=timeout,
-                              capture_output=True, text=True)
+        return subprocess.run(cmd, cwd=REPO, env=self.env, check=check, timeout=timeout, capture_output=True, text=True)
 
     def container(self, service: str) -> Any:
-        found = self.client.containers.list(all=True, filters={
-            "label": [f"com.docker.compose.project={self.project}", f"com.docker.compose.service={service}"]})
+        found = self.client.containers.list(
+            all=True,
+            filters={"label": [f"com.docker.compose.project={self.project}", f"com.docker.compose.service={service}"]},
+        )
         assert len(found) == 1, f"expected one container for {service}, found {[c.name for c in found]}"
         return found[0]
 
@@ -144,9 +146,16 @@ def _build_image(client: Any, tag: str, base: str, log_dir: Path) -> None:
     lines: list[str] = []
     started = time.monotonic()
     # network_mode=host: on machines whose only way out is the host's (PyPI at build time).
-    for chunk in client.api.build(path=str(REPO), dockerfile="docker/Dockerfile", tag=tag,
-                                  buildargs={"BASE": base}, network_mode="host", rm=True,
-                                  forcerm=True, decode=True):
+    for chunk in client.api.build(
+        path=str(REPO),
+        dockerfile="docker/Dockerfile",
+        tag=tag,
+        buildargs={"BASE": base},
+        network_mode="host",
+        rm=True,
+        forcerm=True,
+        decode=True,
+    ):
         if "stream" in chunk:
             lines.append(chunk["stream"].rstrip("\n"))
         if "error" in chunk:
@@ -157,8 +166,12 @@ def _build_image(client: Any, tag: str, base: str, log_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def run_stack(project: str, files: tuple[str, ...] = ("docker-compose.yml",),
-              extra_env: dict[str, str] | None = None, model: str | None = None) -> Iterator[Stack]:
+def run_stack(
+    project: str,
+    files: tuple[str, ...] = ("docker-compose.yml",),
+    extra_env: dict[str, str] | None = None,
+    model: str | None = None,
+) -> Iterator[Stack]:
     """Build the image (once per test session), bring a compose project up on free host ports,
     wait until every service is healthy, yield it; always tear it down and keep its logs."""
     client = _docker_client()
@@ -174,11 +187,26 @@ def run_stack(project: str, files: tuple[str, ...] = ("docker-compose.yml",),
 
     model = model or os.environ.get("KVFLEET_E2E_MODEL", "smollm2-135m")
     sched_port, tel_port, gw_port = _free_port(), _free_port(), _free_port()
-    env = {**os.environ, "KVFLEET_IMAGE": image, "KVFLEET_BASE_IMAGE": base, "KVFLEET_MODEL": model,
-           "KVFLEET_PUBLISH_SCHEDULER": str(sched_port), "KVFLEET_PUBLISH_TELEMETRY": str(tel_port),
-           "KVFLEET_PUBLISH_GATEWAY": str(gw_port), **(extra_env or {})}
-    s = Stack(client, env, f"127.0.0.1:{sched_port}", f"127.0.0.1:{tel_port}", f"http://127.0.0.1:{gw_port}",
-              model, project, files)
+    env = {
+        **os.environ,
+        "KVFLEET_IMAGE": image,
+        "KVFLEET_BASE_IMAGE": base,
+        "KVFLEET_MODEL": model,
+        "KVFLEET_PUBLISH_SCHEDULER": str(sched_port),
+        "KVFLEET_PUBLISH_TELEMETRY": str(tel_port),
+        "KVFLEET_PUBLISH_GATEWAY": str(gw_port),
+        **(extra_env or {}),
+    }
+    s = Stack(
+        client,
+        env,
+        f"127.0.0.1:{sched_port}",
+        f"127.0.0.1:{tel_port}",
+        f"http://127.0.0.1:{gw_port}",
+        model,
+        project,
+        files,
+    )
     s.compose("down", "-v", "--remove-orphans", check=False, timeout=120)  # leftovers of a killed run
     try:
         up = s.compose("up", "-d", "--no-build", check=False, timeout=HEALTHY_TIMEOUT_S + 60)

@@ -4,6 +4,7 @@ container stopped mid-run. Needs Docker; see conftest.py.
 
 The tests share one stack and run in file order; the last one stops (and restarts) a worker.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,10 @@ def _workers(stack: Stack) -> dict[str, bool]:
 
 def _span_rows(stack: Stack, sql: str) -> list[list]:
     """Rows of a read-only query on the telemetry SQLite file, run inside its container."""
-    script = ("import json, sqlite3, sys; c = sqlite3.connect('file:/data/telemetry.db?mode=ro', uri=True); "
-              "print(json.dumps(c.execute(sys.argv[1]).fetchall()))")
+    script = (
+        "import json, sqlite3, sys; c = sqlite3.connect('file:/data/telemetry.db?mode=ro', uri=True); "
+        "print(json.dumps(c.execute(sys.argv[1]).fetchall()))"
+    )
     res = stack.container("telemetry").exec_run(["python", "-c", script, sql])
     assert res.exit_code == 0, res.output.decode()
     return json.loads(res.output)
@@ -67,8 +70,13 @@ def _wait_for(predicate, timeout_s: float, what: str):
 
 
 # what each service's compose healthcheck asks, from inside its container
-HEALTH_TARGETS = {"telemetry": "127.0.0.1:4317", "worker-0": "127.0.0.1:50061", "worker-1": "127.0.0.1:50061",
-                  "scheduler": "127.0.0.1:50051", "gateway": "http://127.0.0.1:8000/health"}
+HEALTH_TARGETS = {
+    "telemetry": "127.0.0.1:4317",
+    "worker-0": "127.0.0.1:50061",
+    "worker-1": "127.0.0.1:50061",
+    "scheduler": "127.0.0.1:50051",
+    "gateway": "http://127.0.0.1:8000/health",
+}
 
 
 def test_every_service_is_healthy_and_both_workers_live(stack: Stack) -> None:
@@ -104,8 +112,9 @@ def test_text_session_streams_text(stack: Stack) -> None:
 
 def test_openai_completion_through_the_published_gateway(stack: Stack) -> None:
     body = json.dumps({"model": stack.model, "prompt": [1, 2, 3, 4], "max_tokens": 8, "temperature": 0}).encode()
-    req = urllib.request.Request(f"{stack.gateway_url}/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{stack.gateway_url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=120) as resp:
         assert resp.status == 200
         out = json.load(resp)
@@ -126,11 +135,19 @@ def _scrape(stack: Stack, service: str, port: int) -> str:
 def test_prometheus_metrics_serve_every_name_the_dashboard_uses(stack: Stack) -> None:
     # the gateway serves its own /metrics on its API port (the earlier tests sent it requests)
     scraped = _scrape(stack, "scheduler", 9400) + _scrape(stack, "worker-0", 9401) + _scrape(stack, "gateway", 8000)
-    finished = re.findall(rf'^kvfleet:request_success_total\{{finished_reason="length",model_name="{stack.model}"\}} '
-                          r'(\S+)$', scraped, re.M)
+    finished = re.findall(
+        rf'^kvfleet:request_success_total\{{finished_reason="length",model_name="{stack.model}"\}} '
+        r"(\S+)$",
+        scraped,
+        re.M,
+    )
     assert finished and float(finished[0]) >= 1, "no finished sessions counted"
-    served = re.findall(rf'^kvfleet:gateway_requests_total\{{endpoint="text_completion",model_name="{stack.model}",'
-                        r'status_code="200"\} (\S+)$', scraped, re.M)
+    served = re.findall(
+        rf'^kvfleet:gateway_requests_total\{{endpoint="text_completion",model_name="{stack.model}",'
+        r'status_code="200"\} (\S+)$',
+        scraped,
+        re.M,
+    )
     assert served and float(served[0]) >= 1, "no gateway requests counted"
     dashboard = (REPO / "deploy" / "grafana" / "dashboards" / "kvfleet.json").read_text()
     used = set(re.findall(r"kvfleet:[a-z0-9_]+", dashboard))
@@ -143,7 +160,7 @@ def test_prometheus_metrics_serve_every_name_the_dashboard_uses(stack: Stack) ->
     wrong = {}
     for m in used:
         suffix = re.search(r"_(bucket|total|sum|count)$", m)
-        family = m[:suffix.start()] if suffix else m
+        family = m[: suffix.start()] if suffix else m
         want = {"total": "counter", None: "gauge"}.get(suffix and suffix[1], "histogram")
         if types.get(family) != want:
             wrong[m] = types.get(family, "not served")
@@ -155,9 +172,12 @@ def test_prometheus_metrics_serve_every_name_the_dashboard_uses(stack: Stack) ->
 def test_telemetry_stored_spans_from_scheduler_and_workers(stack: Stack) -> None:
     # One lone session: its tick serves a single trace, so the workers' spans join its trace.
     _generate(stack, [5, 6, 7, 8], 4, ignore_eos=True)
-    session = f"text_completion {stack.model}"   # the session span is named `{operation} {model}`
-    counts = _wait_for(lambda: (t := _timings(stack)).get(session) and t.get("worker_step") and t,
-                       30, "session and worker_step spans in GetTimings")
+    session = f"text_completion {stack.model}"  # the session span is named `{operation} {model}`
+    counts = _wait_for(
+        lambda: (t := _timings(stack)).get(session) and t.get("worker_step") and t,
+        30,
+        "session and worker_step spans in GetTimings",
+    )
     assert counts[session] >= 1 and counts["tick"] >= 1 and counts["worker_step"] >= 1, counts
 
     # every service exports in its own batches (OTEL_BSP_SCHEDULE_DELAY=1 s): wait for all three
@@ -165,15 +185,21 @@ def test_telemetry_stored_spans_from_scheduler_and_workers(stack: Stack) -> None
 
     def services() -> set[str]:
         return {row[0] for row in _span_rows(stack, "SELECT DISTINCT service FROM spans")}
+
     try:
         _wait_for(lambda: expected <= services(), 30, f"spans from {sorted(expected)}")
     except AssertionError:
         pytest.fail(f"spans stored from {sorted(services())}, expected {sorted(expected)}")
+
     # Trace context crossed the container boundary: a worker span shares a trace with a session.
     def joined() -> int:
-        return _span_rows(stack, "SELECT COUNT(DISTINCT w.trace_id) FROM spans w JOIN spans s ON w.trace_id = "
-                                 "s.trace_id WHERE w.name = 'worker_step' AND s.service = 'kvfleet-scheduler' "
-                                 "AND s.attributes LIKE '%\"kvfleet.span\": \"session\"%'")[0][0]
+        return _span_rows(
+            stack,
+            "SELECT COUNT(DISTINCT w.trace_id) FROM spans w JOIN spans s ON w.trace_id = "
+            "s.trace_id WHERE w.name = 'worker_step' AND s.service = 'kvfleet-scheduler' "
+            'AND s.attributes LIKE \'%"kvfleet.span": "session"%\'',
+        )[0][0]
+
     _wait_for(lambda: joined() >= 1, 30, "a worker_step span in the trace of a session")
 
 
@@ -188,14 +214,14 @@ def test_stopped_worker_is_reported_and_sessions_finish_on_the_other(stack: Stac
         def placed_on_victim() -> bool:
             with SchedulerClient(stack.scheduler_address) as client:
                 return any(w.worker_id == victim and w.sessions > 0 for w in client.list_workers())
+
         _wait_for(placed_on_victim, 60, f"a session on {victim}")
         stack.container(victim).stop(timeout=20)
         stopped.set()
 
     with ThreadPoolExecutor(n + 1) as pool:
         stopper = pool.submit(stop_victim_once_running)
-        futures = [pool.submit(_generate, stack, [9, 10, 11, 12 + i], new_tokens, ignore_eos=True)
-                   for i in range(n)]
+        futures = [pool.submit(_generate, stack, [9, 10, 11, 12 + i], new_tokens, ignore_eos=True) for i in range(n)]
         results = [f.result() for f in futures]
         stopper.result()
     assert stopped.is_set()

@@ -1,6 +1,7 @@
 """docker-compose renders every way the README starts the stack: plain, with the dashboards
 profile (whose images cannot be pulled on a machine without registry access, so it is checked
 here as far as docker-compose goes), and with the TLS overlay. Needs docker-compose only."""
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,14 @@ pytestmark = pytest.mark.e2e
 
 def _config(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KVFLEET_")}
-    return subprocess.run([*_compose_command(), *args, "config"], cwd=REPO, env={**clean, **(env or {})},
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [*_compose_command(), *args, "config"],
+        cwd=REPO,
+        env={**clean, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_plain_and_dashboards_profile_render() -> None:
@@ -27,12 +34,21 @@ def test_plain_and_dashboards_profile_render() -> None:
     # docker-compose 1.x lists profiled services in `config` too; they carry their profile
     core = {n for n, s in services.items() if not s.get("profiles")}
     assert core == {"telemetry", "worker-0", "worker-1", "scheduler", "gateway"}
-    dash = _config("-f", "docker-compose.yml", "--profile", "dashboards",
-                   env={"KVFLEET_OTLP_ENDPOINT": "http://otel-collector:4317"})
+    dash = _config(
+        "-f",
+        "docker-compose.yml",
+        "--profile",
+        "dashboards",
+        env={"KVFLEET_OTLP_ENDPOINT": "http://otel-collector:4317"},
+    )
     assert dash.returncode == 0, dash.stderr
     rendered = yaml.safe_load(dash.stdout)["services"]
-    assert {n for n, s in rendered.items() if s.get("profiles") == ["dashboards"]} == \
-        {"otel-collector", "jaeger", "prometheus", "grafana"}
+    assert {n for n, s in rendered.items() if s.get("profiles") == ["dashboards"]} == {
+        "otel-collector",
+        "jaeger",
+        "prometheus",
+        "grafana",
+    }
     assert rendered["scheduler"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
 
 
@@ -53,7 +69,7 @@ def test_tls_overlay_renders_and_says_what_it_needs(tmp_path) -> None:
         mounts = [str(m) for m in services[name]["volumes"] if "/tls" in str(m)]
         assert len(mounts) == 1 and own in mounts[0] and f"'{tmp_path}'" not in mounts[0], (name, mounts)
     assert services["worker-1"]["environment"]["KVFLEET_TLS_ALLOWED_CLIENTS"] == "kvfleet-scheduler"
-    assert services["worker-1"]["environment"]["KVFLEET_WORKER_ID"] == "worker-1"   # base env kept
+    assert services["worker-1"]["environment"]["KVFLEET_WORKER_ID"] == "worker-1"  # base env kept
     assert services["scheduler"]["environment"]["KVFLEET_API_TOKEN"] == "t"
     gateway = services["gateway"]["environment"]
     assert gateway["KVFLEET_GATEWAY_PASS_THROUGH_KEY"] == "true" and "KVFLEET_API_TOKEN" not in gateway

@@ -6,6 +6,7 @@ scheduler's certificate only) and towards telemetry, server certificates naming 
 only, healthchecks over TLS. The tiny model keeps this second stack quick; the real model is
 exercised by test_compose.py. Needs Docker; see conftest.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,8 @@ import grpc
 import pytest
 
 from kvfleet.client import SchedulerClient, build_request
-from kvfleet_common.security import TlsConfig, channel
 from kvfleet.v1 import telemetry_pb2, telemetry_pb2_grpc
+from kvfleet_common.security import TlsConfig, channel
 from tests.e2e.conftest import REPO, Stack, run_stack
 
 pytestmark = pytest.mark.e2e
@@ -39,8 +40,13 @@ def certs() -> Iterator[Path]:
     # The containers' user (uid 10001) must read its key: own it (as root), or make it readable.
     key_access = {"KVFLEET_KEY_OWNER": "10001"} if os.geteuid() == 0 else {"KVFLEET_KEY_MODE": "644"}
     try:
-        subprocess.run(["bash", str(REPO / "deploy" / "tls" / "make_dev_certs.sh"), str(d)], check=True,
-                       capture_output=True, env={**os.environ, **key_access}, timeout=120)
+        subprocess.run(
+            ["bash", str(REPO / "deploy" / "tls" / "make_dev_certs.sh"), str(d)],
+            check=True,
+            capture_output=True,
+            env={**os.environ, **key_access},
+            timeout=120,
+        )
         d.chmod(0o755)
         yield d
     finally:
@@ -49,8 +55,12 @@ def certs() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def tls_stack(certs: Path) -> Iterator[Stack]:
-    with run_stack("kvfleet-e2e-tls", ("docker-compose.yml", "docker-compose.tls.yml"),
-                   {"KVFLEET_TLS_DIR": str(certs), "KVFLEET_API_TOKEN": TOKEN}, model="tiny") as s:
+    with run_stack(
+        "kvfleet-e2e-tls",
+        ("docker-compose.yml", "docker-compose.tls.yml"),
+        {"KVFLEET_TLS_DIR": str(certs), "KVFLEET_API_TOKEN": TOKEN},
+        model="tiny",
+    ) as s:
         yield s
 
 
@@ -74,7 +84,7 @@ def test_sessions_need_tls_and_the_token(tls_stack: Stack, certs: Path) -> None:
     with pytest.raises(grpc.RpcError) as wrong_token:
         _generate(tls_stack, _client_tls(certs), "not-the-token")
     assert wrong_token.value.code() == grpc.StatusCode.UNAUTHENTICATED, wrong_token.value
-    with pytest.raises(grpc.RpcError) as plaintext:   # a plaintext client gets no connection
+    with pytest.raises(grpc.RpcError) as plaintext:  # a plaintext client gets no connection
         _generate(tls_stack, TlsConfig(), TOKEN)
     assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE, plaintext.value
 
@@ -115,19 +125,24 @@ _WORKER_CALL = textwrap.dedent("""
 
 
 def _worker_call(stack: Stack, certs: Path, identity: str, what: str = "getinfo", name: str = "worker-0") -> str:
-    env = {"CERT_PEM": "plain"} if identity == "plain" else {
-        "CERT_PEM": (certs / identity / f"{identity}.pem").read_text(),
-        "KEY_PEM": (certs / identity / f"{identity}.key").read_text()}
+    env = (
+        {"CERT_PEM": "plain"}
+        if identity == "plain"
+        else {
+            "CERT_PEM": (certs / identity / f"{identity}.pem").read_text(),
+            "KEY_PEM": (certs / identity / f"{identity}.key").read_text(),
+        }
+    )
     res = stack.container("gateway").exec_run(["python", "-c", _WORKER_CALL, what, name], environment=env)
     assert res.exit_code == 0, res.output.decode()
     return res.output.decode().strip().splitlines()[-1]
 
 
 def test_workers_accept_only_the_scheduler(tls_stack: Stack, certs: Path) -> None:
-    assert _worker_call(tls_stack, certs, "scheduler") == "OK worker-0"     # the scheduler is let in
+    assert _worker_call(tls_stack, certs, "scheduler") == "OK worker-0"  # the scheduler is let in
     assert _worker_call(tls_stack, certs, "gateway") == "PERMISSION_DENIED"  # same CA, but not the scheduler
     assert _worker_call(tls_stack, certs, "client") == "PERMISSION_DENIED"
-    assert _worker_call(tls_stack, certs, "plain") == "UNAVAILABLE"          # no TLS, no connection
+    assert _worker_call(tls_stack, certs, "plain") == "UNAVAILABLE"  # no TLS, no connection
 
 
 def test_a_workers_certificate_names_the_workers_only(tls_stack: Stack, certs: Path) -> None:
@@ -146,14 +161,14 @@ def test_spans_reach_telemetry_over_mutual_tls(tls_stack: Stack, certs: Path) ->
         return {t.span_name: t.count for t in resp.timings}
 
     deadline = time.monotonic() + 60
-    while True:   # the exporters send every second
+    while True:  # the exporters send every second
         counts = timings(_client_tls(certs, "client"))
         # the scheduler's session span is named `{operation} {model}`
         if counts.get(f"text_completion {tls_stack.model}") and counts.get("worker_step"):
             break
         assert time.monotonic() < deadline, f"no session and worker_step spans stored over TLS: {counts}"
         time.sleep(1)
-    with pytest.raises(grpc.RpcError) as no_cert:    # mutual TLS: a client without a certificate
+    with pytest.raises(grpc.RpcError) as no_cert:  # mutual TLS: a client without a certificate
         timings(_client_tls(certs))
     assert no_cert.value.code() == grpc.StatusCode.UNAVAILABLE, no_cert.value
 

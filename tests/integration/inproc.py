@@ -1,4 +1,5 @@
 """Real gRPC servers (workers + scheduler) on loopback ports, in one background event loop."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,17 +12,32 @@ from worker_svc.config import WorkerConfig
 
 
 class InProcessCluster:
-    def __init__(self, workers: int = 2, model: str = "tiny", limits: SchedulerLimits | None = None,
-                 num_blocks: int = 1024, block_size: int = 16, kv_views: str = "rebuild",
-                 step_timeout_s: float = 30.0, no_worker_wait_s: float = 30.0,
-                 reconcile_interval_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        workers: int = 2,
+        model: str = "tiny",
+        limits: SchedulerLimits | None = None,
+        num_blocks: int = 1024,
+        block_size: int = 16,
+        kv_views: str = "rebuild",
+        step_timeout_s: float = 30.0,
+        no_worker_wait_s: float = 30.0,
+        reconcile_interval_s: float = 10.0,
+    ) -> None:
         self.reconcile_interval_s = reconcile_interval_s
         self.no_worker_wait_s = no_worker_wait_s
         self.n_workers = workers
         self.model = model
         self.limits = limits or SchedulerLimits()
-        self.worker_config = WorkerConfig(host="127.0.0.1", port=0, model=model, num_blocks=num_blocks,
-                                          block_size=block_size, kv_views=kv_views, metrics_port=0)
+        self.worker_config = WorkerConfig(
+            host="127.0.0.1",
+            port=0,
+            model=model,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            kv_views=kv_views,
+            metrics_port=0,
+        )
         self.step_timeout_s = step_timeout_s
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -35,20 +51,29 @@ class InProcessCluster:
 
     def start(self) -> "InProcessCluster":
         from scheduler_svc.server import create_server as create_scheduler
-        from worker_svc.server import build_engine, create_server as create_worker
+        from worker_svc.server import build_engine
+        from worker_svc.server import create_server as create_worker
 
         self._thread.start()
-        loaded = build_engine(self.worker_config)   # one load, the same weights for every worker
+        loaded = build_engine(self.worker_config)  # one load, the same weights for every worker
         for i in range(self.n_workers):
             cfg = replace(self.worker_config, worker_id=f"worker-{i}")
             server, port, _ = self.run(create_worker(cfg, None if i else loaded))
             self.worker_servers.append(server)
             self.worker_addresses.append(f"127.0.0.1:{port}")
-        config = SchedulerConfig(host="127.0.0.1", port=0, workers=tuple(self.worker_addresses),
-                                 limits=self.limits, model=self.model, step_timeout_s=self.step_timeout_s,
-                                 health_interval_s=0.2, worker_connect_timeout_s=10, metrics_port=0,
-                                 no_worker_wait_s=self.no_worker_wait_s,
-                                 reconcile_interval_s=self.reconcile_interval_s)
+        config = SchedulerConfig(
+            host="127.0.0.1",
+            port=0,
+            workers=tuple(self.worker_addresses),
+            limits=self.limits,
+            model=self.model,
+            step_timeout_s=self.step_timeout_s,
+            health_interval_s=0.2,
+            worker_connect_timeout_s=10,
+            metrics_port=0,
+            no_worker_wait_s=self.no_worker_wait_s,
+            reconcile_interval_s=self.reconcile_interval_s,
+        )
         _, port, self.scheduler = self.run(create_scheduler(config))
         self.address = f"127.0.0.1:{port}"
         return self

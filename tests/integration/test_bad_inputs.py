@@ -1,6 +1,7 @@
 """Bad input across the client API, the worker API and the OTLP receiver: each gets a precise
 status and a message that says what to fix, and afterwards every service is healthy and answers
 a normal request correctly."""
+
 from __future__ import annotations
 
 import socket
@@ -33,10 +34,10 @@ C = grpc.StatusCode
 @dataclass(frozen=True)
 class Case:
     name: str
-    target: str          # scheduler | worker | telemetry
-    call: Callable       # (stub) -> response
-    code: grpc.StatusCode | None   # None: the call succeeds; `check` inspects the response
-    says: str = ""       # the message names what to fix
+    target: str  # scheduler | worker | telemetry
+    call: Callable  # (stub) -> response
+    code: grpc.StatusCode | None  # None: the call succeeds; `check` inspects the response
+    says: str = ""  # the message names what to fix
     check: Callable | None = None
 
 
@@ -53,15 +54,20 @@ def _step(**kw):
 
 
 def _span(trace_id=b"\x01" * 16, span_id=b"\x02" * 8, start=1_000, end=2_000, attrs=()):
-    return trace_pb2.Span(trace_id=trace_id, span_id=span_id, name="x", start_time_unix_nano=start,
-                          end_time_unix_nano=end,
-                          attributes=[common_pb2.KeyValue(key=k, value=common_pb2.AnyValue(string_value=v))
-                                      for k, v in attrs])
+    return trace_pb2.Span(
+        trace_id=trace_id,
+        span_id=span_id,
+        name="x",
+        start_time_unix_nano=start,
+        end_time_unix_nano=end,
+        attributes=[common_pb2.KeyValue(key=k, value=common_pb2.AnyValue(string_value=v)) for k, v in attrs],
+    )
 
 
 def _export(*spans):
-    req = otlp.ExportTraceServiceRequest(resource_spans=[trace_pb2.ResourceSpans(
-        scope_spans=[trace_pb2.ScopeSpans(spans=list(spans))])])
+    req = otlp.ExportTraceServiceRequest(
+        resource_spans=[trace_pb2.ResourceSpans(scope_spans=[trace_pb2.ScopeSpans(spans=list(spans))])]
+    )
     return lambda stub: stub.Export(req, timeout=10)
 
 
@@ -78,80 +84,193 @@ CASES = [
     # ---- the client API -------------------------------------------------------------------
     Case("empty prompt", "scheduler", _gen(build_request([], 4)), C.INVALID_ARGUMENT, "prompt is empty"),
     Case("no prompt at all", "scheduler", _gen(spb.GenerateRequest(max_new_tokens=4)), C.INVALID_ARGUMENT, "no prompt"),
-    Case("prompt longer than the context", "scheduler", _gen(build_request([1] * 600, 4)), C.INVALID_ARGUMENT,
-         "shorten the prompt"),
-    Case("prompt + max_new_tokens beyond context", "scheduler", _gen(build_request([1] * 400, 200)),
-         C.INVALID_ARGUMENT, "context"),
+    Case(
+        "prompt longer than the context",
+        "scheduler",
+        _gen(build_request([1] * 600, 4)),
+        C.INVALID_ARGUMENT,
+        "shorten the prompt",
+    ),
+    Case(
+        "prompt + max_new_tokens beyond context",
+        "scheduler",
+        _gen(build_request([1] * 400, 200)),
+        C.INVALID_ARGUMENT,
+        "context",
+    ),
     Case("max_new_tokens 0", "scheduler", _gen(build_request([1], 0)), C.INVALID_ARGUMENT, "max_new_tokens"),
     Case("max_new_tokens huge", "scheduler", _gen(build_request([1], 4_000_000)), C.INVALID_ARGUMENT, "max_new_tokens"),
     Case("token id out of vocab", "scheduler", _gen(build_request([1, 48], 4)), C.INVALID_ARGUMENT, "vocabulary"),
-    Case("temperature < 0", "scheduler", _gen(build_request([1], 4, temperature=-0.5)), C.INVALID_ARGUMENT, "temperature"),
-    Case("temperature NaN", "scheduler", _gen(build_request([1], 4, temperature=float("nan"))),
-         C.INVALID_ARGUMENT, "temperature"),
+    Case(
+        "temperature < 0", "scheduler", _gen(build_request([1], 4, temperature=-0.5)), C.INVALID_ARGUMENT, "temperature"
+    ),
+    Case(
+        "temperature NaN",
+        "scheduler",
+        _gen(build_request([1], 4, temperature=float("nan"))),
+        C.INVALID_ARGUMENT,
+        "temperature",
+    ),
     Case("top_p > 1", "scheduler", _gen(build_request([1], 4, top_p=1.5)), C.INVALID_ARGUMENT, "top_p"),
     Case("top_p < 0", "scheduler", _gen(build_request([1], 4, top_p=-0.1)), C.INVALID_ARGUMENT, "top_p"),
-    Case("text prompt to a token-id model", "scheduler", _gen(build_request("hello", 4)),
-         C.INVALID_ARGUMENT, "prompt_ids"),
-    Case("stop strings on a token-id model", "scheduler", _gen(build_request([1], 4, stop=["x"])),
-         C.INVALID_ARGUMENT, "stop"),
-    Case("KV budget can never fit", "scheduler", _gen(build_request([1] * 10, 400)) , C.RESOURCE_EXHAUSTED,
-         "kv_budget"),
+    Case(
+        "text prompt to a token-id model",
+        "scheduler",
+        _gen(build_request("hello", 4)),
+        C.INVALID_ARGUMENT,
+        "prompt_ids",
+    ),
+    Case(
+        "stop strings on a token-id model",
+        "scheduler",
+        _gen(build_request([1], 4, stop=["x"])),
+        C.INVALID_ARGUMENT,
+        "stop",
+    ),
+    Case("KV budget can never fit", "scheduler", _gen(build_request([1] * 10, 400)), C.RESOURCE_EXHAUSTED, "kv_budget"),
     Case("empty workload", "scheduler", _workload(), C.INVALID_ARGUMENT, "at least one session"),
-    Case("workload concurrency above the limit", "scheduler",
-         _workload(sessions=[build_request([1], 2)], policy=spb.WorkloadPolicy(max_running=10_000)),
-         C.INVALID_ARGUMENT, "max_running"),
-    Case("workload with one bad session", "scheduler",
-         _workload(sessions=[build_request([1], 2), build_request([], 2)]), C.INVALID_ARGUMENT, "session 1"),
-    Case("experiment with an unknown lever", "scheduler",
-         _workload(sessions=[build_request([1], 2)], experiment=spb.Experiment(id="e", arm="control", lever="warp")),
-         C.INVALID_ARGUMENT, "lever"),
-    Case("experiment with an unknown arm", "scheduler",
-         _workload(sessions=[build_request([1], 2)],
-                   experiment=spb.Experiment(id="e", arm="treatment", lever="persistent_kv_views")),
-         C.INVALID_ARGUMENT, "control or candidate"),
-    Case("cancel an unknown session", "scheduler", lambda s: s.Cancel(spb.CancelRequest(session_id="s-404"), timeout=5),
-         C.NOT_FOUND, "s-404"),
-    Case("cancel with no session id", "scheduler", lambda s: s.Cancel(spb.CancelRequest(), timeout=5),
-         C.INVALID_ARGUMENT, "session_id"),
-    Case("telemetry of an unknown workload", "scheduler",
-         lambda s: s.GetTelemetry(spb.TelemetryRequest(workload_id="w-404", at_tick=3), timeout=5),
-         C.NOT_FOUND, "w-404"),
-    Case("telemetry with a workload but no tick", "scheduler",
-         lambda s: s.GetTelemetry(spb.TelemetryRequest(workload_id="w0"), timeout=5), C.INVALID_ARGUMENT, "at_tick"),
-    Case("oversize message", "scheduler", _gen(build_request([1] * (17 * 1024 * 1024), 1)),
-         C.RESOURCE_EXHAUSTED, "larger than max"),
+    Case(
+        "workload concurrency above the limit",
+        "scheduler",
+        _workload(sessions=[build_request([1], 2)], policy=spb.WorkloadPolicy(max_running=10_000)),
+        C.INVALID_ARGUMENT,
+        "max_running",
+    ),
+    Case(
+        "workload with one bad session",
+        "scheduler",
+        _workload(sessions=[build_request([1], 2), build_request([], 2)]),
+        C.INVALID_ARGUMENT,
+        "session 1",
+    ),
+    Case(
+        "experiment with an unknown lever",
+        "scheduler",
+        _workload(sessions=[build_request([1], 2)], experiment=spb.Experiment(id="e", arm="control", lever="warp")),
+        C.INVALID_ARGUMENT,
+        "lever",
+    ),
+    Case(
+        "experiment with an unknown arm",
+        "scheduler",
+        _workload(
+            sessions=[build_request([1], 2)],
+            experiment=spb.Experiment(id="e", arm="treatment", lever="persistent_kv_views"),
+        ),
+        C.INVALID_ARGUMENT,
+        "control or candidate",
+    ),
+    Case(
+        "cancel an unknown session",
+        "scheduler",
+        lambda s: s.Cancel(spb.CancelRequest(session_id="s-404"), timeout=5),
+        C.NOT_FOUND,
+        "s-404",
+    ),
+    Case(
+        "cancel with no session id",
+        "scheduler",
+        lambda s: s.Cancel(spb.CancelRequest(), timeout=5),
+        C.INVALID_ARGUMENT,
+        "session_id",
+    ),
+    Case(
+        "telemetry of an unknown workload",
+        "scheduler",
+        lambda s: s.GetTelemetry(spb.TelemetryRequest(workload_id="w-404", at_tick=3), timeout=5),
+        C.NOT_FOUND,
+        "w-404",
+    ),
+    Case(
+        "telemetry with a workload but no tick",
+        "scheduler",
+        lambda s: s.GetTelemetry(spb.TelemetryRequest(workload_id="w0"), timeout=5),
+        C.INVALID_ARGUMENT,
+        "at_tick",
+    ),
+    Case(
+        "oversize message",
+        "scheduler",
+        _gen(build_request([1] * (17 * 1024 * 1024), 1)),
+        C.RESOURCE_EXHAUSTED,
+        "larger than max",
+    ),
     # ---- the worker API -------------------------------------------------------------------
-    Case("step names a session twice", "worker",
-         _step(decode=[wpb.DecodeItem(session_id="a", token_id=1), wpb.DecodeItem(session_id="a", token_id=1)]),
-         C.INVALID_ARGUMENT, "twice"),
-    Case("step item without a session id", "worker", _step(decode=[wpb.DecodeItem(token_id=1)]),
-         C.INVALID_ARGUMENT, "session_id"),
-    Case("prefill token out of vocab", "worker",
-         _step(prefill=[wpb.PrefillItem(session_id="b", token_ids=[999], last_chunk=True)]),
-         C.INVALID_ARGUMENT, "vocab"),
-    Case("empty prefill chunk", "worker", _step(prefill=[wpb.PrefillItem(session_id="c", last_chunk=True)]),
-         C.INVALID_ARGUMENT, "empty"),
-    Case("position beyond the model's context", "worker",
-         _step(decode=[wpb.DecodeItem(session_id="d", token_id=1, position=100_000)]),
-         C.INVALID_ARGUMENT, "max_position"),
-    Case("unknown kv_views mode", "worker",
-         _step(prefill=[wpb.PrefillItem(session_id="e", token_ids=[1], last_chunk=True)], kv_views="sideways"),
-         C.INVALID_ARGUMENT, "kv_views"),
-    Case("decode of a session the worker does not hold", "worker",
-         _step(decode=[wpb.DecodeItem(session_id="ghost", token_id=1, position=5)]), None, check=_miss),
+    Case(
+        "step names a session twice",
+        "worker",
+        _step(decode=[wpb.DecodeItem(session_id="a", token_id=1), wpb.DecodeItem(session_id="a", token_id=1)]),
+        C.INVALID_ARGUMENT,
+        "twice",
+    ),
+    Case(
+        "step item without a session id",
+        "worker",
+        _step(decode=[wpb.DecodeItem(token_id=1)]),
+        C.INVALID_ARGUMENT,
+        "session_id",
+    ),
+    Case(
+        "prefill token out of vocab",
+        "worker",
+        _step(prefill=[wpb.PrefillItem(session_id="b", token_ids=[999], last_chunk=True)]),
+        C.INVALID_ARGUMENT,
+        "vocab",
+    ),
+    Case(
+        "empty prefill chunk",
+        "worker",
+        _step(prefill=[wpb.PrefillItem(session_id="c", last_chunk=True)]),
+        C.INVALID_ARGUMENT,
+        "empty",
+    ),
+    Case(
+        "position beyond the model's context",
+        "worker",
+        _step(decode=[wpb.DecodeItem(session_id="d", token_id=1, position=100_000)]),
+        C.INVALID_ARGUMENT,
+        "max_position",
+    ),
+    Case(
+        "unknown kv_views mode",
+        "worker",
+        _step(prefill=[wpb.PrefillItem(session_id="e", token_ids=[1], last_chunk=True)], kv_views="sideways"),
+        C.INVALID_ARGUMENT,
+        "kv_views",
+    ),
+    Case(
+        "decode of a session the worker does not hold",
+        "worker",
+        _step(decode=[wpb.DecodeItem(session_id="ghost", token_id=1, position=5)]),
+        None,
+        check=_miss,
+    ),
     # ---- the OTLP receiver and telemetry API ----------------------------------------------
     Case("span without ids", "telemetry", _export(_span(trace_id=b"", span_id=b"")), None, check=_rejected(1)),
-    Case("span ending before it starts", "telemetry", _export(_span(start=5_000, end=1_000)), None,
-         check=_rejected(1)),
-    Case("span with an unknown arm", "telemetry",
-         _export(_span(attrs=[("experiment.id", "e1"), ("experiment.arm", "treatment")])), None, check=_rejected(1)),
-    Case("summary of an unknown experiment", "telemetry",
-         lambda s: tpb_grpc.TelemetryStub(s._channel).GetSummary(tpb.SummaryRequest(experiment_id="nope"), timeout=5),
-         C.NOT_FOUND, "nope"),
-    Case("malformed gate spec", "telemetry",
-         lambda s: tpb_grpc.TelemetryStub(s._channel).GetSummary(
-             tpb.SummaryRequest(experiment_id="nope", gate_spec_json="{not json"), timeout=5),
-         C.INVALID_ARGUMENT, ""),
+    Case("span ending before it starts", "telemetry", _export(_span(start=5_000, end=1_000)), None, check=_rejected(1)),
+    Case(
+        "span with an unknown arm",
+        "telemetry",
+        _export(_span(attrs=[("experiment.id", "e1"), ("experiment.arm", "treatment")])),
+        None,
+        check=_rejected(1),
+    ),
+    Case(
+        "summary of an unknown experiment",
+        "telemetry",
+        lambda s: tpb_grpc.TelemetryStub(s._channel).GetSummary(tpb.SummaryRequest(experiment_id="nope"), timeout=5),
+        C.NOT_FOUND,
+        "nope",
+    ),
+    Case(
+        "malformed gate spec",
+        "telemetry",
+        lambda s: tpb_grpc.TelemetryStub(s._channel).GetSummary(
+            tpb.SummaryRequest(experiment_id="nope", gate_spec_json="{not json"), timeout=5
+        ),
+        C.INVALID_ARGUMENT,
+        "",
+    ),
 ]
 
 
@@ -166,12 +285,17 @@ def services():
     # A KV budget of 160 tokens, so "can never fit" is reachable on the tiny model.
     spec = ClusterSpec(workers=1, model="tiny", scheduler_args=("--kv-budget-bytes", str(160 * 1536)))
     with LocalCluster(spec) as cluster:
-        addresses = {"scheduler": cluster.scheduler_address, "worker": cluster.worker_addresses[0],
-                     "telemetry": cluster.telemetry_address}
+        addresses = {
+            "scheduler": cluster.scheduler_address,
+            "worker": cluster.worker_addresses[0],
+            "telemetry": cluster.telemetry_address,
+        }
         channels = {k: grpc.insecure_channel(a) for k, a in addresses.items()}
-        stubs = {"scheduler": spb_grpc.SchedulerStub(channels["scheduler"]),
-                 "worker": wpb_grpc.WorkerStub(channels["worker"]),
-                 "telemetry": _OtlpStub(channels["telemetry"])}
+        stubs = {
+            "scheduler": spb_grpc.SchedulerStub(channels["scheduler"]),
+            "worker": wpb_grpc.WorkerStub(channels["worker"]),
+            "telemetry": _OtlpStub(channels["telemetry"]),
+        }
         yield addresses, stubs
         for ch in channels.values():
             ch.close()
@@ -211,7 +335,7 @@ def test_non_grpc_bytes_on_each_port_leave_it_serving(services, target):
 
 def test_after_all_of_it_a_normal_request_is_answered_correctly(services):
     addresses, stubs = services
-    for case in CASES:   # run the whole table again, in one go, then ask for real work
+    for case in CASES:  # run the whole table again, in one go, then ask for real work
         try:
             case.call(stubs[case.target])
         except grpc.RpcError:

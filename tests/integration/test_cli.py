@@ -1,4 +1,5 @@
 """The CLI as a user runs it: a local cluster of real processes, the sweep, the JSON file."""
+
 import json
 import subprocess
 import sys
@@ -7,8 +8,9 @@ from pathlib import Path
 
 def test_sweep_cli_starts_a_cluster_and_writes_the_json(tmp_path: Path):
     out = tmp_path / "sweep.json"
-    proc = subprocess.run([sys.executable, "-m", "kvfleet.cli", "sweep", "--out", str(out)],
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvfleet.cli", "sweep", "--out", str(out)], capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["concurrency_sweep"]["corruption_free"] is True
@@ -29,8 +31,9 @@ def test_sweep_cli_starts_a_cluster_and_writes_the_json(tmp_path: Path):
 def test_version():
     from importlib.metadata import version
 
-    proc = subprocess.run([sys.executable, "-m", "kvfleet.cli", "--version"], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvfleet.cli", "--version"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == f"kvfleet {version('kvfleet')}"
     assert version("kvfleet")[0].isdigit()
 
@@ -38,22 +41,39 @@ def test_version():
 def test_up_config_file_unknown_key_is_named_before_anything_starts(tmp_path: Path):
     config = tmp_path / "up.yaml"
     config.write_text("workers: 1\nmodel: tiny\ngpus: 2\n")
-    proc = subprocess.run([sys.executable, "-m", "kvfleet.cli", "up", "--config", str(config)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvfleet.cli", "up", "--config", str(config)], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2 and "unknown key 'gpus'" in proc.stderr and "starting" not in proc.stdout
 
 
 def test_up_help_names_environment_variables():
-    proc = subprocess.run([sys.executable, "-m", "kvfleet.cli", "up", "--help"], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvfleet.cli", "up", "--help"], capture_output=True, text=True, timeout=60
+    )
     text = " ".join(proc.stdout.split())
     assert "--config FILE" in text and "[env KVFLEET_LOG_FORMAT]" in text and "[env KVFLEET_LOG_LEVEL]" in text
 
 
 def test_generate_cli_against_a_running_cluster(cluster):
-    proc = subprocess.run([sys.executable, "-m", "kvfleet.cli", "generate", "1,2,3", "--token-ids",
-                           "--max-new-tokens", "5", "--json", "--scheduler", cluster.address],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvfleet.cli",
+            "generate",
+            "1,2,3",
+            "--token-ids",
+            "--max-new-tokens",
+            "5",
+            "--json",
+            "--scheduler",
+            cluster.address,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["prompt_token_ids"] == [1, 2, 3] and len(doc["token_ids"]) == 5
@@ -61,9 +81,23 @@ def test_generate_cli_against_a_running_cluster(cluster):
 
 
 def test_cli_reports_a_rejection_clearly(cluster):
-    proc = subprocess.run([sys.executable, "-m", "kvfleet.cli", "generate", "1,2,3", "--token-ids",
-                           "--max-new-tokens", "0", "--scheduler", cluster.address],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvfleet.cli",
+            "generate",
+            "1,2,3",
+            "--token-ids",
+            "--max-new-tokens",
+            "0",
+            "--scheduler",
+            cluster.address,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "INVALID_ARGUMENT" in proc.stderr and "max_new_tokens" in proc.stderr
 

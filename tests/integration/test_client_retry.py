@@ -1,5 +1,6 @@
 """The client library rides out a scheduler crash: a real scheduler process SIGKILLed and started
 again on its address; greedy sessions cut mid-stream resume token-exact, unsent ones are re-sent."""
+
 import threading
 import time
 
@@ -51,13 +52,13 @@ def test_a_greedy_session_cut_mid_stream_resumes_token_exact(local):
     assert client.retries >= 1, "the session finished before the crash; nothing was tested"
     assert tokens == reference_generate(CFG, WEIGHTS, prompt, n)
     assert list(first.prompt_token_ids) == prompt
-    assert all(not ev.prompt_token_ids for ev in rest)      # given once, not again on resume
+    assert all(not ev.prompt_token_ids for ev in rest)  # given once, not again on resume
     assert rest[-1].finished and rest[-1].usage.output_tokens == n
 
 
 def test_a_session_sent_while_the_scheduler_is_down_is_served_once_it_is_back(local):
     with SchedulerClient(local.scheduler_address) as client:
-        client.generate(build_request([5], 2))              # connected before the crash
+        client.generate(build_request([5], 2))  # connected before the crash
         restarter = _crash_scheduler(local, 1.5)
         result = client.generate(build_request([4, 5, 6], 12), timeout=60)
         restarter.join(60)
@@ -81,9 +82,9 @@ def test_an_unseeded_sampled_session_cut_mid_stream_is_not_spliced(local):
 
 def test_a_resumed_session_that_diverges_is_an_error_not_a_splice():
     splice = _Splice([10, 11, 12], text_len=0)
-    assert splice.trim(spb.GenerateEvent(token_ids=[10, 11])) is None   # all already delivered
+    assert splice.trim(spb.GenerateEvent(token_ids=[10, 11])) is None  # all already delivered
     assert list(splice.trim(spb.GenerateEvent(token_ids=[12, 13])).token_ids) == [13]
     with pytest.raises(ResumeMismatch):
         _Splice([10, 11, 12], text_len=0).trim(spb.GenerateEvent(token_ids=[10, 99]))
-    with pytest.raises(ResumeMismatch):   # finished before reproducing what was delivered
+    with pytest.raises(ResumeMismatch):  # finished before reproducing what was delivered
         _Splice([10, 11, 12], text_len=0).trim(spb.GenerateEvent(token_ids=[10], finished=True))

@@ -1,4 +1,5 @@
 """SIGTERM drains: NOT_SERVING, new sessions refused with UNAVAILABLE, running ones finish."""
+
 import signal
 import threading
 import time
@@ -16,8 +17,10 @@ from kvfleet_models.tiny import tiny_weights
 
 def test_scheduler_drains_on_sigterm():
     cfg = tiny_config()
-    with LocalCluster(ClusterSpec(workers=1, model="tiny", telemetry=False)) as cluster, \
-            SchedulerClient(cluster.scheduler_address) as client:
+    with (
+        LocalCluster(ClusterSpec(workers=1, model="tiny", telemetry=False)) as cluster,
+        SchedulerClient(cluster.scheduler_address) as client,
+    ):
         result = {}
         stream = client.stream(build_request([1, 2, 3], 300))
         first = next(stream)

@@ -1,5 +1,6 @@
 """An A/B experiment end to end: a process cluster exporting real OTLP to the telemetry
 service, the lever switched per arm on live workers, the summary judged from stored spans."""
+
 import json
 import sqlite3
 
@@ -18,8 +19,9 @@ def traced_cluster():
 
 @pytest.fixture(scope="module")
 def summary(traced_cluster):
-    spec = ExperimentSpec(repeats=5, sessions=4, prompt_len=8, max_new_tokens=12, concurrency=4,
-                          experiment_id="exp-test")
+    spec = ExperimentSpec(
+        repeats=5, sessions=4, prompt_len=8, max_new_tokens=12, concurrency=4, experiment_id="exp-test"
+    )
     with SchedulerClient(traced_cluster.scheduler_address) as client:
         doc, html = run_experiment(client, traced_cluster.telemetry_address, spec)
     return doc, html
@@ -33,9 +35,13 @@ def test_summary_is_complete_and_exact(summary):
     assert doc["provenance"]["sole_treatment"] == "persistent_kv_views"
     assert doc["status"] in ("authorized", "not_authorized")
     assert set(doc["gates"]) == {
-        "positive_kv_view_prepare_median", "positive_attention_host_median",
-        "positive_whole_replay_median", "positive_fresh_generation_wall",
-        "whole_replay_p90_non_regression", "no_post_replay_sync_cost_transfer"}
+        "positive_kv_view_prepare_median",
+        "positive_attention_host_median",
+        "positive_whole_replay_median",
+        "positive_fresh_generation_wall",
+        "whole_replay_p90_non_regression",
+        "no_post_replay_sync_cost_transfer",
+    }
     assert all(isinstance(v, bool) for v in doc["gates"].values())
     for span in ("kv_view_prepare", "attention", "worker_step", "post_step_sync", "generation_wall"):
         row = doc["comparison_ns"][span]
@@ -48,25 +54,33 @@ def test_summary_is_complete_and_exact(summary):
 
 def test_one_trace_spans_scheduler_and_workers(summary, traced_cluster):
     db = sqlite3.connect(traced_cluster.log_dir / "telemetry.db")
-    rows = db.execute("SELECT trace_id, name, service, attributes FROM spans WHERE experiment_id = 'exp-test'").fetchall()
+    rows = db.execute(
+        "SELECT trace_id, name, service, attributes FROM spans WHERE experiment_id = 'exp-test'"
+    ).fetchall()
     by_trace: dict[str, set[tuple[str, str]]] = {}
     for trace_id, name, service, _ in rows:
         by_trace.setdefault(trace_id, set()).add((name, service))
-    joined = [t for t, spans in by_trace.items()
-              if ("generation_wall", "kvfleet-scheduler") in spans and ("worker_step", "kvfleet-worker") in spans]
+    joined = [
+        t
+        for t, spans in by_trace.items()
+        if ("generation_wall", "kvfleet-scheduler") in spans and ("worker_step", "kvfleet-worker") in spans
+    ]
     assert len(joined) == 10, "each arm run is one trace across both services"
     sessions = [(name, json.loads(a)) for _, name, _, a in rows if json.loads(a).get("kvfleet.span") == "session"]
     assert sessions
     for name, attrs in sessions:
-        assert name == "text_completion tiny"   # {gen_ai.operation.name} {gen_ai.request.model}
+        assert name == "text_completion tiny"  # {gen_ai.operation.name} {gen_ai.request.model}
         assert attrs["gen_ai.provider.name"] == "kvfleet" and "gen_ai.system" not in attrs
         assert attrs["gen_ai.operation.name"] == "text_completion"
         assert attrs["gen_ai.request.model"] == "tiny"
         assert attrs["gen_ai.request.max_tokens"] == 12
         assert attrs["gen_ai.usage.input_tokens"] == 8 and attrs["gen_ai.usage.output_tokens"] == 12
         assert attrs["gen_ai.response.finish_reasons"] == ["length"]
-    modes = {(json.loads(a)["experiment.arm"], json.loads(a)["kvfleet.kv_views"])
-             for _, name, _, a in rows if name == "worker_step"}
+    modes = {
+        (json.loads(a)["experiment.arm"], json.loads(a)["kvfleet.kv_views"])
+        for _, name, _, a in rows
+        if name == "worker_step"
+    }
     assert modes == {("control", "rebuild"), ("candidate", "persistent")}
 
 
@@ -74,10 +88,13 @@ def test_a_lone_session_is_one_trace_too(traced_cluster):
     with SchedulerClient(traced_cluster.scheduler_address) as client:
         sid = client.generate(build_request([1, 2, 3], 4)).session_id
     import time
+
     db = sqlite3.connect(traced_cluster.log_dir / "telemetry.db")
     for _ in range(40):
-        rows = db.execute("SELECT trace_id FROM spans WHERE name = 'text_completion tiny' AND attributes LIKE ?",
-                          (f'%"kvfleet.session.id": "{sid}"%',)).fetchall()
+        rows = db.execute(
+            "SELECT trace_id FROM spans WHERE name = 'text_completion tiny' AND attributes LIKE ?",
+            (f'%"kvfleet.session.id": "{sid}"%',),
+        ).fetchall()
         if rows:
             trace_id = rows[0][0]
             names = {n for (n,) in db.execute("SELECT name FROM spans WHERE trace_id = ?", (trace_id,))}

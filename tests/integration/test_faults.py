@@ -1,4 +1,5 @@
 """Nothing a client was promised is lost: worker faults, cancellation, deadlines."""
+
 import threading
 import time
 
@@ -8,10 +9,10 @@ import pytest
 from kvfleet.client import SchedulerClient, build_request
 from kvfleet.v1 import worker_pb2 as wpb
 from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
-from tests.integration.inproc import InProcessCluster
 from kvfleet_models.config import tiny_config
 from kvfleet_models.reference import reference_generate
 from kvfleet_models.tiny import tiny_weights
+from tests.integration.inproc import InProcessCluster
 
 CFG = tiny_config()
 WEIGHTS = tiny_weights(CFG, seed=0)
@@ -93,9 +94,12 @@ def test_preemption_under_kv_pressure_keeps_tokens_exact():
 
     # 8 blocks of 4 tokens per worker: 32 tokens, far less than 6 sessions x 27 tokens.
     limits = SchedulerLimits(kv_policy="preempt", max_running=6, prefill_token_budget=64)
-    with InProcessCluster(workers=1, limits=limits, num_blocks=8, block_size=4) as c, \
-            SchedulerClient(c.address) as client:
+    with (
+        InProcessCluster(workers=1, limits=limits, num_blocks=8, block_size=4) as c,
+        SchedulerClient(c.address) as client,
+    ):
         import concurrent.futures as cf
+
         prompts = [[i, i + 2, i + 4] for i in range(6)]
         with cf.ThreadPoolExecutor(6) as pool:
             results = list(pool.map(lambda p: client.generate(build_request(p, 24)), prompts))
@@ -106,8 +110,7 @@ def test_preemption_under_kv_pressure_keeps_tokens_exact():
 
 
 def test_with_no_live_worker_sessions_wait_bounded_then_unavailable():
-    with InProcessCluster(workers=1, step_timeout_s=2, no_worker_wait_s=1.0) as c, \
-            SchedulerClient(c.address) as client:
+    with InProcessCluster(workers=1, step_timeout_s=2, no_worker_wait_s=1.0) as c, SchedulerClient(c.address) as client:
         c.run(c.worker_servers[0].stop(0))
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as info:
@@ -129,6 +132,7 @@ def test_a_worker_that_comes_back_is_used_again():
         c.run(c.worker_servers[1].stop(0))
         # Concurrent sessions spread over both; those on the dead one mark it dead and move.
         import concurrent.futures as cf
+
         first = [[1, 2], [3, 4], [5, 6], [7, 8]]
         with cf.ThreadPoolExecutor(4) as pool:
             got = list(pool.map(lambda p: client.generate(build_request(p, 6)), first))

@@ -5,6 +5,7 @@ gateway process; greedy answers must equal what the scheduler's gRPC API returns
 request. Small tiny-model clusters behind their own gateways force the load (429), deadline (504)
 and no-worker / no-scheduler (503) answers.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -28,23 +29,42 @@ from kvfleet.local_cluster import ClusterSpec, LocalCluster, free_port
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m"
-TINY_KV_BYTES_PER_TOKEN = 2 * 6 * 4 * 8 * 4   # K and V x layers x kv heads x head dim x float32
+TINY_KV_BYTES_PER_TOKEN = 2 * 6 * 4 * 8 * 4  # K and V x layers x kv heads x head dim x float32
 FINISH = {"length": "length", "eos": "stop", "stop": "stop"}
 
 
 class GatewayProcess:
     """`python -m gateway_svc` on a free port, its output in log_dir/name.log."""
 
-    def __init__(self, scheduler: str, log_dir: Path, name: str = "gateway", args: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        scheduler: str,
+        log_dir: Path,
+        name: str = "gateway",
+        args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
         out = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway_svc", "--host", "127.0.0.1", "--port", str(self.port),
-             "--scheduler", scheduler, *args],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+            [
+                sys.executable,
+                "-m",
+                "gateway_svc",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--scheduler",
+                scheduler,
+                *args,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
         end = time.monotonic() + 30
         while http("GET", self.url + "/health")[0] == 0:
             if self.proc.poll() is not None or time.monotonic() > end:
@@ -65,8 +85,9 @@ class GatewayProcess:
                 self.proc.wait()
 
 
-def http(method: str, url: str, body: bytes | dict | None = None,
-         headers: dict[str, str] | None = None, timeout: float = 60) -> tuple[int, dict, dict]:
+def http(
+    method: str, url: str, body: bytes | dict | None = None, headers: dict[str, str] | None = None, timeout: float = 60
+) -> tuple[int, dict, dict]:
     """(status, JSON body, headers) of one request; status 0 when nothing answered."""
     data = json.dumps(body).encode() if isinstance(body, dict) else body
     req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
@@ -80,8 +101,11 @@ def http(method: str, url: str, body: bytes | dict | None = None,
 
 
 def _otel_env(cluster: LocalCluster) -> dict[str, str]:
-    return {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{cluster.telemetry_address}",
-            "OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{cluster.telemetry_address}",
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +134,7 @@ def client(gateway):
 
 # ---- the real model ----------------------------------------------------------------------------
 
+
 def test_models_and_health(client, gateway):
     models = client.models.list()
     assert [(m.id, m.object, m.owned_by) for m in models.data] == [(MODEL, "model", "kvfleet")]
@@ -126,8 +151,11 @@ def test_greedy_completion_equals_the_grpc_answer(client, grpc_client, prompt):
     got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
     assert got.choices[0].text == want.text and want.text
     assert got.choices[0].finish_reason == FINISH[want.finish_reason]
-    assert (got.usage.prompt_tokens, got.usage.completion_tokens, got.usage.total_tokens) == \
-        (len(want.prompt_token_ids), len(want.token_ids), len(want.prompt_token_ids) + len(want.token_ids))
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens, got.usage.total_tokens) == (
+        len(want.prompt_token_ids),
+        len(want.token_ids),
+        len(want.prompt_token_ids) + len(want.token_ids),
+    )
     assert got.id.startswith("cmpl-") and got.object == "text_completion" and got.model == MODEL
     assert abs(got.created - time.time()) < 120
 
@@ -139,29 +167,46 @@ def test_greedy_chat_equals_the_grpc_answer_and_eos_is_stop(client, grpc_client)
     assert want.finish_reason == "eos", "the model should answer this within 40 tokens"
     choice = got.choices[0]
     assert (choice.message.role, choice.message.content, choice.finish_reason) == ("assistant", want.text, "stop")
-    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(want.prompt_token_ids),
-                                                                      len(want.token_ids))
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(want.prompt_token_ids), len(want.token_ids))
     assert got.id.startswith("chatcmpl-") and got.object == "chat.completion"
 
 
 def test_streamed_completion_with_usage(client, grpc_client):
     want = grpc_client.generate(build_request("Once upon a time", 10, temperature=0.0))
-    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10,
-                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="Once upon a time",
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     *content, last = chunks
     assert "".join(c.choices[0].text for c in content) == want.text
     assert [c.choices[0].finish_reason for c in content][-1] == "length"
     assert all(c.choices[0].finish_reason is None for c in content[:-1]) and len(content) > 2
-    assert last.choices == [] and (last.usage.prompt_tokens, last.usage.completion_tokens) == \
-        (len(want.prompt_token_ids), 10)
+    assert last.choices == [] and (last.usage.prompt_tokens, last.usage.completion_tokens) == (
+        len(want.prompt_token_ids),
+        10,
+    )
     assert len({c.id for c in chunks}) == 1 and chunks[0].object == "text_completion"
 
 
 def test_streamed_chat(client, grpc_client):
     messages = [{"role": "user", "content": "Name a colour."}]
     want = grpc_client.generate(build_request(messages, 12, temperature=0.0))
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == want.text
@@ -176,16 +221,21 @@ def test_streamed_chat(client, grpc_client):
 
 def test_stop_string_finishes_with_stop(client, grpc_client):
     want = grpc_client.generate(build_request("The capital of France is", 12, temperature=0.0, stop=["."]))
-    got = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12,
-                                    temperature=0, stop=".")
+    got = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0, stop="."
+    )
     assert want.finish_reason == "stop" and "." not in want.text
     assert (got.choices[0].text, got.choices[0].finish_reason) == (want.text, "stop")
 
 
 def test_seeded_sampling_repeats_and_unseeded_is_drawn(client):
     def sample(**kw):
-        return client.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=8,
-                                         temperature=1.0, **kw).choices[0].text
+        return (
+            client.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=8, temperature=1.0, **kw)
+            .choices[0]
+            .text
+        )
+
     assert sample(seed=7) == sample(seed=7)
     # Unseeded requests get a fresh seed each: eight identical 8-token samples would be a fixed seed.
     assert len({sample() for _ in range(4)}) > 1
@@ -196,8 +246,10 @@ def test_concurrent_streams_get_their_own_answers(client, grpc_client):
     want = [grpc_client.generate(build_request(p, 8, temperature=0.0)).text for p in prompts]
 
     def stream(prompt: str) -> str:
-        return "".join(c.choices[0].text for c in client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True))
+        return "".join(
+            c.choices[0].text
+            for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True)
+        )
 
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         assert list(pool.map(stream, prompts)) == want
@@ -210,7 +262,7 @@ def test_client_errors(client, gateway):
     with pytest.raises(openai.BadRequestError) as n2:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
     assert "only n=1" in n2.value.body["message"] and n2.value.body["param"] == "n"
-    with pytest.raises(openai.BadRequestError) as too_many:   # refused by the scheduler
+    with pytest.raises(openai.BadRequestError) as too_many:  # refused by the scheduler
         client.completions.create(model=MODEL, prompt="x", max_tokens=100000)
     assert too_many.value.body["code"] == "invalid_request" and "max_new_tokens" in too_many.value.body["message"]
     with pytest.raises(openai.NotFoundError) as missing:
@@ -225,8 +277,14 @@ def test_client_errors(client, gateway):
 
 def test_disconnect_mid_stream_frees_the_session(client, grpc_client):
     before = grpc_client.telemetry()
-    stream = client.completions.create(model=MODEL, prompt="Tell me a long story.", max_tokens=400,
-                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Tell me a long story.",
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     for i, _ in enumerate(stream):
         if i == 2:
             break
@@ -242,20 +300,31 @@ def test_disconnect_mid_stream_frees_the_session(client, grpc_client):
 
 
 def test_one_request_is_one_trace(client, cluster, gateway):
-    got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
-                                         max_tokens=4, temperature=0, extra_body={"top_k": 40})
+    got = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hello"}],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"top_k": 40},
+    )
     db_path = cluster.log_dir / "telemetry.db"
     end = time.monotonic() + 20
     while True:
         db = sqlite3.connect(db_path)
-        rows = db.execute("SELECT trace_id, span_id, parent_span_id, name, service, attributes FROM spans "
-                          "WHERE trace_id IN (SELECT trace_id FROM spans WHERE service = 'kvfleet-gateway' "
-                          "AND attributes LIKE ?)", (f'%"{got.id}"%',)).fetchall()
+        rows = db.execute(
+            "SELECT trace_id, span_id, parent_span_id, name, service, attributes FROM spans "
+            "WHERE trace_id IN (SELECT trace_id FROM spans WHERE service = 'kvfleet-gateway' "
+            "AND attributes LIKE ?)",
+            (f'%"{got.id}"%',),
+        ).fetchall()
         db.close()
         names = {(r[3], r[4]) for r in rows}
         # both the gateway's span and the scheduler's session span are named `{operation} {model}`
-        if {(f"chat {MODEL}", "kvfleet-gateway"), (f"chat {MODEL}", "kvfleet-scheduler"),
-                ("worker_step", "kvfleet-worker")} <= names or time.monotonic() > end:
+        if {
+            (f"chat {MODEL}", "kvfleet-gateway"),
+            (f"chat {MODEL}", "kvfleet-scheduler"),
+            ("worker_step", "kvfleet-worker"),
+        } <= names or time.monotonic() > end:
             break
         time.sleep(0.3)
     gw = [r for r in rows if r[4] == "kvfleet-gateway"]
@@ -277,14 +346,17 @@ def test_one_request_is_one_trace(client, cluster, gateway):
     assert sattrs["server.port"] == scheduler_port and sattrs["server.address"]
     assert attrs["gen_ai.operation.name"] == "chat" and attrs["gen_ai.request.model"] == MODEL
     assert (attrs["gen_ai.request.max_tokens"], attrs["gen_ai.request.temperature"]) == (4, 0.0)
-    assert (attrs["gen_ai.usage.input_tokens"], attrs["gen_ai.usage.output_tokens"]) == \
-        (got.usage.prompt_tokens, got.usage.completion_tokens)
+    assert (attrs["gen_ai.usage.input_tokens"], attrs["gen_ai.usage.output_tokens"]) == (
+        got.usage.prompt_tokens,
+        got.usage.completion_tokens,
+    )
     assert attrs["gen_ai.response.finish_reasons"] == [got.choices[0].finish_reason]
 
 
 def test_api_key(cluster):
-    keyed = GatewayProcess(cluster.scheduler_address, cluster.log_dir, name="gateway-keyed",
-                           env={"KVFLEET_GATEWAY_API_KEY": "sesame"})
+    keyed = GatewayProcess(
+        cluster.scheduler_address, cluster.log_dir, name="gateway-keyed", env={"KVFLEET_GATEWAY_API_KEY": "sesame"}
+    )
     try:
         with pytest.raises(openai.AuthenticationError) as wrong:
             keyed.client("wrong").models.list()
@@ -292,19 +364,24 @@ def test_api_key(cluster):
         status, body, _ = http("POST", keyed.url + "/v1/completions", {"model": MODEL, "prompt": "x"})
         assert status == 401 and "Authorization: Bearer" in body["error"]["message"]
         assert [m.id for m in keyed.client("sesame").models.list().data] == [MODEL]
-        assert http("GET", keyed.url + "/health")[0] == 200   # probes need no key
+        assert http("GET", keyed.url + "/health")[0] == 200  # probes need no key
     finally:
         keyed.stop()
 
 
 # ---- load, deadlines and outages on the tiny model -------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def busy():
     """One running session at a time, a queue of one, a KV budget of 256 tokens."""
-    spec = ClusterSpec(workers=1, model="tiny", max_running=1, telemetry=False,
-                       extra_env={"KVFLEET_MAX_QUEUE_DEPTH": "1",
-                                  "KVFLEET_KV_BUDGET_BYTES": str(256 * TINY_KV_BYTES_PER_TOKEN)})
+    spec = ClusterSpec(
+        workers=1,
+        model="tiny",
+        max_running=1,
+        telemetry=False,
+        extra_env={"KVFLEET_MAX_QUEUE_DEPTH": "1", "KVFLEET_KV_BUDGET_BYTES": str(256 * TINY_KV_BYTES_PER_TOKEN)},
+    )
     with LocalCluster(spec) as c:
         g = GatewayProcess(c.scheduler_address, c.log_dir)
         yield g
@@ -331,8 +408,9 @@ def test_queue_full_under_load_is_429(busy):
 
     def one(_: int) -> str | int:
         try:
-            return client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=200,
-                                             extra_body={"ignore_eos": True}).usage.completion_tokens
+            return client.completions.create(
+                model="tiny", prompt=[1, 2, 3], max_tokens=200, extra_body={"ignore_eos": True}
+            ).usage.completion_tokens
         except openai.RateLimitError as err:
             return err.body["message"]
 

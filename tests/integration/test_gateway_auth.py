@@ -1,6 +1,7 @@
 """The gateway in front of a scheduler that wants a bearer token (tiny model, real processes on
 loopback): it must not lend that token to callers who show no key, and the spans it writes are
 named from what it validated, not from what a caller typed."""
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,13 @@ def gateways(cluster):
     started: list[GatewayProcess] = []
 
     def start(name: str, args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> GatewayProcess:
-        g = GatewayProcess(cluster.scheduler_address, cluster.log_dir, name=name, args=args,
-                           env={"KVFLEET_API_TOKEN": "", "KVFLEET_GATEWAY_API_KEY": "", **(env or {})})
+        g = GatewayProcess(
+            cluster.scheduler_address,
+            cluster.log_dir,
+            name=name,
+            args=args,
+            env={"KVFLEET_API_TOKEN": "", "KVFLEET_GATEWAY_API_KEY": "", **(env or {})},
+        )
         started.append(g)
         return g
 
@@ -52,18 +58,32 @@ def gateways(cluster):
 def test_a_gateway_holding_the_schedulers_token_refuses_to_start_without_a_key(cluster):
     """Before: it started and generated for anyone with the scheduler's token."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gateway_svc", "--host", "127.0.0.1", "--port", str(port),
-                             "--scheduler", cluster.scheduler_address],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**_clean_env(), "KVFLEET_API_TOKEN": TOKEN})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gateway_svc",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--scheduler",
+            cluster.scheduler_address,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**_clean_env(), "KVFLEET_API_TOKEN": TOKEN},
+    )
     try:
         out, _ = proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
         served = http("POST", f"http://127.0.0.1:{port}/v1/completions", BODY)[0]
-        pytest.fail(f"the gateway started open in front of a token-protected scheduler (a keyless "
-                    f"completion answered {served})")
+        pytest.fail(
+            f"the gateway started open in front of a token-protected scheduler (a keyless completion answered {served})"
+        )
     assert proc.returncode != 0
     assert "--allow-anonymous" in out and "KVFLEET_GATEWAY_API_KEY" in out and "--pass-through-key" in out, out
 
@@ -72,7 +92,7 @@ def test_with_its_own_key_the_gateway_lends_its_token_to_key_holders_only(gatewa
     g = gateways("gateway-own-key", env={"KVFLEET_API_TOKEN": TOKEN, "KVFLEET_GATEWAY_API_KEY": "gw-key"})
     url = g.url + "/v1/completions"
     assert http("POST", url, BODY)[0] == 401
-    assert http("POST", url, BODY, _bearer(TOKEN))[0] == 401      # the scheduler's token is not the key
+    assert http("POST", url, BODY, _bearer(TOKEN))[0] == 401  # the scheduler's token is not the key
     status, out, _ = http("POST", url, BODY, _bearer("gw-key"))
     assert status == 200 and out["usage"]["completion_tokens"] == 3, out
     assert http("GET", g.url + "/health")[1]["live_workers"] == 1  # its own token asks for workers
@@ -86,7 +106,7 @@ def test_passing_the_key_through_lets_the_scheduler_judge_each_caller(gateways):
     for bad in ("Bearer wrong-token", "Bearer ", "Basic " + TOKEN, "Bearer tok\u00e9n"):
         status, err, _ = http("POST", url, BODY, {"Authorization": bad.encode("utf-8").decode("latin-1")})
         assert (status, err["error"]["code"]) == (401, "invalid_api_key"), (bad, err)
-    assert http("GET", g.url + "/v1/models", headers=_bearer("wrong-token"))[0] == 401   # no model list either
+    assert http("GET", g.url + "/v1/models", headers=_bearer("wrong-token"))[0] == 401  # no model list either
     status, out, _ = http("POST", url, BODY, _bearer(TOKEN))
     assert status == 200 and out["usage"]["completion_tokens"] == 3, out
     status, models, _ = http("GET", g.url + "/v1/models", headers=_bearer(TOKEN))
@@ -106,8 +126,9 @@ def test_allow_anonymous_serves_keyless_callers_only_when_said(gateways):
 def _gateway_spans(cluster, since_ns: int) -> list[tuple[str, dict]]:
     db = sqlite3.connect(cluster.log_dir / "telemetry.db")
     try:
-        rows = db.execute("SELECT name, attributes FROM spans WHERE service = 'kvfleet-gateway' "
-                          "AND start_ns >= ?", (since_ns,)).fetchall()
+        rows = db.execute(
+            "SELECT name, attributes FROM spans WHERE service = 'kvfleet-gateway' AND start_ns >= ?", (since_ns,)
+        ).fetchall()
     finally:
         db.close()
     return [(name, json.loads(attrs)) for name, attrs in rows]
@@ -115,9 +136,16 @@ def _gateway_spans(cluster, since_ns: int) -> list[tuple[str, dict]]:
 
 def test_span_names_come_from_validated_values_only(cluster, gateways):
     """Before: a request for model X made a span named "text_completion X", whatever X was."""
-    g = gateways("gateway-spans", env={"KVFLEET_API_TOKEN": TOKEN, "KVFLEET_GATEWAY_API_KEY": "gw-key",
-                                       "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{cluster.telemetry_address}",
-                                       "OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_BSP_SCHEDULE_DELAY": "200"})
+    g = gateways(
+        "gateway-spans",
+        env={
+            "KVFLEET_API_TOKEN": TOKEN,
+            "KVFLEET_GATEWAY_API_KEY": "gw-key",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{cluster.telemetry_address}",
+            "OTEL_EXPORTER_OTLP_INSECURE": "true",
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+        },
+    )
     since = time.time_ns()
     bogus = f"made-up-{uuid.uuid4().hex}"
     for model in (bogus, bogus + "-2"):

@@ -1,5 +1,6 @@
 """A real scheduler started with --log-format json and a --config file: its log is JSON lines, and
 those written while it handles a traced request carry the caller's trace id and the session id."""
+
 import json
 import secrets
 
@@ -19,11 +20,14 @@ def test_scheduler_json_logs_carry_trace_and_session(tmp_path):
     with LocalCluster(spec, log_dir=tmp_path) as cluster:
         with grpc.insecure_channel(cluster.scheduler_address) as ch:
             req = spb.GenerateRequest(prompt_ids=spb.TokenIds(ids=[1, 2, 3]), max_new_tokens=3)
-            events = list(spb_grpc.SchedulerStub(ch).Generate(
-                req, metadata=[("traceparent", f"00-{trace_id}-{parent_span}-01")], timeout=60))
+            events = list(
+                spb_grpc.SchedulerStub(ch).Generate(
+                    req, metadata=[("traceparent", f"00-{trace_id}-{parent_span}-01")], timeout=60
+                )
+            )
     session_id = events[0].session_id
     lines = (tmp_path / "scheduler.log").read_text().splitlines()
-    docs = [json.loads(line) for line in lines if line.strip()]   # every line is JSON
+    docs = [json.loads(line) for line in lines if line.strip()]  # every line is JSON
     assert any(d["message"].startswith("scheduler serving on") for d in docs)
     traced = [d for d in docs if d.get("trace_id") == trace_id]
     assert traced, f"no line with trace id {trace_id}: {lines[-10:]}"

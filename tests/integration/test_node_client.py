@@ -1,5 +1,6 @@
 """A client of another gRPC stack (grpc-js under node) against `kvfleet up`: its streams are
 served token-exact, and survive a worker SIGKILLed under them."""
+
 from __future__ import annotations
 
 import json
@@ -25,10 +26,13 @@ pytestmark = pytest.mark.skipif(NODE is None, reason="node is not installed (the
 
 
 def _node_client(address: str, max_new: int, prompts: list[list[int]]) -> subprocess.Popen:
-    assert (CLIENT / "node_modules" / "@grpc" / "grpc-js").is_dir(), \
+    assert (CLIENT / "node_modules" / "@grpc" / "grpc-js").is_dir(), (
         "the grpc-js client's packages are missing: run `make test` (it runs npm ci in tests/clients/node)"
-    return subprocess.Popen([NODE, str(CLIENT / "stream.js"), address, str(max_new),
-                             *(",".join(map(str, p)) for p in prompts)], stdout=subprocess.PIPE)
+    )
+    return subprocess.Popen(
+        [NODE, str(CLIENT / "stream.js"), address, str(max_new), *(",".join(map(str, p)) for p in prompts)],
+        stdout=subprocess.PIPE,
+    )
 
 
 def _read_events(proc: subprocess.Popen, until, timeout_s: float) -> list[dict]:

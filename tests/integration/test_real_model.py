@@ -1,4 +1,5 @@
 """SmolLM2-135M through the cluster: token-exact with Hugging Face transformers on the same GGUF."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -9,10 +10,10 @@ import pytest
 import torch
 
 from kvfleet.client import SchedulerClient, build_request
+from kvfleet_models.registry import default_model_file, load_model
 from kvfleet_models.tokenizer import Tokenizer
 from tests.integration.inproc import InProcessCluster
 from worker_svc.engine import Engine, EngineConfig, PrefillItem, SamplingSpec
-from kvfleet_models.registry import default_model_file, load_model
 
 pytestmark = pytest.mark.slow
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,7 +21,7 @@ NEW_TOKENS = 32
 # Varied on purpose: prose, code, a list, numbers, non-English text with CJK, emoji.
 PROMPTS = [
     "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Here are three tips for staying healthy:\n1.",
     "In 1969, the Apollo 11 mission",
     "Le chat est sur la table. 日本語では、",
@@ -34,8 +35,7 @@ def hf_model():
     from transformers import AutoModelForCausalLM
 
     path = default_model_file("smollm2-135m")
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
     return model.eval()
 
 
@@ -52,9 +52,13 @@ def smol_cluster():
 
 def _hf_greedy(model, ids: list[int]) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                             attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def test_greedy_tokens_equal_transformers_for_concurrent_prompts(smol_cluster, hf_model, tokenizer):
@@ -95,8 +99,10 @@ def test_chat_finish_reasons_and_usage(smol_cluster, tokenizer):
     with SchedulerClient(smol_cluster.address) as client:
         chat = client.generate(build_request(CHAT, 200))
         stopped = client.generate(build_request("Count to ten: one, two, three,", 40, stop=[" six"]))
-        seeded = [client.generate(build_request("Once upon a time", 16, temperature=0.9, top_p=0.9,
-                                                seed=11)).token_ids for _ in range(2)]
+        seeded = [
+            client.generate(build_request("Once upon a time", 16, temperature=0.9, top_p=0.9, seed=11)).token_ids
+            for _ in range(2)
+        ]
         events = list(client.stream(build_request("Hello", 5, ignore_eos=True)))
     assert chat.finish_reason == "eos" and "<|im_end|>" not in chat.text
     assert chat.prompt_token_ids == tokenizer.encode(tokenizer.render_chat(CHAT))

@@ -1,5 +1,6 @@
 """KV a worker holds for sessions the scheduler never placed there (a drain timeout, a restarted
 scheduler, a lost Release) is found through GetStats and freed, so placement gets its room back."""
+
 import time
 
 import grpc
@@ -17,8 +18,13 @@ BLOCK = 16
 
 def _orphan(stub, session_id: str, tokens: int) -> None:
     req = wpb.StepRequest()
-    req.prefill.add(session_id=session_id, token_ids=[1 + i % 40 for i in range(tokens)],
-                    start_position=0, last_chunk=True, generated_so_far=0)
+    req.prefill.add(
+        session_id=session_id,
+        token_ids=[1 + i % 40 for i in range(tokens)],
+        start_position=0,
+        last_chunk=True,
+        generated_so_far=0,
+    )
     resp = stub.Step(req, timeout=10)
     assert resp.results[0].status == wpb.ITEM_OK
 

@@ -1,5 +1,6 @@
 """One request must not stall or hijack others: size limits checked before any work, bounded
 priorities, session ids nobody can guess, and Cancel only by the session's owner."""
+
 import re
 import statistics
 import threading
@@ -48,14 +49,19 @@ def test_100k_stop_strings_are_refused_fast_and_other_streams_keep_their_pace(cl
     assert statistics.median(during) <= 2 * statistics.median(baseline) + 0.002, (baseline, during)
 
 
-@pytest.mark.parametrize("make,message", [
-    (lambda: build_request([1], 4, stop=["x" * (LIMITS.max_stop_bytes + 1)]), "stop string is 257 bytes"),
-    (lambda: build_request([1], 4, stop=[""]), "stop string is empty"),
-    (lambda: build_request([1], 4, stop_token_ids=list(range(300))), "300 stop token ids"),
-    (lambda: build_request("a" * (LIMITS.max_prompt_bytes + 1), 4), "the prompt is 262145 bytes"),
-    (lambda: build_request([{"role": "user", "content": "é" * (LIMITS.max_prompt_bytes // 2)}], 4),
-     "the prompt is 262148 bytes"),
-])
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda: build_request([1], 4, stop=["x" * (LIMITS.max_stop_bytes + 1)]), "stop string is 257 bytes"),
+        (lambda: build_request([1], 4, stop=[""]), "stop string is empty"),
+        (lambda: build_request([1], 4, stop_token_ids=list(range(300))), "300 stop token ids"),
+        (lambda: build_request("a" * (LIMITS.max_prompt_bytes + 1), 4), "the prompt is 262145 bytes"),
+        (
+            lambda: build_request([{"role": "user", "content": "é" * (LIMITS.max_prompt_bytes // 2)}], 4),
+            "the prompt is 262148 bytes",
+        ),
+    ],
+)
 def test_oversized_requests_are_refused_before_tokenizing(cluster, make, message):
     # The tiny model has no tokenizer: a text prompt that got past the size check would be refused
     # for that instead, so these messages show the size is checked first.
@@ -86,8 +92,10 @@ def test_session_ids_are_unguessable(cluster):
 
 
 def test_only_the_owner_may_cancel_a_session(cluster):
-    with SchedulerClient(cluster.address, token="alice") as alice, \
-            SchedulerClient(cluster.address, token="mallory") as mallory:
+    with (
+        SchedulerClient(cluster.address, token="alice") as alice,
+        SchedulerClient(cluster.address, token="mallory") as mallory,
+    ):
         stream = alice.stream(build_request([1, 2, 3], 500, ignore_eos=True))
         first = next(iter(stream))
         with pytest.raises(grpc.RpcError) as e:

@@ -1,4 +1,5 @@
 """The client API over real gRPC: streaming, concurrency, rejections with their status codes."""
+
 import concurrent.futures as cf
 
 import grpc
@@ -6,11 +7,11 @@ import pytest
 
 from kvfleet.client import SchedulerClient, build_request
 from kvfleet.v1 import scheduler_pb2 as spb
-from scheduler_svc.core import SchedulerLimits
-from tests.integration.inproc import InProcessCluster
 from kvfleet_models.config import tiny_config
 from kvfleet_models.reference import reference_generate
 from kvfleet_models.tiny import tiny_weights
+from scheduler_svc.core import SchedulerLimits
+from tests.integration.inproc import InProcessCluster
 
 CFG = tiny_config()
 WEIGHTS = tiny_weights(CFG, seed=0)
@@ -73,8 +74,14 @@ REJECTIONS = [
 @pytest.fixture(scope="module")
 def small_cluster():
     # 20 prompt tokens max; KV budget of 32 tokens (1536 B each); queue of 2.
-    limits = SchedulerLimits(max_running=1, prefill_token_budget=8, kv_budget_bytes=32 * 1536,
-                             max_queue_depth=2, max_prompt_tokens=20, max_new_tokens=64)
+    limits = SchedulerLimits(
+        max_running=1,
+        prefill_token_budget=8,
+        kv_budget_bytes=32 * 1536,
+        max_queue_depth=2,
+        max_prompt_tokens=20,
+        max_new_tokens=64,
+    )
     with InProcessCluster(workers=1, limits=limits) as c:
         yield c
 
@@ -102,8 +109,7 @@ def test_queue_full_is_resource_exhausted_and_counted(small_cluster):
 
 def test_workload_policy_above_limit_is_invalid(small_cluster):
     with SchedulerClient(small_cluster.address) as client:
-        req = spb.WorkloadRequest(sessions=[build_request([1], 2)],
-                                  policy=spb.WorkloadPolicy(max_running=5))
+        req = spb.WorkloadRequest(sessions=[build_request([1], 2)], policy=spb.WorkloadPolicy(max_running=5))
         code, details = _code(lambda: list(client.submit_workload(req)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "max_running" in details
 

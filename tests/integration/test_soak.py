@@ -1,4 +1,5 @@
 """A small soak on the tiny model: cancels, deadlines, a worker SIGKILLed and restarted; nothing lost."""
+
 from kvfleet.local_cluster import ClusterSpec, LocalCluster
 from kvfleet.soak import SoakSpec, engine_reference, run_soak
 

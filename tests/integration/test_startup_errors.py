@@ -1,4 +1,5 @@
 """A worker given a bad model file says which file and what is wrong, and exits non-zero."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -7,14 +8,21 @@ import pytest
 
 
 def _start(model: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "worker_svc", "--model", model, "--port", "0"],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "worker_svc", "--model", model, "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
-@pytest.mark.parametrize("content, problem", [
-    (None, "no such file"),
-    (b"garbage bytes, not a model", "not a GGUF file"),
-])
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (None, "no such file"),
+        (b"garbage bytes, not a model", "not a GGUF file"),
+    ],
+)
 def test_bad_model_file_is_a_clear_startup_error(tmp_path: Path, content, problem):
     path = tmp_path / "model.gguf"
     if content is not None:
@@ -46,8 +54,9 @@ def test_unknown_model_name_lists_the_known_ones():
 def test_config_file_with_an_unknown_key_names_it(tmp_path: Path, module):
     config = tmp_path / "svc.toml"
     config.write_text('log-format = "json"\nmax-runing = 4\n')
-    proc = subprocess.run([sys.executable, "-m", module, "--config", str(config)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--config", str(config)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2
     assert "unknown key 'max-runing'" in proc.stderr and str(config) in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -56,7 +65,12 @@ def test_config_file_with_an_unknown_key_names_it(tmp_path: Path, module):
 def test_bad_environment_value_names_the_variable():
     import os
 
-    proc = subprocess.run([sys.executable, "-m", "worker_svc", "--port", "0"], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "KVFLEET_NUM_BLOCKS": "lots"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker_svc", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "KVFLEET_NUM_BLOCKS": "lots"},
+    )
     assert proc.returncode == 2 and "KVFLEET_NUM_BLOCKS" in proc.stderr and "'lots'" in proc.stderr
     assert "Traceback" not in proc.stderr

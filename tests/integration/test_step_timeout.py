@@ -8,6 +8,7 @@ Slowness is injected (a sleep in the model's forward, only for the first few big
 a step outlives a short deadline by a known margin on any machine; everything else is real:
 gRPC servers on loopback ports, the tiny model, the scheduler's own timeout and probe.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,10 +42,10 @@ class MutationWatch:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.overlaps = 0
-        self.slow_s = 0.0           # extra seconds for a forward of >= slow_min_tokens tokens
+        self.slow_s = 0.0  # extra seconds for a forward of >= slow_min_tokens tokens
         self.slow_min_tokens = 1
-        self.slow_left = 0          # how many forwards are made slow
-        self.inside: dict[tuple[int, int], int] = {}   # (engine, thread) -> nesting depth
+        self.slow_left = 0  # how many forwards are made slow
+        self.inside: dict[tuple[int, int], int] = {}  # (engine, thread) -> nesting depth
         self._guard = threading.Lock()
         watch = self
         step, release, forward = Engine.step, Engine.release, LlamaModel.forward
@@ -56,6 +57,7 @@ class MutationWatch:
                     return fn(self, *args, **kwargs)
                 finally:
                     watch._leave(id(self))
+
             return call
 
         def slow_forward(self, st, *args, **kwargs):
@@ -111,16 +113,16 @@ def test_timed_out_steps_never_corrupt_the_worker(watch: MutationWatch) -> None:
     watch.slow_s, watch.slow_min_tokens, watch.slow_left = 1.0, 128, 2
     prompts = [_prompt(300, s) for s in range(4)]
     num_blocks = 256
-    with InProcessCluster(workers=2, step_timeout_s=0.25, num_blocks=num_blocks) as c, \
-            SchedulerClient(c.address) as client:
+    with (
+        InProcessCluster(workers=2, step_timeout_s=0.25, num_blocks=num_blocks) as c,
+        SchedulerClient(c.address) as client,
+    ):
         with cf.ThreadPoolExecutor(len(prompts)) as pool:
-            results = list(pool.map(lambda p: client.generate(build_request(p, 12), timeout=60),
-                                    prompts))
+            results = list(pool.map(lambda p: client.generate(build_request(p, 12), timeout=60), prompts))
         deadline = time.monotonic() + 10
         while True:
             stats = [_stats(a) for a in c.worker_addresses]
-            if all(s.used_blocks == 0 and s.active_sessions == 0 for s in stats) \
-                    or time.monotonic() > deadline:
+            if all(s.used_blocks == 0 and s.active_sessions == 0 for s in stats) or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
     assert watch.slow_left == 0, "the injected slow steps never ran: the test proved nothing"
@@ -136,8 +138,7 @@ async def _with_worker(body, inline_step_s: float = 0.0):
     """Run ``body(stub)`` against a real worker server on a loopback port."""
     from worker_svc.server import create_server
 
-    config = WorkerConfig(port=0, metrics_port=0, num_blocks=64, block_size=16,
-                          inline_step_s=inline_step_s)
+    config = WorkerConfig(port=0, metrics_port=0, num_blocks=64, block_size=16, inline_step_s=inline_step_s)
     server, port, _ = await create_server(config)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
@@ -147,8 +148,7 @@ async def _with_worker(body, inline_step_s: float = 0.0):
 
 
 def _prefill(sid: str, n: int) -> wpb.StepRequest:
-    return wpb.StepRequest(prefill=[wpb.PrefillItem(session_id=sid, token_ids=_prompt(n, 1),
-                                                    last_chunk=True)])
+    return wpb.StepRequest(prefill=[wpb.PrefillItem(session_id=sid, token_ids=_prompt(n, 1), last_chunk=True)])
 
 
 def test_release_after_a_cancelled_step_waits_for_it(watch: MutationWatch) -> None:
@@ -161,7 +161,7 @@ def test_release_after_a_cancelled_step_waits_for_it(watch: MutationWatch) -> No
             await stub.Step(_prefill("a", 40), timeout=0.2)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         released = await stub.Release(wpb.ReleaseRequest(session_ids=["a"]), timeout=10)
-        assert released.released == 1          # the step had admitted "a" before it was freed
+        assert released.released == 1  # the step had admitted "a" before it was freed
         stats = await stub.GetStats(wpb.GetStatsRequest(), timeout=10)
         assert (stats.used_blocks, stats.free_blocks, stats.active_sessions) == (0, 64, 0)
 
@@ -170,8 +170,7 @@ def test_release_after_a_cancelled_step_waits_for_it(watch: MutationWatch) -> No
     assert watch.overlaps == 0
 
 
-def test_worker_is_unavailable_to_the_probe_until_an_abandoned_step_returns(
-        watch: MutationWatch) -> None:
+def test_worker_is_unavailable_to_the_probe_until_an_abandoned_step_returns(watch: MutationWatch) -> None:
     """GetInfo (the scheduler's dead-worker probe) answers UNAVAILABLE while a timed-out step
     still runs, and answers again once it has returned; a new Step then runs normally."""
     watch.slow_s, watch.slow_left = 0.8, 1

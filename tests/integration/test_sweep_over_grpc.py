@@ -1,4 +1,5 @@
 """The default sweep through real gRPC servers reproduces the reference example's results."""
+
 import json
 from pathlib import Path
 

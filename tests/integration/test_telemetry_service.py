@@ -203,10 +203,17 @@ def test_summary_errors_map_to_precise_codes(server: RunningServer) -> None:
     summary = json.loads(stub.GetSummary(telemetry_pb2.SummaryRequest(experiment_id="e"), timeout=5).json)
     assert summary["status"] == "insufficient_samples" and summary["artifact_sha256"]["workload"] == "c" * 64
     bad = [
-        telemetry_pb2.ArtifactRequest(experiment_id="e", kind=telemetry_pb2.ARTIFACT_KIND_TOKENS, arm="blue", sha256="a" * 64),
+        telemetry_pb2.ArtifactRequest(
+            experiment_id="e", kind=telemetry_pb2.ARTIFACT_KIND_TOKENS, arm="blue", sha256="a" * 64
+        ),
         telemetry_pb2.ArtifactRequest(experiment_id="e", arm="control", sha256="a" * 64),
-        telemetry_pb2.ArtifactRequest(experiment_id="e", arm="control", kind=telemetry_pb2.ARTIFACT_KIND_TOKENS,
-                                      tokens_json="[1,2]", sha256="a" * 64),  # fmt: skip
+        telemetry_pb2.ArtifactRequest(
+            experiment_id="e",
+            arm="control",
+            kind=telemetry_pb2.ARTIFACT_KIND_TOKENS,
+            tokens_json="[1,2]",
+            sha256="a" * 64,
+        ),  # fmt: skip
         telemetry_pb2.ArtifactRequest(kind=telemetry_pb2.ARTIFACT_KIND_TREATMENT, value="x"),
     ]
     for req in bad:
@@ -271,7 +278,9 @@ def test_garbage_bytes_get_invalid_argument_and_service_stays_healthy(server: Ru
 
 def test_reflection_lists_every_service(server: RunningServer) -> None:
     stub = reflection_pb2_grpc.ServerReflectionStub(server.channel)
-    (resp,) = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+    (resp,) = list(
+        stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+    )
     names = {s.name for s in resp.list_services_response.service}
     assert {"kvfleet.v1.Telemetry", "opentelemetry.proto.collector.trace.v1.TraceService",
             "grpc.health.v1.Health"} <= names  # fmt: skip
@@ -337,8 +346,19 @@ def test_stop_drains_and_flushes_the_store(tmp_path: Any) -> None:
 
 def test_entry_point_serves_and_stops_cleanly_on_sigterm(tmp_path: Any) -> None:
     db = tmp_path / "main.db"
-    cmd = [sys.executable, "-m", "telemetry_svc", "--host", "127.0.0.1", "--port", "0", "--db", str(db),
-           "--metrics-port", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "telemetry_svc",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--db",
+        str(db),
+        "--metrics-port",
+        "0",
+    ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         port = None

@@ -1,4 +1,5 @@
 """TLS everywhere, mutual TLS towards workers and telemetry, and the client API's bearer token."""
+
 import asyncio
 import sqlite3
 import subprocess
@@ -8,12 +9,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvfleet_common import security
 from kvfleet.client import SchedulerClient, build_request
 from kvfleet.local_cluster import ClusterSpec, LocalCluster
-from kvfleet_common.security import TlsConfig
 from kvfleet.v1 import worker_pb2 as wpb
 from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
+from kvfleet_common import security
+from kvfleet_common.security import TlsConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "s3cret-token"
@@ -22,8 +23,9 @@ TOKEN = "s3cret-token"
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("certs")
-    subprocess.run(["bash", str(ROOT / "deploy/tls/make_dev_certs.sh"), str(out)], check=True,
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        ["bash", str(ROOT / "deploy/tls/make_dev_certs.sh"), str(out)], check=True, capture_output=True, timeout=120
+    )
     return out
 
 
@@ -35,7 +37,7 @@ def tls_cluster(certs):
 
 
 def test_a_tls_client_with_the_token_is_served(tls_cluster, certs):
-    trust_only = TlsConfig(ca=str(certs / "ca.pem"))       # server-side TLS; no client cert needed
+    trust_only = TlsConfig(ca=str(certs / "ca.pem"))  # server-side TLS; no client cert needed
     with SchedulerClient(tls_cluster.scheduler_address, trust_only, TOKEN) as client:
         assert client.generate(build_request([1, 2, 3], 5)).finish_reason == "length"
 
@@ -68,8 +70,9 @@ def test_workers_accept_only_the_scheduler(tls_cluster, certs):
             wpb_grpc.WorkerStub(ch).GetInfo(wpb.GetInfoRequest(), timeout=5)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     # The scheduler's identity is accepted.
-    as_scheduler = TlsConfig(cert=str(certs / "scheduler.pem"), key=str(certs / "scheduler.key"),
-                             ca=str(certs / "ca.pem"))
+    as_scheduler = TlsConfig(
+        cert=str(certs / "scheduler.pem"), key=str(certs / "scheduler.key"), ca=str(certs / "ca.pem")
+    )
     with security.channel(worker, as_scheduler) as ch:
         assert wpb_grpc.WorkerStub(ch).GetInfo(wpb.GetInfoRequest(), timeout=5).model.name == "tiny"
 
@@ -81,7 +84,7 @@ def test_spans_reach_telemetry_over_mutual_tls(tls_cluster, certs):
     for _ in range(60):
         if db.exists():
             names = {n for (n,) in sqlite3.connect(db).execute("SELECT DISTINCT name FROM spans")}
-            if {"text_completion tiny", "worker_step"} <= names:   # the session span is `{operation} {model}`
+            if {"text_completion tiny", "worker_step"} <= names:  # the session span is `{operation} {model}`
                 return
         time.sleep(0.25)
     pytest.fail("no spans arrived over TLS")
@@ -98,8 +101,7 @@ def _get_info_as(certs: Path, worker_tls: TlsConfig, callers: list[str]) -> dict
     from worker_svc.server import create_server
 
     async def run() -> dict[str, str]:
-        config = WorkerConfig(host="127.0.0.1", port=0, model="tiny", num_blocks=64, metrics_port=0,
-                              tls=worker_tls)
+        config = WorkerConfig(host="127.0.0.1", port=0, model="tiny", num_blocks=64, metrics_port=0, tls=worker_tls)
         server, port, _ = await create_server(config)
         got = {}
         try:
@@ -119,12 +121,20 @@ def _get_info_as(certs: Path, worker_tls: TlsConfig, callers: list[str]) -> dict
 
 def test_a_worker_under_mutual_tls_admits_only_the_scheduler_unless_told(certs):
     """No KVFLEET_TLS_ALLOWED_CLIENTS: a certificate of the CA is not enough to drive a worker."""
-    env = {"KVFLEET_TLS_CERT": str(certs / "worker.pem"), "KVFLEET_TLS_KEY": str(certs / "worker.key"),
-           "KVFLEET_TLS_CA": str(certs / "ca.pem"), "KVFLEET_TLS_CLIENT_AUTH": "true"}
+    env = {
+        "KVFLEET_TLS_CERT": str(certs / "worker.pem"),
+        "KVFLEET_TLS_KEY": str(certs / "worker.key"),
+        "KVFLEET_TLS_CA": str(certs / "ca.pem"),
+        "KVFLEET_TLS_CLIENT_AUTH": "true",
+    }
     callers = ["scheduler", "gateway", "client", "telemetry", "worker"]
     assert _get_info_as(certs, TlsConfig.from_env(env), callers) == {
-        "scheduler": "OK", "gateway": "PERMISSION_DENIED", "client": "PERMISSION_DENIED",
-        "telemetry": "PERMISSION_DENIED", "worker": "PERMISSION_DENIED"}
+        "scheduler": "OK",
+        "gateway": "PERMISSION_DENIED",
+        "client": "PERMISSION_DENIED",
+        "telemetry": "PERMISSION_DENIED",
+        "worker": "PERMISSION_DENIED",
+    }
     # Configured otherwise: named clients, or any certificate of the CA.
     named = TlsConfig.from_env({**env, "KVFLEET_TLS_ALLOWED_CLIENTS": "kvfleet-scheduler,kvfleet-client"})
     assert _get_info_as(certs, named, ["client", "gateway"]) == {"client": "OK", "gateway": "PERMISSION_DENIED"}
@@ -138,14 +148,19 @@ def test_a_worker_under_tls_without_client_certificates_admits_nobody(certs):
     assert _get_info_as(certs, tls, ["scheduler"]) == {"scheduler": "PERMISSION_DENIED"}
 
 
-@pytest.mark.parametrize("serving,dialled_as,ok", [
-    ("worker", "worker-0", True), ("worker", "kvfleet-worker-1.kvfleet-worker", True),
-    ("scheduler", "scheduler", True), ("telemetry", "telemetry", True),
-    ("worker", "scheduler", False),       # a worker's key cannot pass for the scheduler
-    ("telemetry", "worker-0", False),     # nor telemetry's for a worker
-    ("scheduler", "telemetry", False),
-    ("worker", "telemetry", False),
-])
+@pytest.mark.parametrize(
+    "serving,dialled_as,ok",
+    [
+        ("worker", "worker-0", True),
+        ("worker", "kvfleet-worker-1.kvfleet-worker", True),
+        ("scheduler", "scheduler", True),
+        ("telemetry", "telemetry", True),
+        ("worker", "scheduler", False),  # a worker's key cannot pass for the scheduler
+        ("telemetry", "worker-0", False),  # nor telemetry's for a worker
+        ("scheduler", "telemetry", False),
+        ("worker", "telemetry", False),
+    ],
+)
 def test_server_certificates_carry_only_their_own_service_names(certs, serving, dialled_as, ok):
     """A server on loopback with `serving`'s certificate; a client that dials it by the name
     `dialled_as` (as the compose network or Kubernetes would resolve it) must trust it only if

@@ -1,6 +1,7 @@
 """`kvfleet up` as a user runs it (a subprocess) keeps serving when a worker is SIGKILLed: the
 streams in flight finish with exactly their solo tokens, the worker is restarted and serves again,
 and only SIGTERM stops the cluster."""
+
 from __future__ import annotations
 
 import os
@@ -22,9 +23,23 @@ class Up:
 
     def __init__(self, args: list[str], log: Path, start_timeout_s: float) -> None:
         self.stderr_path = log
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvfleet.cli", "up", "--port", "0",
-                                      "--telemetry-port", "0", "--gateway-port", "0", *args],
-                                     stdout=subprocess.PIPE, stderr=open(log, "wb"))
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvfleet.cli",
+                "up",
+                "--port",
+                "0",
+                "--telemetry-port",
+                "0",
+                "--gateway-port",
+                "0",
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=open(log, "wb"),
+        )
         banner = self._read_until("pids: ", start_timeout_s)
         self.scheduler = re.search(r"scheduler at (\S+?)[,\s]", banner).group(1)
         self.pids = {n: int(p) for n, p in re.findall(r"([\w-]+)=(\d+)", banner.split("pids: ")[1])}
@@ -36,7 +51,7 @@ class Up:
         while marker not in text or not text.endswith("\n"):
             assert self.proc.poll() is None, f"kvfleet up exited:\n{text}\n{self.stderr()}"
             assert time.monotonic() < end, f"kvfleet up not up within {timeout_s}s:\n{text}"
-            if sel.select(0.5):   # raw reads: a buffered readline could hide a line from select
+            if sel.select(0.5):  # raw reads: a buffered readline could hide a line from select
                 text += os.read(self.proc.stdout.fileno(), 65536).decode()
         return text
 
@@ -60,8 +75,9 @@ def _wait_live(client: SchedulerClient, worker: str, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-def _kill_a_worker_mid_stream(up: Up, prompts: list, new_tokens: int, solo: list[list[int]],
-                              restart_timeout_s: float) -> None:
+def _kill_a_worker_mid_stream(
+    up: Up, prompts: list, new_tokens: int, solo: list[list[int]], restart_timeout_s: float
+) -> None:
     # The raw call, no client retry: the cluster itself must keep the streams whole.
     with SchedulerClient(up.scheduler, retry=NO_RETRY) as client:
         streams = [client.stream(build_request(p, new_tokens, ignore_eos=True)) for p in prompts]
@@ -101,12 +117,18 @@ def test_up_keeps_serving_when_a_worker_is_killed_tiny(tmp_path: Path):
 
 @pytest.mark.slow
 def test_up_keeps_serving_when_a_worker_is_killed_smollm2(tmp_path: Path):
-    prompts = ["The capital of France is", "def add(a, b):", "Three colors:", "In 1969,",
-               "The sea is", "Once upon a time"]
+    prompts = [
+        "The capital of France is",
+        "def add(a, b):",
+        "Three colors:",
+        "In 1969,",
+        "The sea is",
+        "Once upon a time",
+    ]
     new_tokens = 12
     up = Up(["--model", "smollm2-135m", "--workers", "2"], tmp_path / "up.err", start_timeout_s=120)
     try:
-        with SchedulerClient(up.scheduler) as client:   # each prompt alone: its solo tokens
+        with SchedulerClient(up.scheduler) as client:  # each prompt alone: its solo tokens
             solo = [client.generate(build_request(p, new_tokens, ignore_eos=True)).token_ids for p in prompts]
         _kill_a_worker_mid_stream(up, prompts, new_tokens, solo, restart_timeout_s=90)
     finally:

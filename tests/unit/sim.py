@@ -1,10 +1,16 @@
 """A fake worker for driving the scheduler core without a network or a model (unit tests only)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Set
 
 from scheduler_svc.core import (
-    SchedulerCore, StepResult, StepStatus, TickOutcome, TickPlan, WorkerSpec,
+    SchedulerCore,
+    StepResult,
+    StepStatus,
+    TickOutcome,
+    TickPlan,
+    WorkerSpec,
 )
 
 
@@ -16,13 +22,18 @@ def sequential_ids() -> Callable[[str], str]:
         n = counters.get(prefix, 0)
         counters[prefix] = n + 1
         return f"{prefix}{n}"
+
     return new_id
 
 
 def settled(plan: TickPlan) -> TickOutcome:
     """What schedule() settled while planning (cancellations, preemptions), as an outcome."""
-    return TickOutcome(tick=plan.tick, finished=list(plan.finished), requeued=list(plan.requeued),
-                       release={w: list(s) for w, s in plan.release.items()})
+    return TickOutcome(
+        tick=plan.tick,
+        finished=list(plan.finished),
+        requeued=list(plan.requeued),
+        release={w: list(s) for w, s in plan.release.items()},
+    )
 
 
 def plan_tick(core: SchedulerCore) -> tuple[TickPlan, TickOutcome]:
@@ -30,16 +41,24 @@ def plan_tick(core: SchedulerCore) -> tuple[TickPlan, TickOutcome]:
     return plan, settled(plan)
 
 
-def complete_tick(core: SchedulerCore, plan: TickPlan, results: Mapping[str, StepResult],
-                  failed_workers: Set[str] = frozenset(), outcome: TickOutcome | None = None) -> TickOutcome:
+def complete_tick(
+    core: SchedulerCore,
+    plan: TickPlan,
+    results: Mapping[str, StepResult],
+    failed_workers: Set[str] = frozenset(),
+    outcome: TickOutcome | None = None,
+) -> TickOutcome:
     """update(), with what schedule() settled first (the whole tick's effects in one outcome)."""
     out = core.update(plan, results, failed_workers)
     if outcome is None:
         return out
-    merged = TickOutcome(tick=plan.tick, tokens=outcome.tokens + out.tokens,
-                         finished=outcome.finished + out.finished,
-                         requeued=outcome.requeued + out.requeued,
-                         dropped=outcome.dropped + out.dropped)
+    merged = TickOutcome(
+        tick=plan.tick,
+        tokens=outcome.tokens + out.tokens,
+        finished=outcome.finished + out.finished,
+        requeued=outcome.requeued + out.requeued,
+        dropped=outcome.dropped + out.dropped,
+    )
     for part in (outcome, out):
         for w, sids in part.release.items():
             merged.release.setdefault(w, []).extend(sids)
@@ -55,7 +74,7 @@ class FakeWorkers:
 
     def __init__(self) -> None:
         self.kv: dict[str, int] = {}
-        self.owner: dict[str, str] = {}    # session -> the worker whose cache holds its KV
+        self.owner: dict[str, str] = {}  # session -> the worker whose cache holds its KV
 
     def run(self, plan: TickPlan) -> dict[str, StepResult]:
         results = {}
@@ -75,7 +94,8 @@ class FakeWorkers:
                 continue
             self.kv[d.session_id] = held + 1
             results[d.session_id] = StepResult(
-                d.session_id, StepStatus.OK, fake_token(d.session_id, d.generated_so_far), held + 1)
+                d.session_id, StepStatus.OK, fake_token(d.session_id, d.generated_so_far), held + 1
+            )
         return results
 
     def release(self, outcome: TickOutcome) -> None:
@@ -102,12 +122,18 @@ class FakeWorkers:
 
 
 def tiny_worker(worker_id: str = "w0", blocks: int = 1024, block_size: int = 16) -> WorkerSpec:
-    return WorkerSpec(worker_id=worker_id, capacity_tokens=blocks * block_size,
-                      block_size=block_size, kv_bytes_per_token=1536, weight_bytes=0)
+    return WorkerSpec(
+        worker_id=worker_id,
+        capacity_tokens=blocks * block_size,
+        block_size=block_size,
+        kv_bytes_per_token=1536,
+        weight_bytes=0,
+    )
 
 
-def run_to_completion(core: SchedulerCore, workers: FakeWorkers, max_ticks: int = 10_000,
-                      on_tick=None) -> list[TickOutcome]:
+def run_to_completion(
+    core: SchedulerCore, workers: FakeWorkers, max_ticks: int = 10_000, on_tick=None
+) -> list[TickOutcome]:
     outcomes = []
     while core.has_work():
         plan, early = plan_tick(core)

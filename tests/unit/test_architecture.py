@@ -1,4 +1,5 @@
 """The import rule of ARCHITECTURE.md, checked: which package may import which."""
+
 from __future__ import annotations
 
 import ast
@@ -7,8 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PROJECT = ("kvfleet", "kvfleet_common", "kvfleet_models", "scheduler_svc", "worker_svc",
-           "telemetry_svc", "gateway_svc")
+PROJECT = ("kvfleet", "kvfleet_common", "kvfleet_models", "scheduler_svc", "worker_svc", "telemetry_svc", "gateway_svc")
 GENERATED = "kvfleet.v1"
 CLIENT = "kvfleet.client"
 
@@ -23,9 +23,16 @@ ALLOWED: dict[str, set[str]] = {
     CLIENT: {"kvfleet_common", GENERATED},
 }
 # Pure cores: no gRPC, no protobuf, no sockets, no generated code.
-CORES = ["scheduler_svc/core", "worker_svc/block_allocator.py", "worker_svc/kv_views_mode.py",
-         "telemetry_svc/stats.py", "telemetry_svc/gates.py", "telemetry_svc/summary.py",
-         "telemetry_svc/retention.py", "gateway_svc/openai_schema.py"]
+CORES = [
+    "scheduler_svc/core",
+    "worker_svc/block_allocator.py",
+    "worker_svc/kv_views_mode.py",
+    "telemetry_svc/stats.py",
+    "telemetry_svc/gates.py",
+    "telemetry_svc/summary.py",
+    "telemetry_svc/retention.py",
+    "gateway_svc/openai_schema.py",
+]
 IO_MODULES = {"grpc", "grpc_health", "grpc_reflection", "google", "socket", "aiohttp", "kvfleet"}
 
 
@@ -73,8 +80,9 @@ def test_package_imports_only_what_the_rule_allows(package):
 
 @pytest.mark.parametrize("core", CORES)
 def test_cores_import_no_network_or_generated_code(core):
-    bad = [f"{f.relative_to(ROOT)} imports {m}" for f in _files(core) for m in _imports(f)
-           if m.split(".")[0] in IO_MODULES]
+    bad = [
+        f"{f.relative_to(ROOT)} imports {m}" for f in _files(core) for m in _imports(f) if m.split(".")[0] in IO_MODULES
+    ]
     assert not bad, "\n".join(sorted(bad))
 
 

@@ -1,4 +1,5 @@
 """Block allocator and per-session KV books: table-driven, with the free + used == total invariant."""
+
 from __future__ import annotations
 
 import pytest
@@ -54,7 +55,7 @@ def test_allocator_rejects_double_free_and_foreign_blocks() -> None:
         alloc.free(blocks)
     held = alloc.allocate(1)
     with pytest.raises(ValueError):
-        alloc.free([held[0], 99])          # nothing freed if any block is bad
+        alloc.free([held[0], 99])  # nothing freed if any block is bad
     assert alloc.num_used == 1
     _check_invariants(alloc)
 
@@ -78,8 +79,9 @@ APPEND_CASES = [
 
 
 @pytest.mark.parametrize("name,appends,bs,tokens,used", APPEND_CASES, ids=[c[0] for c in APPEND_CASES])
-def test_append_sequences(name: str, appends: list[tuple[str, int]], bs: int,
-                          tokens: dict[str, int], used: int) -> None:
+def test_append_sequences(
+    name: str, appends: list[tuple[str, int]], bs: int, tokens: dict[str, int], used: int
+) -> None:
     alloc = BlockAllocator(16)
     books = KVBookkeeper(bs, alloc)
     all_slots: list[int] = []
@@ -101,9 +103,9 @@ def test_append_sequences(name: str, appends: list[tuple[str, int]], bs: int,
 def test_out_of_blocks_leaves_books_unchanged() -> None:
     alloc = BlockAllocator(3)
     books = KVBookkeeper(4, alloc)
-    books.append("a", 6)                              # 2 blocks, 2 free slots in the second
-    assert books.can_append("a", 2)                   # fits in the partly filled block
-    assert not books.can_append("a", 7)               # needs 2 more blocks, 1 free
+    books.append("a", 6)  # 2 blocks, 2 free slots in the second
+    assert books.can_append("a", 2)  # fits in the partly filled block
+    assert not books.can_append("a", 7)  # needs 2 more blocks, 1 free
     assert not books.can_append("b", 5)
     with pytest.raises(OutOfBlocks):
         books.append("a", 7)
@@ -125,6 +127,6 @@ def test_release_returns_blocks_and_is_idempotent() -> None:
     assert not books.has("a") and books.num_tokens("a") == 0 and books.blocks("a") == []
     assert alloc.num_used == 1
     _check_invariants(alloc, books)
-    books.append("c", 28)                             # the released blocks are reusable
+    books.append("c", 28)  # the released blocks are reusable
     assert alloc.num_free == 0
     _check_invariants(alloc, books)

@@ -1,5 +1,6 @@
 """The compose files, the dashboards profile's configs and the TLS overlay, read as data (no
 Docker here; tests/e2e renders them with docker-compose and runs the stacks)."""
+
 from __future__ import annotations
 
 import json
@@ -73,14 +74,25 @@ def test_dashboards_profile_fans_traces_out_and_scrapes_every_metrics_port(base:
 def test_grafana_dashboard_shows_what_operators_need() -> None:
     dash = json.loads((REPO / "deploy/grafana/dashboards/kvfleet.json").read_text())
     exprs = " ".join(t["expr"] for p in dash["panels"] for t in p.get("targets", []))
-    for metric in ("kvfleet:num_requests_running", "kvfleet:num_requests_waiting", "kvfleet:batch_occupancy",
-                   "kvfleet:scheduler_kv_usage_perc", "kvfleet:worker_kv_cache_usage_perc",
-                   "kvfleet:generation_tokens_total", "kvfleet:num_preemptions_total",
-                   "kvfleet:time_to_first_token_seconds_bucket", "kvfleet:inter_token_latency_seconds_bucket",
-                   "kvfleet:request_queue_time_seconds_bucket", "kvfleet:request_prefill_time_seconds_bucket",
-                   "kvfleet:request_decode_time_seconds_bucket", "kvfleet:request_prompt_tokens_bucket",
-                   "kvfleet:request_generation_tokens_bucket", "kvfleet:iteration_tokens_bucket",
-                   "kvfleet:gateway_requests_total", "kvfleet:gateway_request_duration_seconds_bucket"):
+    for metric in (
+        "kvfleet:num_requests_running",
+        "kvfleet:num_requests_waiting",
+        "kvfleet:batch_occupancy",
+        "kvfleet:scheduler_kv_usage_perc",
+        "kvfleet:worker_kv_cache_usage_perc",
+        "kvfleet:generation_tokens_total",
+        "kvfleet:num_preemptions_total",
+        "kvfleet:time_to_first_token_seconds_bucket",
+        "kvfleet:inter_token_latency_seconds_bucket",
+        "kvfleet:request_queue_time_seconds_bucket",
+        "kvfleet:request_prefill_time_seconds_bucket",
+        "kvfleet:request_decode_time_seconds_bucket",
+        "kvfleet:request_prompt_tokens_bucket",
+        "kvfleet:request_generation_tokens_bucket",
+        "kvfleet:iteration_tokens_bucket",
+        "kvfleet:gateway_requests_total",
+        "kvfleet:gateway_request_duration_seconds_bucket",
+    ):
         assert metric in exprs, metric
     assert re.search(r"sum by \(reason\) \(rate\(kvfleet:request_rejections_total", exprs)
     # one name, one meaning: the scheduler's budget and a worker's blocks are named apart
@@ -88,7 +100,7 @@ def test_grafana_dashboard_shows_what_operators_need() -> None:
     # a counter is charted as a rate, never as its raw running total
     for expr in (t["expr"] for p in dash["panels"] for t in p.get("targets", [])):
         for m in re.finditer(r"[a-z_:]+_total\b", expr):
-            assert re.search(r"(rate|increase)\($", expr[:m.start()]), expr
+            assert re.search(r"(rate|increase)\($", expr[: m.start()]), expr
     # session spans are found by kvfleet.span, their names being `{operation} {model}`
     assert 'span_name="session"' not in exprs and 'kvfleet_span="session"' in exprs
     # the model filter the scheduler's families carry (model_name) is a dashboard variable
@@ -114,7 +126,7 @@ def test_tls_overlay_covers_every_core_service(tls: dict) -> None:
         ident = Path(env["KVFLEET_TLS_CERT"]).stem
         assert ident in issued and env["KVFLEET_TLS_KEY"] == f"/tls/{ident}.key", name
         assert env.get("KVFLEET_TLS_CA") == "/tls/ca.pem", name
-        if name != "telemetry":   # the others export spans to telemetry over mutual TLS
+        if name != "telemetry":  # the others export spans to telemetry over mutual TLS
             assert env["OTEL_EXPORTER_OTLP_INSECURE"] == "false", name
             assert env["OTEL_EXPORTER_OTLP_ENDPOINT"].startswith("${KVFLEET_OTLP_ENDPOINT:-https://"), name
             assert env["OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE"] == env["KVFLEET_TLS_CERT"], name
@@ -132,13 +144,17 @@ def test_tls_overlay_mounts_each_service_its_own_key_only(tls: dict) -> None:
         ident = Path(svc["environment"]["KVFLEET_TLS_CERT"]).stem
         (source,) = _tls_mounts(svc)
         assert source.startswith("${KVFLEET_TLS_DIR:?") and source.endswith("}/" + ident), (name, source)
-        for path in (v for k, v in svc["environment"].items() if str(v).startswith("/tls/")):
-            assert Path(path).name in {"ca.pem", f"{ident}.pem", f"{ident}.key"}, (name, k, path)
+        for key, path in ((k, v) for k, v in svc["environment"].items() if str(v).startswith("/tls/")):
+            assert Path(path).name in {"ca.pem", f"{ident}.pem", f"{ident}.key"}, (name, key, path)
 
 
 def test_tls_overlay_mounts_folders_the_cert_script_makes_with_the_files_named(tls: dict, tmp_path: Path) -> None:
-    subprocess.run(["bash", str(REPO / "deploy/tls/make_dev_certs.sh"), str(tmp_path)], check=True,
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        ["bash", str(REPO / "deploy/tls/make_dev_certs.sh"), str(tmp_path)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     for name, svc in tls.items():
         (source,) = _tls_mounts(svc)
         folder = tmp_path / source.rsplit("}/", 1)[1]
@@ -149,7 +165,8 @@ def test_tls_overlay_mounts_folders_the_cert_script_makes_with_the_files_named(t
 
 
 def test_tls_overlay_requires_the_token_and_the_gateway_passes_callers_keys_through(
-        tls: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    tls: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from gateway_svc.__main__ import parse_args
     from gateway_svc.config import AuthMode
 

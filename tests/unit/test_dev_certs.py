@@ -1,5 +1,6 @@
 """deploy/tls/make_dev_certs.sh: one folder per service holding only that service's key, the CA's
 key in none of them, and server certificates that name their own service and nothing else."""
+
 from __future__ import annotations
 
 import os
@@ -16,15 +17,21 @@ LOOPBACK = {"DNS:localhost", "IP:127.0.0.1"}
 # What each server is dialled as: compose service names, Kubernetes Service / pod names.
 OWN_NAMES = {
     "scheduler": {"DNS:scheduler", "DNS:kvfleet-scheduler"},
-    "worker": {"DNS:worker", "DNS:worker-0", "DNS:worker-1", "DNS:kvfleet-worker-0.kvfleet-worker",
-               "DNS:kvfleet-worker-1.kvfleet-worker"},
+    "worker": {
+        "DNS:worker",
+        "DNS:worker-0",
+        "DNS:worker-1",
+        "DNS:kvfleet-worker-0.kvfleet-worker",
+        "DNS:kvfleet-worker-1.kvfleet-worker",
+    },
     "telemetry": {"DNS:telemetry", "DNS:kvfleet-telemetry"},
 }
 
 
 def _make(out: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), str(out), *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **env})
+    return subprocess.run(
+        ["bash", str(SCRIPT), str(out), *args], capture_output=True, text=True, timeout=120, env={**os.environ, **env}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +44,23 @@ def certs(tmp_path_factory) -> Path:
 
 
 def _sans(cert: Path) -> set[str]:
-    out = subprocess.run(["openssl", "x509", "-in", str(cert), "-noout", "-ext", "subjectAltName"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["openssl", "x509", "-in", str(cert), "-noout", "-ext", "subjectAltName"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     names = (n.strip() for line in out.splitlines()[1:] for n in line.split(","))
     return {re.sub(r"^IP Address:", "IP:", n) for n in names if n}
 
 
 def _subject_cn(cert: Path) -> str:
-    out = subprocess.run(["openssl", "x509", "-in", str(cert), "-noout", "-subject", "-nameopt", "multiline"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["openssl", "x509", "-in", str(cert), "-noout", "-subject", "-nameopt", "multiline"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return re.search(r"commonName\s*=\s*(\S+)", out).group(1)
 
 
@@ -53,7 +68,7 @@ def test_each_service_folder_holds_its_own_key_and_the_ca_certificate_only(certs
     for ident in IDENTITIES:
         folder = certs / ident
         assert sorted(p.name for p in folder.iterdir()) == sorted(["ca.pem", f"{ident}.pem", f"{ident}.key"]), ident
-        assert all(not p.is_symlink() for p in folder.iterdir()), ident   # a mounted link would dangle
+        assert all(not p.is_symlink() for p in folder.iterdir()), ident  # a mounted link would dangle
         assert (folder / "ca.pem").read_bytes() == (certs / "ca.pem").read_bytes()
         assert _subject_cn(folder / f"{ident}.pem") == f"kvfleet-{ident}"
     keys = sorted(p.relative_to(certs).as_posix() for p in certs.rglob("*.key") if not p.is_symlink())
@@ -64,7 +79,7 @@ def test_each_service_folder_holds_its_own_key_and_the_ca_certificate_only(certs
 
 def test_the_ca_key_is_private_whatever_mode_the_service_keys_get(certs: Path) -> None:
     assert stat.S_IMODE((certs / "ca.key").stat().st_mode) == 0o600
-    assert stat.S_IMODE((certs / "worker" / "worker.key").stat().st_mode) == 0o644   # as asked
+    assert stat.S_IMODE((certs / "worker" / "worker.key").stat().st_mode) == 0o644  # as asked
 
 
 @pytest.mark.parametrize("ident", sorted(OWN_NAMES))
@@ -75,8 +90,20 @@ def test_a_server_certificate_names_its_own_service_only(certs: Path, ident: str
 
 @pytest.mark.parametrize("ident", ["gateway", "client"])
 def test_client_certificates_name_no_server(certs: Path, ident: str) -> None:
-    out = subprocess.run(["openssl", "x509", "-in", str(certs / ident / f"{ident}.pem"), "-noout", "-ext",
-                          "subjectAltName,extendedKeyUsage"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            "openssl",
+            "x509",
+            "-in",
+            str(certs / ident / f"{ident}.pem"),
+            "-noout",
+            "-ext",
+            "subjectAltName,extendedKeyUsage",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "Alternative Name" not in out and "TLS Web Client Authentication" in out
     assert "Server Authentication" not in out
 

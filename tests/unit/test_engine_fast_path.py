@@ -3,6 +3,7 @@ the two attention groups, the thread split between torch and the host BLAS, bflo
 GQA model. Numbers are compared with the numpy reference; no timing is asserted here (the
 benchmark, `python -m bench`, measures speed).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,17 +13,25 @@ import pytest
 import torch
 
 from kvfleet_models.config import LlamaConfig
-from worker_svc.engine import (DecodeItem, Engine, EngineConfig, ItemStatus, PrefillItem,
-                               SamplingSpec)
-from worker_svc.model.cpu_backend import use_cpu_threads
-from worker_svc.model.llama import LlamaModel
 from kvfleet_models.reference import reference_generate, reference_logits
 from kvfleet_models.tiny import tiny_weights
+from worker_svc.engine import DecodeItem, Engine, EngineConfig, ItemStatus, PrefillItem, SamplingSpec
+from worker_svc.model.cpu_backend import use_cpu_threads
+from worker_svc.model.llama import LlamaModel
 
 GREEDY = SamplingSpec()
-TIED = LlamaConfig(name="tiny-tied", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
-                   num_kv_heads=2, intermediate_size=48, max_position=96, rope_theta=1000.0,
-                   tie_word_embeddings=True)
+TIED = LlamaConfig(
+    name="tiny-tied",
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=48,
+    max_position=96,
+    rope_theta=1000.0,
+    tie_word_embeddings=True,
+)
 TIED_WEIGHTS = tiny_weights(TIED, seed=3)
 
 
@@ -31,8 +40,7 @@ def _prompt(n: int, salt: int, vocab: int = TIED.vocab_size) -> tuple[int, ...]:
 
 
 def _engine(kv_views: str = "rebuild", dtype: str = "float32", **kw) -> Engine:
-    return Engine(TIED, TIED_WEIGHTS, EngineConfig(block_size=4, num_blocks=64, kv_views=kv_views,
-                                                  dtype=dtype, **kw))
+    return Engine(TIED, TIED_WEIGHTS, EngineConfig(block_size=4, num_blocks=64, kv_views=kv_views, dtype=dtype, **kw))
 
 
 def test_tied_head_has_no_second_copy() -> None:
@@ -51,10 +59,13 @@ def test_mixed_step_of_both_groups_matches_reference(kv_views: str) -> None:
     ta, tb = (r.token_id for r in first.results)
     d = _prompt(13, 4)
     out = engine.step(
-        [PrefillItem("d", d[:7], 0, False, GREEDY),               # multi-token, not sampled
-         PrefillItem("c", c, 0, True, GREEDY)],                   # one token: decode group
+        [
+            PrefillItem("d", d[:7], 0, False, GREEDY),  # multi-token, not sampled
+            PrefillItem("c", c, 0, True, GREEDY),
+        ],  # one token: decode group
         [DecodeItem("b", tb, len(b), GREEDY, 1), DecodeItem("a", ta, len(a), GREEDY, 1)],
-        return_logits=True)
+        return_logits=True,
+    )
     assert [r.status for r in out.results] == [ItemStatus.OK] * 4
     assert out.results[0].token_id is None and out.results[0].kv_tokens == 7
     assert out.logits is not None
@@ -82,8 +93,8 @@ def test_threads_are_given_to_one_pool_only() -> None:
     saved = torch.get_num_threads()
     try:
         engine = _engine(num_threads=2)
-        assert engine.model.host_blas            # float32 on a CPU
-        assert torch.get_num_threads() == 1      # the BLAS pool has the threads, torch one
+        assert engine.model.host_blas  # float32 on a CPU
+        assert torch.get_num_threads() == 1  # the BLAS pool has the threads, torch one
         use_cpu_threads(2, host_blas=False)
         assert torch.get_num_threads() == 2
     finally:
@@ -99,8 +110,7 @@ def test_untied_and_tied_layouts_agree_when_head_equals_embedding() -> None:
     outs = []
     for cfg, weights in ((TIED, TIED_WEIGHTS), (untied_cfg, untied)):
         engine = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=16))
-        outs.append(engine.step([PrefillItem("s", prompt, 0, True, GREEDY)], [],
-                                return_logits=True).logits)
+        outs.append(engine.step([PrefillItem("s", prompt, 0, True, GREEDY)], [], return_logits=True).logits)
     np.testing.assert_allclose(outs[0], outs[1], atol=1e-6, rtol=0)
 
 
@@ -111,15 +121,17 @@ def test_torch_matmul_path_matches_host_blas_path(kv_views: str) -> None:
     outs = []
     for host_blas in (True, False):
         engine = _engine(kv_views)
-        engine.model = LlamaModel(TIED, TIED_WEIGHTS, torch.device("cpu"), torch.float32,
-                                  host_blas=host_blas)
+        engine.model = LlamaModel(TIED, TIED_WEIGHTS, torch.device("cpu"), torch.float32, host_blas=host_blas)
         a, b = _prompt(9, 1), _prompt(3, 2)
-        first = engine.step([PrefillItem("a", a, 0, True, GREEDY), PrefillItem("b", b, 0, True, GREEDY)],
-                            [], return_logits=True)
+        first = engine.step(
+            [PrefillItem("a", a, 0, True, GREEDY), PrefillItem("b", b, 0, True, GREEDY)], [], return_logits=True
+        )
         ta, tb = (r.token_id for r in first.results)
-        second = engine.step([PrefillItem("c", _prompt(6, 3), 0, True, GREEDY)],
-                             [DecodeItem("a", ta, len(a), GREEDY, 1), DecodeItem("b", tb, len(b), GREEDY, 1)],
-                             return_logits=True)
+        second = engine.step(
+            [PrefillItem("c", _prompt(6, 3), 0, True, GREEDY)],
+            [DecodeItem("a", ta, len(a), GREEDY, 1), DecodeItem("b", tb, len(b), GREEDY, 1)],
+            return_logits=True,
+        )
         outs.append(np.concatenate([first.logits, second.logits]))
     np.testing.assert_allclose(outs[0], outs[1], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="host_blas"):
@@ -128,17 +140,20 @@ def test_torch_matmul_path_matches_host_blas_path(kv_views: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kv_views,dtype,atol", [("rebuild", "float32", 1e-4),
-                                                 ("persistent", "float32", 1e-4),
-                                                 ("persistent", "bfloat16", 0.25)])
+@pytest.mark.parametrize(
+    "kv_views,dtype,atol",
+    [("rebuild", "float32", 1e-4), ("persistent", "float32", 1e-4), ("persistent", "bfloat16", 0.25)],
+)
 def test_cuda_mixed_groups_match_reference(kv_views: str, dtype: str, atol: float) -> None:
     engine = _engine(kv_views, dtype=dtype, device="cuda")
     a, b = _prompt(9, 1), _prompt(4, 2)
     first = engine.step([PrefillItem("a", a, 0, True, GREEDY), PrefillItem("b", b, 0, True, GREEDY)], [])
     ta, tb = (r.token_id for r in first.results)
-    out = engine.step([PrefillItem("c", _prompt(5, 3), 0, True, GREEDY)],
-                      [DecodeItem("a", ta, len(a), GREEDY, 1), DecodeItem("b", tb, len(b), GREEDY, 1)],
-                      return_logits=True)
+    out = engine.step(
+        [PrefillItem("c", _prompt(5, 3), 0, True, GREEDY)],
+        [DecodeItem("a", ta, len(a), GREEDY, 1), DecodeItem("b", tb, len(b), GREEDY, 1)],
+        return_logits=True,
+    )
     assert out.logits is not None
     for row, seq in ((0, list(_prompt(5, 3))), (1, list(a) + [ta]), (2, list(b) + [tb])):
         ref = reference_logits(TIED, TIED_WEIGHTS, seq)[-1]

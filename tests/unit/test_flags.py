@@ -1,4 +1,5 @@
 """--config FILE, the environment and the flags: precedence, unknown keys, types, help."""
+
 from pathlib import Path
 
 import pytest
@@ -23,25 +24,37 @@ def _toml(tmp_path: Path, text: str, name: str = "c.toml") -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("env, file, flags, want", [
-    ({}, None, [], 1),                                     # default
-    ({"SVC_PORT": "2"}, None, [], 2),                      # environment over default
-    ({"SVC_PORT": "2"}, "port = 3", [], 3),                # file over environment
-    ({"SVC_PORT": "2"}, "port = 3", ["--port", "4"], 4),   # flag over file
-    ({}, None, ["--port", "4"], 4),
-    ({}, "port = 3", [], 3),
-])
+@pytest.mark.parametrize(
+    "env, file, flags, want",
+    [
+        ({}, None, [], 1),  # default
+        ({"SVC_PORT": "2"}, None, [], 2),  # environment over default
+        ({"SVC_PORT": "2"}, "port = 3", [], 3),  # file over environment
+        ({"SVC_PORT": "2"}, "port = 3", ["--port", "4"], 4),  # flag over file
+        ({}, None, ["--port", "4"], 4),
+        ({}, "port = 3", [], 3),
+    ],
+)
 def test_precedence_flag_file_environment_default(tmp_path, env, file, flags, want):
     argv = (["--config", _toml(tmp_path, file)] if file else []) + flags
     assert _parser(env).parse_args(argv).port == want
 
 
 def test_file_keys_with_dashes_or_underscores_and_typed_values(tmp_path):
-    path = _toml(tmp_path, 'kv-policy = "preempt"\nlog_format = "json"\ndrain = 2\nopen = true\n'
-                           'workers = ["a:1", "b:2"]\nlog-level = "debug"\n')
+    path = _toml(
+        tmp_path,
+        'kv-policy = "preempt"\nlog_format = "json"\ndrain = 2\nopen = true\n'
+        'workers = ["a:1", "b:2"]\nlog-level = "debug"\n',
+    )
     a = _parser({}).parse_args(["--config", path])
-    assert (a.kv_policy, a.log_format, a.drain, a.open, a.workers, a.log_level) == \
-        ("preempt", "json", 2.0, True, "a:1,b:2", "DEBUG")
+    assert (a.kv_policy, a.log_format, a.drain, a.open, a.workers, a.log_level) == (
+        "preempt",
+        "json",
+        2.0,
+        True,
+        "a:1,b:2",
+        "DEBUG",
+    )
     assert isinstance(a.drain, float)
 
 
@@ -52,16 +65,19 @@ def test_yaml_file(tmp_path):
     assert (a.port, a.kv_policy) == (7, "preempt")
 
 
-@pytest.mark.parametrize("text, says", [
-    ("prot = 3", "unknown key 'prot'"),
-    ("config = 'x.toml'", "unknown key 'config'"),
-    ('port = "many"', "port: invalid value 'many'"),
-    ("port = 1.5", "port: expected an integer"),
-    ('kv-policy = "sometimes"', "'sometimes' is not one of reserve, preempt"),
-    ("open = 3", "open: expected true or false"),
-    ("port = true", "port: expected a value"),
-    ("port = [", "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("prot = 3", "unknown key 'prot'"),
+        ("config = 'x.toml'", "unknown key 'config'"),
+        ('port = "many"', "port: invalid value 'many'"),
+        ("port = 1.5", "port: expected an integer"),
+        ('kv-policy = "sometimes"', "'sometimes' is not one of reserve, preempt"),
+        ("open = 3", "open: expected true or false"),
+        ("port = true", "port: expected a value"),
+        ("port = [", "not valid TOML"),
+    ],
+)
 def test_bad_files_are_errors_naming_the_key(tmp_path, capsys, text, says):
     with pytest.raises(SystemExit) as exc:
         _parser({}).parse_args(["--config", _toml(tmp_path, text)])
@@ -99,8 +115,10 @@ def test_help_names_each_flags_environment_variable(capsys):
     assert "the port [env SVC_PORT]" in out and "--config FILE" in out
 
 
-@pytest.mark.parametrize("module, more", [("scheduler_svc", 'workers = ["127.0.0.1:1"]'), ("worker_svc", ""),
-                                          ("telemetry_svc", ""), ("gateway_svc", "")])
+@pytest.mark.parametrize(
+    "module, more",
+    [("scheduler_svc", 'workers = ["127.0.0.1:1"]'), ("worker_svc", ""), ("telemetry_svc", ""), ("gateway_svc", "")],
+)
 def test_every_service_takes_a_config_file_and_the_log_flags(tmp_path, module, more):
     import importlib
 
@@ -115,4 +133,4 @@ def test_every_service_takes_a_config_file_and_the_log_flags(tmp_path, module, m
         assert (logs.level, logs.format) == ("WARNING", "json")
     with pytest.raises(SystemExit):
         parse_args(["--config", _toml(tmp_path, "no-such-flag = 1", "bad.toml")])
-    setup_logging("WARNING", "text")   # the scheduler's and worker's parse_args set it up
+    setup_logging("WARNING", "text")  # the scheduler's and worker's parse_args set it up

@@ -63,8 +63,11 @@ def test_bare_list_of_gates_is_accepted_with_defaults() -> None:
         ('[{"name": "a", "kind": "positive_saving", "span": "x", "tolerance": -1}]', "tolerance"),
         ('[{"name": "a", "kind": "positive_saving", "span": ""}]', "span"),
         ('[{"name": "a", "kind": "positive_saving", "span": "x", "colour": 1}]', "unknown fields"),
-        ('[{"name": "a", "kind": "positive_saving", "span": "x"}, {"name": "a", "kind": "positive_saving", '
-         '"span": "y"}]', "unique"),  # fmt: skip
+        (
+            '[{"name": "a", "kind": "positive_saving", "span": "x"}, {"name": "a", "kind": "positive_saving", '
+            '"span": "y"}]',
+            "unique",
+        ),  # fmt: skip
         ('{"schema": "other-v9", "gates": [{"name": "a", "kind": "positive_saving", "span": "x"}]}', "schema"),
         ('{"min_samples_per_arm": 1, "gates": [{"name": "a", "kind": "positive_saving", "span": "x"}]}', ">= 2"),
     ],
@@ -146,7 +149,9 @@ def test_no_cost_transfer_fails_only_on_a_significant_regression() -> None:
 
 
 def test_evaluate_uses_per_gate_min_samples() -> None:
-    spec = GateSpec((Gate("a", GateKind.P90_NON_REGRESSION, "x", min_samples=3), Gate("b", GateKind.P90_NON_REGRESSION, "x")))
+    spec = GateSpec(
+        (Gate("a", GateKind.P90_NON_REGRESSION, "x", min_samples=3), Gate("b", GateKind.P90_NON_REGRESSION, "x"))
+    )
     c = compare("x", [1, 2, 3], [1, 2, 3], n_boot=10)
     a, b = evaluate(spec, {"x": c})
     assert a.passed is True and b.passed is None

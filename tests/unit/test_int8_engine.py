@@ -2,6 +2,7 @@
 int8's smoothing folds, closeness to the reference. The real model's quality is measured in
 ``test_quant_quality.py`` (slow); speed in ``python -m bench.modes`` (nothing timed here).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,13 +23,34 @@ from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, Sam
 GREEDY = SamplingSpec()
 # Untied GQA and tied MHA: the o-projection fold differs when query heads share a kv head, and
 # a tied head keeps a float table for the lookup.
-GQA = LlamaConfig(name="tiny-gqa", vocab_size=48, hidden_size=32, num_layers=3, num_heads=4,
-                  num_kv_heads=2, intermediate_size=64, max_position=128, rope_theta=500.0)
-TIED = LlamaConfig(name="tiny-tied", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
-                   num_kv_heads=4, intermediate_size=48, max_position=96, rope_theta=1000.0,
-                   tie_word_embeddings=True)
-MODELS = {"gqa": (GQA, tiny_weights(GQA, seed=1)), "tied": (TIED, tiny_weights(TIED, seed=3)),
-          "tiny": (tiny_config(), tiny_weights(tiny_config()))}
+GQA = LlamaConfig(
+    name="tiny-gqa",
+    vocab_size=48,
+    hidden_size=32,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=64,
+    max_position=128,
+    rope_theta=500.0,
+)
+TIED = LlamaConfig(
+    name="tiny-tied",
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=4,
+    intermediate_size=48,
+    max_position=96,
+    rope_theta=1000.0,
+    tie_word_embeddings=True,
+)
+MODELS = {
+    "gqa": (GQA, tiny_weights(GQA, seed=1)),
+    "tied": (TIED, tiny_weights(TIED, seed=3)),
+    "tiny": (tiny_config(), tiny_weights(tiny_config())),
+}
 
 
 def _prompt(n: int, vocab: int, salt: int = 0) -> tuple[int, ...]:
@@ -40,8 +62,7 @@ def _logits(engine: Engine, prompt: tuple[int, ...], steps: int = 3) -> tuple[np
     out = engine.step([PrefillItem("s", prompt, 0, True, GREEDY)], [], return_logits=True)
     rows, tokens = [out.logits[0]], [out.results[0].token_id]
     for k in range(steps):
-        out = engine.step([], [DecodeItem("s", tokens[-1], len(prompt) + k, GREEDY, k + 1)],
-                          return_logits=True)
+        out = engine.step([], [DecodeItem("s", tokens[-1], len(prompt) + k, GREEDY, k + 1)], return_logits=True)
         rows.append(out.logits[0])
         tokens.append(out.results[0].token_id)
     return np.stack(rows), tokens
@@ -58,7 +79,7 @@ def test_int8_smoothing_folds_are_exact_without_rounding(name, monkeypatch) -> N
     engine = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=64, quant="int8"))
     prompt = _prompt(9, cfg.vocab_size)
     got, tokens = _logits(engine, prompt)
-    ref = reference_logits(cfg, weights, list(prompt) + tokens[:-1])[len(prompt) - 1:]
+    ref = reference_logits(cfg, weights, list(prompt) + tokens[:-1])[len(prompt) - 1 :]
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
 
 
@@ -70,7 +91,7 @@ def test_int8_logits_close_to_reference(name) -> None:
     engine = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=64, quant="int8"))
     prompt = _prompt(11, cfg.vocab_size, salt=2)
     got, tokens = _logits(engine, prompt)
-    ref = reference_logits(cfg, weights, list(prompt) + tokens[:-1])[len(prompt) - 1:]
+    ref = reference_logits(cfg, weights, list(prompt) + tokens[:-1])[len(prompt) - 1 :]
     spread = ref.max() - ref.min()
     assert np.abs(got - ref).max() < 0.05 * spread
     assert tokens[0] == reference_generate(cfg, weights, list(prompt), 1)[0]
@@ -81,9 +102,8 @@ def test_int8_sizes_threads_and_info() -> None:
     saved = torch.get_num_threads()
     try:
         f32 = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=16))
-        q = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=16, quant="int8",
-                                              num_threads=2))
-        assert torch.get_num_threads() == 2          # fbgemm runs in torch's pool
+        q = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=16, quant="int8", num_threads=2))
+        assert torch.get_num_threads() == 2  # fbgemm runs in torch's pool
     finally:
         torch.set_num_threads(saved)
     assert q.parameter_count == f32.parameter_count == sum(w.size for w in weights.values())
@@ -105,21 +125,24 @@ def test_bfloat16_on_cpu_keeps_activations_and_kv_in_float32() -> None:
     assert engine.model.act_dtype == torch.float32 and engine.cache.kv.dtype == torch.float32
     qkv = engine.model.layers[0].qkv
     assert (qkv.dnn if qkv.dnn is not None else qkv.nk).dtype == torch.bfloat16
-    if qkv.dnn is not None:                     # oneDNN's copy replaces torch's
+    if qkv.dnn is not None:  # oneDNN's copy replaces torch's
         assert qkv.nk is None and qkv.kn is None
     assert engine.weight_bytes < 0.55 * 4 * engine.parameter_count
     prompt = _prompt(10, cfg.vocab_size, salt=4)
     got, tokens = _logits(engine, prompt)
-    ref = reference_logits(cfg, weights, list(prompt) + tokens[:-1])[len(prompt) - 1:]
-    assert np.abs(got - ref).max() < 0.05       # bfloat16 weights only: ~1e-2 (all-bf16: 0.25)
+    ref = reference_logits(cfg, weights, list(prompt) + tokens[:-1])[len(prompt) - 1 :]
+    assert np.abs(got - ref).max() < 0.05  # bfloat16 weights only: ~1e-2 (all-bf16: 0.25)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"quant": "int4"}, "quant must be one of"),
-    ({"quant": "INT8"}, "quant must be one of"),
-    ({"quant": "int8", "dtype": "bfloat16"}, "float32"),
-    ({"quant": "int8", "device": "cuda"}, "CPU"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"quant": "int4"}, "quant must be one of"),
+        ({"quant": "INT8"}, "quant must be one of"),
+        ({"quant": "int8", "dtype": "bfloat16"}, "float32"),
+        ({"quant": "int8", "device": "cuda"}, "CPU"),
+    ],
+)
 def test_quant_config_is_validated_once(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
         EngineConfig(**kwargs)

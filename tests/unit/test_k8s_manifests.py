@@ -5,6 +5,7 @@ Services target real ports, metrics ports are the services' defaults, the worker
 the scheduler names exactly the StatefulSet's pods. Where `kustomize` or `kubectl` is installed,
 the rendered output is validated as well.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,15 +15,18 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-
 import yaml  # noqa: E402  (a test dependency: pyyaml)
 
 K8S_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 K8S_VERSION = "1.30.0"  # grpc probes are GA since 1.27; validate against a widely deployed release
 WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
 EXPECTED_KINDS = {
-    ("v1", "Namespace"), ("v1", "Service"), ("v1", "PersistentVolumeClaim"),
-    ("apps/v1", "Deployment"), ("apps/v1", "StatefulSet"), ("networking.k8s.io/v1", "NetworkPolicy"),
+    ("v1", "Namespace"),
+    ("v1", "Service"),
+    ("v1", "PersistentVolumeClaim"),
+    ("apps/v1", "Deployment"),
+    ("apps/v1", "StatefulSet"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
 }
 
 
@@ -90,14 +94,22 @@ def test_every_document_has_a_known_kind_and_a_unique_name() -> None:
 @pytest.mark.parametrize("doc", _documents(), ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
 def test_manifest_matches_the_kubernetes_schema(doc: dict[str, Any]) -> None:
     import kubernetes_validate as kv  # a test dependency (offline schemas)
+
     try:
         kv.validate(doc, K8S_VERSION, strict=True)
     except kv.ValidationError as exc:
         pytest.fail(f"{doc['kind']}/{doc['metadata']['name']}: {exc.message} at {list(exc.path)}")
 
 
-@pytest.mark.parametrize("kind,name", [("Deployment", "kvfleet-scheduler"), ("StatefulSet", "kvfleet-worker"),
-                                       ("Deployment", "kvfleet-telemetry"), ("Deployment", "kvfleet-gateway")])
+@pytest.mark.parametrize(
+    "kind,name",
+    [
+        ("Deployment", "kvfleet-scheduler"),
+        ("StatefulSet", "kvfleet-worker"),
+        ("Deployment", "kvfleet-telemetry"),
+        ("Deployment", "kvfleet-gateway"),
+    ],
+)
 def test_selector_matches_the_pod_template_labels(kind: str, name: str) -> None:
     w = _one(kind, name)
     selector = w["spec"]["selector"]["matchLabels"]
@@ -126,8 +138,13 @@ def test_gateway_is_ready_on_its_health_endpoint() -> None:
     assert c["livenessProbe"]["tcpSocket"]["port"] in port_names
 
 
-@pytest.mark.parametrize("name,config", [("kvfleet-scheduler", "scheduler_svc.config.SchedulerConfig"),
-                                         ("kvfleet-worker", "worker_svc.config.WorkerConfig")])
+@pytest.mark.parametrize(
+    "name,config",
+    [
+        ("kvfleet-scheduler", "scheduler_svc.config.SchedulerConfig"),
+        ("kvfleet-worker", "worker_svc.config.WorkerConfig"),
+    ],
+)
 def test_metrics_port_is_declared_annotated_and_the_service_default(name: str, config: str) -> None:
     import importlib
 
@@ -143,8 +160,12 @@ def test_metrics_port_is_declared_annotated_and_the_service_default(name: str, c
 
 def test_containers_run_the_kustomized_image_with_a_service_entry_point() -> None:
     image = _kustomization()["images"][0]["name"]
-    commands = {"kvfleet-scheduler": "scheduler", "kvfleet-worker": "worker", "kvfleet-telemetry": "telemetry",
-                "kvfleet-gateway": "gateway"}
+    commands = {
+        "kvfleet-scheduler": "scheduler",
+        "kvfleet-worker": "worker",
+        "kvfleet-telemetry": "telemetry",
+        "kvfleet-gateway": "gateway",
+    }
     for w in _workloads():
         (c,) = list(_containers(w))
         assert c["image"].split(":")[0] == image
@@ -155,8 +176,7 @@ def test_containers_run_the_kustomized_image_with_a_service_entry_point() -> Non
 def test_services_select_a_workload_and_target_a_named_port() -> None:
     for svc in _of_kind("Service"):
         selector = svc["spec"]["selector"]
-        targets = [w for w in _workloads()
-                   if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        targets = [w for w in _workloads() if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
         assert len(targets) == 1, f"Service {svc['metadata']['name']} selects {len(targets)} workloads"
         port_names = {p["name"] for c in _containers(targets[0]) for p in c["ports"]}
         for port in svc["spec"]["ports"]:
@@ -209,6 +229,7 @@ def test_kustomize_build_renders_valid_manifests_when_kustomize_is_installed() -
     """The rendered output (namespace, labels, generated ConfigMap, image) against the schemas;
     runs where `kustomize` or `kubectl` is on PATH (both work offline), skipped elsewhere."""
     import kubernetes_validate as kv  # a test dependency (offline schemas)
+
     cmd = _kustomize_command()
     if cmd is None:
         pytest.skip("neither kustomize nor kubectl is installed")
@@ -216,9 +237,22 @@ def test_kustomize_build_renders_valid_manifests_when_kustomize_is_installed() -
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == sorted(["Namespace", "ConfigMap", "PersistentVolumeClaim", "Deployment", "Deployment",
-                            "Deployment", "StatefulSet", "Service", "Service", "Service", "Service",
-                            "NetworkPolicy"]), kinds
+    assert kinds == sorted(
+        [
+            "Namespace",
+            "ConfigMap",
+            "PersistentVolumeClaim",
+            "Deployment",
+            "Deployment",
+            "Deployment",
+            "StatefulSet",
+            "Service",
+            "Service",
+            "Service",
+            "Service",
+            "NetworkPolicy",
+        ]
+    ), kinds
     (config_map,) = [d for d in docs if d["kind"] == "ConfigMap"]
     for d in docs:
         kv.validate(d, K8S_VERSION, strict=True)
@@ -248,13 +282,17 @@ def test_only_the_scheduler_reaches_the_workers_grpc_port() -> None:
     grpc_port = {p["name"]: p["containerPort"] for p in c["ports"]}["grpc"]
     scheduler = _pod_labels("Deployment", "kvfleet-scheduler")
     workers = sts["spec"]["template"]["metadata"]["labels"]
-    policies = [p for p in _of_kind("NetworkPolicy")
-                if p["spec"]["podSelector"]["matchLabels"].items() <= workers.items()]
+    policies = [
+        p for p in _of_kind("NetworkPolicy") if p["spec"]["podSelector"]["matchLabels"].items() <= workers.items()
+    ]
     assert len(policies) == 1, "one NetworkPolicy must select the worker pods"
     spec = policies[0]["spec"]
     assert "Ingress" in spec["policyTypes"]
-    admitting_grpc = [rule for rule in spec["ingress"]
-                      if "ports" not in rule or any(p["port"] in ("grpc", grpc_port) for p in rule["ports"])]
+    admitting_grpc = [
+        rule
+        for rule in spec["ingress"]
+        if "ports" not in rule or any(p["port"] in ("grpc", grpc_port) for p in rule["ports"])
+    ]
     assert admitting_grpc, "no rule lets the scheduler in"
     for rule in admitting_grpc:
         assert rule.get("from"), f"the worker's gRPC port is open to every source: {rule}"
@@ -268,13 +306,12 @@ def test_only_the_scheduler_reaches_the_workers_grpc_port() -> None:
             assert {p["port"] for p in rule["ports"]} == {"metrics"}, rule
 
 
-def test_the_scheduler_wants_a_token_and_the_gateway_passes_callers_through(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_scheduler_wants_a_token_and_the_gateway_passes_callers_through(monkeypatch: pytest.MonkeyPatch) -> None:
     from gateway_svc.__main__ import parse_args
     from gateway_svc.config import AuthMode
 
     token = _env("Deployment", "kvfleet-scheduler")["KVFLEET_API_TOKEN"]["valueFrom"]["secretKeyRef"]
-    assert token["name"] and token["key"] and not token.get("optional", False)   # no Secret, no open start
+    assert token["name"] and token["key"] and not token.get("optional", False)  # no Secret, no open start
     assert "KVFLEET_API_TOKEN" not in _config_literals()
     gateway = _env("Deployment", "kvfleet-gateway")
     assert "KVFLEET_API_TOKEN" not in gateway and "KVFLEET_GATEWAY_ALLOW_ANONYMOUS" not in gateway

@@ -6,6 +6,7 @@ un-permutes the same file with its own code, so equal tensors prove the name map
 shape order and the Q/K permutation; equal logits through our numpy reference prove the
 config. Nothing is fetched from a hub.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +25,7 @@ from kvfleet_models.config import LlamaConfig
 from kvfleet_models.errors import ModelLoadError, check_weights, expected_shapes
 from kvfleet_models.gguf_loader import load_gguf, unpermute_rotary_rows
 from kvfleet_models.reference import reference_logits
-from kvfleet_models.registry import (SMOLLM2_135M, SourceKind, default_model_file, load_model,
-                                       resolve_model)
+from kvfleet_models.registry import SMOLLM2_135M, SourceKind, default_model_file, load_model, resolve_model
 from kvfleet_models.safetensors_loader import load_hf_dir
 from kvfleet_models.tiny import tiny_weights
 
@@ -48,14 +48,29 @@ def needs_smollm(test):  # type: ignore[no-untyped-def]
 
 # ----------------------------------------------------------------------------- helpers
 
-GQA = LlamaConfig(name="tiny-gqa", vocab_size=64, hidden_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, intermediate_size=96, rope_theta=500.0, rms_norm_eps=1e-6,
-                  max_position=128, eos_token_ids=(3,))
+GQA = LlamaConfig(
+    name="tiny-gqa",
+    vocab_size=64,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=96,
+    rope_theta=500.0,
+    rms_norm_eps=1e-6,
+    max_position=128,
+    eos_token_ids=(3,),
+)
 
 _TO_GGUF = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
 
@@ -69,12 +84,20 @@ def gguf_name(hf: str) -> str:
     if hf.startswith("model.layers."):
         _, _, n, rest = hf.split(".", 3)
         return f"blk.{n}.{_TO_GGUF[rest.removesuffix('.weight')]}.weight"
-    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-            "lm_head.weight": "output.weight"}[hf]
+    return {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }[hf]
 
 
-def write_gguf(path: Path, cfg: LlamaConfig, weights: dict[str, np.ndarray], arch: str = "llama",
-               qtypes: dict[str, object] | None = None) -> dict[str, np.ndarray]:
+def write_gguf(
+    path: Path,
+    cfg: LlamaConfig,
+    weights: dict[str, np.ndarray],
+    arch: str = "llama",
+    qtypes: dict[str, object] | None = None,
+) -> dict[str, np.ndarray]:
     """Write ``weights`` as llama.cpp would; returns what a perfect loader must give back.
 
     ``qtypes`` picks a GGML type per HF name (default F32); the expected values are the
@@ -119,15 +142,20 @@ def write_gguf(path: Path, cfg: LlamaConfig, weights: dict[str, np.ndarray], arc
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray]]:
     qt = gguf.GGMLQuantizationType
     # One of each storage type on the path the loader must handle (blocks of 32 fit these widths).
-    qtypes = {"model.layers.0.self_attn.q_proj.weight": qt.Q8_0, "model.layers.0.self_attn.k_proj.weight": qt.Q4_1,
-              "model.layers.1.self_attn.q_proj.weight": qt.F16, "model.layers.1.self_attn.k_proj.weight": qt.BF16,
-              "model.layers.1.mlp.down_proj.weight": qt.Q4_0}
+    qtypes = {
+        "model.layers.0.self_attn.q_proj.weight": qt.Q8_0,
+        "model.layers.0.self_attn.k_proj.weight": qt.Q4_1,
+        "model.layers.1.self_attn.q_proj.weight": qt.F16,
+        "model.layers.1.self_attn.k_proj.weight": qt.BF16,
+        "model.layers.1.mlp.down_proj.weight": qt.Q4_0,
+    }
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     weights = tiny_weights(GQA, seed=3)
     return path, write_gguf(path, GQA, weights, qtypes=qtypes)
 
 
 # ----------------------------------------------------------------------------- GGUF, synthetic
+
 
 def test_unpermute_inverts_llama_cpp_permute() -> None:
     w = np.arange(6 * 8 * 5, dtype=np.float32).reshape(6 * 8, 5)
@@ -153,8 +181,9 @@ def test_gguf_round_trip_logits_match_original(tiny_gguf: tuple[Path, dict[str, 
     path, expected = tiny_gguf
     cfg, weights = load_gguf(path)
     ids = [5, 17, 2, 40, 33, 9, 61]
-    np.testing.assert_allclose(reference_logits(cfg, weights, ids), reference_logits(GQA, expected, ids),
-                               rtol=0, atol=1e-9)
+    np.testing.assert_allclose(
+        reference_logits(cfg, weights, ids), reference_logits(GQA, expected, ids), rtol=0, atol=1e-9
+    )
 
 
 def test_tied_embeddings_when_output_tensor_absent(tmp_path: Path) -> None:
@@ -165,6 +194,7 @@ def test_tied_embeddings_when_output_tensor_absent(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- GGUF, SmolLM2
+
 
 @pytest.fixture(scope="module")
 def smollm() -> tuple[LlamaConfig, dict[str, np.ndarray], float]:
@@ -179,22 +209,29 @@ def hf_smollm():  # type: ignore[no-untyped-def]
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     assert SMOLLM is not None
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        SMOLLM.parent, gguf_file=SMOLLM.name, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(SMOLLM.parent, gguf_file=SMOLLM.name, dtype=torch.float32)
     return model.eval()
 
 
 @needs_smollm
 def test_smollm2_config_and_size(smollm: tuple[LlamaConfig, dict[str, np.ndarray], float]) -> None:
     cfg, weights, seconds = smollm
-    assert (cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-            cfg.intermediate_size, cfg.max_position) == (49152, 576, 30, 9, 3, 1536, 8192)
+    assert (
+        cfg.vocab_size,
+        cfg.hidden_size,
+        cfg.num_layers,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.intermediate_size,
+        cfg.max_position,
+    ) == (49152, 576, 30, 9, 3, 1536, 8192)
     assert cfg.rope_theta == 100000.0 and cfg.tie_word_embeddings and cfg.eos_token_ids == (2,)
     params = sum(w.size for w in weights.values())
     assert params == 134_515_008  # tied head counted once
     assert sum(w.nbytes for w in weights.values()) == 4 * params
-    print(f"\nSmolLM2-135M GGUF: loaded in {seconds:.1f} s, {params:,} parameters, "
-          f"{4 * params / 2**20:.0f} MiB float32")
+    print(
+        f"\nSmolLM2-135M GGUF: loaded in {seconds:.1f} s, {params:,} parameters, {4 * params / 2**20:.0f} MiB float32"
+    )
 
 
 @needs_smollm
@@ -215,7 +252,7 @@ def test_smollm2_reference_logits_match_transformers(smollm, hf_smollm) -> None:
     cfg, weights, _ = smollm
     # "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     ids = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
-    ours = reference_logits(cfg, weights, ids)                            # [T, vocab] float64
+    ours = reference_logits(cfg, weights, ids)  # [T, vocab] float64
     with torch.no_grad():
         theirs = hf_smollm(torch.tensor([ids])).logits[0].double().numpy()
     scale = float(np.abs(theirs).max())
@@ -241,19 +278,29 @@ def test_smollm2_answers_sensibly_with_our_weights(smollm, hf_smollm) -> None:  
     hf_smollm.load_state_dict(state)
     with torch.no_grad():
         out = hf_smollm.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
-    assert "Paris" in tok.decode(out[0, len(prompt):].tolist())
+    assert "Paris" in tok.decode(out[0, len(prompt) :].tolist())
 
 
 # ----------------------------------------------------------------------------- safetensors
+
 
 def _save_hf_tiny(path: Path, tie: bool, dtype: str = "float32"):  # type: ignore[no-untyped-def]
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rope_theta=1000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=tie, eos_token_id=2)
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_theta=1000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie,
+        eos_token_id=2,
+    )
     model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():  # norms at exactly 1 would hide a forgotten norm weight
         for name, p in model.named_parameters():
@@ -298,6 +345,7 @@ def test_registry_resolves_names_paths_and_dirs(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- bad inputs
+
 
 def _assert_load_error(loader, path: Path, fragment: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ModelLoadError) as info:

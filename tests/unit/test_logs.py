@@ -1,4 +1,5 @@
 """The log formats: JSON lines carry the current span's ids and the session id; text stays as it was."""
+
 import io
 import json
 import logging
@@ -31,7 +32,7 @@ def test_json_line_has_the_basic_fields_and_no_trace_outside_a_span():
 
 
 def test_json_line_carries_the_current_span_ids():
-    tracer = TracerProvider().get_tracer("test")   # not global: no exporter, nothing leaks
+    tracer = TracerProvider().get_tracer("test")  # not global: no exporter, nothing leaks
     with tracer.start_as_current_span("outer"):
         with tracer.start_as_current_span("inner") as span:
             doc = json.loads(JsonFormatter().format(_record()))
@@ -73,7 +74,7 @@ def test_setup_logging_json_and_text_through_the_root_logger():
     text = out.getvalue()
     assert "hidden" not in text and text.rstrip().endswith("INFO kvfleet.b: shown")
     assert not text.lstrip().startswith("{")
-    assert len(logging.getLogger().handlers) == 1   # replaced, not stacked
+    assert len(logging.getLogger().handlers) == 1  # replaced, not stacked
     setup_logging("WARNING", "text")
 
 

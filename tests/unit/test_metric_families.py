@@ -1,5 +1,6 @@
 """The services' Prometheus families as text: a `_total` family is a counter, the scheduler's
 request timings follow a session's milestones, and the KV gauges say whose KV they measure."""
+
 from __future__ import annotations
 
 import re
@@ -14,8 +15,10 @@ from scheduler_svc.metrics import SchedulerMetrics
 def _types(text: str) -> dict[str, str]:
     """{family: type}; a counter's family without its _total (prometheus_client writes the TYPE
     line with or without it, depending on its version)."""
-    return {re.sub(r"_total$", "", name) if kind == "counter" else name: kind
-            for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M)}
+    return {
+        re.sub(r"_total$", "", name) if kind == "counter" else name: kind
+        for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M)
+    }
 
 
 def _sample_names(text: str) -> set[str]:
@@ -31,19 +34,28 @@ def test_snapshot_collector_emits_counters_as_counters_and_groups_labels() -> No
     from prometheus_client import CollectorRegistry
 
     reg = CollectorRegistry()
-    reg.register(SnapshotCollector(lambda: [
-        Reading("x:steps", "steps", 7, Kind.COUNTER),
-        Reading("x:used", "used", 0.5, labels={"w": "a"}),
-        Reading("x:used", "used", 0.25, labels={"w": "b"})]))
+    reg.register(
+        SnapshotCollector(
+            lambda: [
+                Reading("x:steps", "steps", 7, Kind.COUNTER),
+                Reading("x:used", "used", 0.5, labels={"w": "a"}),
+                Reading("x:used", "used", 0.25, labels={"w": "b"}),
+            ]
+        )
+    )
     text = generate_latest(reg).decode()
     assert _types(text) == {"x:steps": "counter", "x:used": "gauge"}
     assert "x:steps_total 7.0" in text
     assert 'x:used{w="a"} 0.5' in text and 'x:used{w="b"} 0.25' in text
 
 
-@pytest.mark.parametrize("reading", [
-    lambda: Reading("x:steps_total", "a counter named with its suffix", 1, Kind.COUNTER),
-    lambda: Reading("x:blocks_total", "a gauge that claims to be a counter", 1)])
+@pytest.mark.parametrize(
+    "reading",
+    [
+        lambda: Reading("x:steps_total", "a counter named with its suffix", 1, Kind.COUNTER),
+        lambda: Reading("x:blocks_total", "a gauge that claims to be a counter", 1),
+    ],
+)
 def test_a_total_name_is_refused_where_it_would_mislead(reading) -> None:
     with pytest.raises(ValueError):
         reading()
@@ -63,20 +75,28 @@ def test_request_timings_follow_a_sessions_milestones() -> None:
     m = SchedulerMetrics("tiny", 64)
     m.arrived("a")
     m.admitted("a")
-    m.token("a")              # first token: ttft and prefill time
-    m.admitted("a")           # prefilled again after a preemption: not queued again
+    m.token("a")  # first token: ttft and prefill time
+    m.admitted("a")  # prefilled again after a preemption: not queued again
     for _ in range(3):
-        m.token("a")          # three inter-token gaps
+        m.token("a")  # three inter-token gaps
     m.iteration(5, 0)
     m.iteration(0, 1)
     m.finished_session("a", "length", 5, 4)
-    m.arrived("b")            # cancelled while waiting: never admitted, no token
+    m.arrived("b")  # cancelled while waiting: never admitted, no token
     m.finished_session("b", "abort", 3, 0)
     text = _scheduler_text(m)
     types = _types(text)
-    for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
-                 "request_prompt_tokens", "request_generation_tokens", "iteration_tokens",
-                 "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+    for name in (
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+        "iteration_tokens",
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+    ):
         assert types[f"kvfleet:{name}"] == "histogram", name
     assert _sample(text, "kvfleet:request_queue_time_seconds_count") == 1
     assert _sample(text, "kvfleet:request_prefill_time_seconds_count") == 1
@@ -92,8 +112,8 @@ def test_request_timings_follow_a_sessions_milestones() -> None:
 
 
 def test_every_scheduler_family_has_model_name_and_only_counters_end_in_total() -> None:
-    from scheduler_svc.core.scheduler import SchedulerCore
     from scheduler_svc.core.limits import SchedulerLimits
+    from scheduler_svc.core.scheduler import SchedulerCore
 
     m = SchedulerMetrics("smollm2-135m", 2048)
     m.tick(SchedulerCore(SchedulerLimits()).snapshot(), 4, 2)
@@ -104,12 +124,17 @@ def test_every_scheduler_family_has_model_name_and_only_counters_end_in_total() 
         assert not family.endswith("_total"), f"{family} is a {kind} named like a counter"
     for name in _sample_names(text):
         if name.endswith("_total"):
-            assert types.get(name[:-len("_total")]) == "counter", name
-    for kind_of, name in (("counter", "kvfleet:num_preemptions"), ("counter", "kvfleet:ticks"),
-                          ("counter", "kvfleet:prompt_tokens"), ("counter", "kvfleet:request_rejections"),
-                          ("gauge", "kvfleet:scheduler_kv_usage_perc"), ("gauge", "kvfleet:num_requests_running")):
+            assert types.get(name[: -len("_total")]) == "counter", name
+    for kind_of, name in (
+        ("counter", "kvfleet:num_preemptions"),
+        ("counter", "kvfleet:ticks"),
+        ("counter", "kvfleet:prompt_tokens"),
+        ("counter", "kvfleet:request_rejections"),
+        ("gauge", "kvfleet:scheduler_kv_usage_perc"),
+        ("gauge", "kvfleet:num_requests_running"),
+    ):
         assert types.get(name) == kind_of, name
-    assert "kvfleet:kv_cache_usage_perc" not in text   # it meant two things; each owner names its own now
+    assert "kvfleet:kv_cache_usage_perc" not in text  # it meant two things; each owner names its own now
     samples = [ln for ln in text.splitlines() if ln.startswith("kvfleet:") and "_created" not in ln]
     assert samples
     for line in samples:

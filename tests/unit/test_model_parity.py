@@ -4,6 +4,7 @@ Tolerance: logits agree with the float64 reference to atol 1e-4 in float32 (obse
 logits have std ~1, so 1e-4 is loose enough for any BLAS and tight enough to catch a wrong
 position, mask or head mapping, which move logits by O(0.1)). Greedy tokens must be equal.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,18 +13,26 @@ import numpy as np
 import pytest
 import torch
 
-from worker_svc.engine import (DecodeItem, Engine, EngineConfig, ItemStatus, PrefillItem,
-                               SamplingSpec, sample_token)
 from kvfleet_models.config import LlamaConfig, tiny_config
 from kvfleet_models.reference import reference_generate, reference_logits
 from kvfleet_models.tiny import tiny_weights
+from worker_svc.engine import DecodeItem, Engine, EngineConfig, ItemStatus, PrefillItem, SamplingSpec, sample_token
 
 ATOL = 1e-4
 GREEDY = SamplingSpec()
 CFG = tiny_config()
 WEIGHTS = tiny_weights(CFG)
-GQA_CFG = LlamaConfig(name="tiny-gqa", vocab_size=48, hidden_size=32, num_layers=3, num_heads=4,
-                      num_kv_heads=2, intermediate_size=64, max_position=128, rope_theta=500.0)
+GQA_CFG = LlamaConfig(
+    name="tiny-gqa",
+    vocab_size=48,
+    hidden_size=32,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=64,
+    max_position=128,
+    rope_theta=500.0,
+)
 GQA_WEIGHTS = tiny_weights(GQA_CFG, seed=1)
 
 
@@ -34,8 +43,8 @@ def _prompt(n: int, salt: int) -> list[int]:
 @dataclass
 class Plan:
     prompt: list[int]
-    join: int                  # step at which the first chunk is sent
-    chunks: list[int]          # prefill chunk sizes, summing to len(prompt)
+    join: int  # step at which the first chunk is sent
+    chunks: list[int]  # prefill chunk sizes, summing to len(prompt)
     new_tokens: int
     sampling: SamplingSpec = GREEDY
     idle: tuple[int, ...] = ()  # steps at which the session sends nothing
@@ -56,8 +65,7 @@ def _plans(new_tokens: int = 9) -> dict[str, Plan]:
     }
 
 
-def drive(engine: Engine, plans: dict[str, Plan], release_done: bool = False,
-          mode_of_step=lambda step: None) -> None:
+def drive(engine: Engine, plans: dict[str, Plan], release_done: bool = False, mode_of_step=lambda step: None) -> None:
     """A minimal scheduler: every step, the next chunk or one decode for each live session."""
     for step in range(100):
         prefill, decode = [], []
@@ -66,13 +74,13 @@ def drive(engine: Engine, plans: dict[str, Plan], release_done: bool = False,
                 continue
             if p.sent_chunks < len(p.chunks):
                 start = sum(p.chunks[: p.sent_chunks])
-                chunk = tuple(p.prompt[start: start + p.chunks[p.sent_chunks]])
-                prefill.append(PrefillItem(sid, chunk, start, p.sent_chunks == len(p.chunks) - 1,
-                                           p.sampling))
+                chunk = tuple(p.prompt[start : start + p.chunks[p.sent_chunks]])
+                prefill.append(PrefillItem(sid, chunk, start, p.sent_chunks == len(p.chunks) - 1, p.sampling))
                 p.sent_chunks += 1
             else:
-                decode.append(DecodeItem(sid, p.tokens[-1], len(p.prompt) + len(p.tokens) - 1,
-                                         p.sampling, len(p.tokens)))
+                decode.append(
+                    DecodeItem(sid, p.tokens[-1], len(p.prompt) + len(p.tokens) - 1, p.sampling, len(p.tokens))
+                )
         if not prefill and not decode:
             return
         out = engine.step(prefill, decode, return_logits=True, kv_views=mode_of_step(step))
@@ -87,19 +95,23 @@ def drive(engine: Engine, plans: dict[str, Plan], release_done: bool = False,
     raise AssertionError("the schedule did not finish")
 
 
-def _check_against_reference(cfg: LlamaConfig, weights: dict[str, np.ndarray],
-                             plans: dict[str, Plan]) -> None:
+def _check_against_reference(cfg: LlamaConfig, weights: dict[str, np.ndarray], plans: dict[str, Plan]) -> None:
     for sid, p in plans.items():
         assert p.tokens == reference_generate(cfg, weights, p.prompt, p.new_tokens), sid
         ref = reference_logits(cfg, weights, p.prompt + p.tokens[:-1])
-        got = np.stack(p.logits)                                      # [new_tokens, V]
-        np.testing.assert_allclose(got, ref[len(p.prompt) - 1:], atol=ATOL, rtol=0, err_msg=sid)
+        got = np.stack(p.logits)  # [new_tokens, V]
+        np.testing.assert_allclose(got, ref[len(p.prompt) - 1 :], atol=ATOL, rtol=0, err_msg=sid)
 
 
-def _engine(kv_views: str = "rebuild", cfg: LlamaConfig = CFG,
-            weights: dict[str, np.ndarray] | None = None, **kw: object) -> Engine:
-    config = EngineConfig(block_size=4, num_blocks=kw.pop("num_blocks", 64),  # type: ignore[arg-type]
-                          kv_views=kv_views, **kw)                           # type: ignore[arg-type]
+def _engine(
+    kv_views: str = "rebuild", cfg: LlamaConfig = CFG, weights: dict[str, np.ndarray] | None = None, **kw: object
+) -> Engine:
+    config = EngineConfig(
+        block_size=4,
+        num_blocks=kw.pop("num_blocks", 64),  # type: ignore[arg-type]
+        kv_views=kv_views,
+        **kw,
+    )  # type: ignore[arg-type]
     return Engine(cfg, WEIGHTS if weights is None else weights, config)
 
 
@@ -125,8 +137,7 @@ def test_chunked_prefill_equals_unchunked() -> None:
     drive(_engine(), chunked)
     drive(_engine(), whole)
     assert chunked["s"].tokens == whole["s"].tokens
-    np.testing.assert_allclose(np.stack(chunked["s"].logits), np.stack(whole["s"].logits),
-                               atol=ATOL, rtol=0)
+    np.testing.assert_allclose(np.stack(chunked["s"].logits), np.stack(whole["s"].logits), atol=ATOL, rtol=0)
 
 
 def test_kv_views_modes_give_identical_tokens() -> None:
@@ -141,29 +152,43 @@ def test_kv_views_modes_give_identical_tokens() -> None:
         runs[kv_views] = plans
     for sid in runs["rebuild"]:
         assert runs["rebuild"][sid].tokens == runs["persistent"][sid].tokens, sid
-        np.testing.assert_allclose(np.stack(runs["rebuild"][sid].logits),
-                                   np.stack(runs["persistent"][sid].logits), atol=1e-6, rtol=0)
+        np.testing.assert_allclose(
+            np.stack(runs["rebuild"][sid].logits), np.stack(runs["persistent"][sid].logits), atol=1e-6, rtol=0
+        )
 
 
 @pytest.mark.parametrize("kv_views", ["rebuild", "persistent"])
 def test_cache_miss_is_per_item_and_changes_nothing(kv_views: str) -> None:
     engine = _engine(kv_views)
     pa, pb = _prompt(5, 1), _prompt(3, 2)
-    out = engine.step([PrefillItem("a", tuple(pa), 0, True, GREEDY),
-                       PrefillItem("b", tuple(pb), 0, True, GREEDY)], [])
+    out = engine.step([PrefillItem("a", tuple(pa), 0, True, GREEDY), PrefillItem("b", tuple(pb), 0, True, GREEDY)], [])
     ta, tb = (r.token_id for r in out.results)
     used = engine.stats().used_blocks
     out = engine.step(
-        [PrefillItem("a", (1, 2), 0, True, GREEDY),           # a exists: start 0 is a miss
-         PrefillItem("zz", (1, 2), 4, True, GREEDY)],         # unknown session, start > 0
-        [DecodeItem("b", tb, len(pb), GREEDY, 1),             # correct
-         DecodeItem("ghost", 3, 0, GREEDY, 0)])               # unknown session
-    assert [r.status for r in out.results] == [ItemStatus.CACHE_MISS, ItemStatus.CACHE_MISS,
-                                               ItemStatus.OK, ItemStatus.CACHE_MISS]
+        [
+            PrefillItem("a", (1, 2), 0, True, GREEDY),  # a exists: start 0 is a miss
+            PrefillItem("zz", (1, 2), 4, True, GREEDY),
+        ],  # unknown session, start > 0
+        [
+            DecodeItem("b", tb, len(pb), GREEDY, 1),  # correct
+            DecodeItem("ghost", 3, 0, GREEDY, 0),
+        ],
+    )  # unknown session
+    assert [r.status for r in out.results] == [
+        ItemStatus.CACHE_MISS,
+        ItemStatus.CACHE_MISS,
+        ItemStatus.OK,
+        ItemStatus.CACHE_MISS,
+    ]
     assert out.results[0].kv_tokens == len(pa) and out.results[0].token_id is None
     assert out.results[2].token_id == reference_generate(CFG, WEIGHTS, pb, 2)[1]
-    out = engine.step([], [DecodeItem("a", ta, len(pa) + 1, GREEDY, 1),   # wrong position
-                           DecodeItem("b", 5, len(pb) + 1, GREEDY, 2)])
+    out = engine.step(
+        [],
+        [
+            DecodeItem("a", ta, len(pa) + 1, GREEDY, 1),  # wrong position
+            DecodeItem("b", 5, len(pb) + 1, GREEDY, 2),
+        ],
+    )
     assert [r.status for r in out.results] == [ItemStatus.CACHE_MISS, ItemStatus.OK]
     assert engine.stats().cache_misses == 4
     assert engine.stats().used_blocks == used + 1 and not engine.views.holds("zz")
@@ -174,12 +199,16 @@ def test_cache_miss_is_per_item_and_changes_nothing(kv_views: str) -> None:
 
 @pytest.mark.parametrize("kv_views", ["rebuild", "persistent"])
 def test_out_of_blocks_is_per_item_without_partial_state(kv_views: str) -> None:
-    engine = _engine(kv_views, num_blocks=4)                    # 16 tokens of cache
-    out = engine.step([PrefillItem("a", tuple(_prompt(6, 0)), 0, True, GREEDY),
-                       PrefillItem("big", tuple(_prompt(11, 1)), 0, True, GREEDY),
-                       PrefillItem("c", tuple(_prompt(4, 2)), 0, True, GREEDY)], [])
-    assert [r.status for r in out.results] == [ItemStatus.OK, ItemStatus.OUT_OF_BLOCKS,
-                                               ItemStatus.OK]
+    engine = _engine(kv_views, num_blocks=4)  # 16 tokens of cache
+    out = engine.step(
+        [
+            PrefillItem("a", tuple(_prompt(6, 0)), 0, True, GREEDY),
+            PrefillItem("big", tuple(_prompt(11, 1)), 0, True, GREEDY),
+            PrefillItem("c", tuple(_prompt(4, 2)), 0, True, GREEDY),
+        ],
+        [],
+    )
+    assert [r.status for r in out.results] == [ItemStatus.OK, ItemStatus.OUT_OF_BLOCKS, ItemStatus.OK]
     assert out.results[1].kv_tokens == 0 and out.results[1].token_id is None
     stats = engine.stats()
     assert (stats.active_sessions, stats.used_blocks, stats.free_blocks) == (2, 3, 1)
@@ -187,8 +216,7 @@ def test_out_of_blocks_is_per_item_without_partial_state(kv_views: str) -> None:
     ta = out.results[0].token_id
     assert ta == reference_generate(CFG, WEIGHTS, _prompt(6, 0), 1)[0]
     # a second chunk that does not fit leaves the session as it was and usable
-    out = engine.step([PrefillItem("c", tuple(_prompt(9, 3)), 4, False, GREEDY)],
-                      [DecodeItem("a", ta, 6, GREEDY, 1)])
+    out = engine.step([PrefillItem("c", tuple(_prompt(9, 3)), 4, False, GREEDY)], [DecodeItem("a", ta, 6, GREEDY, 1)])
     assert [r.status for r in out.results] == [ItemStatus.OUT_OF_BLOCKS, ItemStatus.OK]
     assert out.results[0].kv_tokens == 4 and engine.stats().used_blocks == 3
     assert out.results[1].token_id == reference_generate(CFG, WEIGHTS, _prompt(6, 0), 2)[1]
@@ -198,20 +226,28 @@ def test_out_of_blocks_is_per_item_without_partial_state(kv_views: str) -> None:
 def test_release_frees_blocks_and_session(kv_views: str) -> None:
     engine = _engine(kv_views)
     total = engine.stats().free_blocks
-    out = engine.step([PrefillItem(s, tuple(_prompt(n, i)), 0, True, GREEDY)
-                       for i, (s, n) in enumerate([("a", 9), ("b", 2), ("c", 5)])], [])
+    out = engine.step(
+        [
+            PrefillItem(s, tuple(_prompt(n, i)), 0, True, GREEDY)
+            for i, (s, n) in enumerate([("a", 9), ("b", 2), ("c", 5)])
+        ],
+        [],
+    )
     assert engine.stats().used_blocks == 3 + 1 + 2
     assert engine.release(["a", "nope", "a"]) == 1
     assert engine.release(["a"]) == 0
     assert engine.stats().used_blocks == 3 and engine.stats().active_sessions == 2
     assert not engine.views.holds("a")
     tb, tc = out.results[1].token_id, out.results[2].token_id
-    out = engine.step([PrefillItem("a", tuple(_prompt(4, 7)), 0, True, GREEDY)],
-                      [DecodeItem("b", tb, 2, GREEDY, 1), DecodeItem("c", tc, 5, GREEDY, 1)])
+    out = engine.step(
+        [PrefillItem("a", tuple(_prompt(4, 7)), 0, True, GREEDY)],
+        [DecodeItem("b", tb, 2, GREEDY, 1), DecodeItem("c", tc, 5, GREEDY, 1)],
+    )
     assert [r.token_id for r in out.results] == [
         reference_generate(CFG, WEIGHTS, _prompt(4, 7), 1)[0],
         reference_generate(CFG, WEIGHTS, _prompt(2, 1), 2)[1],
-        reference_generate(CFG, WEIGHTS, _prompt(5, 2), 2)[1]]
+        reference_generate(CFG, WEIGHTS, _prompt(5, 2), 2)[1],
+    ]
     assert engine.release(["a", "b", "c"]) == 3
     assert engine.stats().free_blocks == total
 
@@ -221,7 +257,7 @@ def test_seeded_sampling_is_a_function_of_seed_and_index() -> None:
 
     def run(spec: SamplingSpec, kv_views: str, others: int) -> list[int]:
         plans = {"s": Plan(_prompt(5, 0), 0, [5], 12, spec)}
-        for i in range(others):                       # different batch company
+        for i in range(others):  # different batch company
             plans[f"o{i}"] = Plan(_prompt(3 + i, i + 1), i, [3 + i], 4)
         drive(_engine(kv_views), plans)
         return plans["s"].tokens
@@ -237,18 +273,16 @@ def test_sample_token_filters() -> None:
     logits = torch.tensor([0.0, 3.0, 2.9, -1.0, 3.0])
     # ties -> lowest id for greedy, as numpy argmax
     assert sample_token(logits, GREEDY, 0) == int(np.argmax(logits.numpy())) == 1
-    draws = {sample_token(logits, SamplingSpec(1.0, top_k=3, seed=s), i)
-             for s in range(5) for i in range(20)}
+    draws = {sample_token(logits, SamplingSpec(1.0, top_k=3, seed=s), i) for s in range(5) for i in range(20)}
     assert draws == {1, 2, 4}
     # p(1) = p(4) ~ 0.34: top_p 0.3 keeps only the first of the sorted pair, 0.5 keeps both.
-    draws = {sample_token(logits, SamplingSpec(1.0, top_p=0.3, seed=s), i)
-             for s in range(5) for i in range(20)}
+    draws = {sample_token(logits, SamplingSpec(1.0, top_p=0.3, seed=s), i) for s in range(5) for i in range(20)}
     assert draws == {1}
-    draws = {sample_token(logits, SamplingSpec(1.0, top_p=0.5, seed=s), i)
-             for s in range(5) for i in range(20)}
+    draws = {sample_token(logits, SamplingSpec(1.0, top_p=0.5, seed=s), i) for s in range(5) for i in range(20)}
     assert draws == {1, 4}
-    assert sample_token(logits, SamplingSpec(0.7, seed=3), 9) == \
-        sample_token(logits.clone(), SamplingSpec(0.7, seed=3), 9)
+    assert sample_token(logits, SamplingSpec(0.7, seed=3), 9) == sample_token(
+        logits.clone(), SamplingSpec(0.7, seed=3), 9
+    )
 
 
 def test_invalid_requests_raise_before_any_change() -> None:
@@ -266,8 +300,9 @@ def test_invalid_requests_raise_before_any_change() -> None:
     assert engine.stats().active_sessions == 0 and engine.stats().used_blocks == 0
 
 
-@pytest.mark.parametrize("kwargs", [{"device": "tpu"}, {"dtype": "float64"}, {"block_size": 0},
-                                    {"num_blocks": -1}, {"kv_views": "paged"}])
+@pytest.mark.parametrize(
+    "kwargs", [{"device": "tpu"}, {"dtype": "float64"}, {"block_size": 0}, {"num_blocks": -1}, {"kv_views": "paged"}]
+)
 def test_engine_config_validation(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         EngineConfig(**kwargs)  # type: ignore[arg-type]
@@ -290,7 +325,7 @@ def test_bfloat16_runs_close_to_reference() -> None:
     out = engine.step([PrefillItem("a", tuple(prompt), 0, True, GREEDY)], [], return_logits=True)
     assert out.logits is not None
     ref = reference_logits(CFG, WEIGHTS, prompt)[-1]
-    assert np.abs(out.logits[0] - ref).max() < 0.25           # bf16 keeps ~3 significant digits
+    assert np.abs(out.logits[0] - ref).max() < 0.25  # bf16 keeps ~3 significant digits
 
 
 @pytest.mark.gpu
@@ -306,8 +341,7 @@ def test_switching_kv_views_per_step_keeps_tokens_exact() -> None:
     # An experiment may flip the lever between steps; persistent rows refill from the paged cache.
     plans = _plans()
     engine = _engine("rebuild")
-    drive(engine, plans, release_done=True,
-          mode_of_step=lambda step: ("rebuild", "persistent", "persistent")[step % 3])
+    drive(engine, plans, release_done=True, mode_of_step=lambda step: ("rebuild", "persistent", "persistent")[step % 3])
     _check_against_reference(CFG, WEIGHTS, plans)
 
 

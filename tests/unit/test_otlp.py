@@ -60,8 +60,10 @@ def test_any_values_convert_to_json_friendly_python() -> None:
         (_span(start_time_unix_nano=0, end_time_unix_nano=0), "start_time_unix_nano is zero"),
         (_span(end_time_unix_nano=99), "end before start"),
         (_span(end_time_unix_nano=2**63), "beyond int64"),
-        (_span(attributes=[_kv("experiment.id", string_value="e"), _kv("experiment.arm", string_value="B")]),
-         "is not 'control' or 'candidate'"),  # fmt: skip
+        (
+            _span(attributes=[_kv("experiment.id", string_value="e"), _kv("experiment.arm", string_value="B")]),
+            "is not 'control' or 'candidate'",
+        ),  # fmt: skip
         (_span(attributes=[_kv("experiment.arm", string_value="control")]), "without experiment.id"),
     ],
 )

@@ -1,13 +1,17 @@
 """kv_policy="preempt": admission reserves only what a prompt needs; decode growth preempts the
 least urgent, most recently admitted session, which is recomputed later with the same tokens."""
+
 import random
 
 import pytest
 
 from scheduler_svc.core import (
-    FinishReason, SchedulerCore, SchedulerLimits, SessionRequest, WorkerSpec,
+    FinishReason,
+    SchedulerCore,
+    SchedulerLimits,
+    SessionRequest,
+    WorkerSpec,
 )
-
 from tests.unit.sim import FakeWorkers, complete_tick, fake_token, plan_tick
 
 BPT = 1536
@@ -69,7 +73,7 @@ def test_under_reserve_policy_the_same_load_waits_instead():
     for _ in range(3):
         core.submit(SessionRequest(prompt_ids=(1, 2, 3, 4), max_new_tokens=12))
     plan, _ = plan_tick(core)
-    assert len(plan.prefill) == 2          # the third does not fit its worst case yet
+    assert len(plan.prefill) == 2  # the third does not fit its worst case yet
     assert core.preemptions == 0
 
 
@@ -92,14 +96,20 @@ def test_the_victim_is_the_least_urgent_then_the_newest():
 def test_random_loads_finish_within_capacity(seed):
     rng = random.Random(seed)
     capacity = rng.choice([16, 24, 40])
-    core = _core(capacity_tokens=capacity, block=rng.choice([1, 2, 4]), workers=rng.randint(1, 2),
-                 max_running=rng.randint(1, 6), prefill_token_budget=rng.randint(2, 16))
+    core = _core(
+        capacity_tokens=capacity,
+        block=rng.choice([1, 2, 4]),
+        workers=rng.randint(1, 2),
+        max_running=rng.randint(1, 6),
+        prefill_token_budget=rng.randint(2, 16),
+    )
     fake = FakeWorkers()
     ids = []
     for _ in range(rng.randint(3, 12)):
         p, n = rng.randint(1, 6), rng.randint(1, capacity - 7)
-        ids.append(core.submit(SessionRequest(prompt_ids=tuple(range(p)), max_new_tokens=n,
-                                              priority=rng.randint(0, 2))))
+        ids.append(
+            core.submit(SessionRequest(prompt_ids=tuple(range(p)), max_new_tokens=n, priority=rng.randint(0, 2)))
+        )
     finished = _run(core, fake, capacity)
     for sid in ids:
         s = core.session(sid)

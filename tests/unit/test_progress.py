@@ -1,4 +1,5 @@
 """Progress: plain timestamped lines when the stream is no terminal, a tqdm bar with an ETA on one."""
+
 import io
 import re
 
@@ -25,10 +26,12 @@ def test_plain_lines_count_and_estimate_the_rest():
         clock.t += 4
         p.advance(2, message="concurrency 8")
     lines = out.getvalue().splitlines()
-    assert lines == ["[   0.0s] sweep: reference outputs",
-                     "[   2.0s] sweep 1/4 (25%, eta 6s): concurrency 1",
-                     "[   4.0s] sweep 2/4 (50%, eta 4s): concurrency 2",
-                     "[   8.0s] sweep 4/4 (100%): concurrency 8"]
+    assert lines == [
+        "[   0.0s] sweep: reference outputs",
+        "[   2.0s] sweep 1/4 (25%, eta 6s): concurrency 1",
+        "[   4.0s] sweep 2/4 (50%, eta 4s): concurrency 2",
+        "[   8.0s] sweep 4/4 (100%): concurrency 8",
+    ]
     assert "\r" not in out.getvalue() and "\x1b" not in out.getvalue()
 
 
@@ -48,7 +51,7 @@ def test_a_terminal_gets_a_tqdm_bar_with_an_eta():
         p.note("starting the peer")
     text = out.getvalue()
     assert "\r" in text and "bench:" in text and "1/3" in text
-    assert re.search(r"<\d\d:\d\d", text) or "<?" in text       # tqdm's remaining-time field
+    assert re.search(r"<\d\d:\d\d", text) or "<?" in text  # tqdm's remaining-time field
     assert "starting the peer" in text
 
 

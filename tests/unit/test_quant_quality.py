@@ -6,6 +6,7 @@ of positions whose argmax is the same) and the perplexity ratio. Measured on the
 bfloat16 weights 0.978 / 1.0006; int8 0.928 / 1.010. Thresholds leave room for BLAS differences,
 not for a broken mode: int8 without its activation smoothing measured 0.898 / 1.034 and fails.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,7 +22,7 @@ from worker_svc.quality import TeacherForced, compare, teacher_forced
 pytestmark = pytest.mark.slow
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "heldout.txt"
 MODEL = "smollm2-135m"
-BLOCKS = 160          # 2,560 tokens of KV
+BLOCKS = 160  # 2,560 tokens of KV
 
 
 @pytest.fixture(scope="module")
@@ -54,15 +55,19 @@ def test_float32_perplexity_is_that_of_a_language_model(float32) -> None:
     assert 10 < ppl < 40
 
 
-@pytest.mark.parametrize("mode, kw, min_agreement, max_ppl_ratio", [
-    ("bfloat16", {"dtype": "bfloat16"}, 0.95, 1.01),
-    ("int8", {"quant": "int8"}, 0.91, 1.03),
-])
-def test_mode_agrees_with_float32(model, token_ids, float32, mode, kw, min_agreement,
-                                  max_ppl_ratio) -> None:
+@pytest.mark.parametrize(
+    "mode, kw, min_agreement, max_ppl_ratio",
+    [
+        ("bfloat16", {"dtype": "bfloat16"}, 0.95, 1.01),
+        ("int8", {"quant": "int8"}, 0.91, 1.03),
+    ],
+)
+def test_mode_agrees_with_float32(model, token_ids, float32, mode, kw, min_agreement, max_ppl_ratio) -> None:
     got = compare(float32, _run(model, token_ids, **kw))
-    print(f"{mode}: {got.positions} positions, top-1 agreement {got.top1_agreement:.4f}, "
-          f"perplexity {got.ppl_test:.3f} vs {got.ppl_base:.3f} (x{got.ppl_ratio:.4f})")
+    print(
+        f"{mode}: {got.positions} positions, top-1 agreement {got.top1_agreement:.4f}, "
+        f"perplexity {got.ppl_test:.3f} vs {got.ppl_base:.3f} (x{got.ppl_ratio:.4f})"
+    )
     assert got.positions >= 2000
     assert got.top1_agreement >= min_agreement
     assert got.ppl_ratio <= max_ppl_ratio

@@ -9,6 +9,7 @@ Every expected figure below was worked out by hand from the rules, not read off 
   * KV is counted at the tick's end, after frees (1536 bytes a token for the tiny model).
 The worked derivations are in the comments next to each table.
 """
+
 from __future__ import annotations
 
 import random
@@ -17,32 +18,52 @@ from dataclasses import dataclass, replace
 import pytest
 
 from scheduler_svc.core import (
-    AdmissionRejected, FinishReason, NotSessionOwner, RejectReason, Sampling, SchedulerCore, SchedulerLimits,
-    SessionRequest, TickOutcome, TickPlan, WorkerSpec, WorkloadPolicy,
+    AdmissionRejected,
+    FinishReason,
+    NotSessionOwner,
+    RejectReason,
+    Sampling,
+    SchedulerCore,
+    SchedulerLimits,
+    SessionRequest,
+    TickOutcome,
+    TickPlan,
+    WorkerSpec,
+    WorkloadPolicy,
 )
 from scheduler_svc.core.session import Phase
 from scheduler_svc.core.stats import WorkloadStats
-
 from tests.unit.sim import (
-    FakeWorkers, complete_tick, fake_token, plan_tick, run_to_completion, sequential_ids, tiny_worker,
+    FakeWorkers,
+    complete_tick,
+    fake_token,
+    plan_tick,
+    run_to_completion,
+    sequential_ids,
+    tiny_worker,
 )
 
-BPT = 1536          # 2 (K and V) x 6 layers x hidden 32 x 4 bytes
+BPT = 1536  # 2 (K and V) x 6 layers x hidden 32 x 4 bytes
 VOCAB = 48
 MAX_POSITION = 2048
 
 
 # ---- helpers ------------------------------------------------------------------------------
 
+
 def req(prompt_len: int, max_new: int, priority: int = 0, **kw) -> SessionRequest:
     prompt = tuple(1 + i % (VOCAB - 1) for i in range(prompt_len))
     return SessionRequest(prompt_ids=prompt, max_new_tokens=max_new, priority=priority, **kw)
 
 
-def make_core(workers: tuple[WorkerSpec, ...] = (tiny_worker(),), vocab: int = VOCAB,
-              max_position: int = MAX_POSITION, clock=None, **limits) -> SchedulerCore:
-    core = SchedulerCore(SchedulerLimits(**limits), new_id=sequential_ids(),
-                         **({"clock": clock} if clock else {}))
+def make_core(
+    workers: tuple[WorkerSpec, ...] = (tiny_worker(),),
+    vocab: int = VOCAB,
+    max_position: int = MAX_POSITION,
+    clock=None,
+    **limits,
+) -> SchedulerCore:
+    core = SchedulerCore(SchedulerLimits(**limits), new_id=sequential_ids(), **({"clock": clock} if clock else {}))
     for spec in workers:
         core.add_worker(spec, vocab, max_position)
     return core
@@ -78,16 +99,14 @@ def T(p=(), d=(), f=(), kv=0) -> Tick:
     """Expected tick. A token comes from each prompt-completing chunk and each decode."""
     p = tuple(tuple(x) for x in p)
     emitted = tuple(sorted([x[0] for x in p if x[3]] + list(d)))
-    return Tick(prefill=p, decode=tuple(sorted(d)), emitted=emitted,
-                finished=tuple(sorted(f)), kv=kv)
+    return Tick(prefill=p, decode=tuple(sorted(d)), emitted=emitted, finished=tuple(sorted(f)), kv=kv)
 
 
 def observe(core: SchedulerCore, fake: FakeWorkers, plan: TickPlan, out: TickOutcome) -> Tick:
     snap = core.snapshot()
     assert snap.kv_total_bytes == sum(fake.kv.values()) * BPT, "scheduler and worker disagree on KV"
     return Tick(
-        prefill=tuple((p.session_id, p.start_position, len(p.token_ids), p.last_chunk)
-                      for p in plan.prefill),
+        prefill=tuple((p.session_id, p.start_position, len(p.token_ids), p.last_chunk) for p in plan.prefill),
         decode=tuple(sorted(d.session_id for d in plan.decode)),
         emitted=tuple(sorted(sid for sid, _ in out.tokens)),
         finished=tuple(sorted(sid for sid, _ in out.finished)),
@@ -120,14 +139,16 @@ def trace(core: SchedulerCore, fake: FakeWorkers, max_ticks: int = 500) -> list[
 #        (7); peak 10+9+...+4 = 49 tokens = 75264 (ticks 7 and 8).
 #   tokens_per_tick = (32 + 56) / ticks.
 SWEEP = {
-    1: dict(ticks=64, decode_batches=56, avg=1.0, max_occ=1, peak=15360, tpt=1.375,
-            admitted=[1, 9, 17, 25, 33, 41, 49, 57]),
-    2: dict(ticks=33, decode_batches=32, avg=1.75, max_occ=2, peak=29184, tpt=2.6667,
-            admitted=[1, 2, 9, 10, 17, 18, 25, 26]),
-    4: dict(ticks=19, decode_batches=18, avg=3.1111, max_occ=4, peak=52224, tpt=4.6316,
-            admitted=[1, 2, 3, 4, 9, 10, 11, 12]),
-    8: dict(ticks=15, decode_batches=14, avg=4.0, max_occ=7, peak=75264, tpt=5.8667,
-            admitted=[1, 2, 3, 4, 5, 6, 7, 8]),
+    1: dict(
+        ticks=64, decode_batches=56, avg=1.0, max_occ=1, peak=15360, tpt=1.375, admitted=[1, 9, 17, 25, 33, 41, 49, 57]
+    ),
+    2: dict(
+        ticks=33, decode_batches=32, avg=1.75, max_occ=2, peak=29184, tpt=2.6667, admitted=[1, 2, 9, 10, 17, 18, 25, 26]
+    ),
+    4: dict(
+        ticks=19, decode_batches=18, avg=3.1111, max_occ=4, peak=52224, tpt=4.6316, admitted=[1, 2, 3, 4, 9, 10, 11, 12]
+    ),
+    8: dict(ticks=15, decode_batches=14, avg=4.0, max_occ=7, peak=75264, tpt=5.8667, admitted=[1, 2, 3, 4, 5, 6, 7, 8]),
 }
 
 
@@ -136,8 +157,8 @@ def run_sweep(concurrency: int, snapshot_at_tick: int = 0, clock=None, on_tick=N
     fake = FakeWorkers()
     wid, sids = core.submit_workload(
         [req(4, 8) for _ in range(8)],
-        WorkloadPolicy(max_running=concurrency, prefill_token_budget=4,
-                       snapshot_at_tick=snapshot_at_tick))
+        WorkloadPolicy(max_running=concurrency, prefill_token_budget=4, snapshot_at_tick=snapshot_at_tick),
+    )
     run_to_completion(core, fake, on_tick=on_tick)
     return core, fake, wid, sids
 
@@ -148,12 +169,22 @@ def test_sweep_matches_reference_results(concurrency):
     core, fake, wid, sids = run_sweep(concurrency)
     stats = core.workload_stats(wid)
     assert stats is not None
-    got = replace(stats, avg_batch_occupancy=round(stats.avg_batch_occupancy, 4),
-                  tokens_per_tick=round(stats.tokens_per_tick, 4))
+    got = replace(
+        stats, avg_batch_occupancy=round(stats.avg_batch_occupancy, 4), tokens_per_tick=round(stats.tokens_per_tick, 4)
+    )
     assert got == WorkloadStats(
-        sessions=8, ticks=e["ticks"], decode_batches=e["decode_batches"], decode_tokens=56,
-        prefill_tokens=32, avg_batch_occupancy=e["avg"], max_batch_occupancy=e["max_occ"],
-        peak_kv_bytes=e["peak"], tokens_per_tick=e["tpt"], rejected_admissions=0, cache_misses=0)
+        sessions=8,
+        ticks=e["ticks"],
+        decode_batches=e["decode_batches"],
+        decode_tokens=56,
+        prefill_tokens=32,
+        avg_batch_occupancy=e["avg"],
+        max_batch_occupancy=e["max_occ"],
+        peak_kv_bytes=e["peak"],
+        tokens_per_tick=e["tpt"],
+        rejected_admissions=0,
+        cache_misses=0,
+    )
     assert [core.session(s).admitted_tick for s in sids] == e["admitted"]
     for sid in sids:
         s = core.session(sid)
@@ -176,109 +207,166 @@ TICK_CASES = {
     # Prompt 10, budget 4: chunks 4, 4, 2; the third completes the prompt and yields token 1;
     # two decodes give tokens 2 and 3; KV 4, 8, 10, 11, then freed.
     "chunked_prefill_10_by_4": (
-        dict(prefill_token_budget=4), TINY, [(None, [(10, 3)])],
-        [T(p=[("s0", 0, 4, False)], kv=4),
-         T(p=[("s0", 4, 4, False)], kv=8),
-         T(p=[("s0", 8, 2, True)], kv=10),
-         T(d=["s0"], kv=11),
-         T(d=["s0"], f=["s0"], kv=0)]),
+        dict(prefill_token_budget=4),
+        TINY,
+        [(None, [(10, 3)])],
+        [
+            T(p=[("s0", 0, 4, False)], kv=4),
+            T(p=[("s0", 4, 4, False)], kv=8),
+            T(p=[("s0", 8, 2, True)], kv=10),
+            T(d=["s0"], kv=11),
+            T(d=["s0"], f=["s0"], kv=0),
+        ],
+    ),
     # s0 (3) leaves 1 token of budget: s1 is admitted with a 1-token chunk. Tick 2: s1's prefill
     # under way takes 4, s0 decodes its 2nd token and finishes (4 tokens freed): KV = s1's 5.
     "two_sessions_share_budget": (
-        dict(prefill_token_budget=4), TINY, [(None, [(3, 2), (5, 2)])],
-        [T(p=[("s0", 0, 3, True), ("s1", 0, 1, False)], kv=4),
-         T(p=[("s1", 1, 4, True)], d=["s0"], f=["s0"], kv=5),
-         T(d=["s1"], f=["s1"], kv=0)]),
+        dict(prefill_token_budget=4),
+        TINY,
+        [(None, [(3, 2), (5, 2)])],
+        [
+            T(p=[("s0", 0, 3, True), ("s1", 0, 1, False)], kv=4),
+            T(p=[("s1", 1, 4, True)], d=["s0"], f=["s0"], kv=5),
+            T(d=["s1"], f=["s1"], kv=0),
+        ],
+    ),
     # A chunk under way eats the whole budget: s1 waits though a slot is free.
     "chunk_under_way_before_admission": (
-        dict(prefill_token_budget=4), TINY, [(None, [(6, 1), (2, 1)])],
-        [T(p=[("s0", 0, 4, False)], kv=4),
-         T(p=[("s0", 4, 2, True), ("s1", 0, 2, True)], f=["s0", "s1"], kv=0)]),
+        dict(prefill_token_budget=4),
+        TINY,
+        [(None, [(6, 1), (2, 1)])],
+        [T(p=[("s0", 0, 4, False)], kv=4), T(p=[("s0", 4, 2, True), ("s1", 0, 2, True)], f=["s0", "s1"], kv=0)],
+    ),
     # max_new_tokens=1: the prefill's token is the last; finished and freed in the same tick.
     "max_new_1_finishes_in_prefill_tick": (
-        dict(prefill_token_budget=4), TINY, [(None, [(4, 1), (4, 1)])],
-        [T(p=[("s0", 0, 4, True)], f=["s0"], kv=0),
-         T(p=[("s1", 0, 4, True)], f=["s1"], kv=0)]),
+        dict(prefill_token_budget=4),
+        TINY,
+        [(None, [(4, 1), (4, 1)])],
+        [T(p=[("s0", 0, 4, True)], f=["s0"], kv=0), T(p=[("s1", 0, 4, True)], f=["s1"], kv=0)],
+    ),
     # KV counted after frees: in tick 2 s0 finishes, so the tick ends with s1's 5 tokens, not
     # 5 + 5; the peak is tick 1's 8.
     "kv_counted_after_frees": (
-        dict(prefill_token_budget=8), TINY, [(None, [(4, 2), (4, 4)])],
-        [T(p=[("s0", 0, 4, True), ("s1", 0, 4, True)], kv=8),
-         T(d=["s0", "s1"], f=["s0"], kv=5),
-         T(d=["s1"], kv=6),
-         T(d=["s1"], f=["s1"], kv=0)]),
+        dict(prefill_token_budget=8),
+        TINY,
+        [(None, [(4, 2), (4, 4)])],
+        [
+            T(p=[("s0", 0, 4, True), ("s1", 0, 4, True)], kv=8),
+            T(d=["s0", "s1"], f=["s0"], kv=5),
+            T(d=["s1"], kv=6),
+            T(d=["s1"], f=["s1"], kv=0),
+        ],
+    ),
     # A session part-way through its prefill counts against max_running.
     "prefilling_session_holds_a_slot": (
-        dict(max_running=1, prefill_token_budget=4), TINY, [(None, [(10, 1), (2, 1)])],
-        [T(p=[("s0", 0, 4, False)], kv=4),
-         T(p=[("s0", 4, 4, False)], kv=8),
-         T(p=[("s0", 8, 2, True)], f=["s0"], kv=0),
-         T(p=[("s1", 0, 2, True)], f=["s1"], kv=0)]),
+        dict(max_running=1, prefill_token_budget=4),
+        TINY,
+        [(None, [(10, 1), (2, 1)])],
+        [
+            T(p=[("s0", 0, 4, False)], kv=4),
+            T(p=[("s0", 4, 4, False)], kv=8),
+            T(p=[("s0", 8, 2, True)], f=["s0"], kv=0),
+            T(p=[("s1", 0, 2, True)], f=["s1"], kv=0),
+        ],
+    ),
     # Global cap 2; workload A (s0-s2) capped at 1, workload B (s3, s4) uncapped. Tick 1: s0,
     # A is then full so s1, s2 are skipped without blocking B, s3 fills the global cap.
     "global_cap_vs_workload_cap": (
-        dict(max_running=2), TINY,
+        dict(max_running=2),
+        TINY,
         [(WP(max_running=1), [(2, 2)] * 3), (WP(), [(2, 2)] * 2)],
-        [T(p=[("s0", 0, 2, True), ("s3", 0, 2, True)], kv=4),
-         T(d=["s0", "s3"], f=["s0", "s3"], kv=0),
-         T(p=[("s1", 0, 2, True), ("s4", 0, 2, True)], kv=4),
-         T(d=["s1", "s4"], f=["s1", "s4"], kv=0),
-         T(p=[("s2", 0, 2, True)], kv=2),
-         T(d=["s2"], f=["s2"], kv=0)]),
+        [
+            T(p=[("s0", 0, 2, True), ("s3", 0, 2, True)], kv=4),
+            T(d=["s0", "s3"], f=["s0", "s3"], kv=0),
+            T(p=[("s1", 0, 2, True), ("s4", 0, 2, True)], kv=4),
+            T(d=["s1", "s4"], f=["s1", "s4"], kv=0),
+            T(p=[("s2", 0, 2, True)], kv=2),
+            T(d=["s2"], f=["s2"], kv=0),
+        ],
+    ),
     # Global cap 3; A (s0-s2) and B (s3, s4) capped at 2 each. Tick 1: s0, s1 (A full), s3;
     # the global cap then stops s4 even though B has room.
     "global_cap_binds_before_workload_cap": (
-        dict(max_running=3), TINY,
+        dict(max_running=3),
+        TINY,
         [(WP(max_running=2), [(2, 2)] * 3), (WP(max_running=2), [(2, 2)] * 2)],
-        [T(p=[("s0", 0, 2, True), ("s1", 0, 2, True), ("s3", 0, 2, True)], kv=6),
-         T(d=["s0", "s1", "s3"], f=["s0", "s1", "s3"], kv=0),
-         T(p=[("s2", 0, 2, True), ("s4", 0, 2, True)], kv=4),
-         T(d=["s2", "s4"], f=["s2", "s4"], kv=0)]),
+        [
+            T(p=[("s0", 0, 2, True), ("s1", 0, 2, True), ("s3", 0, 2, True)], kv=6),
+            T(d=["s0", "s1", "s3"], f=["s0", "s1", "s3"], kv=0),
+            T(p=[("s2", 0, 2, True), ("s4", 0, 2, True)], kv=4),
+            T(d=["s2", "s4"], f=["s2", "s4"], kv=0),
+        ],
+    ),
     # Global budget 6; workload A's own budget is 2: s0 gets 2, s1 (B) the remaining 4.
     "workload_prefill_budget": (
-        dict(prefill_token_budget=6), TINY,
+        dict(prefill_token_budget=6),
+        TINY,
         [(WP(prefill_token_budget=2), [(3, 1)]), (WP(), [(5, 1)])],
-        [T(p=[("s0", 0, 2, False), ("s1", 0, 4, False)], kv=6),
-         T(p=[("s0", 2, 1, True), ("s1", 4, 1, True)], f=["s0", "s1"], kv=0)]),
+        [
+            T(p=[("s0", 0, 2, False), ("s1", 0, 4, False)], kv=6),
+            T(p=[("s0", 2, 1, True), ("s1", 4, 1, True)], f=["s0", "s1"], kv=0),
+        ],
+    ),
     # Priorities 5, 0, 5, -1 (lower first, FCFS among equals): s3, s1, s0, s2.
     "priority_one_slot": (
-        dict(max_running=1), TINY, [(None, [(1, 1, 5), (1, 1, 0), (1, 1, 5), (1, 1, -1)])],
-        [T(p=[("s3", 0, 1, True)], f=["s3"]),
-         T(p=[("s1", 0, 1, True)], f=["s1"]),
-         T(p=[("s0", 0, 1, True)], f=["s0"]),
-         T(p=[("s2", 0, 1, True)], f=["s2"])]),
-    "priority_order_within_a_tick": (
-        dict(prefill_token_budget=3), TINY,
+        dict(max_running=1),
+        TINY,
         [(None, [(1, 1, 5), (1, 1, 0), (1, 1, 5), (1, 1, -1)])],
-        [T(p=[("s3", 0, 1, True), ("s1", 0, 1, True), ("s0", 0, 1, True)],
-           f=["s3", "s1", "s0"]),
-         T(p=[("s2", 0, 1, True)], f=["s2"])]),
+        [
+            T(p=[("s3", 0, 1, True)], f=["s3"]),
+            T(p=[("s1", 0, 1, True)], f=["s1"]),
+            T(p=[("s0", 0, 1, True)], f=["s0"]),
+            T(p=[("s2", 0, 1, True)], f=["s2"]),
+        ],
+    ),
+    "priority_order_within_a_tick": (
+        dict(prefill_token_budget=3),
+        TINY,
+        [(None, [(1, 1, 5), (1, 1, 0), (1, 1, 5), (1, 1, -1)])],
+        [
+            T(p=[("s3", 0, 1, True), ("s1", 0, 1, True), ("s0", 0, 1, True)], f=["s3", "s1", "s0"]),
+            T(p=[("s2", 0, 1, True)], f=["s2"]),
+        ],
+    ),
     # KV budget 20 tokens (block 1). s0 reserves 4+10-1 = 13; s1 needs 11 (13+11 > 20) and heads
     # the queue, so s2 (needs 2, would fit) waits behind it: strict FCFS. s0 finishes in tick 10
     # (token 1 in tick 1, tokens 2-10 in ticks 2-10); s1 and s2 are admitted in tick 11; s2
     # finishes in 12; s1 (8 tokens) in 18.
     "strict_fcfs_kv_budget": (
-        dict(kv_budget_bytes=20 * BPT), BLOCK1_CAP1000, [(None, [(4, 10), (4, 8), (1, 2)])],
+        dict(kv_budget_bytes=20 * BPT),
+        BLOCK1_CAP1000,
+        [(None, [(4, 10), (4, 8), (1, 2)])],
         [T(p=[("s0", 0, 4, True)], kv=4)]
         + [T(d=["s0"], kv=4 + k) for k in range(1, 9)]
-        + [T(d=["s0"], f=["s0"], kv=0),
-           T(p=[("s1", 0, 4, True), ("s2", 0, 1, True)], kv=5),
-           T(d=["s1", "s2"], f=["s2"], kv=5)]
+        + [
+            T(d=["s0"], f=["s0"], kv=0),
+            T(p=[("s1", 0, 4, True), ("s2", 0, 1, True)], kv=5),
+            T(d=["s1", "s2"], f=["s2"], kv=5),
+        ]
         + [T(d=["s1"], kv=k) for k in range(6, 11)]
-        + [T(d=["s1"], f=["s1"], kv=0)]),
+        + [T(d=["s1"], f=["s1"], kv=0)],
+    ),
 }
 # The same timeline when the limit is the worker's cache (20 tokens) instead of the KV budget.
 TICK_CASES["strict_fcfs_worker_capacity"] = (
-    dict(), BLOCK1_CAP20, TICK_CASES["strict_fcfs_kv_budget"][2],
-    TICK_CASES["strict_fcfs_kv_budget"][3])
+    dict(),
+    BLOCK1_CAP20,
+    TICK_CASES["strict_fcfs_kv_budget"][2],
+    TICK_CASES["strict_fcfs_kv_budget"][3],
+)
 # Reservations are rounded up to whole blocks: worker of 2 blocks of 8; each session's worst
 # case is 4+2-1 = 5 tokens -> one block. Two fit; the third (15 <= 16 unrounded) must wait.
 TICK_CASES["reservations_round_to_blocks"] = (
-    dict(), (tiny_worker("w0", blocks=2, block_size=8),), [(None, [(4, 2)] * 3)],
-    [T(p=[("s0", 0, 4, True), ("s1", 0, 4, True)], kv=8),
-     T(d=["s0", "s1"], f=["s0", "s1"], kv=0),
-     T(p=[("s2", 0, 4, True)], kv=4),
-     T(d=["s2"], f=["s2"], kv=0)])
+    dict(),
+    (tiny_worker("w0", blocks=2, block_size=8),),
+    [(None, [(4, 2)] * 3)],
+    [
+        T(p=[("s0", 0, 4, True), ("s1", 0, 4, True)], kv=8),
+        T(d=["s0", "s1"], f=["s0", "s1"], kv=0),
+        T(p=[("s2", 0, 4, True)], kv=4),
+        T(d=["s2"], f=["s2"], kv=0),
+    ],
+)
 
 
 def submit_groups(core: SchedulerCore, groups) -> tuple[list[str], list[str]]:
@@ -325,8 +413,7 @@ def test_chunked_prefill_work_items_and_first_token_tick():
         (p,) = plan.prefill
         chunks.append((p.token_ids, p.start_position, p.last_chunk, p.generated_so_far))
         outs.append(out.tokens)
-    assert chunks == [((1, 2, 3, 4), 0, False, 0), ((5, 6, 7, 8), 4, False, 0),
-                      ((9, 10), 8, True, 0)]
+    assert chunks == [((1, 2, 3, 4), 0, False, 0), ((5, 6, 7, 8), 4, False, 0), ((9, 10), 8, True, 0)]
     assert outs == [[], [], [(sid, fake_token(sid, 0))]]
     plan, _ = step(core, fake)
     (d,) = plan.decode
@@ -337,7 +424,7 @@ def test_max_new_1_releases_kv_in_its_prefill_tick():
     core, fake = make_core(prefill_token_budget=4), FakeWorkers()
     sid = core.submit(req(4, 1))
     plan, early = plan_tick(core)
-    assert core.workers.get("w0").reserved_tokens == 16     # 4 tokens, one block of 16
+    assert core.workers.get("w0").reserved_tokens == 16  # 4 tokens, one block of 16
     out = complete_tick(core, plan, fake.run(plan), outcome=early)
     fake.release(out)
     assert out.release == {"w0": [sid]}
@@ -350,6 +437,7 @@ def test_max_new_1_releases_kv_in_its_prefill_tick():
 
 # ---- 3. admission rejections --------------------------------------------------------------
 
+
 def _bad(**kw) -> SessionRequest:
     base = dict(prompt_ids=(1, 2, 3), max_new_tokens=4)
     base.update(kw)
@@ -358,39 +446,119 @@ def _bad(**kw) -> SessionRequest:
 
 # (limits, workers, max_position, request, reason, words the message must hold)
 REJECTIONS = {
-    "kv_budget_bytes": (dict(kv_budget_bytes=10 * BPT), TINY, MAX_POSITION, req(4, 8),
-                        RejectReason.KV_BUDGET, ["11 tokens", "lower max_new_tokens",
-                                                 "shorten the prompt"]),
-    "kv_worker_capacity": (dict(), (tiny_worker(blocks=1, block_size=16),), MAX_POSITION,
-                           req(10, 8), RejectReason.KV_BUDGET,
-                           ["17 tokens", "lower max_new_tokens"]),
-    "prompt_over_max_prompt_tokens": (dict(max_prompt_tokens=8), TINY, MAX_POSITION, req(9, 1),
-                                      RejectReason.PROMPT_TOO_LONG, ["9 tokens", "limit is 8"]),
-    "prompt_over_max_position": (dict(), TINY, 16, req(10, 7), RejectReason.PROMPT_TOO_LONG,
-                                 ["17", "16", "shorten the prompt or lower max_new_tokens"]),
-    "empty_prompt": (dict(), TINY, MAX_POSITION, _bad(prompt_ids=()),
-                     RejectReason.INVALID_REQUEST, ["empty", "at least one token"]),
-    "max_new_0": (dict(), TINY, MAX_POSITION, _bad(max_new_tokens=0),
-                  RejectReason.INVALID_REQUEST, ["max_new_tokens", "at least 1"]),
-    "max_new_over_limit": (dict(max_new_tokens=16), TINY, MAX_POSITION, _bad(max_new_tokens=17),
-                           RejectReason.INVALID_REQUEST, ["max_new_tokens", "17", "16"]),
-    "token_over_vocab": (dict(), TINY, MAX_POSITION, _bad(prompt_ids=(1, VOCAB, 2)),
-                         RejectReason.INVALID_REQUEST, ["48", "vocabulary", "0..47"]),
-    "token_negative": (dict(), TINY, MAX_POSITION, _bad(prompt_ids=(-1,)),
-                       RejectReason.INVALID_REQUEST, ["-1", "vocabulary"]),
-    "temperature_negative": (dict(), TINY, MAX_POSITION,
-                             _bad(sampling=Sampling(temperature=-0.5)),
-                             RejectReason.INVALID_REQUEST, ["temperature", ">= 0"]),
-    "temperature_nan": (dict(), TINY, MAX_POSITION, _bad(sampling=Sampling(temperature=float("nan"))),
-                        RejectReason.INVALID_REQUEST, ["temperature"]),
-    "top_p_0": (dict(), TINY, MAX_POSITION, _bad(sampling=Sampling(top_p=0.0)),
-                RejectReason.INVALID_REQUEST, ["top_p", "(0, 1]"]),
-    "top_p_over_1": (dict(), TINY, MAX_POSITION, _bad(sampling=Sampling(top_p=1.5)),
-                     RejectReason.INVALID_REQUEST, ["top_p", "(0, 1]"]),
-    "top_k_negative": (dict(), TINY, MAX_POSITION, _bad(sampling=Sampling(top_k=-1)),
-                       RejectReason.INVALID_REQUEST, ["top_k", ">= 0"]),
-    "no_worker": (dict(), (), MAX_POSITION, req(4, 4), RejectReason.NO_WORKER,
-                  ["no live worker", "retry"]),
+    "kv_budget_bytes": (
+        dict(kv_budget_bytes=10 * BPT),
+        TINY,
+        MAX_POSITION,
+        req(4, 8),
+        RejectReason.KV_BUDGET,
+        ["11 tokens", "lower max_new_tokens", "shorten the prompt"],
+    ),
+    "kv_worker_capacity": (
+        dict(),
+        (tiny_worker(blocks=1, block_size=16),),
+        MAX_POSITION,
+        req(10, 8),
+        RejectReason.KV_BUDGET,
+        ["17 tokens", "lower max_new_tokens"],
+    ),
+    "prompt_over_max_prompt_tokens": (
+        dict(max_prompt_tokens=8),
+        TINY,
+        MAX_POSITION,
+        req(9, 1),
+        RejectReason.PROMPT_TOO_LONG,
+        ["9 tokens", "limit is 8"],
+    ),
+    "prompt_over_max_position": (
+        dict(),
+        TINY,
+        16,
+        req(10, 7),
+        RejectReason.PROMPT_TOO_LONG,
+        ["17", "16", "shorten the prompt or lower max_new_tokens"],
+    ),
+    "empty_prompt": (
+        dict(),
+        TINY,
+        MAX_POSITION,
+        _bad(prompt_ids=()),
+        RejectReason.INVALID_REQUEST,
+        ["empty", "at least one token"],
+    ),
+    "max_new_0": (
+        dict(),
+        TINY,
+        MAX_POSITION,
+        _bad(max_new_tokens=0),
+        RejectReason.INVALID_REQUEST,
+        ["max_new_tokens", "at least 1"],
+    ),
+    "max_new_over_limit": (
+        dict(max_new_tokens=16),
+        TINY,
+        MAX_POSITION,
+        _bad(max_new_tokens=17),
+        RejectReason.INVALID_REQUEST,
+        ["max_new_tokens", "17", "16"],
+    ),
+    "token_over_vocab": (
+        dict(),
+        TINY,
+        MAX_POSITION,
+        _bad(prompt_ids=(1, VOCAB, 2)),
+        RejectReason.INVALID_REQUEST,
+        ["48", "vocabulary", "0..47"],
+    ),
+    "token_negative": (
+        dict(),
+        TINY,
+        MAX_POSITION,
+        _bad(prompt_ids=(-1,)),
+        RejectReason.INVALID_REQUEST,
+        ["-1", "vocabulary"],
+    ),
+    "temperature_negative": (
+        dict(),
+        TINY,
+        MAX_POSITION,
+        _bad(sampling=Sampling(temperature=-0.5)),
+        RejectReason.INVALID_REQUEST,
+        ["temperature", ">= 0"],
+    ),
+    "temperature_nan": (
+        dict(),
+        TINY,
+        MAX_POSITION,
+        _bad(sampling=Sampling(temperature=float("nan"))),
+        RejectReason.INVALID_REQUEST,
+        ["temperature"],
+    ),
+    "top_p_0": (
+        dict(),
+        TINY,
+        MAX_POSITION,
+        _bad(sampling=Sampling(top_p=0.0)),
+        RejectReason.INVALID_REQUEST,
+        ["top_p", "(0, 1]"],
+    ),
+    "top_p_over_1": (
+        dict(),
+        TINY,
+        MAX_POSITION,
+        _bad(sampling=Sampling(top_p=1.5)),
+        RejectReason.INVALID_REQUEST,
+        ["top_p", "(0, 1]"],
+    ),
+    "top_k_negative": (
+        dict(),
+        TINY,
+        MAX_POSITION,
+        _bad(sampling=Sampling(top_k=-1)),
+        RejectReason.INVALID_REQUEST,
+        ["top_k", ">= 0"],
+    ),
+    "no_worker": (dict(), (), MAX_POSITION, req(4, 4), RejectReason.NO_WORKER, ["no live worker", "retry"]),
 }
 
 
@@ -415,8 +583,7 @@ ACCEPTED_AT_LIMIT = {
     "prompt_at_max_prompt_tokens": (dict(max_prompt_tokens=8), TINY, MAX_POSITION, req(8, 1)),
     "prompt_plus_new_at_max_position": (dict(), TINY, 16, req(10, 6)),
     "max_new_at_limit": (dict(max_new_tokens=16), TINY, MAX_POSITION, req(3, 16)),
-    "top_p_1_temperature_0": (dict(), TINY, MAX_POSITION,
-                              _bad(sampling=Sampling(temperature=0.0, top_p=1.0))),
+    "top_p_1_temperature_0": (dict(), TINY, MAX_POSITION, _bad(sampling=Sampling(temperature=0.0, top_p=1.0))),
     "token_47": (dict(), TINY, MAX_POSITION, _bad(prompt_ids=(0, VOCAB - 1))),
 }
 
@@ -461,11 +628,14 @@ def test_no_worker_after_the_only_worker_failed():
     assert core.snapshot().rejected_by_reason == {"no_worker": 1}
 
 
-@pytest.mark.parametrize("policy, words", [
-    (WP(max_running=5), ["max_running", "5", "1..4"]),
-    (WP(max_running=-1), ["max_running", "1..4"]),
-    (WP(prefill_token_budget=513), ["prefill_token_budget", "513", "1..512"]),
-])
+@pytest.mark.parametrize(
+    "policy, words",
+    [
+        (WP(max_running=5), ["max_running", "5", "1..4"]),
+        (WP(max_running=-1), ["max_running", "1..4"]),
+        (WP(prefill_token_budget=513), ["prefill_token_budget", "513", "1..512"]),
+    ],
+)
 def test_workload_policy_above_scheduler_limit(policy, words):
     core = make_core(max_running=4)
     with pytest.raises(AdmissionRejected) as info:
@@ -477,11 +647,14 @@ def test_workload_policy_above_scheduler_limit(policy, words):
     assert core.snapshot().rejected_by_reason == {"invalid_request": 1}
 
 
-@pytest.mark.parametrize("bad, reason, where", [
-    (_bad(prompt_ids=(1, 99)), RejectReason.INVALID_REQUEST, "session 2: "),
-    (req(4, 40), RejectReason.KV_BUDGET, "session 2: "),       # 43 tokens > 32-token worker
-    (req(9, 1), RejectReason.PROMPT_TOO_LONG, "session 2: "),
-])
+@pytest.mark.parametrize(
+    "bad, reason, where",
+    [
+        (_bad(prompt_ids=(1, 99)), RejectReason.INVALID_REQUEST, "session 2: "),
+        (req(4, 40), RejectReason.KV_BUDGET, "session 2: "),  # 43 tokens > 32-token worker
+        (req(9, 1), RejectReason.PROMPT_TOO_LONG, "session 2: "),
+    ],
+)
 def test_workload_is_atomic(bad, reason, where):
     core = make_core((tiny_worker(blocks=2, block_size=16),), max_prompt_tokens=8)
     with pytest.raises(AdmissionRejected) as info:
@@ -489,7 +662,7 @@ def test_workload_is_atomic(bad, reason, where):
     assert info.value.reason == reason
     assert info.value.message.startswith(where)
     assert core.queue_depth == 0 and not core.has_work()
-    assert core.snapshot().rejected_by_reason == {reason.value: 1}   # one rejection, not four
+    assert core.snapshot().rejected_by_reason == {reason.value: 1}  # one rejection, not four
     # The scheduler is untouched: a good workload afterwards runs normally.
     fake = FakeWorkers()
     wid, sids = core.submit_workload([req(2, 2)])
@@ -507,9 +680,9 @@ def test_empty_workload_rejected():
 
 
 def test_session_whose_block_rounded_reservation_exceeds_kv_budget_is_rejected():
-    core, fake = make_core(kv_budget_bytes=13 * BPT), FakeWorkers()   # block 16
+    core, fake = make_core(kv_budget_bytes=13 * BPT), FakeWorkers()  # block 16
     try:
-        sid = core.submit(req(4, 10))                                   # worst 13 -> 16 reserved
+        sid = core.submit(req(4, 10))  # worst 13 -> 16 reserved
     except AdmissionRejected as e:
         assert e.reason == RejectReason.KV_BUDGET
         return
@@ -520,19 +693,25 @@ def test_session_whose_block_rounded_reservation_exceeds_kv_budget_is_rejected()
 
 # ---- 4. invariants on random workloads ----------------------------------------------------
 
+
 def _random_setup(rng: random.Random):
     workers = []
     for i in range(rng.randint(1, 3)):
         block = rng.choice([1, 2, 4, 8])
         workers.append(tiny_worker(f"w{i}", blocks=rng.randint(24, 48) // block, block_size=block))
     # Any budget: admission and validation both use block-rounded footprints.
-    limits = dict(max_running=rng.randint(1, 6), prefill_token_budget=rng.randint(1, 16),
-                  kv_budget_bytes=rng.randint(16, 64) * BPT, max_queue_depth=1000)
+    limits = dict(
+        max_running=rng.randint(1, 6),
+        prefill_token_budget=rng.randint(1, 16),
+        kv_budget_bytes=rng.randint(16, 64) * BPT,
+        max_queue_depth=1000,
+    )
     return tuple(workers), limits
 
 
-def _check_tick(core: SchedulerCore, fake: FakeWorkers, plan: TickPlan, limits: dict,
-                caps: dict[str, WorkloadPolicy]) -> None:
+def _check_tick(
+    core: SchedulerCore, fake: FakeWorkers, plan: TickPlan, limits: dict, caps: dict[str, WorkloadPolicy]
+) -> None:
     # The plan: one item per session, within max_running and the prefill budget(s).
     sids = [p.session_id for p in plan.prefill] + [d.session_id for d in plan.decode]
     assert len(sids) == len(set(sids))
@@ -544,8 +723,10 @@ def _check_tick(core: SchedulerCore, fake: FakeWorkers, plan: TickPlan, limits: 
         if pol.max_running:
             assert len(mine) <= pol.max_running
         if pol.prefill_token_budget:
-            assert sum(len(p.token_ids) for p in plan.prefill
-                       if core.session(p.session_id).workload_id == wid) <= pol.prefill_token_budget
+            assert (
+                sum(len(p.token_ids) for p in plan.prefill if core.session(p.session_id).workload_id == wid)
+                <= pol.prefill_token_budget
+            )
     # The books at the tick's end.
     assert core.running_count <= limits["max_running"]
     snap = core.snapshot()
@@ -575,9 +756,9 @@ def test_random_workloads_keep_invariants(seed):
     arrivals = sorted((rng.choice([0, 0, rng.randint(0, 40)]), k) for k in range(rng.randint(3, 12)))
     accepted: list[str] = []
     caps: dict[str, WorkloadPolicy] = {}
-    cancelled: dict[str, int] = {}            # session -> tokens it had when cancelled
+    cancelled: dict[str, int] = {}  # session -> tokens it had when cancelled
     emitted = 0
-    down: dict[str, int] = {}                 # failed worker -> iteration it comes back
+    down: dict[str, int] = {}  # failed worker -> iteration it comes back
     for it in range(5000):
         while arrivals and arrivals[0][0] <= it:
             arrivals.pop(0)
@@ -585,9 +766,10 @@ def test_random_workloads_keep_invariants(seed):
             before = core.queue_depth
             try:
                 if rng.random() < 0.5:
-                    pol = WP(max_running=rng.choice([None, rng.randint(1, limits["max_running"])]),
-                             prefill_token_budget=rng.choice(
-                                 [None, rng.randint(1, limits["prefill_token_budget"])]))
+                    pol = WP(
+                        max_running=rng.choice([None, rng.randint(1, limits["max_running"])]),
+                        prefill_token_budget=rng.choice([None, rng.randint(1, limits["prefill_token_budget"])]),
+                    )
                     wid, ids = core.submit_workload(reqs, pol)
                     caps[wid] = pol
                 else:
@@ -605,7 +787,7 @@ def test_random_workloads_keep_invariants(seed):
             sid = rng.choice(live)
             cancelled[sid] = len(core.session(sid).generated)
             depth = core.queue_depth
-            if core.cancel(sid)[0] == "queued":                # gone from the queue at once
+            if core.cancel(sid)[0] == "queued":  # gone from the queue at once
                 assert core.session(sid).phase == Phase.FINISHED
                 assert core.queue_depth == depth - 1
         if not core.has_work():
@@ -615,7 +797,7 @@ def test_random_workloads_keep_invariants(seed):
         plan, early = plan_tick(core)
         fake.release(early)
         emitted += len(early.tokens)
-        if plan.empty:   # only cancellations this tick, or queued work waiting for a dead worker
+        if plan.empty:  # only cancellations this tick, or queued work waiting for a dead worker
             assert down or not core.has_work(), "the scheduler has work but planned nothing"
             continue
         failed: frozenset[str] = frozenset()
@@ -646,7 +828,7 @@ def test_random_workloads_keep_invariants(seed):
         if sid in cancelled:
             assert s.finish_reason == FinishReason.CANCELLED
             assert len(s.generated) == cancelled[sid]
-            assert s.generated == full[:len(s.generated)]
+            assert s.generated == full[: len(s.generated)]
         else:
             assert s.finish_reason == FinishReason.LENGTH
             assert s.generated == full
@@ -658,10 +840,11 @@ def test_random_workloads_keep_invariants(seed):
 
 # ---- 5. cancellation and worker failure ---------------------------------------------------
 
+
 def test_cancel_queued_session_leaves_queue_at_once():
     core, fake = make_core(max_running=1), FakeWorkers()
     s0, s1 = core.submit(req(4, 4)), core.submit(req(4, 4))
-    step(core, fake)                                    # s0 admitted, s1 waits
+    step(core, fake)  # s0 admitted, s1 waits
     assert core.queue_depth == 1
     assert core.cancel(s1)[0] == "queued"
     assert core.queue_depth == 0
@@ -678,7 +861,7 @@ def test_cancel_running_session_released_at_next_plan_tick():
     core, fake = make_core(prefill_token_budget=8), FakeWorkers()
     s0, s1 = core.submit(req(4, 6)), core.submit(req(4, 6))
     step(core, fake)
-    step(core, fake)                                    # both hold 5 tokens, 2 generated
+    step(core, fake)  # both hold 5 tokens, 2 generated
     assert core.cancel(s0)[0] == "decode"
     # Nothing changes until the next tick is planned.
     assert core.running_count == 2 and core.workers.get("w0").reserved_tokens == 32
@@ -718,8 +901,8 @@ def test_cancel_survives_requeue(fault):
     core, fake = make_core((tiny_worker("w0"), tiny_worker("w1"))), FakeWorkers()
     sid = core.submit(req(3, 6))
     step(core, fake)
-    plan, early = plan_tick(core)                      # tick 2 under way on w0 ...
-    assert core.cancel(sid)[0] == "decode"                 # ... when the client cancels
+    plan, early = plan_tick(core)  # tick 2 under way on w0 ...
+    assert core.cancel(sid)[0] == "decode"  # ... when the client cancels
     if fault == "worker_failure":
         fake.drop_worker("w0")
         out = complete_tick(core, plan, {}, failed_workers={"w0"}, outcome=early)
@@ -760,16 +943,16 @@ def test_worker_failure_recomputes_on_the_other_worker():
     s0, s1 = (core.submit(r) for r in specs)
     # Least-loaded placement, ties by id: s0 -> w0, then s1 -> w1.
     for _ in range(3):
-        step(core, fake)                                # 3 tokens each
+        step(core, fake)  # 3 tokens each
     assert (core.session(s0).worker_id, core.session(s1).worker_id) == ("w0", "w1")
-    plan, early = plan_tick(core)                      # tick 4: w0 dies during it
+    plan, early = plan_tick(core)  # tick 4: w0 dies during it
     results = fake.run(plan)
     fake.drop_worker("w0")
     results.pop(s0)
     out = complete_tick(core, plan, results, failed_workers={"w0"}, outcome=early)
     fake.release(out)
     assert out.requeued == [s0]
-    assert out.tokens == [(s1, fake_token(s1, 3))]      # s0's tick-4 token is lost with w0
+    assert out.tokens == [(s1, fake_token(s1, 3))]  # s0's tick-4 token is lost with w0
     assert core.session(s0).phase == Phase.QUEUED and core.session(s0).kv_tokens == 0
     assert core.workers.get("w0").reserved_tokens == 0 and not core.workers.get("w0").live
     # Tick 5: s0 recomputes on w1: prompt + its 3 generated tokens, sampling index 3.
@@ -792,7 +975,7 @@ def test_worker_failure_recompute_is_chunked_under_the_budget():
     plan, early = plan_tick(core)
     fake.drop_worker("w0")
     complete_tick(core, plan, {}, failed_workers={"w0"}, outcome=early)
-    context = req(3, 6).prompt_ids + tuple(expected_tokens(sid, 3))   # 6 tokens: chunks 4, 2
+    context = req(3, 6).prompt_ids + tuple(expected_tokens(sid, 3))  # 6 tokens: chunks 4, 2
     chunks = []
     for _ in range(2):
         plan, _ = step(core, fake)
@@ -800,7 +983,7 @@ def test_worker_failure_recompute_is_chunked_under_the_budget():
         chunks.append((p.worker_id, p.token_ids, p.start_position, p.last_chunk, p.generated_so_far))
     assert chunks == [("w1", context[:4], 0, False, 3), ("w1", context[4:], 4, True, 3)]
     ticks = 6 + len(run_to_completion(core, fake))
-    assert ticks == 8                                   # 4 + recompute 2 + decodes of tokens 5, 6
+    assert ticks == 8  # 4 + recompute 2 + decodes of tokens 5, 6
     assert core.session(sid).generated == expected_tokens(sid, 6)
 
 
@@ -808,13 +991,13 @@ def test_cache_miss_counts_and_recomputes():
     core, fake = make_core(prefill_token_budget=8), FakeWorkers()
     wid, (s0, s1) = core.submit_workload([req(4, 5), req(4, 5)])
     step(core, fake)
-    step(core, fake)                                    # 2 tokens each, 5 KV tokens each
-    fake.lose(s0)                                       # the worker no longer holds s0
+    step(core, fake)  # 2 tokens each, 5 KV tokens each
+    fake.lose(s0)  # the worker no longer holds s0
     plan, out = step(core, fake)
     assert out.requeued == [s0] and out.release == {"w0": [s0]}
     assert out.tokens == [(s1, fake_token(s1, 2))]
     assert core.counters.cache_misses == 1 and core.snapshot().cache_misses_total == 1
-    plan, out = step(core, fake)                        # tick 4: recompute prompt + 2 tokens
+    plan, out = step(core, fake)  # tick 4: recompute prompt + 2 tokens
     (p,) = plan.prefill
     assert p.token_ids == req(4, 5).prompt_ids + tuple(expected_tokens(s0, 2))
     assert (p.start_position, p.last_chunk, p.generated_so_far) == (0, True, 2)
@@ -824,12 +1007,22 @@ def test_cache_miss_counts_and_recomputes():
     # s1: tokens in ticks 1-5; s0: 1, 2, miss, recompute (3), 4, 5 -> 6 ticks. Prefill 8 + 6;
     # decodes 2+1+1+2+1 = 7 over ticks 2-6; KV peak at tick 4: s0 6 + s1 7 = 13 tokens.
     assert core.workload_stats(wid) == WorkloadStats(
-        sessions=2, ticks=6, decode_batches=5, decode_tokens=7, prefill_tokens=14,
-        avg_batch_occupancy=1.4, max_batch_occupancy=2, peak_kv_bytes=13 * BPT,
-        tokens_per_tick=3.5, rejected_admissions=0, cache_misses=1)
+        sessions=2,
+        ticks=6,
+        decode_batches=5,
+        decode_tokens=7,
+        prefill_tokens=14,
+        avg_batch_occupancy=1.4,
+        max_batch_occupancy=2,
+        peak_kv_bytes=13 * BPT,
+        tokens_per_tick=3.5,
+        rejected_admissions=0,
+        cache_misses=1,
+    )
 
 
 # ---- 6. the live snapshot -----------------------------------------------------------------
+
 
 def test_mid_run_snapshot_at_tick_6_of_concurrency_4():
     # c=4: s0-s3 admitted in ticks 1-4, none finished by tick 6 (s0 finishes in 8).
@@ -848,8 +1041,8 @@ def test_mid_run_snapshot_at_tick_6_of_concurrency_4():
             held["live"] = core.snapshot()
 
     wid, sids = core.submit_workload(
-        [req(4, 8) for _ in range(8)],
-        WorkloadPolicy(max_running=4, prefill_token_budget=4, snapshot_at_tick=6))
+        [req(4, 8) for _ in range(8)], WorkloadPolicy(max_running=4, prefill_token_budget=4, snapshot_at_tick=6)
+    )
     run_to_completion(core, fake, on_tick=on_tick)
     snap = core.workload_snapshot(wid)
     assert held["tokens"] == 30
@@ -866,8 +1059,14 @@ def test_mid_run_snapshot_at_tick_6_of_concurrency_4():
     assert (snap.prefill_tokens_per_sec, snap.decode_tokens_per_sec) == (0.8, 2.2)
     # The scheduler-wide view at that moment agrees (this is the only workload).
     live = held["live"]
-    assert (live.active_sessions, live.queue_depth, live.prefill_tokens_total,
-            live.decode_tokens_total, live.kv_total_bytes, live.ticks) == (4, 4, 16, 14, 46080, 6)
+    assert (
+        live.active_sessions,
+        live.queue_depth,
+        live.prefill_tokens_total,
+        live.decode_tokens_total,
+        live.kv_total_bytes,
+        live.ticks,
+    ) == (4, 4, 16, 14, 46080, 6)
     assert (live.scratch_budget_bytes, live.scratch_used_bytes, live.scratch_pressure) == (4, 4, 1.0)
     # After the run the live view is empty again.
     end = core.snapshot()
@@ -889,13 +1088,14 @@ def test_rejections_by_reason_accumulate():
 
 # ---- 7. ids, ownership, priority bounds, KV retries (hardening) --------------------------------
 
+
 def test_service_ids_are_128_bit_random_and_never_repeat():
     a, b = SchedulerCore(SchedulerLimits()), SchedulerCore(SchedulerLimits())
     for core in (a, b):
         core.add_worker(tiny_worker(), VOCAB, MAX_POSITION)
     ids = [a.submit(req(2, 2)) for _ in range(3)] + [b.submit(req(2, 2)) for _ in range(3)]
     wid, wids = a.submit_workload([req(2, 2)])
-    assert len(set(ids + wids + [wid])) == 8          # a restarted scheduler issues fresh ids too
+    assert len(set(ids + wids + [wid])) == 8  # a restarted scheduler issues fresh ids too
     for sid in ids + wids:
         prefix, hex_part = sid.split("-")
         assert prefix == "s" and len(hex_part) == 32 and int(hex_part, 16) >= 0
@@ -909,14 +1109,15 @@ def test_only_the_owner_may_cancel():
         core.cancel(sid, caller="token:mallory")
     with pytest.raises(NotSessionOwner):
         core.cancel(sid, caller="")
-    assert core.session(sid).phase == Phase.QUEUED      # nothing changed
+    assert core.session(sid).phase == Phase.QUEUED  # nothing changed
     state, out = core.cancel(sid, caller="token:alice")
     assert state == "queued" and out.finished == [(sid, FinishReason.CANCELLED)]
     assert not core.has_work() and not fake.kv
 
 
-@pytest.mark.parametrize("priority,ok", [(-10, True), (10, True), (0, True), (11, False), (-11, False),
-                                         (2**31 - 1, False)])
+@pytest.mark.parametrize(
+    "priority,ok", [(-10, True), (10, True), (0, True), (11, False), (-11, False), (2**31 - 1, False)]
+)
 def test_priority_is_bounded(priority, ok):
     core = make_core()
     if ok:
@@ -946,7 +1147,7 @@ def test_a_session_whose_kv_keeps_vanishing_is_retried_with_backoff_then_dropped
         plan, out = step(core, fake)
         if any(p.session_id == bad for p in plan.prefill):
             admitted_at.append(int(now[0]))
-        fake.lose(bad)                              # whatever it prefilled is gone by the next step
+        fake.lose(bad)  # whatever it prefilled is gone by the next step
         dropped += out.dropped
     # t=1 prefill; t=2 its decode misses -> again at once (t=3); miss 4 -> wait 1 -> 5; miss 6 ->
     # wait 2 -> 8; miss 9 -> wait 4 -> 13; miss 14: the 5th loss -> dropped. Idle plans in
@@ -973,7 +1174,7 @@ def test_a_workload_whose_last_session_ends_on_a_stop_string_has_its_stats_at_on
     wid, (sid,) = core.submit_workload([req(4, 8)])
     step(core, fake)
     step(core, fake)
-    out = core.finish(sid, FinishReason.STOP)           # the adapter saw a stop string
+    out = core.finish(sid, FinishReason.STOP)  # the adapter saw a stop string
     assert out.finished == [(sid, FinishReason.STOP)] and out.release == {"w0": [sid]}
     stats = core.workload_stats(wid)
     assert stats is not None and stats.sessions == 1 and stats.decode_tokens == 1

@@ -1,4 +1,5 @@
 """A fresh clone passes `make test`: nothing the tests or the CLI read lies outside the repository."""
+
 import re
 from pathlib import Path
 
@@ -9,8 +10,13 @@ OUTSIDE = re.compile(r"""/\s*["']shared["']|["']shared["']\s*/|\.\./shared""")
 
 def test_no_test_or_cli_code_reads_the_shared_folder_beside_the_repository():
     files = [*ROOT.glob("tests/**/*.py"), *ROOT.glob("kvfleet/*.py"), ROOT / "Makefile"]
-    offenders = [f"{f.relative_to(ROOT)}:{n}" for f in files if f.resolve() != Path(__file__).resolve()
-                 for n, line in enumerate(f.read_text().splitlines(), 1) if OUTSIDE.search(line)]
+    offenders = [
+        f"{f.relative_to(ROOT)}:{n}"
+        for f in files
+        if f.resolve() != Path(__file__).resolve()
+        for n, line in enumerate(f.read_text().splitlines(), 1)
+        if OUTSIDE.search(line)
+    ]
     assert offenders == [], offenders
 
 

@@ -6,12 +6,18 @@ import sqlite3
 import threading
 from typing import Any
 
+import numpy as np
 import pytest
 
-from telemetry_svc.model import (Arm, Artifact, ArtifactConflict, ArtifactKind, InvalidPageToken, SpanRecord,
-                                 UnknownExperiment)  # fmt: skip
-import numpy as np
-
+from telemetry_svc.model import (
+    Arm,
+    Artifact,
+    ArtifactConflict,
+    ArtifactKind,
+    InvalidPageToken,
+    SpanRecord,
+    UnknownExperiment,  # fmt: skip
+)
 from telemetry_svc.store import SqliteSpanStore
 
 

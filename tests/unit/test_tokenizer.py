@@ -7,6 +7,7 @@ then the GPT-2 regex). The two only disagree on whitespace before a number chara
 ("a  12", "\\n\\n1.", " ½"), so parity texts avoid that, and ``test_digits_split_like_smollm2``
 pins our behaviour against transformers given SmolLM2's real pre-tokenizer.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,9 +19,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported 
 
 import pytest
 
-from kvfleet_models.tokenizer import IncrementalDetokenizer, StopResult, StopStringMatcher, Tokenizer
 from kvfleet_models.errors import ModelLoadError
 from kvfleet_models.registry import SMOLLM2_135M, default_model_file
+from kvfleet_models.tokenizer import IncrementalDetokenizer, StopResult, StopStringMatcher, Tokenizer
 
 
 def _smollm_file() -> Path | None:
@@ -66,6 +67,7 @@ def hf():  # type: ignore[no-untyped-def]
 
 # ----------------------------------------------------------------------------- parity
 
+
 @needs_smollm
 @pytest.mark.parametrize("text", PARITY_TEXTS)
 def test_encode_decode_equal_transformers(ours: Tokenizer, hf, text: str) -> None:  # type: ignore[no-untyped-def]
@@ -90,8 +92,9 @@ def test_digits_split_like_smollm2(ours: Tokenizer, hf) -> None:  # type: ignore
 
     # "  " before a digit is one "ĠĠ" token when digits are split off first (SmolLM2, llama.cpp).
     assert ours.encode("a  12") == [ours.backend.token_to_id(t) for t in ("a", "ĠĠ", "1", "2")]
-    smollm2_pre = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                           pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    smollm2_pre = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     reference = hf.backend_tokenizer.__class__.from_str(hf.backend_tokenizer.to_str())
     reference.pre_tokenizer = smollm2_pre
     for text in ["a  12", "1.\n\n2. item", "    return 42", "x\t\t7", "½ and ² and ٣", *PARITY_TEXTS]:
@@ -116,10 +119,12 @@ def test_special_tokens(ours: Tokenizer) -> None:
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "Answer in French."},
-     {"role": "user", "content": "Hi! 👋"},
-     {"role": "assistant", "content": "Bonjour !"},
-     {"role": "user", "content": "Comment ça va ? 你好"}],
+    [
+        {"role": "system", "content": "Answer in French."},
+        {"role": "user", "content": "Hi! 👋"},
+        {"role": "assistant", "content": "Bonjour !"},
+        {"role": "user", "content": "Comment ça va ? 你好"},
+    ],
 ]
 
 
@@ -164,6 +169,7 @@ def test_for_model_and_hf_dir(ours: Tokenizer, hf, tmp_path: Path) -> None:  # t
 
 # ----------------------------------------------------------------------------- streaming
 
+
 def _stream(tok: Tokenizer, ids: list[int]) -> tuple[list[str], str]:
     detok = IncrementalDetokenizer(tok)
     return [detok.push(i) for i in ids], detok.flush()
@@ -186,8 +192,10 @@ def test_streaming_invariant_on_random_ids(ours: Tokenizer) -> None:
     # invalid UTF-8 sequences are common; the deltas must still add up to decode(ids).
     rng = random.Random(1)
     for _ in range(300):
-        ids = [rng.randrange(300) if rng.random() < 0.8 else rng.randrange(ours.vocab_size)
-               for _ in range(rng.randrange(1, 16))]
+        ids = [
+            rng.randrange(300) if rng.random() < 0.8 else rng.randrange(ours.vocab_size)
+            for _ in range(rng.randrange(1, 16))
+        ]
         deltas, rest = _stream(ours, ids)
         assert "".join(deltas) + rest == ours.decode(ids)
         assert not any(d.endswith("\ufffd") for d in deltas)
@@ -207,7 +215,7 @@ STOP_CASES = [
     (["</s>"], ["Hello <", "/", "s> more"], "Hello ", True),
     (["</s>"], ["a <", "b", " </", "x"], "a <b </x", False),
     (["</s>"], ["</s>"], "", True),
-    (["world", "lo"], ["hello wor", "ld"], "hel", True),             # earliest match wins
+    (["world", "lo"], ["hello wor", "ld"], "hel", True),  # earliest match wins
     (["abc"], ["xxab", "ab", "abc", "zz"], "xxabab", True),
     (["\n\n"], ["line\n", "\n", "next"], "line", True),
     (["STOP"], ["no stop ", "here"], "no stop here", False),
@@ -247,7 +255,7 @@ def test_stop_matcher_equals_cutting_the_whole_text() -> None:
         matcher = StopStringMatcher(stops)
         out = "".join(matcher.feed(d).text for d in deltas) + matcher.flush()
         hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-        assert out == (text[:min(hits)] if hits else text)
+        assert out == (text[: min(hits)] if hits else text)
         assert matcher.stopped == bool(hits)
 
 

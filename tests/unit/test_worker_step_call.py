@@ -1,4 +1,5 @@
 """The worker's boundary: a StepRequest becomes engine values once, kv_views an Enum."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,9 +11,14 @@ from worker_svc.engine import EngineConfig
 from worker_svc.kv_views_mode import KVViewsMode
 
 
-@pytest.mark.parametrize("text, mode", [("rebuild", KVViewsMode.REBUILD),
-                                        ("persistent", KVViewsMode.PERSISTENT),
-                                        (KVViewsMode.PERSISTENT, KVViewsMode.PERSISTENT)])
+@pytest.mark.parametrize(
+    "text, mode",
+    [
+        ("rebuild", KVViewsMode.REBUILD),
+        ("persistent", KVViewsMode.PERSISTENT),
+        (KVViewsMode.PERSISTENT, KVViewsMode.PERSISTENT),
+    ],
+)
 def test_kv_views_parse(text, mode):
     assert KVViewsMode.parse(text) is mode
     assert EngineConfig(kv_views=text).kv_views is mode
@@ -21,34 +27,46 @@ def test_kv_views_parse(text, mode):
 
 @pytest.mark.parametrize("bad", ["", "paged", "Rebuild", "sideways"])
 def test_unknown_kv_views_is_rejected_naming_the_field(bad):
-    for build in (KVViewsMode.parse, lambda v: EngineConfig(kv_views=v),
-                  lambda v: WorkerConfig(kv_views=v)):
+    for build in (KVViewsMode.parse, lambda v: EngineConfig(kv_views=v), lambda v: WorkerConfig(kv_views=v)):
         with pytest.raises(ValueError, match="kv_views must be 'rebuild' or 'persistent'"):
             build(bad)
 
 
 def test_step_request_converts_once():
     req = pb.StepRequest(
-        prefill=[pb.PrefillItem(session_id="a", token_ids=[1, 2], start_position=0, last_chunk=True,
-                                sampling=pb.Sampling(temperature=0.5, top_k=3, seed=9))],
+        prefill=[
+            pb.PrefillItem(
+                session_id="a",
+                token_ids=[1, 2],
+                start_position=0,
+                last_chunk=True,
+                sampling=pb.Sampling(temperature=0.5, top_k=3, seed=9),
+            )
+        ],
         decode=[pb.DecodeItem(session_id="b", token_id=4, position=7, generated_so_far=2)],
-        kv_views="persistent", release_session_ids=["x", "y"], experiment_id="e",
-        experiment_arm="treatment")
+        kv_views="persistent",
+        release_session_ids=["x", "y"],
+        experiment_id="e",
+        experiment_arm="treatment",
+    )
     call = step_from_pb(req)
     assert call.kv_views is KVViewsMode.PERSISTENT
     assert call.release_session_ids == ("x", "y") and call.tokens == 3
     assert call.prefill[0].token_ids == (1, 2) and call.prefill[0].sampling.top_k == 3
-    assert call.prefill[0].sampling.top_p == 1.0          # 0 on the wire = off
+    assert call.prefill[0].sampling.top_p == 1.0  # 0 on the wire = off
     assert (call.decode[0].position, call.decode[0].generated_so_far) == (7, 2)
     assert (call.experiment_id, call.experiment_arm) == ("e", "treatment")
-    assert step_from_pb(pb.StepRequest()).kv_views is None   # empty = the worker's default
+    assert step_from_pb(pb.StepRequest()).kv_views is None  # empty = the worker's default
 
 
-@pytest.mark.parametrize("req, message", [
-    (pb.StepRequest(kv_views="sideways"), "kv_views"),
-    (pb.StepRequest(decode=[pb.DecodeItem(session_id="a"), pb.DecodeItem(session_id="a")]), "twice"),
-    (pb.StepRequest(prefill=[pb.PrefillItem(token_ids=[1])]), "session_id"),
-])
+@pytest.mark.parametrize(
+    "req, message",
+    [
+        (pb.StepRequest(kv_views="sideways"), "kv_views"),
+        (pb.StepRequest(decode=[pb.DecodeItem(session_id="a"), pb.DecodeItem(session_id="a")]), "twice"),
+        (pb.StepRequest(prefill=[pb.PrefillItem(token_ids=[1])]), "session_id"),
+    ],
+)
 def test_bad_step_requests_are_value_errors(req, message):
     with pytest.raises(ValueError, match=message):
         step_from_pb(req)

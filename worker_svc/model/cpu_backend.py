@@ -21,6 +21,7 @@ read 4x fewer bytes (measured on the 2-core EPYC, the 30 layers' products on one
 numpy's OpenBLAS and torch each keep their own thread pool; ``use_cpu_threads`` gives a step's
 threads to one of them only (see there for why).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -51,9 +52,9 @@ class Matrix:
 
     kn: torch.Tensor | None
     nk: torch.Tensor | None
-    q8: object | None = None     # torch.ops.quantized.linear_prepack's packed params
-    shape: tuple[int, int] = (0, 0)   # (out, in)
-    dnn: torch.Tensor | None = None   # bfloat16 in oneDNN's blocked layout (``pack_bf16``)
+    q8: object | None = None  # torch.ops.quantized.linear_prepack's packed params
+    shape: tuple[int, int] = (0, 0)  # (out, in)
+    dnn: torch.Tensor | None = None  # bfloat16 in oneDNN's blocked layout (``pack_bf16``)
 
     @property
     def numel(self) -> int:
@@ -118,7 +119,7 @@ def int8_linear(x: torch.Tensor, packed: object) -> torch.Tensor:
     # so the input keeps all 8 bits (True halves its resolution).
     if x.shape[0] == 1:
         return torch.ops.quantized.linear_dynamic(x, packed, False)
-    scale = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)        # [M, 1]
+    scale = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)  # [M, 1]
     return torch.ops.quantized.linear_dynamic(x / scale, packed, False).mul_(scale)
 
 
@@ -131,7 +132,7 @@ def matmul(x: torch.Tensor, w: Matrix, rows_to_torch: range) -> torch.Tensor:
     if w.kn is not None and x.shape[0] not in rows_to_torch:
         return torch.from_numpy(np.matmul(x.numpy(), w.kn.numpy()))
     assert w.nk is not None
-    if x.dtype != w.nk.dtype:            # bfloat16 weights, float32 activations (CPU)
+    if x.dtype != w.nk.dtype:  # bfloat16 weights, float32 activations (CPU)
         return (x.to(w.nk.dtype) @ w.nk.t()).to(x.dtype)
     return x @ w.nk.t()
 
@@ -153,16 +154,24 @@ def matmul_add_(h: torch.Tensor, x: torch.Tensor, w: Matrix, rows_to_torch: rang
             h.addmm_(x, w.nk.t())
 
 
-def attention_core(q3: torch.Tensor, kv: torch.Tensor, mask: np.ndarray | None, order: str,
-                   batch: int, query_len: int, num_kv_heads: int, group_size: int) -> torch.Tensor:
+def attention_core(
+    q3: torch.Tensor,
+    kv: torch.Tensor,
+    mask: np.ndarray | None,
+    order: str,
+    batch: int,
+    query_len: int,
+    num_kv_heads: int,
+    group_size: int,
+) -> torch.Tensor:
     """softmax(q k^T + mask) v with numpy's batched matmul: for these many small matrices
     (G*Q x D by D x S, per item and kv head) it ran 3x faster than torch's bmm (measured at
     32 items x 200 keys), and it takes the slab's strided views as they are.
 
     q3: [N, G*Q, D]; kv: [2, N, S, D]; mask: [B, Q, S] additive, or None. Returns [N, G*Q, D].
     """
-    k, v = kv[0].numpy(), kv[1].numpy()                                  # [N, S, D]
-    scores = np.matmul(q3.numpy(), k.transpose(0, 2, 1))                # [N, G*Q, S]
+    k, v = kv[0].numpy(), kv[1].numpy()  # [N, S, D]
+    scores = np.matmul(q3.numpy(), k.transpose(0, 2, 1))  # [N, G*Q, S]
     if mask is not None:
         b, n, hkv, g = batch, query_len, num_kv_heads, group_size
         if order == "bh":
@@ -172,7 +181,7 @@ def attention_core(q3: torch.Tensor, kv: torch.Tensor, mask: np.ndarray | None, 
             view = scores.reshape(hkv, b, g, n, -1)
             view += mask[None, :, None]
     probs = torch.softmax(torch.from_numpy(scores), dim=-1).numpy()
-    return torch.from_numpy(np.matmul(probs, v))                         # [N, G*Q, D]
+    return torch.from_numpy(np.matmul(probs, v))  # [N, G*Q, D]
 
 
 def set_host_blas_threads(n: int) -> bool:
@@ -182,8 +191,12 @@ def set_host_blas_threads(n: int) -> bool:
     libs = Path(np.__file__).parent.parent / "numpy.libs"
     for path in sorted(libs.glob("*openblas*")) if libs.is_dir() else []:
         lib = ctypes.CDLL(str(path))
-        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
-                     "openblas_set_num_threads64_", "openblas_set_num_threads"):
+        for name in (
+            "scipy_openblas_set_num_threads64_",
+            "scipy_openblas_set_num_threads",
+            "openblas_set_num_threads64_",
+            "openblas_set_num_threads",
+        ):
             fn = getattr(lib, name, None)
             if fn is not None:
                 fn(ctypes.c_int(n))

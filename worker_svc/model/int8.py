@@ -20,6 +20,7 @@ on tests/data/heldout.txt): no smoothing 0.898 / 1.034; smoothing calibrated on 
 random ids 0.913 / 1.031, on real text (ARCHITECTURE.md) 0.925 / 1.016, on these ids
 0.928 / 1.010; int8 weights with float activations (no fast kernel here) 0.956 / 1.002.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,7 +35,7 @@ from worker_svc.model.cpu_backend import Matrix, quantize_int8
 if TYPE_CHECKING:
     from worker_svc.model.llama import LlamaModel
 
-ALPHA = 0.5          # migration strength (SmoothQuant's default; 0.3, 0.4, 0.6, 0.7 measured worse)
+ALPHA = 0.5  # migration strength (SmoothQuant's default; 0.3, 0.4, 0.6, 0.7 measured worse)
 CALIBRATION_TOKENS = 512
 
 
@@ -51,8 +52,8 @@ def input_ranges(model: LlamaModel, tokens: torch.Tensor) -> list[dict[str, torc
     t, hq, hkv, d = tokens.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q_width, inter = hq * d, cfg.intermediate_size
     table = model.embed if model.embed is not None else _nk(model.lm_head)
-    h = table.index_select(0, tokens)                                     # [T, hidden]
-    rot = model.rotary[:t].unsqueeze(1)                                   # [T, 1, D/2]
+    h = table.index_select(0, tokens)  # [T, hidden]
+    rot = model.rotary[:t].unsqueeze(1)  # [T, 1, D/2]
     out: list[dict[str, torch.Tensor]] = []
     for w in model.layers:
         seen = {}
@@ -60,11 +61,12 @@ def input_ranges(model: LlamaModel, tokens: torch.Tensor) -> list[dict[str, torc
         seen["qkv"] = x.abs().amax(0)
         qkv = x @ _nk(w.qkv).t()
         model._rope_(qkv, rot)
-        q = qkv[:, :q_width].view(t, hq, d).transpose(0, 1)               # [Hq, T, D]
-        k, v = qkv[:, q_width:].view(t, 2, hkv, d).permute(1, 2, 0, 3)    # [Hkv, T, D] each
+        q = qkv[:, :q_width].view(t, hq, d).transpose(0, 1)  # [Hq, T, D]
+        k, v = qkv[:, q_width:].view(t, 2, hkv, d).permute(1, 2, 0, 3)  # [Hkv, T, D] each
         g = hq // hkv
-        attn = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 0), v.repeat_interleave(g, 0),
-                                              is_causal=True, scale=1.0)  # q is pre-scaled
+        attn = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(g, 0), v.repeat_interleave(g, 0), is_causal=True, scale=1.0
+        )  # q is pre-scaled
         attn = attn.transpose(0, 1).reshape(t, q_width)
         seen["o"] = attn.abs().amax(0)
         h = h + attn @ _nk(w.o).t()
@@ -111,19 +113,27 @@ def quantize_model(model: LlamaModel, seed: int = 0) -> None:
         s_qkv = _smoothing(seen["qkv"], qkv)
         s_up = _smoothing(seen["gate_up"], gate_up)
         # o's input channel (head j, dim c) is v's (kv head j // G, dim c): one s per kv channel.
-        s_kv = _smoothing(seen["o"], o).view(hkv, hq // hkv, d).amax(1)   # [Hkv, D]
+        s_kv = _smoothing(seen["o"], o).view(hkv, hq // hkv, d).amax(1)  # [Hkv, D]
         s_o = s_kv.repeat_interleave(hq // hkv, 0).reshape(q_width)
         s_down = _smoothing(seen["down"], down)
         qkv *= s_qkv
-        qkv[q_width + kv_width:] /= s_kv.reshape(kv_width, 1)
+        qkv[q_width + kv_width :] /= s_kv.reshape(kv_width, 1)
         gate_up *= s_up
         gate_up[inter:] /= s_down[:, None]
-        layers.append(dataclasses.replace(
-            w, input_norm=w.input_norm / s_qkv, post_norm=w.post_norm / s_up,
-            qkv=q8(qkv), o=q8(o * s_o), gate_up=q8(gate_up), down=q8(down * s_down)))
+        layers.append(
+            dataclasses.replace(
+                w,
+                input_norm=w.input_norm / s_qkv,
+                post_norm=w.post_norm / s_up,
+                qkv=q8(qkv),
+                o=q8(o * s_o),
+                gate_up=q8(gate_up),
+                down=q8(down * s_down),
+            )
+        )
     head = _nk(model.lm_head)
     s_head = _smoothing(ranges[-1]["head"], head)
-    if model.embed is None:                      # tied: the lookup keeps the float table
+    if model.embed is None:  # tied: the lookup keeps the float table
         model.embed = head
     model.layers, model.norm = layers, model.norm / s_head
     model.lm_head = q8(head * s_head)

@@ -34,6 +34,7 @@ Weights are prepared once for this forward, not kept in the checkpoint's form:
 The step's input tensors (``StepTensors``: token ids, positions, slots, per-group masks) are
 built by ``worker_svc.runner`` from the engine's admitted items; this module only consumes them.
 """
+
 from __future__ import annotations
 
 import math
@@ -46,8 +47,7 @@ import torch.nn.functional as F
 
 from kvfleet_models.config import LlamaConfig
 from worker_svc.kv_cache import AttnGroup, KVViews, PagedKVCache
-from worker_svc.model.cpu_backend import (QUANT_MODES, Matrix, attention_core, matmul,
-                                          matmul_add_, pack_bf16, torch_rows)
+from worker_svc.model.cpu_backend import QUANT_MODES, Matrix, attention_core, matmul, matmul_add_, pack_bf16, torch_rows
 from worker_svc.model.int8 import quantize_model
 
 
@@ -65,9 +65,9 @@ class GroupTensors:
     """One attention group's per-step tensors, shared by every layer."""
 
     group: AttnGroup
-    rows: slice                     # the group's tokens in the packed axis
-    batch: int                      # B: items in the group
-    query_len: int                  # Q: the group's longest item
+    rows: slice  # the group's tokens in the packed axis
+    batch: int  # B: items in the group
+    query_len: int  # Q: the group's longest item
     # [T_g] row of each token in the attention-ordered, Q-padded queries [B * Q]; None when
     # that is the identity (one-token items already in attention order).
     pad_index: torch.Tensor | None
@@ -82,9 +82,9 @@ class GroupTensors:
 class StepTensors:
     """Device tensors of one step, built once and shared by every layer."""
 
-    tokens: torch.Tensor      # [T] token ids, items packed in layout order
-    positions: torch.Tensor   # [T] absolute position of each token
-    slots: torch.Tensor       # [T] paged-cache slot each token's K/V goes to
+    tokens: torch.Tensor  # [T] token ids, items packed in layout order
+    positions: torch.Tensor  # [T] absolute position of each token
+    slots: torch.Tensor  # [T] paged-cache slot each token's K/V goes to
     groups: tuple[GroupTensors, ...]
     sample_rows: torch.Tensor  # [N] packed index of the tokens whose logits are wanted
 
@@ -99,12 +99,12 @@ def synchronize(device: torch.device) -> None:
 
 @dataclass(frozen=True)
 class LayerWeights:
-    input_norm: torch.Tensor    # [hidden]
-    qkv: Matrix                 # hidden -> (Hq + 2 Hkv) * D, q/k pair-permuted, q pre-scaled
-    o: Matrix                   # Hq * D -> hidden
-    post_norm: torch.Tensor     # [hidden]
-    gate_up: Matrix             # hidden -> 2 * intermediate
-    down: Matrix                # intermediate -> hidden
+    input_norm: torch.Tensor  # [hidden]
+    qkv: Matrix  # hidden -> (Hq + 2 Hkv) * D, q/k pair-permuted, q pre-scaled
+    o: Matrix  # Hq * D -> hidden
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: Matrix  # hidden -> 2 * intermediate
+    down: Matrix  # intermediate -> hidden
 
     def matrices(self) -> list[Matrix]:
         return [self.qkv, self.o, self.gate_up, self.down]
@@ -123,8 +123,15 @@ def _pair_rows(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
 class LlamaModel:
     """Weights as device tensors plus the forward; the KV cache is attached from outside."""
 
-    def __init__(self, cfg: LlamaConfig, weights: dict[str, np.ndarray], device: torch.device,
-                 dtype: torch.dtype, host_blas: bool | None = None, quant: str = "none") -> None:
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        weights: dict[str, np.ndarray],
+        device: torch.device,
+        dtype: torch.dtype,
+        host_blas: bool | None = None,
+        quant: str = "none",
+    ) -> None:
         """host_blas: None = numpy's BLAS exactly when float32 on a CPU (False forces torch's
         path, which GPUs take, so that a CPU-only test can check it).
         quant: "none" or "int8" (float32 on a CPU only: fbgemm's int8 products)."""
@@ -166,7 +173,7 @@ class LlamaModel:
             """a: [out, in] as in the checkpoint; lookup: also the embedding table (tied)."""
             nk = put(a)
             dnn = pack_bf16(nk) if cpu_bf16 else None
-            if dnn is not None:      # oneDNN's copy replaces torch's, unless rows are looked up
+            if dnn is not None:  # oneDNN's copy replaces torch's, unless rows are looked up
                 return Matrix(kn=None, nk=nk if lookup else None, dnn=dnn, shape=a.shape)
             return Matrix(kn=put(a.T) if self.host_blas else None, nk=nk, shape=a.shape)
 
@@ -176,16 +183,20 @@ class LlamaModel:
             p = f"model.layers.{i}."
             q = _pair_rows(array(p + "self_attn.q_proj.weight"), hq, d) / math.sqrt(d)
             k = _pair_rows(array(p + "self_attn.k_proj.weight"), hkv, d)
-            self.layers.append(LayerWeights(
-                input_norm=vec(array(p + "input_layernorm.weight")),
-                qkv=matrix(np.concatenate([q, k, array(p + "self_attn.v_proj.weight")])),
-                o=matrix(array(p + "self_attn.o_proj.weight")),
-                post_norm=vec(array(p + "post_attention_layernorm.weight")),
-                gate_up=matrix(np.concatenate([array(p + "mlp.gate_proj.weight"),
-                                               array(p + "mlp.up_proj.weight")])),
-                down=matrix(array(p + "mlp.down_proj.weight"))))
+            self.layers.append(
+                LayerWeights(
+                    input_norm=vec(array(p + "input_layernorm.weight")),
+                    qkv=matrix(np.concatenate([q, k, array(p + "self_attn.v_proj.weight")])),
+                    o=matrix(array(p + "self_attn.o_proj.weight")),
+                    post_norm=vec(array(p + "post_attention_layernorm.weight")),
+                    gate_up=matrix(
+                        np.concatenate([array(p + "mlp.gate_proj.weight"), array(p + "mlp.up_proj.weight")])
+                    ),
+                    down=matrix(array(p + "mlp.down_proj.weight")),
+                )
+            )
         self.norm = vec(array("model.norm.weight"))
-        embed = array("model.embed_tokens.weight")                        # [V, hidden]
+        embed = array("model.embed_tokens.weight")  # [V, hidden]
         self.tied_head = "lm_head.weight" not in weights
         if "lm_head.weight" in weights:
             self.embed: torch.Tensor | None = vec(embed)
@@ -204,7 +215,7 @@ class LlamaModel:
         angles = torch.arange(cfg.max_position, dtype=torch.float64)[:, None] * inv_freq
         self.rotary = torch.polar(torch.ones_like(angles), angles).to(device, torch.complex64)
         if quant == "int8":
-            quantize_model(self)      # float [out, in] products -> smoothed int8, in place
+            quantize_model(self)  # float [out, in] products -> smoothed int8, in place
 
     def use_threads(self, n: int) -> None:
         """With the host BLAS on ``n`` > 1 threads, every product goes to it: MKL would run on
@@ -228,7 +239,7 @@ class LlamaModel:
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         table = self.embed if self.embed is not None else self.lm_head.nk
         assert table is not None
-        return table.index_select(0, tokens).to(self.act_dtype)            # [T, hidden]
+        return table.index_select(0, tokens).to(self.act_dtype)  # [T, hidden]
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # Computed in float32 (torch's kernel upcasts half types), as HF does.
@@ -254,33 +265,35 @@ class LlamaModel:
             q = q.new_zeros((b * n, q.shape[1])).index_copy_(0, gt.pad_index, q)
         q5 = q.view(b, n, hkv, g, d)
         if gt.group.order == "bh":
-            q3 = q5.permute(0, 2, 3, 1, 4).reshape(b * hkv, g * n, d)      # [B*Hkv, G*Q, D]
+            q3 = q5.permute(0, 2, 3, 1, 4).reshape(b * hkv, g * n, d)  # [B*Hkv, G*Q, D]
         else:
-            q3 = q5.permute(2, 0, 3, 1, 4).reshape(hkv * b, g * n, d)      # [Hkv*B, G*Q, D]
+            q3 = q5.permute(2, 0, 3, 1, 4).reshape(hkv * b, g * n, d)  # [Hkv*B, G*Q, D]
         if self.host_attention:
-            o3 = attention_core(q3, kv, gt.mask, gt.group.order, b, n, hkv, g)   # [N, G*Q, D]
+            o3 = attention_core(q3, kv, gt.mask, gt.group.order, b, n, hkv, g)  # [N, G*Q, D]
         else:
             assert gt.bias is not None
-            scores = torch.baddbmm(gt.bias, q3, kv[0].transpose(1, 2))      # [N, G*Q, S]
+            scores = torch.baddbmm(gt.bias, q3, kv[0].transpose(1, 2))  # [N, G*Q, S]
             if scores.dtype == torch.float32:
                 probs = torch.softmax(scores, dim=-1)
             else:
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-            o3 = torch.bmm(probs, kv[1])                                     # [N, G*Q, D]
+            o3 = torch.bmm(probs, kv[1])  # [N, G*Q, D]
         if gt.group.order == "bh":
             o = o3.view(b, hkv, g, n, d).permute(0, 3, 1, 2, 4)
         else:
             o = o3.view(hkv, b, g, n, d).permute(1, 3, 0, 2, 4)
-        o = o.reshape(b * n, hkv * g * d)                                    # [B*Q, Hq*D]
+        o = o.reshape(b * n, hkv * g * d)  # [B*Q, Hq*D]
         return o if gt.pad_index is None else o.index_select(0, gt.pad_index)
 
     @torch.inference_mode()
-    def forward(self, st: StepTensors, cache: PagedKVCache, views: KVViews,
-                times: PhaseTimes, sync: bool = False) -> torch.Tensor:
+    def forward(
+        self, st: StepTensors, cache: PagedKVCache, views: KVViews, times: PhaseTimes, sync: bool = False
+    ) -> torch.Tensor:
         """Run one step; returns float32 logits [N, V] of the ``sample_rows`` tokens.
 
         ``sync``: wait for the device at each phase boundary, so ``times`` measures device work.
         """
+
         def clock() -> int:
             if sync:
                 synchronize(self.device)
@@ -289,11 +302,11 @@ class LlamaModel:
         cfg = self.cfg
         t, q_width = st.tokens.shape[0], cfg.num_heads * cfg.head_dim
         inter = cfg.intermediate_size
-        h = self._embed(st.tokens)                                         # [T, hidden]
-        rot = self.rotary.index_select(0, st.positions).unsqueeze(1)       # [T, 1, D/2]
+        h = self._embed(st.tokens)  # [T, hidden]
+        rot = self.rotary.index_select(0, st.positions).unsqueeze(1)  # [T, 1, D/2]
         for i, w in enumerate(self.layers):
             x = self._rms_norm(h, w.input_norm)
-            qkv = matmul(x, w.qkv, self.torch_rows)                                   # [T, (Hq+2Hkv)*D]
+            qkv = matmul(x, w.qkv, self.torch_rows)  # [T, (Hq+2Hkv)*D]
             self._rope_(qkv, rot)
             kv = qkv[:, q_width:].view(t, 2, cfg.num_kv_heads, cfg.head_dim)
 
@@ -316,8 +329,8 @@ class LlamaModel:
 
             matmul_add_(h, attn, w.o, self.torch_rows)
             x = self._rms_norm(h, w.post_norm)
-            gate_up = matmul(x, w.gate_up, self.torch_rows)                           # [T, 2 * inter]
+            gate_up = matmul(x, w.gate_up, self.torch_rows)  # [T, 2 * inter]
             act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
             matmul_add_(h, act, w.down, self.torch_rows)
         last = self._rms_norm(h.index_select(0, st.sample_rows), self.norm)  # [N, hidden]
-        return matmul(last, self.lm_head, self.torch_rows).float()                    # [N, V]
+        return matmul(last, self.lm_head, self.torch_rows).float()  # [N, V]
