@@ -15,6 +15,7 @@ from kvfleet.v1 import worker_pb2 as pb
 from kvfleet_models.config import LlamaConfig, tiny_config
 from kvfleet_models.reference import reference_generate, reference_logits
 from kvfleet_models.tiny import tiny_weights
+from tests.unit.model_configs import GQA_CFG
 from worker_svc.__main__ import parse_args
 from worker_svc.config import WorkerConfig
 from worker_svc.convert import info_to_pb
@@ -23,17 +24,7 @@ from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, Sam
 GREEDY = SamplingSpec()
 # Untied GQA and tied MHA: the o-projection fold differs when query heads share a kv head, and
 # a tied head keeps a float table for the lookup.
-GQA = LlamaConfig(
-    name="tiny-gqa",
-    vocab_size=48,
-    hidden_size=32,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=64,
-    max_position=128,
-    rope_theta=500.0,
-)
+GQA = GQA_CFG
 TIED = LlamaConfig(
     name="tiny-tied",
     vocab_size=64,

@@ -16,23 +16,13 @@ import torch
 from kvfleet_models.config import LlamaConfig, tiny_config
 from kvfleet_models.reference import reference_generate, reference_logits
 from kvfleet_models.tiny import tiny_weights
+from tests.unit.model_configs import GQA_CFG
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, ItemStatus, PrefillItem, SamplingSpec, sample_token
 
 ATOL = 1e-4
 GREEDY = SamplingSpec()
 CFG = tiny_config()
 WEIGHTS = tiny_weights(CFG)
-GQA_CFG = LlamaConfig(
-    name="tiny-gqa",
-    vocab_size=48,
-    hidden_size=32,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=64,
-    max_position=128,
-    rope_theta=500.0,
-)
 GQA_WEIGHTS = tiny_weights(GQA_CFG, seed=1)
 
 
