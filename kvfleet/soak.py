@@ -53,6 +53,7 @@ class SoakReport:
     outcomes: Counter = field(default_factory=Counter)  # completed / cancelled / expired / rejected / lost
     mismatched: list[int] = field(default_factory=list)  # completed sessions whose tokens differ
     lost_details: list[str] = field(default_factory=list)
+    mismatch_details: list[str] = field(default_factory=list)
     kv_bytes_after: int = -1
     worker_sessions_after: int = -1
     rss_before_kb: dict[str, int] = field(default_factory=dict)
@@ -77,6 +78,7 @@ class SoakReport:
                 f"{self.rss_after_kb.get(name, 0) / 1024:.0f} MiB after"
             )
         out += [f"lost: {d}" for d in self.lost_details[:10]]
+        out += [f"mismatched: {d}" for d in self.mismatch_details[:10]]
         return out
 
     @property
@@ -193,8 +195,9 @@ def run_soak(
 
     progress("checking completed sessions against their solo references")
     for p in plans:
-        if p.index in results and results[p.index] != reference(p):
+        if p.index in results and results[p.index] != (expected := reference(p)):
             report.mismatched.append(p.index)
+            report.mismatch_details.append(f"session {p.index}: got {results[p.index]}, solo {expected}")
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         snap = client.telemetry()

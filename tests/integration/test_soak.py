@@ -12,6 +12,6 @@ def test_small_soak_loses_nothing():
     assert o["lost"] == 0, report.lost_details
     assert o["completed"] + o["cancelled"] + o["expired"] + o["rejected"] == 40
     assert o["completed"] >= 20 and o["cancelled"] > 0
-    assert report.mismatched == []
+    assert report.mismatched == [], report.mismatch_details
     assert report.kv_bytes_after == 0 and report.worker_sessions_after == 0
     assert report.killed_worker == "worker-1"
