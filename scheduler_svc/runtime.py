@@ -160,6 +160,10 @@ class SchedulerRuntime:
 
     def end_stream(self, submission: Submission) -> None:
         """The client's stream is over: cancel what is unfinished and forget the sessions."""
+        # A session may have finished in the core with its last events still in the outbox (the
+        # client cancelled as its final token was decoded): deliver them first, so that nothing
+        # queued names a session that is about to be forgotten.
+        self._deliver()
         for sid in submission.session_ids:
             if not self._finished(sid):
                 self.cancel(sid)  # the client went away: free its slot or KV
@@ -307,7 +311,10 @@ class SchedulerRuntime:
         gathered = asyncio.gather(*steps, self._release(others), return_exceptions=True)
         if self._outbox:
             await asyncio.sleep(0)  # let the steps go out first: the workers compute meanwhile
-            self._deliver()
+            try:
+                self._deliver()
+            except Exception:  # a bug: log it, but this tick's steps are out and must be applied
+                log.exception("delivering tick %d's events failed", plan.tick - 1)
         responses = (await gathered)[: len(ids)]
         results: dict[str, StepResult] = {}
         failed: set[str] = set()
