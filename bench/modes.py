@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.modes                       # smollm2, batch 1 and 32, 2 threads
     .venv/bin/python -m bench.modes --modes float32,int8 --batches 1 --repeats 9 --threads 1
+    .venv/bin/python -m bench.modes --device cuda --modes float32,bfloat16,float16   # bench/gpu_check.sh
 
 Each mode gets its own engine with the same sessions (``--context`` tokens of seeded prompt
 each, prefilled once). A round times ``--steps`` decode steps of every mode in turn, for each
@@ -24,7 +25,12 @@ import numpy as np
 from kvfleet_models.registry import load_model
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
 
-MODES: dict[str, dict[str, Any]] = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quant": "int8"}}
+MODES: dict[str, dict[str, Any]] = {
+    "float32": {},
+    "bfloat16": {"dtype": "bfloat16"},
+    "float16": {"dtype": "float16"},  # GPUs
+    "int8": {"quant": "int8"},  # CPU only
+}
 GREEDY = SamplingSpec()
 
 
@@ -56,7 +62,8 @@ class Sessions:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.modes", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--modes", default="float32,bfloat16,int8")
+    p.add_argument("--modes", default="float32,bfloat16,int8", help=f"of {sorted(MODES)}")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | xpu (int8 runs on the CPU only)")
     p.add_argument("--batches", default="1,32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--context", type=int, default=128, help="prompt tokens per session")
@@ -66,13 +73,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", type=int, default=256, help="prompt tokens of the prefill timed")
     a = p.parse_args(argv)
     modes, batches = a.modes.split(","), [int(b) for b in a.batches.split(",")]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        p.error(f"unknown modes {unknown}; choose from {sorted(MODES)}")
     cfg, weights = load_model(a.model)
     blocks = (sum(batches) * (a.context + (a.steps + 1) * a.repeats + 16) + a.prefill) // 16 + 8
     engines, sessions = {}, {}
     for m in modes:
         t0 = time.perf_counter()
         engines[m] = Engine(
-            cfg, weights, EngineConfig(num_blocks=blocks, kv_views=a.kv_views, num_threads=a.threads, **MODES[m])
+            cfg,
+            weights,
+            EngineConfig(num_blocks=blocks, kv_views=a.kv_views, num_threads=a.threads, device=a.device, **MODES[m]),
         )
         engines[m].use_threads()
         for b in batches:
