@@ -4,13 +4,15 @@ One request is one trace: the gateway's span (GenAI conventions) is the parent o
 scheduler's session span (`{operation} {model}`, kvfleet.span=session), its context sent in the
 Generate call's metadata. GET /metrics serves the gateway's own Prometheus metrics. A client that
 goes away mid-request has its handler cancelled (handler_cancellation), which cancels the
-Generate call, and the scheduler frees the session.
+Generate call, and the scheduler frees the session. Besides /v1/*, vLLM's server routes:
+GET /version, POST /tokenize and POST /detokenize (the scheduler's Tokenize/Detokenize).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import json
 import logging
 import time
@@ -21,24 +23,12 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from gateway_svc.config import AuthMode, GatewayConfig
-from gateway_svc.errors import ApiError, bad_request, internal_error, model_not_found, unauthorized
+from gateway_svc.errors import ApiError, bad_request, internal_error, unauthorized
 from gateway_svc.metrics import CONTENT_TYPE_LATEST, GatewayMetrics, RequestMeter
-from gateway_svc.openai_schema import (
-    SSE_DONE,
-    Endpoint,
-    GenerationRequest,
-    ResponseBuilder,
-    SchemaError,
-    Usage,
-    finish_reason,
-    model_card,
-    model_list,
-    new_response_id,
-    parse_request,
-    sse,
-)
-from gateway_svc.upstream import Auth, Upstream, events
-from kvfleet.client import finish_name
+from gateway_svc.openai_responses import SSE_DONE, ResponseBuilder, model_card, model_list, new_response_id, sse
+from gateway_svc.openai_schema import Endpoint, GenerationRequest, SchemaError, parse_request
+from gateway_svc.tokenize_api import detokenize_request, tokenize_request, tokenize_response
+from gateway_svc.upstream import Auth, ModelInfo, Upstream, events, to_delta
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet_common.security import token_metadata
 from kvfleet_common.tracing import extract_context, inject_metadata
@@ -86,6 +76,8 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
 
 # request[_AUTH_KEY]: the token metadata this request's scheduler calls carry
 _AUTH_KEY = web.RequestKey("scheduler_auth", tuple)
+# The routes that reach the scheduler with a token, hence need the caller's key.
+_KEYED_PATHS = ("/tokenize", "/detokenize")
 
 
 def _bearer(request: web.Request) -> str:
@@ -109,7 +101,7 @@ def _auth(config: GatewayConfig):
     @web.middleware
     async def check(request: web.Request, handler) -> web.StreamResponse:
         request[_AUTH_KEY] = own
-        if request.path.startswith("/v1/"):
+        if request.path.startswith("/v1/") or request.path in _KEYED_PATHS:
             if mode is AuthMode.PASS_THROUGH:
                 request[_AUTH_KEY] = tuple(token_metadata(_bearer(request)))
             elif mode is AuthMode.OWN_KEY:
@@ -150,6 +142,11 @@ def _request_attributes(request: web.Request, req: GenerationRequest) -> dict[st
         attrs["gen_ai.request.top_k"] = float(req.top_k)  # a double in the conventions
     if req.seed is not None:
         attrs["gen_ai.request.seed"] = req.seed
+    if req.n != 1:
+        attrs["gen_ai.request.choice.count"] = req.n
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req.sampling, name):
+            attrs[f"gen_ai.request.{name}"] = getattr(req.sampling, name)
     if req.stop:
         attrs["gen_ai.request.stop_sequences"] = list(req.stop)
     return attrs
@@ -230,7 +227,13 @@ class Gateway:
         meter.model_name = req.model
         span.update_name(f"{req.endpoint.value} {req.model}")
         builder = ResponseBuilder(
-            req.endpoint, new_response_id(req.endpoint), int(time.time()), req.model, include_usage=req.include_usage
+            req.endpoint,
+            new_response_id(req.endpoint),
+            int(time.time()),
+            req.model,
+            include_usage=req.include_usage,
+            logprobs=req.logprobs,
+            echo=req.echo,
         )
         span.set_attributes(
             {"gen_ai.request.model": req.model, "gen_ai.response.id": builder.id, "gen_ai.response.model": req.model}
@@ -238,18 +241,19 @@ class Gateway:
         # inject_metadata() carries the current span, ours, so the scheduler's span is its child.
         call = self.upstream.generate(req, inject_metadata(), auth, self.config.request_timeout_s)
         try:
-            stream = events(call)
+            stream = events(call, req.n)
             # Wait for the first event before answering, so a rejection (queue full, bad prompt,
-            # no worker) is an HTTP status and not an error event inside a 200 stream.
+            # no worker, tools on a template without them) is an HTTP status and not an error
+            # event inside a 200 stream.
             first = await anext(stream)
             meter.first_event()
             if req.stream:
                 return await self._stream(request, builder, first, stream, span)
-            text, last = first.text, first
+            builder.add(to_delta(first))
             async for ev in stream:
-                text, last = text + ev.text, ev
-            finish = _finish(last, span)
-            return _json(builder.response(text, finish, _usage(last)))
+                builder.add(to_delta(ev))
+            _record_finish(builder, span)
+            return _json(builder.response())
         finally:
             call.cancel()  # a no-op once finished; otherwise the scheduler frees the session
 
@@ -259,26 +263,15 @@ class Gateway:
         resp = web.StreamResponse(headers=_SSE_HEADERS)
         await resp.prepare(request)
         span.set_attribute("http.response.status_code", 200)
-        chat = builder.endpoint is Endpoint.CHAT
-        ev = first
         try:
-            if chat:
-                await resp.write(sse(builder.chunk(text="", role=True)))
-            while True:
-                if ev.finished:
-                    finish = _finish(ev, span)
-                    if chat:
-                        if ev.text:
-                            await resp.write(sse(builder.chunk(text=ev.text)))
-                        await resp.write(sse(builder.chunk(finish=finish)))
-                    else:
-                        await resp.write(sse(builder.chunk(text=ev.text, finish=finish)))
-                    if builder.include_usage:
-                        await resp.write(sse(builder.usage_chunk(_usage(ev))))
-                    break
-                if ev.text:
-                    await resp.write(sse(builder.chunk(text=ev.text)))
-                ev = await anext(stream)
+            for chunk in builder.add(to_delta(first)):
+                await resp.write(sse(chunk))
+            async for ev in stream:
+                for chunk in builder.add(to_delta(ev)):
+                    await resp.write(sse(chunk))
+            _record_finish(builder, span)
+            if builder.include_usage:
+                await resp.write(sse(builder.usage_chunk()))
             await resp.write(SSE_DONE)
             await resp.write_eof()
         except ApiError as err:
@@ -290,6 +283,41 @@ class Gateway:
             _end_with_error(span, 499, "client_disconnected", "the client went away")
         return resp
 
+    # ---- vLLM's utility routes ---------------------------------------------------------------
+
+    async def version(self, request: web.Request) -> web.Response:
+        return _json({"version": kvfleet_version()})
+
+    async def _checked_model(self, request: web.Request, body: Any) -> ModelInfo:
+        """The served model; a body naming another one is a 404 (no model named is fine)."""
+        auth = request[_AUTH_KEY]
+        name = body.get("model") if isinstance(body, dict) else None
+        if name is None:
+            return await self.upstream.served_model(auth, refresh=self._per_caller_models)
+        if not isinstance(name, str):
+            raise bad_request("model must be a string", "model")
+        return await self.upstream.require_model(name, auth, refresh=self._per_caller_models)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        try:
+            pb = tokenize_request(body)
+        except SchemaError as exc:
+            raise bad_request(exc.message, exc.param) from None
+        info = await self._checked_model(request, body)
+        resp = await self.upstream.tokenize(pb, request[_AUTH_KEY])
+        return _json(tokenize_response(body, resp, info.max_model_len))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        try:
+            pb = detokenize_request(body)
+        except SchemaError as exc:
+            raise bad_request(exc.message, exc.param) from None
+        await self._checked_model(request, body)
+        resp = await self.upstream.detokenize(pb, request[_AUTH_KEY])
+        return _json({"prompt": resp.text})
+
     # ---- models and health ----------------------------------------------------------------
 
     @property
@@ -298,15 +326,14 @@ class Gateway:
         return self.config.auth_mode is AuthMode.PASS_THROUGH
 
     async def models(self, request: web.Request) -> web.Response:
-        served = await self.upstream.served_models(request[_AUTH_KEY], refresh=self._per_caller_models)
-        return _json(model_list(sorted(served), self._started))
+        info = await self.upstream.served_model(request[_AUTH_KEY], refresh=self._per_caller_models)
+        cards = [model_card(info.name, self._started, info.max_model_len)] if info.name else []
+        return _json(model_list(cards))
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        served = await self.upstream.served_models(request[_AUTH_KEY], refresh=True)
-        if name not in served:
-            raise model_not_found(name, sorted(served))
-        return _json(model_card(name, self._started))
+        info = await self.upstream.require_model(name, request[_AUTH_KEY], refresh=True)
+        return _json(model_card(info.name, self._started, info.max_model_len))
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -323,20 +350,22 @@ class Gateway:
         return _json(body, 200 if ok else 503)
 
 
-def _finish(ev: spb.GenerateEvent, span: Span) -> str:
-    finish = finish_reason(finish_name(ev.finish_reason))
+def _record_finish(builder: ResponseBuilder, span: Span) -> None:
+    usage = builder.usage()
     span.set_attributes(
         {
-            "gen_ai.response.finish_reasons": [finish],
-            "gen_ai.usage.input_tokens": ev.usage.input_tokens,
-            "gen_ai.usage.output_tokens": ev.usage.output_tokens,
+            "gen_ai.response.finish_reasons": builder.finish_reasons(),
+            "gen_ai.usage.input_tokens": usage.prompt_tokens,
+            "gen_ai.usage.output_tokens": usage.completion_tokens,
         }
     )
-    return finish
 
 
-def _usage(ev: spb.GenerateEvent) -> Usage:
-    return Usage(prompt_tokens=ev.usage.input_tokens, completion_tokens=ev.usage.output_tokens)
+def kvfleet_version() -> str:
+    try:
+        return importlib.metadata.version("kvfleet")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def _end_with_error(span: Span, status: int, error_type: str, message: str) -> None:
@@ -353,6 +382,9 @@ def create_app(config: GatewayConfig, upstream: Upstream) -> tuple[web.Applicati
     app.router.add_get("/v1/models/{model}", gateway.model)
     app.router.add_get("/health", gateway.health)
     app.router.add_get("/metrics", gateway.prometheus)
+    app.router.add_get("/version", gateway.version)
+    app.router.add_post("/tokenize", gateway.tokenize)
+    app.router.add_post("/detokenize", gateway.detokenize)
     return app, gateway
 
 

@@ -1,28 +1,24 @@
-"""The OpenAI wire format, pure: request validation and response/chunk building as plain dicts.
+"""The OpenAI request format, pure: the field rule and request validation, as plain values.
 
 No network, no grpc, no protobuf: the HTTP adapter (app.py) parses a JSON body with
-`parse_request`, turns the result into a scheduler request, and builds what it sends back with
-`ResponseBuilder`. Everything here is table-tested in tests/unit/test_openai_schema.py.
+`parse_request`; upstream.py turns the result into the scheduler's GenerateRequest, and
+openai_responses.py builds what goes back.
+
+The field rule: every field of OpenAI's request types for /v1/completions and
+/v1/chat/completions is in FIELDS, either implemented (mapped to a GenerateRequest field),
+accepted only at the value that means "off", accepted and ignored (with the reason that makes
+ignoring it honest), or refused. A request that sets a refused field, or a field FIELDS does
+not know, is a 400 naming it: nothing is silently dropped. tests/unit/test_openai_field_rule.py
+walks the openai package's own request types against this table.
 """
 
 from __future__ import annotations
 
 import json
-import secrets
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
-
-# The roles the scheduler's chat template takes; "developer" is OpenAI's newer name for "system".
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-_UINT64 = 1 << 64
-
-# kvfleet finish names (kvfleet.client.finish_name) -> the OpenAI finish_reason. EOS and a stop
-# token or string are both "stop" in the OpenAI API. A session cancelled on the scheduler (by
-# Cancel or a drain) has no OpenAI name; "cancelled" says what happened rather than pretending.
-FINISH_REASONS = {"length": "length", "eos": "stop", "stop": "stop", "cancelled": "cancelled"}
-
-SSE_DONE = b"data: [DONE]\n\n"
 
 
 class Endpoint(Enum):
@@ -30,6 +26,10 @@ class Endpoint(Enum):
 
     COMPLETIONS = "text_completion"
     CHAT = "chat"
+
+    @property
+    def path(self) -> str:
+        return "/v1/completions" if self is Endpoint.COMPLETIONS else "/v1/chat/completions"
 
     @property
     def id_prefix(self) -> str:
@@ -54,13 +54,174 @@ class SchemaError(ValueError):
         self.param = param
 
 
+# ---- the field rule --------------------------------------------------------------------------
+
+
+class Kind(Enum):
+    IMPLEMENTED = "implemented"  # sets the GenerateRequest fields in `grpc` (or, with none, the gateway does it)
+    DEFAULT_ONLY = "default_only"  # refused unless null or one of `accepted` (the values that change nothing)
+    IGNORED = "ignored"  # accepted; `why` says why ignoring it changes nothing the caller gets
+    REFUSED = "refused"  # a 400 whenever it is set (not null); `why` says why
+
+
+C, CHAT = Endpoint.COMPLETIONS, Endpoint.CHAT
+_BOTH = frozenset({C, CHAT})
+_CHAT = frozenset({CHAT})
+_COMPLETIONS = frozenset({C})
+
+
+@dataclass(frozen=True)
+class Field:
+    kind: Kind
+    endpoints: frozenset[Endpoint]
+    why: str  # how it is implemented, or why it is refused or ignored
+    grpc: tuple[str, ...] = ()  # IMPLEMENTED: the GenerateRequest fields it sets ("sampling.seed")
+    accepted: tuple[Any, ...] = ()  # DEFAULT_ONLY: the values taken as "not set"
+    extension: bool = False  # not OpenAI's: a vLLM-style extra field
+
+
+def _impl(grpc: str, endpoints: frozenset[Endpoint] = _BOTH, extension: bool = False) -> Field:
+    return Field(
+        Kind.IMPLEMENTED, endpoints, f"sets GenerateRequest.{grpc}", tuple(grpc.split(", ")), extension=extension
+    )
+
+
+def _gateway(how: str, endpoints: frozenset[Endpoint] = _BOTH) -> Field:
+    """Implemented by the gateway itself, not by a GenerateRequest field."""
+    return Field(Kind.IMPLEMENTED, endpoints, how)
+
+
+def _only(accepted: tuple[Any, ...], why: str, endpoints: frozenset[Endpoint] = _BOTH) -> Field:
+    return Field(Kind.DEFAULT_ONLY, endpoints, why, accepted=accepted)
+
+
+def _refused(why: str, endpoints: frozenset[Endpoint] = _CHAT) -> Field:
+    return Field(Kind.REFUSED, endpoints, why)
+
+
+def _ignored(why: str, endpoints: frozenset[Endpoint] = _BOTH) -> Field:
+    return Field(Kind.IGNORED, endpoints, why)
+
+
+# Every field of openai.types.chat.completion_create_params.CompletionCreateParams* and
+# openai.types.completion_create_params.CompletionCreateParams*, plus kvfleet's extensions.
+FIELDS: dict[str, Field] = {
+    # -- implemented, both endpoints
+    "model": _gateway("must be the served model (GetModelInfo.model_id); any other name is a 404"),
+    "stream": _gateway("the answer comes as server-sent events"),
+    "stream_options": _gateway("include_usage: a last chunk carries the usage"),
+    "max_tokens": _impl("max_new_tokens"),
+    "temperature": _impl("sampling.temperature"),
+    "top_p": _impl("sampling.top_p"),
+    "seed": _impl("sampling.seed"),
+    "stop": _impl("stop"),
+    "presence_penalty": _impl("sampling.presence_penalty"),
+    "frequency_penalty": _impl("sampling.frequency_penalty"),
+    "logit_bias": _impl("sampling.logit_bias"),
+    "logprobs": _impl("logprobs, top_logprobs"),  # completions: the int is top_logprobs
+    "n": _impl("n"),
+    # -- implemented, one endpoint
+    "prompt": _impl("text, prompt_ids", _COMPLETIONS),
+    "echo": _impl("echo", _COMPLETIONS),
+    "messages": _impl("chat", _CHAT),
+    "max_completion_tokens": _impl("max_new_tokens", _CHAT),
+    "top_logprobs": _impl("top_logprobs", _CHAT),
+    # a chat field in OpenAI's types; vLLM's server takes it on completions too, and so does kvfleet
+    "response_format": _impl("response_format"),
+    "tools": _impl("tools_json", _CHAT),
+    # "none": the tools are not sent (the model answers in text); "auto": sent; others refused
+    "tool_choice": _impl("tools_json", _CHAT),
+    # -- accepted only at the value that changes nothing
+    "best_of": _only((1,), "the server draws no candidates to pick from; use n for several choices", _COMPLETIONS),
+    "suffix": _only(("",), "kvfleet does not insert text before a suffix", _COMPLETIONS),
+    "parallel_tool_calls": _only((True,), "kvfleet cannot hold the model to one tool call", _CHAT),
+    "store": _only((False,), "kvfleet stores no completions", _CHAT),
+    "modalities": _only((["text"],), "kvfleet's models answer in text only", _CHAT),
+    "service_tier": _only(("auto", "default"), "kvfleet has one tier", _CHAT),
+    "prompt_cache_retention": _only(
+        ("in_memory",), "the prefix cache lives in the workers' memory and keeps no entry for a set time", _CHAT
+    ),
+    # -- accepted and ignored: identifiers and hints that change no output
+    "user": _ignored("an end-user identifier for the provider's abuse monitoring; it changes no output"),
+    "safety_identifier": _ignored("an end-user identifier like user; it changes no output", _CHAT),
+    "metadata": _ignored("tags for stored completions (see store); it changes no output", _CHAT),
+    "prompt_cache_key": _ignored(
+        "a routing hint for the provider's prompt cache; kvfleet's prefix cache matches the tokens themselves", _CHAT
+    ),
+    # -- refused whenever set
+    "audio": _refused("kvfleet's models answer in text only"),
+    "functions": _refused("the deprecated functions API is not served; send tools"),
+    "function_call": _refused("the deprecated functions API is not served; send tool_choice"),
+    "prediction": _refused("predicted outputs are not implemented"),
+    "reasoning_effort": _refused("the served models do not reason in a separate channel"),
+    "verbosity": _refused("the served models take no verbosity setting"),
+    "web_search_options": _refused("kvfleet does not search the web"),
+    "moderation": _refused("kvfleet runs no moderation"),
+    "prompt_cache_options": _refused("the prefix cache takes no breakpoints or lifetimes"),
+    # -- kvfleet's extensions, named as vLLM's server names them (top level of the body)
+    "top_k": _impl("sampling.top_k", extension=True),
+    "min_p": _impl("sampling.min_p", extension=True),
+    "repetition_penalty": _impl("sampling.repetition_penalty", extension=True),
+    "ignore_eos": _impl("ignore_eos", extension=True),
+    "request_id": _impl("request_id", extension=True),
+}
+EXTENSIONS = tuple(sorted(name for name, f in FIELDS.items() if f.extension))
+
+
+def check_fields(endpoint: Endpoint, body: dict[str, Any]) -> None:
+    """Apply the field rule to a body's top-level keys: a 400 for the first one it refuses."""
+    for name, value in body.items():
+        rule = FIELDS.get(name)
+        if rule is None or endpoint not in rule.endpoints:
+            where = "" if rule is None else f"; it belongs to {next(iter(rule.endpoints)).path}"
+            raise SchemaError(
+                f"unknown field {name!r}: {endpoint.path} takes OpenAI's fields and kvfleet's extensions "
+                f"({', '.join(EXTENSIONS)}){where}",
+                name,
+            )
+        if value is None or rule.kind in (Kind.IMPLEMENTED, Kind.IGNORED):
+            continue  # null is "not given" in OpenAI's API
+        if rule.kind is Kind.REFUSED:
+            raise SchemaError(f"{name} is not supported: {rule.why}; remove it from the request", name)
+        if value not in rule.accepted or isinstance(value, bool) is not isinstance(rule.accepted[0], bool):
+            allowed = " or ".join(json.dumps(a) for a in rule.accepted)
+            raise SchemaError(
+                f"{name}={json.dumps(value)} is not supported: {rule.why}; leave it unset or send {allowed}", name
+            )
+
+
+# ---- the validated request -------------------------------------------------------------------
+
+# The roles the scheduler's chat template takes; "developer" is OpenAI's newer name for "system".
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+_MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id"}
+_UINT64 = 1 << 64
+MAX_N = 16  # the scheduler's limit on GenerateRequest.n
+MAX_TOP_LOGPROBS = 20  # the scheduler's limit on GenerateRequest.top_logprobs
+
+
 @dataclass(frozen=True)
 class ChatMessage:
-    role: str  # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant" | "tool"
     content: str
+    tool_call_id: str = ""  # role "tool": the call it answers
+    tool_calls_json: str = ""  # role "assistant": the tool_calls it made, as JSON
 
 
 Prompt = str | tuple[int, ...] | tuple[ChatMessage, ...]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0  # OpenAI's default; 0 = greedy on the scheduler
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None  # None: the adapter draws one, so unseeded requests vary
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), by id
 
 
 @dataclass(frozen=True)
@@ -71,39 +232,38 @@ class GenerationRequest:
     model: str
     prompt: Prompt  # text, token ids (completions) or messages (chat)
     max_tokens: int
-    temperature: float  # 0 = greedy on the scheduler
-    top_p: float
-    top_k: int  # 0 = off (an extension, as vLLM has it)
-    seed: int | None  # None: the adapter draws one, so unseeded requests vary
-    stop: tuple[str, ...]
-    stream: bool
-    include_usage: bool  # stream_options.include_usage
-    ignore_eos: bool  # an extension, as vLLM has it
+    sampling: Sampling = field(default_factory=Sampling)
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    echo: bool = False  # completions: the prompt's text before each choice's text
+    response_format: tuple[str, str] | None = None  # (type, JSON schema text); None = plain text
+    tools_json: str = ""  # the tools array, as JSON, when they go to the scheduler
+    request_id: str = ""
+
+    # The sampling fields, as flat names, for callers that read them (spans, tests).
+    @property
+    def temperature(self) -> float:
+        return self.sampling.temperature
 
     @property
-    def chat_messages(self) -> list[dict[str, str]]:
-        assert self.endpoint is Endpoint.CHAT
-        return [{"role": m.role, "content": m.content} for m in self.prompt]  # type: ignore[union-attr]
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
+    def top_p(self) -> float:
+        return self.sampling.top_p
 
     @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
+    def top_k(self) -> int:
+        return self.sampling.top_k
 
-    def to_dict(self) -> dict[str, int]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.total_tokens,
-        }
+    @property
+    def seed(self) -> int | None:
+        return self.sampling.seed
 
 
-# ---- request validation --------------------------------------------------------------------
+# ---- value checks ------------------------------------------------------------------------------
 
 
 def _type_name(value: Any) -> str:
@@ -122,7 +282,13 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not 1
 
 
-def _get_int(body: dict[str, Any], name: str, default: int | None, minimum: int | None = None) -> int | None:
+def _is_number(value: Any) -> bool:
+    return _is_int(value) or isinstance(value, float)
+
+
+def _get_int(
+    body: dict[str, Any], name: str, default: int | None, minimum: int | None = None, maximum: int | None = None
+) -> int | None:
     value = body.get(name)
     if value is None:
         return default
@@ -130,6 +296,8 @@ def _get_int(body: dict[str, Any], name: str, default: int | None, minimum: int 
         raise SchemaError(f"{name} must be an integer, got {_type_name(value)}", name)
     if minimum is not None and value < minimum:
         raise SchemaError(f"{name} must be at least {minimum}, got {value}", name)
+    if maximum is not None and value > maximum:
+        raise SchemaError(f"{name} must be at most {maximum}, got {value}", name)
     return int(value)
 
 
@@ -139,7 +307,7 @@ def _get_number(
     value = body.get(name)
     if value is None:
         return default
-    if not (_is_int(value) or isinstance(value, float)):
+    if not _is_number(value):
         raise SchemaError(f"{name} must be a number, got {_type_name(value)}", name)
     if not (low < value <= high if low_open else low <= value <= high):
         interval = f"({low:g}, {high:g}]" if low_open else f"[{low:g}, {high:g}]"
@@ -156,12 +324,22 @@ def _get_bool(body: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
+def _get_object(body: dict[str, Any], name: str) -> dict[str, Any] | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, dict):
+        raise SchemaError(f"{name} must be an object, got {_type_name(value)}", name)
+    return value
+
+
 def _token_ids(values: list[Any], param: str) -> tuple[int, ...]:
     if not all(_is_int(v) for v in values):
         raise SchemaError(f"{param} must be a string or an array of integer token ids", param)
     if any(v < 0 for v in values):
         raise SchemaError(f"{param} token ids must not be negative", param)
     return tuple(values)
+
+
+# ---- prompts and messages ----------------------------------------------------------------------
 
 
 def _parse_prompt(body: dict[str, Any]) -> str | tuple[int, ...]:
@@ -208,7 +386,46 @@ def _content(message: dict[str, Any], i: int, role: str) -> str:
     return "\n".join(texts)
 
 
-def _parse_messages(body: dict[str, Any]) -> tuple[ChatMessage, ...]:
+def _message(m: Any, i: int) -> ChatMessage:
+    if not isinstance(m, dict):
+        raise SchemaError(f"messages[{i}] must be an object, got {_type_name(m)}", f"messages[{i}]")
+    role = m.get("role")
+    if not isinstance(role, str) or role not in _ROLES:
+        raise SchemaError(
+            f"messages[{i}].role must be one of system, developer, user, assistant, tool; got {role!r}",
+            f"messages[{i}].role",
+        )
+    for key, value in m.items():
+        if key not in _MESSAGE_KEYS and value is not None:
+            # e.g. name: the chat templates render no participant names, so it would be dropped
+            raise SchemaError(
+                f"messages[{i}].{key} is not supported: a message takes role, content, tool_calls "
+                "(assistant) and tool_call_id (tool)",
+                f"messages[{i}].{key}",
+            )
+    tool_call_id = m.get("tool_call_id")
+    if role == "tool":
+        if not isinstance(tool_call_id, str) or not tool_call_id:
+            raise SchemaError(
+                f"messages[{i}].tool_call_id is required on a tool message: the id of the call it answers",
+                f"messages[{i}].tool_call_id",
+            )
+    elif tool_call_id is not None:
+        raise SchemaError(f"messages[{i}].tool_call_id belongs to tool messages", f"messages[{i}].tool_call_id")
+    calls = m.get("tool_calls")
+    if calls is not None and (role != "assistant" or not isinstance(calls, list)):
+        raise SchemaError(
+            f"messages[{i}].tool_calls must be an array, on an assistant message", f"messages[{i}].tool_calls"
+        )
+    return ChatMessage(
+        _ROLES[role],
+        _content(m, i, role),
+        tool_call_id=tool_call_id or "",
+        tool_calls_json=json.dumps(calls) if calls else "",
+    )
+
+
+def parse_messages(body: dict[str, Any]) -> tuple[ChatMessage, ...]:
     messages = body.get("messages")
     if messages is None:
         raise SchemaError("messages is required", "messages")
@@ -216,18 +433,7 @@ def _parse_messages(body: dict[str, Any]) -> tuple[ChatMessage, ...]:
         raise SchemaError(f"messages must be an array, got {_type_name(messages)}", "messages")
     if not messages:
         raise SchemaError("messages is empty; send at least one message", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise SchemaError(f"messages[{i}] must be an object, got {_type_name(m)}", f"messages[{i}]")
-        role = m.get("role")
-        if not isinstance(role, str) or role not in _ROLES:
-            raise SchemaError(
-                f"messages[{i}].role must be one of system, developer, user, assistant; got {role!r}",
-                f"messages[{i}].role",
-            )
-        out.append(ChatMessage(_ROLES[role], _content(m, i, role)))
-    return tuple(out)
+    return tuple(_message(m, i) for i, m in enumerate(messages))
 
 
 def _parse_stop(body: dict[str, Any]) -> tuple[str, ...]:
@@ -243,150 +449,169 @@ def _parse_stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _refuse_unsupported(body: dict[str, Any], endpoint: Endpoint) -> None:
-    """Fields that would change the response's shape: refused, rather than silently ignored."""
-    n = _get_int(body, "n", 1)
-    if n != 1:
-        raise SchemaError(f"only n=1 is supported (got n={n}); send one request per completion", "n")
+# ---- sampling, logprobs, formats, tools --------------------------------------------------------
+
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+
+
+def _parse_logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    bias = _get_object(body, "logit_bias")
+    if not bias:
+        return ()
+    out = []
+    for key, value in bias.items():
+        # JSON object keys are strings: OpenAI sends token ids as "50256".
+        if not _TOKEN_ID.fullmatch(key):
+            raise SchemaError(f"logit_bias keys must be token ids (decimal integers), got {key!r}", "logit_bias")
+        if not _is_number(value) or not -100 <= value <= 100:
+            raise SchemaError(f"logit_bias[{key!r}] must be a number in [-100, 100], got {value!r}", "logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(sorted(out))
+
+
+def _parse_sampling(body: dict[str, Any]) -> Sampling:
+    seed = _get_int(body, "seed", None)
+    if seed is not None and not -(1 << 63) <= seed < _UINT64:
+        raise SchemaError(f"seed must fit in 64 bits, got {seed}", "seed")
+    top_k = _get_int(body, "top_k", 0, minimum=-1)  # -1 = off, as vLLM has it
+    repetition = body.get("repetition_penalty")
+    if repetition is not None and (not _is_number(repetition) or repetition <= 0):
+        raise SchemaError(f"repetition_penalty must be a number > 0, got {repetition!r}", "repetition_penalty")
+    return Sampling(
+        temperature=_get_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_get_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_k=max(top_k or 0, 0),
+        min_p=_get_number(body, "min_p", 0.0, 0.0, 1.0),
+        seed=None if seed is None else seed % _UINT64,
+        presence_penalty=_get_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_get_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=1.0 if repetition is None else float(repetition),
+        logit_bias=_parse_logit_bias(body),
+    )
+
+
+def _parse_logprobs(endpoint: Endpoint, body: dict[str, Any]) -> tuple[bool, int]:
+    """(logprobs wanted, how many alternatives per token)."""
     if endpoint is Endpoint.COMPLETIONS:
-        best_of = _get_int(body, "best_of", 1)
-        if best_of != 1:
-            raise SchemaError(f"only best_of=1 is supported (got {best_of})", "best_of")
-        if _get_bool(body, "echo", False):
-            raise SchemaError("echo is not supported", "echo")
-    logprobs = body.get("logprobs")
-    if logprobs is not None and logprobs is not False:
-        raise SchemaError("logprobs are not supported", "logprobs")
+        # completions: logprobs is the number of alternatives (0 = the sampled token's only)
+        top = _get_int(body, "logprobs", None, minimum=0, maximum=MAX_TOP_LOGPROBS)
+        return top is not None, top or 0
+    wanted = _get_bool(body, "logprobs", False)
+    top = _get_int(body, "top_logprobs", None, minimum=0, maximum=MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise SchemaError("top_logprobs needs logprobs: true", "top_logprobs")
+    return wanted, top or 0
+
+
+def _parse_response_format(body: dict[str, Any]) -> tuple[str, str] | None:
+    fmt = _get_object(body, "response_format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ("json_object", "")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise SchemaError(
+                'response_format.json_schema.schema must be an object: {"type": "json_schema", '
+                '"json_schema": {"name": ..., "schema": {...}}}',
+                "response_format.json_schema",
+            )
+        return ("json_schema", json.dumps(schema))
+    raise SchemaError(
+        f"response_format.type must be text, json_object or json_schema; got {kind!r}", "response_format.type"
+    )
+
+
+def _parse_tools(body: dict[str, Any]) -> str:
+    """The tools array as JSON for the scheduler, or "" when none go (none given, or tool_choice "none")."""
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise SchemaError(f"tools must be an array, got {_type_name(tools)}", "tools")
+        for i, tool in enumerate(tools):
+            fn = tool.get("function") if isinstance(tool, dict) else None
+            if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise SchemaError(
+                    f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}',
+                    f"tools[{i}]",
+                )
+    choice = body.get("tool_choice")
+    if choice not in (None, "none", "auto"):
+        # "required" or a named function would need the output forced into a call.
+        raise SchemaError(
+            f"tool_choice={json.dumps(choice)} is not supported: kvfleet does not force a tool call; "
+            'send "auto" or "none"',
+            "tool_choice",
+        )
+    if not tools or choice == "none":
+        return ""
+    return json.dumps(tools)
+
+
+def _include_usage(body: dict[str, Any], stream: bool) -> bool:
+    options = _get_object(body, "stream_options")
+    if not options:
+        return False
+    for key, value in options.items():
+        param = f"stream_options.{key}"
+        if key not in ("include_usage", "include_obfuscation"):
+            raise SchemaError(f"unknown field {param!r}: stream_options takes include_usage", param)
+        if value is not None and not isinstance(value, bool):
+            raise SchemaError(f"{param} must be a boolean, got {_type_name(value)}", param)
+    if options.get("include_obfuscation"):
+        raise SchemaError(
+            "stream_options.include_obfuscation is not supported: kvfleet pads no chunks; leave it unset or false",
+            "stream_options.include_obfuscation",
+        )
+    return bool(options.get("include_usage")) and stream
 
 
 def parse_request(endpoint: Endpoint, body: Any, *, chat_max_tokens: int = 256) -> GenerationRequest:
-    """Validate a decoded JSON body. Unknown fields are ignored; a wrong one raises SchemaError."""
+    """Validate a decoded JSON body against the field rule and each field's type and range."""
     if not isinstance(body, dict):
         raise SchemaError(f"the request body must be a JSON object, got {_type_name(body)}")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise SchemaError("model is required and must be a non-empty string", "model")
-    _refuse_unsupported(body, endpoint)
+    check_fields(endpoint, body)
     prompt: Prompt
     if endpoint is Endpoint.COMPLETIONS:
         prompt = _parse_prompt(body)
         max_tokens = _get_int(body, "max_tokens", 16, minimum=1)  # OpenAI's default for completions
     else:
-        prompt = _parse_messages(body)
+        prompt = parse_messages(body)
         # max_completion_tokens is the current name, max_tokens the deprecated one.
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = _get_int(body, name, chat_max_tokens, minimum=1)
-    seed = _get_int(body, "seed", None)
-    if seed is not None and not -(1 << 63) <= seed < _UINT64:
-        raise SchemaError(f"seed must fit in 64 bits, got {seed}", "seed")
-    top_k = _get_int(body, "top_k", 0, minimum=-1)  # -1 = off, as vLLM has it
-    stream = _get_bool(body, "stream", False)
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise SchemaError(f"stream_options must be an object, got {_type_name(options)}", "stream_options")
-    include_usage = False
-    if options:
-        value = options.get("include_usage")
-        if value is not None and not isinstance(value, bool):
-            raise SchemaError(
-                f"stream_options.include_usage must be a boolean, got {_type_name(value)}",
-                "stream_options.include_usage",
-            )
-        include_usage = bool(value) and stream
     assert max_tokens is not None
+    stream = _get_bool(body, "stream", False)
+    logprobs, top_logprobs = _parse_logprobs(endpoint, body)
+    echo = _get_bool(body, "echo", False)
+    if echo and logprobs:
+        raise SchemaError("echo with logprobs is not supported: the prompt tokens' logprobs are not computed", "echo")
+    request_id = body.get("request_id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise SchemaError(f"request_id must be a string, got {_type_name(request_id)}", "request_id")
     return GenerationRequest(
         endpoint=endpoint,
         model=model,
         prompt=prompt,
         max_tokens=max_tokens,
-        temperature=_get_number(body, "temperature", 1.0, 0.0, 2.0),  # OpenAI's default is 1
-        top_p=_get_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-        top_k=max(top_k or 0, 0),
-        seed=None if seed is None else seed % _UINT64,
+        sampling=_parse_sampling(body),
         stop=_parse_stop(body),
         stream=stream,
-        include_usage=include_usage,
+        include_usage=_include_usage(body, stream),
         ignore_eos=_get_bool(body, "ignore_eos", False),
+        n=_get_int(body, "n", 1, minimum=1, maximum=MAX_N) or 1,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        echo=echo,
+        response_format=_parse_response_format(body),
+        tools_json=_parse_tools(body) if endpoint is Endpoint.CHAT else "",
+        request_id=request_id or "",
     )
-
-
-# ---- responses -----------------------------------------------------------------------------
-
-
-def finish_reason(kvfleet_name: str) -> str:
-    """The OpenAI finish_reason for a kvfleet finish name ("length", "eos", "stop", "cancelled")."""
-    try:
-        return FINISH_REASONS[kvfleet_name]
-    except KeyError:
-        raise ValueError(f"unknown finish reason {kvfleet_name!r}") from None
-
-
-def new_response_id(endpoint: Endpoint) -> str:
-    return endpoint.id_prefix + secrets.token_hex(12)
-
-
-@dataclass(frozen=True)
-class ResponseBuilder:
-    """Builds one request's response, or its stream of chunks, sharing id/created/model."""
-
-    endpoint: Endpoint
-    id: str
-    created: int  # unix seconds
-    model: str
-    include_usage: bool = False  # streamed chunks carry "usage": null, the last one the counts
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "system_fingerprint": None}
-
-    def response(self, text: str, finish: str, usage: Usage) -> dict[str, Any]:
-        """The whole, non-streamed response. `finish` is an OpenAI finish_reason."""
-        body = self._head(self.endpoint.object_name)
-        if self.endpoint is Endpoint.COMPLETIONS:
-            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish,
-            }
-        body["choices"] = [choice]
-        body["usage"] = usage.to_dict()
-        return body
-
-    def chunk(self, text: str | None = None, finish: str | None = None, role: bool = False) -> dict[str, Any]:
-        """One streamed chunk: a text delta, and/or the finish reason; `role` opens a chat stream."""
-        body = self._head(self.endpoint.chunk_object_name)
-        if self.endpoint is Endpoint.COMPLETIONS:
-            choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        else:
-            delta: dict[str, str] = {}
-            if role:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        body["choices"] = [choice]
-        if self.include_usage:
-            body["usage"] = None
-        return body
-
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        """The last chunk when stream_options.include_usage is set: no choices, the counts."""
-        body = self._head(self.endpoint.chunk_object_name)
-        body["choices"] = []
-        body["usage"] = usage.to_dict()
-        return body
-
-
-def model_list(names: list[str], created: int) -> dict[str, Any]:
-    return {"object": "list", "data": [model_card(n, created) for n in sorted(set(names))]}
-
-
-def model_card(name: str, created: int) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": created, "owned_by": "kvfleet"}
-
-
-def sse(payload: dict[str, Any]) -> bytes:
-    """One server-sent event carrying a JSON payload."""
-    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"

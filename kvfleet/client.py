@@ -13,6 +13,7 @@ and so is an UNAVAILABLE before any event from one that is up (its own refusal, 
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ class Completion:
     text: str = ""
     finish_reason: str = ""
     worker_id: str = ""
+    prompt_text: str = ""  # with echo
+    request_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,9 @@ class ResumeMismatch(RuntimeError):
 
 
 def resumable(request: spb.GenerateRequest) -> bool:
-    """Greedy or explicitly seeded output is the same on every run, so it can be regenerated."""
-    return request.sampling.temperature == 0 or request.sampling.seed != 0
+    """Greedy or explicitly seeded output is the same on every run, so it can be regenerated.
+    Not for n > 1: the choices' events interleave, and resuming splices one stream."""
+    return request.n <= 1 and (request.sampling.temperature == 0 or request.sampling.seed != 0)
 
 
 def finish_name(value: int) -> str:
@@ -80,21 +84,41 @@ def build_request(
     stop_token_ids: Sequence[int] = (),
     stop: Sequence[str] = (),
     ignore_eos: bool = False,
+    request_id: str = "",
+    n: int = 1,
+    echo: bool = False,
+    tools_json: str = "",
 ) -> spb.GenerateRequest:
+    """A GenerateRequest for text, token ids or chat messages (dicts with role and content, and
+    optionally tool_call_id, and tool_calls as a list or as JSON text)."""
     req = spb.GenerateRequest(
         max_new_tokens=max_new_tokens,
         sampling=spb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
         stop_token_ids=list(stop_token_ids),
         stop=list(stop),
         ignore_eos=ignore_eos,
+        request_id=request_id,
+        n=n,
+        echo=echo,
+        tools_json=tools_json,
     )
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], dict):
-        req.chat.messages.extend(spb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)  # type: ignore[index]
+        req.chat.messages.extend(_chat_message(m) for m in prompt)  # type: ignore[arg-type]
     else:
         req.prompt_ids.ids.extend(int(t) for t in prompt)  # type: ignore[arg-type]
     return req
+
+
+def _chat_message(m: dict) -> spb.ChatMessage:
+    calls = m.get("tool_calls") or ""
+    return spb.ChatMessage(
+        role=m["role"],
+        content=m.get("content") or "",
+        tool_call_id=m.get("tool_call_id") or "",
+        tool_calls_json=calls if isinstance(calls, str) else json.dumps(calls),
+    )
 
 
 class _Splice:
@@ -123,6 +147,7 @@ class _Splice:
         del out.token_ids[:n]
         out.text = ev.text[t:]
         out.ClearField("prompt_token_ids")  # the caller had them with its first event
+        out.ClearField("prompt_text")
         if not (out.token_ids or out.text or out.finished):
             return None
         return out
@@ -223,13 +248,21 @@ class SchedulerClient:
         timeout: float | None = None,
         on_event: Callable[[spb.GenerateEvent], None] | None = None,
     ) -> Completion:
-        """The whole session; on_event sees each event as it arrives (e.g. to print a stream)."""
+        """The whole session; on_event sees each event as it arrives (e.g. to print a stream).
+        One choice only: for n > 1 use `choices()`."""
+        if request.n > 1:
+            raise ValueError(f"generate() returns one completion; for n={request.n} use choices()")
         result: Completion | None = None
         for ev in self.events(request, timeout):
             if on_event is not None:
                 on_event(ev)
             if result is None:
-                result = Completion(session_id=ev.session_id, prompt_token_ids=list(ev.prompt_token_ids))
+                result = Completion(
+                    session_id=ev.session_id,
+                    prompt_token_ids=list(ev.prompt_token_ids),
+                    prompt_text=ev.prompt_text,
+                    request_id=ev.request_id,
+                )
             result.session_id = ev.session_id  # a new one if the session was re-sent
             result.token_ids.extend(ev.token_ids)
             result.text += ev.text
@@ -238,6 +271,43 @@ class SchedulerClient:
                 result.finish_reason = finish_name(ev.finish_reason)
         assert result is not None, "the scheduler closed the stream without an event"
         return result
+
+    def choices(self, request: spb.GenerateRequest, timeout: float | None = None) -> list[Completion]:
+        """Every choice of an n >= 1 request, by index (no resume across a scheduler restart)."""
+        out: dict[int, Completion] = {}
+        for ev in self.stream(request, timeout):
+            c = out.get(ev.index)
+            if c is None:
+                c = out[ev.index] = Completion(
+                    session_id=ev.session_id,
+                    prompt_token_ids=list(ev.prompt_token_ids),
+                    prompt_text=ev.prompt_text,
+                    request_id=ev.request_id,
+                )
+            c.token_ids.extend(ev.token_ids)
+            c.text += ev.text
+            c.worker_id = ev.worker_id or c.worker_id
+            if ev.finished:
+                c.finish_reason = finish_name(ev.finish_reason)
+        return [out[i] for i in sorted(out)]
+
+    def model_info(self, timeout: float | None = 10.0) -> spb.ModelInfo:
+        return self.stub.GetModelInfo(spb.ModelInfoRequest(), timeout=timeout, metadata=self._md)
+
+    def tokenize(
+        self, prompt: str | list[dict], add_special_tokens: bool = False, timeout: float | None = 30.0
+    ) -> spb.TokenizeResponse:
+        """Token ids of text, or of chat messages rendered by the model's chat template."""
+        req = spb.TokenizeRequest(add_special_tokens=add_special_tokens)
+        if isinstance(prompt, str):
+            req.text = prompt
+        else:
+            req.chat.messages.extend(_chat_message(m) for m in prompt)
+        return self.stub.Tokenize(req, timeout=timeout, metadata=self._md)
+
+    def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = False, timeout: float | None = 30.0) -> str:
+        req = spb.DetokenizeRequest(token_ids=list(ids), skip_special_tokens=skip_special_tokens)
+        return self.stub.Detokenize(req, timeout=timeout, metadata=self._md).text
 
     def submit_workload(
         self, request: spb.WorkloadRequest, timeout: float | None = None

@@ -3,7 +3,7 @@
 A JSON line carries the trace and span ids of the OpenTelemetry span current when it was logged
 (so a log line can be found from a trace, and back), and the session id: the record's own
 `session_id` (`log.info(..., extra={"session_id": sid})`) or, failing that, the one bound to the
-current task by `bind_session`.
+current task by `bind_session`; likewise the client's `request_id` (`bind_request`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 # A contextvar, not a global: each gRPC call runs in its own asyncio task with its own copy.
 _SESSION_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvfleet_session_id", default=None)
+_REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvfleet_request_id", default=None)
 
 # Attributes every LogRecord has; whatever else a record carries came from `extra=`.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
@@ -34,13 +35,18 @@ def bind_session(session_id: str | None) -> None:
     _SESSION_ID.set(session_id)
 
 
+def bind_request(request_id: str | None) -> None:
+    """Name the client's request id (GenerateRequest.request_id) the current task is serving."""
+    _REQUEST_ID.set(request_id or None)
+
+
 def current_session() -> str | None:
     return _SESSION_ID.get()
 
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: ts, level, logger, message, trace_id/span_id (hex, when a
-    span is current), session_id (when known), exc_info (the traceback), and any other `extra`."""
+    span is current), session_id and request_id (when known), exc_info (the traceback), and any other `extra`."""
 
     def format(self, record: logging.LogRecord) -> str:
         doc: dict[str, object] = {
@@ -56,6 +62,9 @@ class JsonFormatter(logging.Formatter):
         session = getattr(record, "session_id", None) or _SESSION_ID.get()
         if session:
             doc["session_id"] = session
+        request = getattr(record, "request_id", None) or _REQUEST_ID.get()
+        if request:
+            doc["request_id"] = request
         for key, value in vars(record).items():
             if key not in _STANDARD and key not in doc:
                 doc[key] = value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)

@@ -174,10 +174,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self.backend.get_vocab_size(with_added_tokens=True))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special tokens written in it (``<|im_start|>``) become one id."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special tokens written in it (``<|im_start|>``) become one id.
+        With ``add_special_tokens`` the ids start with BOS when the model file asks for it."""
         ids: list[int] = self.backend.encode(text, add_special_tokens=False).ids
-        if self.add_bos and self.bos_token_id is not None:
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
 
@@ -189,16 +190,45 @@ class Tokenizer:
         token: str | None = self.backend.id_to_token(token_id)
         return token
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a conversation, by the model's own chat template."""
+    def special_tokens(self) -> dict[str, int]:
+        """The special (control) tokens of the vocabulary: text -> id."""
+        decoder = self.backend.get_added_tokens_decoder()
+        return {tok.content: int(i) for i, tok in decoder.items() if tok.special}
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders tool definitions (it reads a ``tools`` variable)."""
+        return bool(self.chat_template) and template_reads_tools(self.chat_template)
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text for a conversation, by the model's own chat template. ``tools``
+        (OpenAI-style definitions) is passed to templates that render them; ValueError for
+        tools, tool messages or tool calls on a template that has no tool support, since it
+        would silently drop them."""
         if not self.chat_template:
             raise ModelLoadError("this model has no chat template; send a plain prompt instead")
+        uses_tools = tools is not None or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+        if uses_tools and not self.supports_tools:
+            raise ValueError(
+                "the model's chat template has no tool support: send no tools, no 'tool' messages "
+                "and no assistant tool calls to this model"
+            )
         bos = self.token_text(self.bos_token_id) if self.bos_token_id is not None else None
         eos = self.token_text(self.eos_token_ids[0]) if self.eos_token_ids else None
         template = _compiled_chat_template(self.chat_template)
+        extra: dict[str, Any] = {"tools": tools} if tools is not None else {}
         return str(
             template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos or "", eos_token=eos or ""
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=bos or "",
+                eos_token=eos or "",
+                **extra,
             )
         )
 
@@ -207,6 +237,15 @@ class Tokenizer:
 def _compiled_chat_template(source: str) -> Any:
     # Compiling a template costs milliseconds; a server renders the same one for every request.
     return _chat_environment().from_string(source)
+
+
+@functools.lru_cache(maxsize=8)
+def template_reads_tools(source: str) -> bool:
+    """Whether a chat template's source reads a ``tools`` variable it does not set itself
+    (parsed, so a comment or a string that mentions "tools" does not count)."""
+    from jinja2 import meta
+
+    return "tools" in meta.find_undeclared_variables(_chat_environment().parse(source))
 
 
 def _read_json(path: Path) -> dict[str, Any]:

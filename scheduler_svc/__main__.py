@@ -21,6 +21,12 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
     p.add_argument("--port", type=int, env="KVFLEET_SCHEDULER_PORT", default=50051)
     p.add_argument("--workers", env="KVFLEET_WORKERS", default="", help="comma-separated worker addresses host:port")
     p.add_argument("--model", env="KVFLEET_MODEL", default=None, help="model name for the tokenizer")
+    p.add_argument(
+        "--served-model-name",
+        env="KVFLEET_SERVED_MODEL_NAME",
+        default="",
+        help="the model id clients see (GetModelInfo, spans, metrics); default: the workers' model name",
+    )
     p.add_argument("--max-running", type=int, env="KVFLEET_MAX_RUNNING", default=d.max_running)
     p.add_argument(
         "--prefill-token-budget", type=int, env="KVFLEET_PREFILL_TOKEN_BUDGET", default=d.prefill_token_budget
@@ -86,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
         workers=workers,
         limits=limits,
         model=a.model,
+        served_model_name=a.served_model_name,
         prompt_limits=PromptLimits(max_prompt_bytes=a.max_prompt_bytes),
         step_timeout_s=a.step_timeout,
         drain_grace_s=a.drain_grace,

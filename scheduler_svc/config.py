@@ -17,6 +17,7 @@ class SchedulerConfig:
     limits: SchedulerLimits = field(default_factory=SchedulerLimits)
     prompt_limits: PromptLimits = field(default_factory=PromptLimits)
     model: str | None = None  # for the tokenizer; None = ask the workers
+    served_model_name: str = ""  # the model id clients see (GetModelInfo, spans); "" = the workers' model name
     step_timeout_s: float = 30.0  # a worker step slower than this marks the worker dead
     worker_connect_timeout_s: float = 60.0  # how long start-up waits for the workers
     health_interval_s: float = 1.0  # how often dead workers are probed
@@ -35,5 +36,7 @@ class SchedulerConfig:
         for a in self.workers:
             if ":" not in a:
                 raise ValueError(f"worker address {a!r} must be host:port")
+        if len(self.served_model_name) > 256 or not self.served_model_name.isprintable():
+            raise ValueError("served_model_name must be at most 256 printable characters")
         if self.step_timeout_s <= 0:
             raise ValueError("step_timeout_s must be positive")

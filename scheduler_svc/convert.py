@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet.v1 import worker_pb2 as wpb
@@ -31,12 +32,50 @@ _STATUS = {
 
 
 def sampling_from_pb(s: spb.SamplingParams) -> Sampling:
-    # proto3 cannot tell an unset top_p from 0; 0 means "off", i.e. 1.
-    return Sampling(temperature=s.temperature, top_k=s.top_k, top_p=1.0 if s.top_p == 0 else s.top_p, seed=s.seed)
+    """The SamplingParams alone (no logprobs, no constraint: see `sampling_from_request`)."""
+    # proto3 cannot tell unset from 0: top_p 0 and repetition_penalty 0 mean "off", i.e. 1.
+    return Sampling(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=1.0 if s.top_p == 0 else s.top_p,
+        seed=s.seed,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=1.0 if s.repetition_penalty == 0 else s.repetition_penalty,
+        min_p=s.min_p,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+    )
+
+
+def sampling_from_request(req: spb.GenerateRequest) -> Sampling:
+    """A GenerateRequest's sampling: its SamplingParams, logprobs and response_format. The
+    values are checked at admission (core/admission.py), which names the field to fix."""
+    kind = req.response_format.type
+    return replace(
+        sampling_from_pb(req.sampling),
+        logprobs=req.logprobs,
+        top_logprobs=req.top_logprobs,
+        constraint="" if kind in ("", "text") else kind,
+        constraint_schema=req.response_format.json_schema,
+    )
 
 
 def _sampling_to_wpb(s: Sampling) -> wpb.Sampling:
-    return wpb.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
+    return wpb.Sampling(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        seed=s.seed,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        min_p=s.min_p,
+        logit_bias=dict(s.logit_bias),
+        logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs,
+        constraint=s.constraint,
+        constraint_schema=s.constraint_schema,
+    )
 
 
 def policy_from_pb(req: spb.WorkloadRequest) -> WorkloadPolicy:
@@ -76,6 +115,10 @@ def step_results(resp: wpb.StepResponse) -> dict[str, StepResult]:
             status=_STATUS.get(r.status, StepStatus.CACHE_MISS),
             token_id=r.token_id if r.has_token else None,
             kv_tokens=r.kv_tokens,
+            logprob=r.logprob if r.has_logprob else None,
+            top_logprobs=tuple((t.token_id, t.logprob) for t in r.top_logprobs),
+            cached_tokens=r.cached_tokens,
+            constraint_done=r.constraint_done,
         )
         for r in resp.results
     }

@@ -5,11 +5,16 @@ before admission."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from jinja2 import TemplateError
+
 from kvfleet.v1 import scheduler_pb2 as spb
+from kvfleet_models import grammar
+from kvfleet_models.errors import ModelLoadError
 from scheduler_svc import convert
 from scheduler_svc.core import SessionRequest
 
@@ -18,6 +23,26 @@ log = logging.getLogger(__name__)
 
 class PromptError(ValueError):
     """A prompt the scheduler cannot turn into token ids; the message says what to fix."""
+
+
+class NoTokenizer(PromptError):
+    """The served model takes token ids only (e.g. "tiny"): there is no text to map to or from."""
+
+
+MAX_REQUEST_ID = 128
+MAX_CHOICES = 16  # GenerateRequest.n
+
+
+def check_options(req: spb.GenerateRequest) -> None:
+    """The per-request options that are not about the prompt's size: request_id and n."""
+    rid = req.request_id
+    if len(rid) > MAX_REQUEST_ID or not all(" " <= c <= "~" for c in rid):
+        raise PromptError(
+            f"request_id must be at most {MAX_REQUEST_ID} printable ASCII characters "
+            f"(got {len(rid)} characters{'' if rid.isascii() and rid.isprintable() else ', some not printable ASCII'})"
+        )
+    if req.n > MAX_CHOICES:
+        raise PromptError(f"n is {req.n}; at most {MAX_CHOICES} choices per request (0 or 1 = one)")
 
 
 @dataclass(frozen=True)
@@ -29,6 +54,7 @@ class PromptLimits:
     max_stop_strings: int = 16
     max_stop_bytes: int = 256  # each stop string (UTF-8)
     max_stop_token_ids: int = 256
+    max_schema_bytes: int = 64 * 1024  # response_format.json_schema (UTF-8)
 
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():
@@ -49,7 +75,14 @@ class PromptLimits:
             raise PromptError(
                 f"{len(req.stop_token_ids)} stop token ids; at most {self.max_stop_token_ids} are allowed"
             )
+        schema_bytes = len(req.response_format.json_schema.encode())
+        if schema_bytes > self.max_schema_bytes:
+            raise PromptError(
+                f"response_format.json_schema is {schema_bytes} bytes; at most {self.max_schema_bytes} are allowed"
+            )
         kind = req.WhichOneof("prompt")
+        if req.tools_json and kind != "chat":
+            raise PromptError("tools_json needs a chat prompt (chat messages); send the prompt as chat")
         if kind == "text":
             size = len(req.text.encode())
         elif kind == "chat":
@@ -57,7 +90,7 @@ class PromptLimits:
                 raise PromptError(
                     f"chat has {len(req.chat.messages)} messages; at most {self.max_chat_messages} are allowed"
                 )
-            size = sum(len(m.content.encode()) + len(m.role.encode()) for m in req.chat.messages)
+            size = len(req.tools_json.encode()) + chat_bytes(req.chat)
         else:
             return
         if size > self.max_prompt_bytes:
@@ -133,27 +166,88 @@ class PromptResolver:
             limits=limits,
         )
 
+    @property
+    def supports_tools(self) -> bool:
+        return self.tokenizer is not None and bool(self.tokenizer.supports_tools)
+
+    def _need_tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            raise NoTokenizer(f"model {self.model_name!r} has no tokenizer; {what}")
+        return self.tokenizer
+
     def prompt_ids(self, req: spb.GenerateRequest) -> tuple[int, ...]:
         kind = req.WhichOneof("prompt")
         if kind == "prompt_ids":
             return tuple(req.prompt_ids.ids)
         if kind is None:
             raise PromptError("the request has no prompt; set prompt_ids, text or chat")
-        if self.tokenizer is None:
-            raise PromptError(f"model {self.model_name!r} has no tokenizer; send prompt_ids instead of {kind}")
+        tokenizer = self._need_tokenizer(f"send prompt_ids instead of {kind}")
         if kind == "text":
-            return tuple(self.tokenizer.encode(req.text))
-        messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
-        if not messages:
-            raise PromptError("chat has no messages; send at least one")
-        bad = [m["role"] for m in messages if m["role"] not in ("system", "user", "assistant")]
+            return tuple(tokenizer.encode(req.text))
+        return tuple(tokenizer.encode(self.render_chat(req.chat, req.tools_json)))
+
+    def render_chat(self, chat: spb.ChatMessages, tools_json: str = "") -> str:
+        """The chat template's text for the messages (and tools), generation prompt added."""
+        tokenizer = self._need_tokenizer("send prompt_ids instead of chat")
+        messages = chat_messages(chat, self.supports_tools, self.model_name)
+        tools = parse_tools(tools_json, self.supports_tools, self.model_name)
+        try:
+            return str(tokenizer.render_chat(messages, tools=tools))
+        except ModelLoadError as exc:  # no chat template at all
+            raise PromptError(f"model {self.model_name!r}: {exc}") from None
+        except (ValueError, TemplateError) as exc:  # raise_exception() in the template, or no tool support
+            raise PromptError(f"the chat template refused the messages: {exc}") from None
+
+    def prompt_text(self, req: spb.GenerateRequest, sreq: SessionRequest) -> str:
+        """The prompt as text, for echo: the text, the rendered chat, or the ids detokenized
+        ("" for a model without a tokenizer)."""
+        kind = req.WhichOneof("prompt")
+        if kind == "text":
+            return req.text
+        if self.tokenizer is None:
+            return ""
+        if kind == "chat":
+            return self.render_chat(req.chat, req.tools_json)
+        return str(self.tokenizer.decode(sreq.prompt_ids))
+
+    def tokenize(self, req: spb.TokenizeRequest) -> tuple[list[int], list[str]]:
+        """Token ids of a TokenizeRequest's text or chat, with each id's vocabulary entry."""
+        kind = req.WhichOneof("input")
+        if kind is None:
+            raise PromptError("the request has no input; set text or chat")
+        tokenizer = self._need_tokenizer("it takes and returns token ids only")
+        if kind == "text":
+            size = len(req.text.encode())
+        else:
+            size = chat_bytes(req.chat)
+            if len(req.chat.messages) > self.limits.max_chat_messages:
+                raise PromptError(
+                    f"chat has {len(req.chat.messages)} messages; at most {self.limits.max_chat_messages} are allowed"
+                )
+        if size > self.limits.max_prompt_bytes:
+            raise PromptError(
+                f"the input is {size} bytes; the limit is {self.limits.max_prompt_bytes} (--max-prompt-bytes)"
+            )
+        text = req.text if kind == "text" else self.render_chat(req.chat)
+        ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        return ids, [tokenizer.token_text(i) or "" for i in ids]
+
+    def detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:
+        tokenizer = self._need_tokenizer("it takes and returns token ids only")
+        if len(ids) > self.limits.max_prompt_bytes:
+            raise PromptError(f"{len(ids)} token ids; at most {self.limits.max_prompt_bytes} (--max-prompt-bytes)")
+        bad = [i for i in ids if i >= self.vocab_size]
         if bad:
-            raise PromptError(f"chat role {bad[0]!r} is not one of system, user, assistant")
-        return tuple(self.tokenizer.encode(self.tokenizer.render_chat(messages)))
+            raise PromptError(
+                f"token id {bad[0]} is outside the vocabulary (ids are 0..{self.vocab_size - 1}); "
+                f"{len(bad)} of the {len(ids)} ids are"
+            )
+        return str(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     async def resolve(self, req: spb.GenerateRequest, owner: str = "") -> SessionRequest:
         """The core's request for a GenerateRequest: size limits first (cheap), then the
         tokenizer, in a thread when there is text to tokenize, so the event loop keeps serving."""
+        check_options(req)
         self.limits.check(req)
         if req.WhichOneof("prompt") in ("text", "chat") and self.tokenizer is not None:
             return await asyncio.to_thread(self.session_request, req, owner)
@@ -162,17 +256,100 @@ class PromptResolver:
     def session_request(self, req: spb.GenerateRequest, owner: str = "") -> SessionRequest:
         if req.stop and self.tokenizer is None:
             raise PromptError(f"stop strings need a tokenizer; model {self.model_name!r} has none (use stop_token_ids)")
+        self._check_response_format(req.response_format)
         return SessionRequest(
             prompt_ids=self.prompt_ids(req),
             max_new_tokens=req.max_new_tokens,
-            sampling=convert.sampling_from_pb(req.sampling),
+            sampling=convert.sampling_from_request(req),
             stop_token_ids=frozenset(req.stop_token_ids),
             eos_token_ids=frozenset() if req.ignore_eos else self.eos_token_ids,
             priority=req.priority,
             owner=owner,
         )
 
+    def _check_response_format(self, rf: spb.ResponseFormat) -> None:
+        """Refuse here, not on a worker, what the grammar cannot enforce: a worker's refusal
+        would read as a failed step (compiled grammars are cached, so this is cheap)."""
+        if rf.type in ("", "text") and not rf.json_schema:
+            return
+        if self.tokenizer is None:
+            raise PromptError(
+                f"response_format {rf.type!r} needs the model's vocabulary; model {self.model_name!r} has no tokenizer"
+            )
+        try:
+            grammar.check_response_format(rf.type, rf.json_schema)
+        except ValueError as exc:
+            raise PromptError(f"response_format: {exc}") from None
+
     def stream(self, sreq: SessionRequest, stop: list[str]) -> TextStream:
         if self.tokenizer is None:
             return _NoText()
         return _DetokenizingStream(self.tokenizer, stop)
+
+
+def chat_bytes(chat: spb.ChatMessages) -> int:
+    """The UTF-8 size of a chat's messages, every field the template may render counted."""
+    return sum(
+        len(m.role.encode()) + len(m.content.encode()) + len(m.tool_call_id.encode()) + len(m.tool_calls_json.encode())
+        for m in chat.messages
+    )
+
+
+CHAT_ROLES = ("system", "user", "assistant")
+TOOL_ROLE = "tool"
+
+
+def chat_messages(chat: spb.ChatMessages, tools_ok: bool, model: str) -> list[dict[str, Any]]:
+    """ChatMessages as the template's message dicts; tool messages and assistant tool calls
+    only where the template renders them (`tools_ok`)."""
+    if not chat.messages:
+        raise PromptError("chat has no messages; send at least one")
+    roles = CHAT_ROLES + ((TOOL_ROLE,) if tools_ok else ())
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(chat.messages):
+        if m.role == TOOL_ROLE and not tools_ok:
+            raise PromptError(_no_tools(model))
+        if m.role not in roles:
+            raise PromptError(f"chat role {m.role!r} (message {i}) is not one of {', '.join(roles)}")
+        msg: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls_json:
+            if not tools_ok:
+                raise PromptError(_no_tools(model))
+            if m.role != "assistant":
+                raise PromptError(f"message {i}: only assistant messages carry tool_calls_json")
+            msg["tool_calls"] = _json_array(m.tool_calls_json, f"message {i}: tool_calls_json")
+        if m.tool_call_id:
+            if m.role != TOOL_ROLE:
+                raise PromptError(f"message {i}: tool_call_id belongs on a 'tool' message")
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out
+
+
+def parse_tools(tools_json: str, tools_ok: bool, model: str) -> list[dict[str, Any]] | None:
+    """GenerateRequest.tools_json as the template's tool list (None when not set)."""
+    if not tools_json:
+        return None
+    if not tools_ok:
+        raise PromptError(_no_tools(model))
+    tools = _json_array(tools_json, "tools_json")
+    if not all(isinstance(t, dict) for t in tools):
+        raise PromptError('tools_json must be an array of objects like {"type": "function", "function": {...}}')
+    return tools
+
+
+def _no_tools(model: str) -> str:
+    return (
+        f"model {model!r}: its chat template has no tool support; send no tools_json, "
+        "no 'tool' role messages and no assistant tool_calls_json to this model"
+    )
+
+
+def _json_array(text: str, name: str) -> list[Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PromptError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, list):
+        raise PromptError(f"{name} must be a JSON array, got {type(value).__name__}")
+    return value

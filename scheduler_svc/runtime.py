@@ -30,7 +30,7 @@ from scheduler_svc.core import (
 )
 from scheduler_svc.core.session import Phase
 from scheduler_svc.core.stats import TelemetrySnapshot, WorkloadStats
-from scheduler_svc.core.types import RejectReason
+from scheduler_svc.core.types import RejectReason, TokenLogprob
 from scheduler_svc.experiments import ExperimentArm, ExperimentArms
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.spans import SchedulerSpans
@@ -54,6 +54,7 @@ class RuntimeConfig:
 class SessionEvent:
     session_id: str
     token: int | None = None
+    logprob: TokenLogprob | None = None  # the token's, when the session asked for logprobs
     finish: FinishReason | None = None
     worker_id: str = ""
     dropped: str = ""  # the session was given up on, unfinished (the reason)
@@ -134,9 +135,10 @@ class SchedulerRuntime:
         arm: ExperimentArm | None = None,
         parent: Context | None = None,
     ) -> Submission:
-        """Admit one session (policy None) or a workload; raises AdmissionRejected."""
+        """Admit the sessions of one call (policy None: one, or the n choices of a Generate) or a
+        workload; all or none. Raises AdmissionRejected."""
         if policy is None:
-            workload_id, ids = None, [self._core.submit(requests[0])]
+            workload_id, ids = None, self._core.submit_group(requests)
         else:
             workload_id, ids = self._core.submit_workload(requests, policy)
             self._arms.start(workload_id, arm)
@@ -205,6 +207,11 @@ class SchedulerRuntime:
         """(prompt tokens, generated tokens) of a session."""
         s = self._core.session(session_id)
         return s.prompt_len, len(s.generated)
+
+    def cached_tokens(self, session_id: str) -> int:
+        """Prompt tokens of a session whose KV came from a worker's prefix cache."""
+        s = self._core.session(session_id)
+        return min(s.cached_tokens, s.prompt_len)
 
     def snapshot(self) -> TelemetrySnapshot:
         return self._core.snapshot()
@@ -352,7 +359,14 @@ class SchedulerRuntime:
                 self._metrics.iteration(p, d)
             for sid, token in out.tokens:
                 self._metrics.token(sid)
-                self._publish(SessionEvent(sid, token=token, worker_id=self._core.session(sid).worker_id or ""))
+                self._publish(
+                    SessionEvent(
+                        sid,
+                        token=token,
+                        logprob=out.logprobs.get(sid),
+                        worker_id=self._core.session(sid).worker_id or "",
+                    )
+                )
             for sid, reason in out.finished:
                 self._ended(sid, reason.value)
                 self._publish(SessionEvent(sid, finish=reason))

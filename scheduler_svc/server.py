@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -14,7 +15,7 @@ from opentelemetry import context as otel_context
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet.v1 import scheduler_pb2_grpc as spb_grpc
 from kvfleet_common import grpcutil
-from kvfleet_common.logs import bind_session
+from kvfleet_common.logs import bind_request, bind_session
 from kvfleet_common.security import authorize_token
 from kvfleet_common.tracing import extract_context
 from scheduler_svc import convert
@@ -26,10 +27,11 @@ from scheduler_svc.core import (
     RejectReason,
     SchedulerCore,
     SessionRequest,
+    TokenLogprob,
 )
 from scheduler_svc.experiments import ExperimentArm
 from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.prompts import PromptError, PromptResolver, TextStream
+from scheduler_svc.prompts import NoTokenizer, PromptError, PromptResolver, TextStream
 from scheduler_svc.runtime import RuntimeConfig, SchedulerRuntime, SessionEvent, Submission
 from scheduler_svc.spans import SchedulerSpans
 from scheduler_svc.workers import WorkerClient
@@ -49,10 +51,21 @@ REJECT_STATUS = {
 class SchedulerServicer(spb_grpc.SchedulerServicer):
     """protobuf -> runtime calls -> protobuf; policy lives in the core, effects in the runtime."""
 
-    def __init__(self, runtime: SchedulerRuntime, prompts: PromptResolver, api_token: str = "") -> None:
+    def __init__(
+        self,
+        runtime: SchedulerRuntime,
+        prompts: PromptResolver,
+        api_token: str = "",
+        spans: SchedulerSpans | None = None,
+        served_model: str = "",
+    ) -> None:
         self._api_token = api_token
         self._runtime = runtime
         self._prompts = prompts
+        self._spans = spans
+        self._served_model = served_model or prompts.model_name
+        # The n sessions of one Generate call, by each of their ids: cancelling one cancels all.
+        self._choices: dict[str, tuple[str, ...]] = {}
         self.draining = False
 
     # ---- helpers ------------------------------------------------------------------------
@@ -83,6 +96,16 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
 
     # ---- RPCs ---------------------------------------------------------------------------
 
+    async def _echo_text(self, request: spb.GenerateRequest, sreq: SessionRequest, context) -> str | None:
+        """The prompt's text when the request asks for echo (rendered off the event loop)."""
+        if not request.echo:
+            return None
+        try:
+            return await asyncio.to_thread(self._prompts.prompt_text, request, sreq)
+        except PromptError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise  # unreachable: abort raises
+
     async def Generate(self, request, context) -> AsyncIterator[spb.GenerateEvent]:
         await self._gate(context)
         parent = extract_context(context.invocation_metadata())
@@ -90,23 +113,61 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         # (its own task), so its log lines carry trace_id/span_id and session_id. Never detached:
         # the task's context ends with the call.
         otel_context.attach(parent)
+        bind_request(request.request_id)  # on this call's log lines from here on (validated below)
         sreq = await self._session_request(request, context, caller_identity(context))
-        sub = await self._submit(context, lambda: self._runtime.submit([sreq], [_operation(request)], parent=parent))
+        echo = await self._echo_text(request, sreq, context)
+        n = max(request.n, 1)
+        sreqs = [_choice(sreq, i) for i in range(n)]
+        # The n choices are admitted together or not at all.
+        sub = await self._submit(context, lambda: self._runtime.submit(sreqs, [_operation(request)] * n, parent=parent))
+        rid = request.request_id
         bind_session(sub.session_ids[0])
+        if rid and self._spans is not None:
+            for sid in sub.session_ids:
+                self._spans.set_request_id(sid, rid)
         log.debug(
-            "session %s: %d prompt tokens, up to %d new", sub.session_ids[0], len(sreq.prompt_ids), sreq.max_new_tokens
+            "session %s: %d prompt tokens, up to %d new%s",
+            ", ".join(sub.session_ids),
+            len(sreq.prompt_ids),
+            sreq.max_new_tokens,
+            f", {n} choices" if n > 1 else "",
+            extra={"request_id": rid} if rid else None,
         )
-        label = f"session {sub.session_ids[0]}"
-        async with contextlib.aclosing(self._stream(sub, [sreq], [request], context, label, True)) as events:
-            async for _, msg in events:
-                yield msg
+        if n > 1:
+            for sid in sub.session_ids:
+                self._choices[sid] = sub.session_ids
+        label = f"session {sub.session_ids[0]}" if n == 1 else f"sessions {', '.join(sub.session_ids)}"
+        echoed: set[int] = set()
+        try:
+            async with contextlib.aclosing(self._stream(sub, sreqs, [request] * n, context, label, True)) as events:
+                async for index, msg in events:
+                    msg.request_id = rid
+                    msg.index = index
+                    if echo is not None and index not in echoed:
+                        msg.prompt_text = echo
+                        echoed.add(index)
+                    yield msg
+        finally:
+            for sid in sub.session_ids:
+                self._choices.pop(sid, None)
+            if rid:
+                log.debug("request %s done", rid, extra={"request_id": rid})
 
     async def SubmitWorkload(self, request, context) -> AsyncIterator[spb.WorkloadEvent]:
         await self._gate(context)
         owner = caller_identity(context)
+        for i, r in enumerate(request.sessions):
+            if r.n > 1:
+                self._runtime.record_rejection(RejectReason.INVALID_REQUEST)
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"session {i}: n is {r.n}; a workload lists its sessions one by one, so send n <= 1 "
+                    f"and repeat the session with the seeds you want",
+                )
         reqs = [
             await self._session_request(r, context, owner, f"session {i}: ") for i, r in enumerate(request.sessions)
         ]
+        echoes = [await self._echo_text(r, sreq, context) for r, sreq in zip(request.sessions, reqs)]
         arm = None
         if request.HasField("experiment"):
             try:
@@ -120,10 +181,19 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
             ),
         )
         wid = sub.workload_id or ""
+        if self._spans is not None:
+            for sid, r in zip(sub.session_ids, request.sessions):
+                if r.request_id:
+                    self._spans.set_request_id(sid, r.request_id)
         async with contextlib.aclosing(
             self._stream(sub, reqs, list(request.sessions), context, f"workload {wid}", False)
         ) as events:
             async for index, msg in events:
+                msg.request_id = request.sessions[index].request_id
+                echo = echoes[index]
+                if echo is not None:
+                    msg.prompt_text = echo
+                    echoes[index] = None  # on the session's first event only
                 yield spb.WorkloadEvent(workload_id=wid, session_index=index, event=msg)
         stats = self._runtime.workload_stats(wid)
         assert stats is not None, "a workload whose sessions all finished has its stats"
@@ -177,6 +247,8 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         for ev in batch:
             if ev.token is not None:
                 msg.token_ids.append(ev.token)
+                if ev.logprob is not None:
+                    msg.logprobs.append(self._token_logprob(ev.logprob))
                 delta, stop_hit = text.push(ev.token)
                 msg.text += delta
                 if stop_hit and not finished:
@@ -190,7 +262,23 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
             msg.worker_id = ev.worker_id
         if finished:
             msg.usage.input_tokens, msg.usage.output_tokens = self._runtime.usage(sid)
+            msg.usage.cached_tokens = self._runtime.cached_tokens(sid)
         return finished
+
+    def _token_logprob(self, lp: TokenLogprob) -> spb.TokenLogprob:
+        """A token's logprob as the API shows it, each token with its text where the model
+        has a tokenizer ("" otherwise)."""
+        tokenizer = self._prompts.tokenizer
+
+        def text(token: int) -> str:
+            return str(tokenizer.decode([token])) if tokenizer is not None else ""
+
+        return spb.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            text=text(lp.token_id),
+            top=[spb.TopLogprob(token_id=t, logprob=v, text=text(t)) for t, v in lp.top],
+        )
 
     async def Cancel(self, request, context):
         await authorize_token(context, self._api_token)
@@ -198,8 +286,14 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "session_id is empty; pass the id from the session's first event"
             )
+        caller = caller_identity(context)
         try:
-            state = self._runtime.cancel(request.session_id, caller_identity(context))
+            state = self._runtime.cancel(request.session_id, caller)
+            # The other choices of the same Generate call (n > 1) go with it.
+            for sid in self._choices.get(request.session_id, ()):
+                if sid != request.session_id:
+                    with contextlib.suppress(KeyError, NotSessionOwner):
+                        self._runtime.cancel(sid, caller)
         except KeyError:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no session {request.session_id!r}; it may have finished already"
@@ -257,6 +351,84 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
             )
         return resp
 
+    def _worker_info(self):
+        """A live worker's GetInfo answer (any known worker's when none is live); None before any."""
+        views = [v for v in self._runtime.workers() if v.client.info is not None]
+        live = [v for v in views if v.live]
+        return (live or views)[0].client.info if views else None
+
+    async def GetModelInfo(self, request, context):
+        await authorize_token(context, self._api_token)
+        info = self._worker_info()
+        if info is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "no worker has reported its model yet; retry once a worker is up"
+            )
+        tokenizer = self._prompts.tokenizer
+        msg = spb.ModelInfo(
+            model_id=self._served_model,
+            architecture=ARCHITECTURE,
+            max_context_length=info.model.max_position,
+            vocab_size=info.model.vocab_size,
+            eos_token_ids=sorted(self._prompts.eos_token_ids),
+            dtype=info.dtype,
+            quant=info.quant or "none",
+            version=kvfleet_version(),
+            chat_template=bool(tokenizer is not None and tokenizer.chat_template),
+            supports_tools=self._prompts.supports_tools,
+        )
+        if tokenizer is not None:
+            if tokenizer.bos_token_id is not None:
+                msg.bos_token_id = tokenizer.bos_token_id
+            msg.special_token_ids.update(tokenizer.special_tokens())
+        return msg
+
+    async def Tokenize(self, request, context):
+        await authorize_token(context, self._api_token)
+        try:
+            ids, tokens = await asyncio.to_thread(self._prompts.tokenize, request)
+        except NoTokenizer as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except PromptError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        info = self._worker_info()
+        return spb.TokenizeResponse(
+            token_ids=ids, tokens=tokens, max_context_length=info.model.max_position if info is not None else 0
+        )
+
+    async def Detokenize(self, request, context):
+        await authorize_token(context, self._api_token)
+        try:
+            text = await asyncio.to_thread(
+                self._prompts.detokenize, list(request.token_ids), request.skip_special_tokens
+            )
+        except NoTokenizer as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except PromptError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return spb.DetokenizeResponse(text=text)
+
+
+ARCHITECTURE = "llama"  # the one model family the workers run (worker_svc/model/llama.py)
+
+
+def kvfleet_version() -> str:
+    """kvfleet's installed version, as `kvfleet --version` reports it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvfleet")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+def _choice(sreq: SessionRequest, index: int) -> SessionRequest:
+    """Choice `index` of an n > 1 request: the same prompt, seeded seed + index (mod 2**64)."""
+    if index == 0:
+        return sreq
+    seed = (sreq.sampling.seed + index) % 2**64
+    return dataclasses.replace(sreq, sampling=dataclasses.replace(sreq.sampling, seed=seed))
+
 
 def caller_identity(context) -> str:
     """Who is calling, as far as the transport tells: the bearer token (hashed), else the client
@@ -311,8 +483,10 @@ async def create_server(config: SchedulerConfig):
             info.kv_capacity_tokens,
         )
     prompts = PromptResolver.for_model(config.model or infos[0].model.name, infos[0].model, config.prompt_limits)
-    spans = SchedulerSpans(prompts.model_name)
-    metrics = SchedulerMetrics(prompts.model_name, infos[0].model.max_position)
+    # The name clients see (GetModelInfo, spans, metrics): --served-model-name, else the workers' own.
+    served = config.served_model_name or infos[0].model.name
+    spans = SchedulerSpans(served)
+    metrics = SchedulerMetrics(served, infos[0].model.max_position)
     runtime = SchedulerRuntime(
         core,
         clients,
@@ -325,7 +499,7 @@ async def create_server(config: SchedulerConfig):
             reconcile_interval_s=config.reconcile_interval_s,
         ),
     )
-    servicer = SchedulerServicer(runtime, prompts, config.api_token)
+    servicer = SchedulerServicer(runtime, prompts, config.api_token, spans, served)
     server = grpc.aio.server(options=grpcutil.SERVER_OPTIONS)
     spb_grpc.add_SchedulerServicer_to_server(servicer, server)
     health = grpcutil.add_health_and_reflection(server, [SERVICE_NAME])

@@ -2,7 +2,8 @@
 
 A session's root span follows the GenAI conventions: named `{operation} {model}` (`text_completion
 tiny`, `chat smollm2-135m`), with the stable attribute `kvfleet.span=session` for code that looks
-session spans up without knowing the model. `queue` covers its wait for admission. A
+session spans up without knowing the model, and `kvfleet.request.id` when the caller sent a
+request_id. `queue` covers its wait for admission. A
 workload's root span `generation_wall` covers its whole generation and parents its
 sessions. A `tick` span covers one tick's dispatch; its W3C context travels to the workers in
 gRPC metadata, so their `worker_step` spans join the trace. A tick that serves one trace (one
@@ -24,6 +25,7 @@ from scheduler_svc.experiments import ExperimentArm
 
 PROVIDER = "kvfleet"  # gen_ai.provider.name
 SESSION_SPAN = "session"  # the value of kvfleet.span on a session's root span
+REQUEST_ID = "kvfleet.request.id"  # the caller's GenerateRequest.request_id, on the session span
 
 
 @dataclass
@@ -100,6 +102,12 @@ class SchedulerSpans:
             attributes={k: v for k, v in attrs.items() if k.startswith("experiment.")},
         )
         self._sessions[session_id] = _SessionSpans(root, queue)
+
+    def set_request_id(self, session_id: str, request_id: str) -> None:
+        """Tag a session's root span with the caller's request_id (kvfleet.request.id)."""
+        spans = self._sessions.get(session_id)
+        if spans is not None:
+            spans.root.set_attribute(REQUEST_ID, request_id)
 
     def admitted(self, session_id: str) -> None:
         spans = self._sessions.get(session_id)

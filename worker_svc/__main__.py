@@ -46,6 +46,17 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         default=5.0,
         help="steps expected under this many ms run on the event loop (0 = never)",
     )
+    # Two switches on one dest rather than BooleanOptionalAction, which the flag layer's
+    # environment/config coercion reads as a plain string ("0" would be true).
+    p.add_argument(
+        "--prefix-caching",
+        dest="prefix_caching",
+        action="store_true",
+        default=True,
+        env="KVFLEET_PREFIX_CACHING",
+        help="reuse the KV of prompt prefixes earlier sessions computed on this worker (default on)",
+    )
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", help="turn prefix caching off")
     p.add_logging_flags()
     a = p.parse_args(argv)
     setup_logging(a.log_level, a.log_format)
@@ -66,6 +77,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         metrics_port=a.metrics_port,
         num_threads=a.threads,
         inline_step_s=a.inline_step_ms / 1000,
+        prefix_caching=a.prefix_caching,
     )
 
 

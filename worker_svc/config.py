@@ -27,6 +27,7 @@ class WorkerConfig:
     inline_step_s: float = 0.005
     metrics_port: int = 9401  # Prometheus /metrics; 0 = off
     quant: str = "none"  # none | int8 (CPU, float32 only; see EngineConfig)
+    prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (see EngineConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
 
     def __post_init__(self) -> None:

@@ -24,7 +24,22 @@ _STATUS = {
 
 
 def sampling_from_pb(s: pb.Sampling) -> SamplingSpec:
-    return SamplingSpec(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p if s.top_p > 0 else 1.0, seed=s.seed)
+    # proto3 cannot tell unset from 0: top_p 0 and repetition_penalty 0 mean "off", i.e. 1.
+    return SamplingSpec(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p if s.top_p > 0 else 1.0,
+        seed=s.seed,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty if s.repetition_penalty != 0 else 1.0,
+        min_p=s.min_p,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs,
+        constraint=s.constraint,
+        constraint_schema=s.constraint_schema,
+    )
 
 
 def prefill_from_pb(items) -> list[PrefillItem]:
@@ -93,6 +108,11 @@ def step_to_pb(out: StepOutput, step_ns: int) -> pb.StepResponse:
             has_token=r.token_id is not None,
             token_id=r.token_id if r.token_id is not None else 0,
             kv_tokens=r.kv_tokens,
+            cached_tokens=r.cached_tokens,
+            has_logprob=r.logprob is not None,
+            logprob=r.logprob if r.logprob is not None else 0.0,
+            top_logprobs=[pb.TopToken(token_id=t, logprob=lp) for t, lp in r.top_logprobs],
+            constraint_done=r.constraint_done,
         )
     return resp
 

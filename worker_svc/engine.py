@@ -8,42 +8,27 @@ batch proceeds. A request that could never succeed (token id out of vocabulary, 
 
 from __future__ import annotations
 
-import hashlib
 import re
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import numpy as np
 import torch
 
 from kvfleet_models.config import LlamaConfig
-from worker_svc.block_allocator import BlockAllocator, KVBookkeeper
+from worker_svc.block_allocator import BlockAllocator, KVBookkeeper, OutOfBlocks
 from worker_svc.kv_cache import KVViews, PagedKVCache, make_views
 from worker_svc.kv_views_mode import KVViewsMode
 from worker_svc.model.cpu_backend import QUANT_MODES, use_cpu_threads
 from worker_svc.model.llama import LlamaModel, PhaseTimes, synchronize
 from worker_svc.runner import RunItem, run_step
+from worker_svc.sampling import ConstraintFactory, Sampled, SamplingSpec, SessionSampling
+from worker_svc.sampling import sample_token as sample_token  # re-exported for existing callers
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEVICE_RE = re.compile(r"^(cpu|auto|xpu|cuda|cuda:\d+|xpu:\d+)$")
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    temperature: float = 0.0  # 0 = greedy argmax
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 @dataclass(frozen=True)
@@ -77,6 +62,10 @@ class ItemResult:
     status: ItemStatus
     token_id: int | None  # None for a non-last prefill chunk or a failed item
     kv_tokens: int  # tokens held for the session after the step
+    logprob: float | None = None  # when the item's sampling asked for logprobs
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+    constraint_done: bool = False  # the constraint allows nothing more after this token
+    cached_tokens: int = 0  # tokens of this prefill chunk whose KV came from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -114,6 +103,9 @@ class EngineStats:
     used_blocks: int
     free_blocks: int
     out_of_blocks: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found there (their KV reused, not computed)
+    cached_blocks: int = 0  # free blocks still holding a reusable prefix
 
 
 @dataclass(frozen=True)
@@ -131,6 +123,9 @@ class EngineConfig:
     # "none" | "int8": the products' weights (int8 = fbgemm's dynamic int8 linear, per-row
     # scales, float32 activations; CPU and float32 only). Quality: tests/unit/test_quant_quality.py.
     quant: str = "none"
+    # Reuse the KV of full blocks whose token prefix an earlier session computed (see
+    # block_allocator). Off = no hashing or lookup at all, the behaviour before it existed.
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if not _DEVICE_RE.match(self.device):
@@ -165,35 +160,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _draw_seed(seed: int, index: int) -> int:
-    """A seed from (seed, index) alone: stable across processes, unlike ``hash()``."""
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
-
-
-def sample_token(logits: torch.Tensor, spec: SamplingSpec, index: int) -> int:
-    """Draw one token from logits [V] (host tensor): a function of logits, spec and index only.
-
-    top_k keeps every token tied with the k-th largest; top_p keeps the smallest prefix of the
-    sorted distribution whose mass reaches top_p (always at least the most likely token).
-    """
-    if spec.temperature == 0.0:
-        return int(torch.argmax(logits))
-    x = logits.double() / spec.temperature
-    if 0 < spec.top_k < x.numel():
-        kth = torch.topk(x, spec.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if spec.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True, stable=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= spec.top_p  # mass before this token
-        x = x.clone()
-        x[order[drop]] = float("-inf")
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(_draw_seed(spec.seed, index))
-    return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=gen))
-
-
 @dataclass(frozen=True)
 class _Request:
     """A prefill or decode item, in the one shape admission needs."""
@@ -214,6 +180,7 @@ class _Admitted:
 
     request: _Request
     run: RunItem
+    cached: int = 0  # leading tokens of the chunk reused from the prefix cache, not run
 
 
 def _requests(prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem]) -> list[_Request]:
@@ -230,9 +197,32 @@ def _requests(prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem]) -> l
     return out
 
 
+def _item_result(session_id: str, status: ItemStatus, sampled: Sampled | None, kv_tokens: int) -> ItemResult:
+    if sampled is None:
+        return ItemResult(session_id, status, None, kv_tokens)
+    return ItemResult(
+        session_id,
+        status,
+        sampled.token_id,
+        kv_tokens,
+        logprob=sampled.logprob,
+        top_logprobs=sampled.top_logprobs,
+        constraint_done=sampled.constraint_done,
+    )
+
+
 class Engine:
-    def __init__(self, cfg: LlamaConfig, weights: dict[str, np.ndarray], config: EngineConfig) -> None:
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        weights: dict[str, np.ndarray],
+        config: EngineConfig,
+        *,
+        constraint_factory: ConstraintFactory | None = None,
+    ) -> None:
         self.cfg, self.config = cfg, config
+        # Per-session token history and constraint state for the logit processors.
+        self.sampling = SessionSampling(constraint_factory)
         self.device = resolve_device(config.device)
         self.dtype_name = config.dtype
         dtype = _DTYPES[config.dtype]
@@ -251,7 +241,7 @@ class Engine:
         # Both modes stay available so an experiment can switch the lever per step.
         self._views: dict[KVViewsMode, KVViews] = {mode: make_views(mode, self.cache) for mode in KVViewsMode}
         self.views = self._views[config.kv_views]
-        self.books = KVBookkeeper(config.block_size, BlockAllocator(config.num_blocks))
+        self.books = KVBookkeeper(config.block_size, BlockAllocator(config.num_blocks), config.prefix_caching)
         elem = torch.empty((), dtype=kv_dtype).element_size()
         self.kv_bytes_per_token = cfg.kv_bytes_per_token(elem)
         self.capacity_tokens = config.num_blocks * config.block_size
@@ -285,6 +275,10 @@ class Engine:
             bad = [t for t in tokens if not 0 <= t < self.cfg.vocab_size]
             if bad:
                 raise ValueError(f"session {sid!r}: token ids {bad} outside vocab_size {self.cfg.vocab_size}")
+            try:
+                self.sampling.check(r.sampling, self.cfg.vocab_size)
+            except ValueError as exc:
+                raise ValueError(f"session {sid!r}: {exc}") from None
 
     def _admit(self, r: _Request) -> _Admitted | ItemStatus:
         sid = r.session_id
@@ -295,13 +289,18 @@ class Engine:
         if miss:
             self._counts["cache_misses"] += 1
             return ItemStatus.CACHE_MISS
-        if not self.books.can_append(sid, len(r.tokens)):
+        try:
+            if r.creates:  # a prompt chunk: its leading full blocks may already be cached
+                cached, slots = self.books.append_prefill(sid, r.tokens)
+            else:
+                cached, slots = 0, self.books.append(sid, len(r.tokens), r.tokens)
+        except OutOfBlocks:  # the books are unchanged
             self._counts["out_of_blocks"] += 1
             return ItemStatus.OUT_OF_BLOCKS
-        slots = tuple(self.books.append(sid, len(r.tokens)))
         # Each session is in a step once, so its block table is final after its own append.
-        run = RunItem(sid, r.tokens, r.start, slots, tuple(self.books.blocks(sid)), r.sample)
-        return _Admitted(r, run)
+        blocks = tuple(self.books.blocks(sid))
+        run = RunItem(sid, r.tokens[cached:], r.start + cached, tuple(slots), blocks, r.sample)
+        return _Admitted(r, run, cached)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -332,7 +331,7 @@ class Engine:
                 admitted.append(got)
 
         times = PhaseTimes()
-        tokens: dict[int, int] = {}
+        tokens: dict[int, Sampled] = {}
         logits_out = np.full((len(requests), self.cfg.vocab_size), np.nan, np.float32) if return_logits else None
         sync_ns = 0
         if admitted:
@@ -346,13 +345,17 @@ class Engine:
                 # so that their next request is a clean CACHE_MISS, not silently wrong KV.
                 self.release(a.run.session_id for a in admitted)
                 raise
+            for a in admitted:  # their new full blocks hold K/V now: offer them to others
+                self.books.publish(a.run.session_id)
+            for a in admitted:
+                self.sampling.feed(a.request.session_id, a.request.tokens, a.request.start)
             sync_ns = self._sample([a.request for a in admitted if a.run.sample], logits, tokens, logits_out)
-            self._counts["prefill_tokens"] += sum(len(a.run.tokens) for a in admitted if a.request.creates)
+            self._counts["prefill_tokens"] += sum(len(a.request.tokens) for a in admitted if a.request.creates)
             self._counts["decode_tokens"] += sum(1 for a in admitted if not a.request.creates)
         self._counts["steps"] += 1
 
         results = [
-            ItemResult(
+            _item_result(
                 r.session_id,
                 failed.get(r.out_index, ItemStatus.OK),
                 tokens.get(r.out_index),
@@ -360,6 +363,9 @@ class Engine:
             )
             for r in requests
         ]
+        cached = {a.request.out_index: a.cached for a in admitted if a.cached}
+        if cached:  # prompt chunks that reused cached blocks say how many tokens
+            results = [replace(x, cached_tokens=cached.get(r.out_index, 0)) for r, x in zip(requests, results)]
         profile = StepProfile(
             kv_view_prepare_ns=times.kv_view_prepare_ns,
             attention_ns=times.attention_ns,
@@ -370,28 +376,36 @@ class Engine:
         return StepOutput(results, profile, logits_out)
 
     def _sample(
-        self, sampled: list[_Request], logits: torch.Tensor, tokens: dict[int, int], logits_out: np.ndarray | None
+        self,
+        sampled: list[_Request],
+        logits: torch.Tensor,
+        tokens: dict[int, Sampled],
+        logits_out: np.ndarray | None,
     ) -> int:
         """Fill ``tokens`` (by output index) from logits [N, V]; returns the sync time in ns.
 
-        Greedy rows are reduced on the device so that only N ints cross to the host; logits
-        come over only when some row samples with temperature (or the caller wants them).
+        Plain greedy rows are reduced on the device so that only N ints cross to the host; only
+        the rows that need processing (temperature, penalties, bias, a constraint, logprobs)
+        come over, unless the caller wants every row's logits.
         """
         if not sampled:
             return 0
         t0 = time.perf_counter_ns()
         synchronize(self.device)
         greedy = torch.argmax(logits, dim=-1).tolist()
-        wants_host = logits_out is not None or any(r.sampling.temperature > 0 for r in sampled)
-        host = logits.cpu() if wants_host else None
+        rows = [row for row, r in enumerate(sampled) if r.sampling.needs_host]
+        host: dict[int, torch.Tensor] = {}
+        if logits_out is not None:
+            host = dict(enumerate(logits.cpu()))
+        elif rows:
+            host = dict(zip(rows, logits[rows].cpu()))
         sync_ns = time.perf_counter_ns() - t0
         for row, r in enumerate(sampled):
-            if r.sampling.temperature == 0.0:
-                tokens[r.out_index] = greedy[row]
+            if r.sampling.needs_host:
+                tokens[r.out_index] = self.sampling.sample(r.session_id, host[row], r.sampling, r.index)
             else:
-                assert host is not None
-                tokens[r.out_index] = sample_token(host[row], r.sampling, r.index)
-            if logits_out is not None and host is not None:
+                tokens[r.out_index] = Sampled(greedy[row])
+            if logits_out is not None:
                 logits_out[r.out_index] = host[row].numpy()
         return sync_ns
 
@@ -403,6 +417,7 @@ class Engine:
         for sid in session_ids:
             if self.books.release(sid):
                 held += 1
+            self.sampling.forget(sid)
             for views in self._views.values():
                 views.release(sid)
         return held
@@ -418,4 +433,7 @@ class Engine:
             used_blocks=self.books.allocator.num_used,
             free_blocks=self.books.allocator.num_free,
             out_of_blocks=c["out_of_blocks"],
+            prefix_cache_queries=self.books.prefix_queries,
+            prefix_cache_hits=self.books.prefix_hits,
+            cached_blocks=self.books.allocator.num_cached,
         )

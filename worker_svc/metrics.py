@@ -51,3 +51,19 @@ class WorkerMetrics:
             "kvfleet:worker_cache_misses", "Items naming KV the worker did not hold", s.cache_misses, Kind.COUNTER
         )
         yield Reading("kvfleet:worker_steps", "Steps run", s.steps, Kind.COUNTER)
+        # Prefix caching: hit rate = hits / queries; cached blocks are free yet still reusable.
+        yield Reading(
+            "kvfleet:worker_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            s.prefix_cache_queries,
+            Kind.COUNTER,
+        )
+        yield Reading(
+            "kvfleet:worker_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (their KV reused, not computed)",
+            s.prefix_cache_hits,
+            Kind.COUNTER,
+        )
+        yield Reading(
+            "kvfleet:worker_prefix_cache_blocks", "Free KV blocks still holding a reusable prefix", s.cached_blocks
+        )

@@ -54,7 +54,7 @@ def teacher_forced(
             n = len(tokens)
             if not engine.books.can_append(session_id, n):
                 raise ValueError(f"{len(ids)} tokens do not fit the engine's KV cache")
-            slots = list(engine.books.append(session_id, n))
+            slots = list(engine.books.append(session_id, n, tokens))
             layout = BatchLayout(
                 session_ids=(session_id,),
                 starts=(start,),

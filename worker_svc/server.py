@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -19,6 +21,9 @@ from worker_svc.config import WorkerConfig
 from worker_svc.engine import Engine, EngineConfig, StepOutput
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.spans import emit_step_spans
+
+if TYPE_CHECKING:
+    from kvfleet_models.grammar import GrammarConstraint
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -155,6 +160,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             active_sessions=s.active_sessions,
             used_blocks=s.used_blocks,
             free_blocks=s.free_blocks,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            cached_blocks=s.cached_blocks,
             session_ids=held,
         )
 
@@ -174,9 +182,26 @@ def build_engine(config: WorkerConfig) -> tuple[LlamaConfig, Engine]:
             kv_views=config.kv_views,
             num_threads=config.num_threads,
             quant=config.quant,
+            prefix_caching=config.prefix_caching,
         ),
+        constraint_factory=grammar_factory(config.model, cfg),
     )
     return cfg, engine
+
+
+def grammar_factory(model: str, cfg: LlamaConfig) -> Callable[[str, str], GrammarConstraint] | None:
+    """Constrained decoding (response_format) over the model's vocabulary; None for a model
+    without a tokenizer (tiny), whose sessions with a constraint are then refused."""
+    from kvfleet_models.errors import ModelLoadError
+    from kvfleet_models.grammar import constraint_factory
+    from kvfleet_models.tokenizer import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.for_model(model)
+    except ModelLoadError:
+        return None
+    eos = tuple(cfg.eos_token_ids) or tuple(tokenizer.eos_token_ids)
+    return constraint_factory(tokenizer, cfg.vocab_size, eos)
 
 
 async def create_server(config: WorkerConfig, loaded: tuple[LlamaConfig, Engine] | None = None):

@@ -15,6 +15,7 @@ from scheduler_svc.core.types import (
     SessionRequest,
     StepResult,
     StepStatus,
+    TokenLogprob,
     WorkerSpec,
     WorkloadPolicy,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "StepStatus",
     "TickOutcome",
     "TickPlan",
+    "TokenLogprob",
     "WorkerSpec",
     "WorkloadPolicy",
 ]

@@ -6,7 +6,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from scheduler_svc.core.types import FinishReason, Sampling
+from scheduler_svc.core.types import FinishReason, Sampling, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,9 @@ class TickOutcome:
 
     tick: int
     tokens: list[tuple[str, int]] = field(default_factory=list)  # (session, token) in order
+    # The logprobs of this outcome's tokens, for sessions that asked (a session has at most
+    # one token in an outcome).
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     finished: list[tuple[str, FinishReason]] = field(default_factory=list)
     release: dict[str, list[str]] = field(default_factory=dict)  # worker -> sessions to free
     requeued: list[str] = field(default_factory=list)  # sessions to recompute

@@ -42,6 +42,7 @@ from scheduler_svc.core.types import (
     SessionRequest,
     StepResult,
     StepStatus,
+    TokenLogprob,
     WorkerSpec,
     WorkloadPolicy,
 )
@@ -111,6 +112,11 @@ class SchedulerCore:
 
     def submit(self, request: SessionRequest) -> str:
         return self._enqueue([request], None)[0]
+
+    def submit_group(self, requests: Sequence[SessionRequest]) -> list[str]:
+        """Several independent sessions of one call (the n choices of a Generate), admitted
+        together or not at all; unlike a workload they keep no shared stats or caps."""
+        return self._enqueue(requests, None)
 
     def submit_workload(
         self, requests: Sequence[SessionRequest], policy: WorkloadPolicy = WorkloadPolicy()
@@ -373,6 +379,7 @@ class SchedulerCore:
                 continue
             session.kv_tokens = result.kv_tokens
             if isinstance(work, PrefillWork):
+                session.cached_tokens += result.cached_tokens
                 total.prefill += len(work.token_ids)
                 if wl is not None:
                     wl.prefill += len(work.token_ids)
@@ -385,7 +392,7 @@ class SchedulerCore:
                     wl.decode += 1
             if result.token_id is None:
                 raise ValueError(f"worker {work.worker_id} returned no token for {work.session_id}")
-            self._accept_token(session, result.token_id, out)
+            self._accept_token(session, result, out)
         for worker_id in sorted(failed_workers):
             if worker_id in self.kv and self.kv.get(worker_id).live:
                 out.requeued.extend(self.worker_failed(worker_id))
@@ -433,14 +440,20 @@ class SchedulerCore:
         out.requeued.append(session.session_id)
         self._requeue(session)
 
-    def _accept_token(self, session: Session, token: int, out: TickOutcome) -> None:
+    def _accept_token(self, session: Session, result: StepResult, out: TickOutcome) -> None:
+        token = result.token_id
+        assert token is not None
         session.generated.append(token)
         out.tokens.append((session.session_id, token))
+        if result.logprob is not None:
+            out.logprobs[session.session_id] = TokenLogprob(token, result.logprob, result.top_logprobs)
         req = session.request
         if token in req.stop_token_ids:
             reason: FinishReason | None = FinishReason.STOP
         elif token in req.eos_token_ids:
             reason = FinishReason.EOS
+        elif result.constraint_done:
+            reason = FinishReason.STOP  # the constrained output is a complete value
         elif session.done_generating:
             reason = FinishReason.LENGTH
         else:

@@ -25,6 +25,7 @@ class Session:
     worker_id: str | None = None  # where its KV is reserved while it runs
     generated: list[int] = field(default_factory=list)
     kv_tokens: int = 0  # tokens held on the worker, as it reported
+    cached_tokens: int = 0  # of the current prefill, tokens whose KV came from a prefix cache
     prefill_target: tuple[int, ...] = ()  # what the current prefill puts into the KV
     finish_reason: FinishReason | None = None
     admitted_tick: int = 0
@@ -53,4 +54,5 @@ class Session:
         # so its next token is sampled exactly where it left off.
         self.prefill_target = self.request.prompt_ids + tuple(self.generated)
         self.kv_tokens = 0
+        self.cached_tokens = 0  # a recompute is a new prefill: count its own cache hits
         self.phase = Phase.PREFILL

@@ -44,6 +44,15 @@ class Sampling:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int = 0
+    presence_penalty: float = 0.0  # over generated tokens, in [-2, 2]; 0 = off
+    frequency_penalty: float = 0.0  # over generated tokens, in [-2, 2]; 0 = off
+    repetition_penalty: float = 1.0  # over prompt + generated tokens, > 0; 1 = off
+    min_p: float = 0.0  # in [0, 1]; 0 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), by id
+    logprobs: bool = False  # report each token's log-probability
+    top_logprobs: int = 0  # and this many alternatives (needs logprobs)
+    constraint: str = ""  # "" | "json_object" | "json_schema" (from response_format)
+    constraint_schema: str = ""  # the JSON schema's text (json_schema)
 
 
 @dataclass(frozen=True)
@@ -89,3 +98,16 @@ class StepResult:
     status: StepStatus
     token_id: int | None
     kv_tokens: int
+    logprob: float | None = None  # when the session asked for logprobs
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+    cached_tokens: int = 0  # prompt tokens of a prefill chunk whose KV came from a prefix cache
+    constraint_done: bool = False  # the constraint allows nothing more: finish with STOP
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability and the most likely alternatives at its place."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()

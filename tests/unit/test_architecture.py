@@ -32,6 +32,8 @@ CORES = [
     "telemetry_svc/summary.py",
     "telemetry_svc/retention.py",
     "gateway_svc/openai_schema.py",
+    "gateway_svc/openai_responses.py",
+    "worker_svc/sampling.py",
 ]
 IO_MODULES = {"grpc", "grpc_health", "grpc_reflection", "google", "socket", "aiohttp", "kvfleet"}
 

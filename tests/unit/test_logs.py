@@ -7,7 +7,7 @@ import logging
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
-from kvfleet_common.logs import JsonFormatter, LogSettings, bind_session, setup_logging
+from kvfleet_common.logs import JsonFormatter, LogSettings, bind_request, bind_session, setup_logging
 
 
 def _record(msg: str = "hello %s", args=("world",), **extra) -> logging.LogRecord:
@@ -20,8 +20,10 @@ def _record(msg: str = "hello %s", args=("world",), **extra) -> logging.LogRecor
 @pytest.fixture(autouse=True)
 def _no_session():
     bind_session(None)
+    bind_request(None)
     yield
     bind_session(None)
+    bind_request(None)
 
 
 def test_json_line_has_the_basic_fields_and_no_trace_outside_a_span():
@@ -45,6 +47,15 @@ def test_session_id_from_the_context_and_from_extra_which_wins():
     bind_session("s-bound")
     assert json.loads(JsonFormatter().format(_record()))["session_id"] == "s-bound"
     assert json.loads(JsonFormatter().format(_record(session_id="s-extra")))["session_id"] == "s-extra"
+
+
+def test_request_id_from_the_context_and_from_extra():
+    assert "request_id" not in json.loads(JsonFormatter().format(_record()))
+    bind_request("req-7")
+    assert json.loads(JsonFormatter().format(_record()))["request_id"] == "req-7"
+    assert json.loads(JsonFormatter().format(_record(request_id="req-8")))["request_id"] == "req-8"
+    bind_request("")  # an empty request_id is none
+    assert "request_id" not in json.loads(JsonFormatter().format(_record()))
 
 
 def test_other_extras_and_the_traceback_are_kept():

@@ -1,4 +1,6 @@
-"""gateway_svc.openai_schema: request validation and response/chunk shapes, table-driven."""
+"""gateway_svc.openai_schema and openai_responses: request validation and response/chunk
+shapes, table-driven. The field rule itself (every OpenAI field classified) is
+test_openai_field_rule.py."""
 
 from __future__ import annotations
 
@@ -8,22 +10,24 @@ import grpc
 import pytest
 
 from gateway_svc.errors import from_grpc
-from gateway_svc.openai_schema import (
+from gateway_svc.openai_responses import (
     SSE_DONE,
-    ChatMessage,
-    Endpoint,
+    Delta,
     ResponseBuilder,
-    SchemaError,
+    TokenLogprob,
+    TopToken,
     Usage,
     finish_reason,
+    model_card,
     model_list,
     new_response_id,
-    parse_request,
     sse,
 )
+from gateway_svc.openai_schema import ChatMessage, Endpoint, SchemaError, parse_request
 
 C, CHAT = Endpoint.COMPLETIONS, Endpoint.CHAT
 USER = [{"role": "user", "content": "hi"}]
+_TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
 
 
 # ---- valid requests ------------------------------------------------------------------------
@@ -93,24 +97,82 @@ USER = [{"role": "user", "content": "hi"}]
             True,
         ),
         (C, {"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "include_usage", False),
-        # unknown and unsupported-but-harmless fields are ignored
-        (C, {"model": "m", "prompt": "x", "user": "u", "presence_penalty": 0.5, "whatever": [1]}, "model", "m"),
-        (C, {"model": "m", "prompt": "x", "n": 1, "best_of": 1, "echo": False, "logprobs": None}, "model", "m"),
+        # identifiers that change no output are accepted; refused fields at their "off" value too
+        (C, {"model": "m", "prompt": "x", "user": "u", "best_of": 1, "suffix": None}, "model", "m"),
+        (CHAT, {"model": "m", "messages": USER, "store": False, "service_tier": "auto"}, "model", "m"),
+        (CHAT, {"model": "m", "messages": USER, "audio": None, "functions": None}, "model", "m"),
+        # sampling
+        (C, {"model": "m", "prompt": "x", "presence_penalty": 0.5}, "sampling.presence_penalty", 0.5),
+        (C, {"model": "m", "prompt": "x", "frequency_penalty": -2}, "sampling.frequency_penalty", -2.0),
+        (C, {"model": "m", "prompt": "x", "repetition_penalty": 1.3}, "sampling.repetition_penalty", 1.3),
+        (C, {"model": "m", "prompt": "x", "min_p": 0.1}, "sampling.min_p", 0.1),
+        (
+            C,
+            {"model": "m", "prompt": "x", "logit_bias": {"7": -100, "3": 2.5}},
+            "sampling.logit_bias",
+            ((3, 2.5), (7, -100.0)),
+        ),
+        # choices, logprobs, echo
+        (C, {"model": "m", "prompt": "x", "n": 16}, "n", 16),
+        (C, {"model": "m", "prompt": "x", "logprobs": 0}, "logprobs", True),
+        (C, {"model": "m", "prompt": "x", "logprobs": 3}, "top_logprobs", 3),
+        (C, {"model": "m", "prompt": "x", "logprobs": None}, "logprobs", False),
+        (CHAT, {"model": "m", "messages": USER, "logprobs": True, "top_logprobs": 2}, "top_logprobs", 2),
+        (CHAT, {"model": "m", "messages": USER, "logprobs": False}, "logprobs", False),
+        (C, {"model": "m", "prompt": "x", "echo": True}, "echo", True),
+        # response formats
+        (CHAT, {"model": "m", "messages": USER, "response_format": {"type": "text"}}, "response_format", None),
+        (
+            CHAT,
+            {"model": "m", "messages": USER, "response_format": {"type": "json_object"}},
+            "response_format",
+            ("json_object", ""),
+        ),
+        (
+            C,
+            {
+                "model": "m",
+                "prompt": "x",
+                "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}},
+            },
+            "response_format",
+            ("json_schema", '{"type": "object"}'),
+        ),
+        # tools: forwarded, unless tool_choice "none"; tool messages carry their call id
+        (CHAT, {"model": "m", "messages": USER, "tools": [_TOOL]}, "tools_json", json.dumps([_TOOL])),
+        (CHAT, {"model": "m", "messages": USER, "tools": [_TOOL], "tool_choice": "none"}, "tools_json", ""),
+        (CHAT, {"model": "m", "messages": USER, "tool_choice": "none"}, "tools_json", ""),
+        (
+            CHAT,
+            {
+                "model": "m",
+                "messages": USER
+                + [
+                    {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
+                    {"role": "tool", "content": "42", "tool_call_id": "c1"},
+                ],
+            },
+            "prompt",
+            (
+                ChatMessage("user", "hi"),
+                ChatMessage("assistant", "", tool_calls_json='[{"id": "c1"}]'),
+                ChatMessage("tool", "42", tool_call_id="c1"),
+            ),
+        ),
+        (C, {"model": "m", "prompt": "x", "request_id": "abc"}, "request_id", "abc"),
     ],
 )
 def test_valid_requests(endpoint, body, field, want):
     req = parse_request(endpoint, body)
-    assert getattr(req, field) == want
+    value = req
+    for part in field.split("."):
+        value = getattr(value, part)
+    assert value == want
     assert req.endpoint is endpoint
 
 
 def test_chat_default_cap_is_configurable():
     assert parse_request(CHAT, {"model": "m", "messages": USER}, chat_max_tokens=64).max_tokens == 64
-
-
-def test_chat_messages_are_the_scheduler_dicts():
-    req = parse_request(CHAT, {"model": "m", "messages": [{"role": "system", "content": "s"}] + USER})
-    assert req.chat_messages == [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
 
 
 # ---- refused requests: 400 naming the field -------------------------------------------------
@@ -153,18 +215,57 @@ def test_chat_messages_are_the_scheduler_dicts():
             "stream_options.include_usage",
             "boolean",
         ),
-        (C, {"model": "m", "prompt": "x", "n": 2}, "n", "only n=1"),
-        (CHAT, {"model": "m", "messages": USER, "n": 3}, "n", "only n=1"),
+        (C, {"model": "m", "prompt": "x", "n": 17}, "n", "at most 16"),
+        (CHAT, {"model": "m", "messages": USER, "n": 0}, "n", "at least 1"),
         (C, {"model": "m", "prompt": "x", "n": "1"}, "n", "integer"),
-        (C, {"model": "m", "prompt": "x", "best_of": 2}, "best_of", "best_of=1"),
-        (C, {"model": "m", "prompt": "x", "echo": True}, "echo", "not supported"),
-        (C, {"model": "m", "prompt": "x", "logprobs": 2}, "logprobs", "not supported"),
-        (CHAT, {"model": "m", "messages": USER, "logprobs": True}, "logprobs", "not supported"),
+        (C, {"model": "m", "prompt": "x", "best_of": 2}, "best_of", "best_of=2 is not supported"),
+        (C, {"model": "m", "prompt": "x", "best_of": True}, "best_of", "not supported"),
+        (C, {"model": "m", "prompt": "x", "suffix": "end"}, "suffix", "not supported"),
+        (C, {"model": "m", "prompt": "x", "echo": True, "logprobs": 1}, "echo", "prompt tokens' logprobs"),
+        (C, {"model": "m", "prompt": "x", "logprobs": 21}, "logprobs", "at most 20"),
+        (C, {"model": "m", "prompt": "x", "logprobs": True}, "logprobs", "integer"),
+        (CHAT, {"model": "m", "messages": USER, "logprobs": 2}, "logprobs", "boolean"),
+        (CHAT, {"model": "m", "messages": USER, "top_logprobs": 2}, "top_logprobs", "needs logprobs"),
+        (C, {"model": "m", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
+        (C, {"model": "m", "prompt": "x", "min_p": -0.1}, "min_p", "[0, 1]"),
+        (C, {"model": "m", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
+        (C, {"model": "m", "prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "token ids"),
+        (C, {"model": "m", "prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+        (C, {"model": "m", "prompt": "x", "logit_bias": [1]}, "logit_bias", "object"),
+        (C, {"model": "m", "prompt": "x", "whatever": [1]}, "whatever", "unknown field 'whatever'"),
+        (CHAT, {"model": "m", "messages": USER, "echo": True}, "echo", "/v1/completions"),
+        (C, {"model": "m", "prompt": "x", "messages": USER}, "messages", "/v1/chat/completions"),
+        (CHAT, {"model": "m", "messages": USER, "store": True}, "store", "stores no completions"),
+        (CHAT, {"model": "m", "messages": USER, "modalities": ["text", "audio"]}, "modalities", "text only"),
+        (CHAT, {"model": "m", "messages": USER, "reasoning_effort": "low"}, "reasoning_effort", "not supported"),
+        (CHAT, {"model": "m", "messages": USER, "response_format": {"type": "xml"}}, "response_format.type", "json"),
+        (
+            CHAT,
+            {"model": "m", "messages": USER, "response_format": {"type": "json_schema"}},
+            "response_format.json_schema",
+            "schema must be an object",
+        ),
+        (CHAT, {"model": "m", "messages": USER, "tools": {}}, "tools", "array"),
+        (CHAT, {"model": "m", "messages": USER, "tools": [{"type": "web"}]}, "tools[0]", "function"),
+        (CHAT, {"model": "m", "messages": USER, "tools": [_TOOL], "tool_choice": "required"}, "tool_choice", "auto"),
+        (
+            C,
+            {"model": "m", "prompt": "x", "stream": True, "stream_options": {"include_obfuscation": True}},
+            "stream_options.include_obfuscation",
+            "not supported",
+        ),
+        (CHAT, {"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", "required"),
+        (
+            CHAT,
+            {"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]},
+            "messages[0].name",
+            "not supported",
+        ),
         (CHAT, {"model": "m"}, "messages", "messages is required"),
         (CHAT, {"model": "m", "messages": "hi"}, "messages", "array"),
         (CHAT, {"model": "m", "messages": []}, "messages", "empty"),
         (CHAT, {"model": "m", "messages": ["hi"]}, "messages[0]", "object"),
-        (CHAT, {"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "one of"),
+        (CHAT, {"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "one of"),
         (CHAT, {"model": "m", "messages": [{"content": "x"}]}, "messages[0].role", "one of"),
         (CHAT, {"model": "m", "messages": [{"role": "user"}]}, "messages[0].content", "required"),
         (CHAT, {"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content", "string"),
@@ -205,27 +306,49 @@ def test_response_ids(endpoint, prefix):
 
 
 def test_usage_totals():
-    assert Usage(5, 7).to_dict() == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+    assert Usage(5, 7, cached_tokens=4).to_dict() == {
+        "prompt_tokens": 5,
+        "completion_tokens": 7,
+        "total_tokens": 12,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
 
 
-def _builder(endpoint, include_usage=False):
-    return ResponseBuilder(endpoint, "id-1", 1700000000, "m", include_usage=include_usage)
+def _builder(endpoint, **kw):
+    return ResponseBuilder(endpoint, "id-1", 1700000000, "m", **kw)
+
+
+_USAGE = Usage(5, 2)
+
+
+def _done(text="", finish="stop", usage=_USAGE, index=0, **kw):
+    return Delta(index=index, text=text, finish=finish, usage=usage, **kw)
 
 
 def test_completion_response():
-    assert _builder(C).response("Paris.", "stop", Usage(5, 2)) == {
+    b = _builder(C)
+    b.add(Delta(text="Par"))
+    b.add(_done("is."))
+    assert b.response() == {
         "id": "id-1",
         "object": "text_completion",
         "created": 1700000000,
         "model": "m",
         "system_fingerprint": None,
         "choices": [{"index": 0, "text": "Paris.", "logprobs": None, "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+        "usage": {
+            "prompt_tokens": 5,
+            "completion_tokens": 2,
+            "total_tokens": 7,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
     }
 
 
 def test_chat_response():
-    body = _builder(CHAT).response("Hi!", "length", Usage(30, 4))
+    b = _builder(CHAT)
+    b.add(_done("Hi!", "length", Usage(30, 4)))
+    body = b.response()
     assert body["object"] == "chat.completion"
     assert body["choices"] == [
         {"index": 0, "message": {"role": "assistant", "content": "Hi!"}, "logprobs": None, "finish_reason": "length"}
@@ -233,41 +356,103 @@ def test_chat_response():
     assert body["usage"]["total_tokens"] == 34
 
 
-@pytest.mark.parametrize(
-    "endpoint, kwargs, choice",
-    [
-        (C, {"text": "ab"}, {"index": 0, "text": "ab", "logprobs": None, "finish_reason": None}),
-        (C, {"text": "c", "finish": "length"}, {"index": 0, "text": "c", "logprobs": None, "finish_reason": "length"}),
-        (
-            CHAT,
-            {"text": "", "role": True},
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None},
-        ),
-        (CHAT, {"text": "ab"}, {"index": 0, "delta": {"content": "ab"}, "logprobs": None, "finish_reason": None}),
-        (CHAT, {"finish": "stop"}, {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}),
-    ],
+def test_n_choices_in_order_with_the_prompt_counted_once():
+    b = _builder(CHAT)
+    b.add(Delta(index=1, text="b"))
+    b.add(Delta(index=0, text="a"))
+    b.add(_done(index=1, usage=Usage(10, 3, cached_tokens=10)))
+    assert b.finished == 1
+    b.add(_done(index=0, finish="length", usage=Usage(10, 4, cached_tokens=2)))
+    body = b.response()
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "a", "length"),
+        (1, "b", "stop"),
+    ]
+    assert body["usage"]["prompt_tokens"] == 10 and body["usage"]["completion_tokens"] == 7
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}  # the first choice's
+    assert b.finish_reasons() == ["length", "stop"]
+
+
+_LP = (
+    TokenLogprob("Hé", -0.5, (TopToken("Hé", -0.5), TopToken("A", -1.5))),
+    TokenLogprob("!", -0.25, (TopToken("!", -0.25), TopToken(".", -2.0))),
 )
-def test_chunks(endpoint, kwargs, choice):
-    body = _builder(endpoint).chunk(**kwargs)
-    assert body["object"] == ("text_completion" if endpoint is C else "chat.completion.chunk")
-    assert (body["id"], body["created"], body["model"]) == ("id-1", 1700000000, "m")
-    assert body["choices"] == [choice]
-    assert "usage" not in body
+
+
+def test_chat_logprobs():
+    b = _builder(CHAT, logprobs=True)
+    b.add(_done("Hé!", logprobs=_LP))
+    lp = b.response()["choices"][0]["logprobs"]
+    assert lp["refusal"] is None
+    assert lp["content"][0] == {
+        "token": "Hé",
+        "logprob": -0.5,
+        "bytes": [72, 195, 169],
+        "top_logprobs": [
+            {"token": "Hé", "logprob": -0.5, "bytes": [72, 195, 169]},
+            {"token": "A", "logprob": -1.5, "bytes": [65]},
+        ],
+    }
+    assert [e["token"] for e in lp["content"]] == ["Hé", "!"]
+
+
+def test_completion_logprobs_with_echo_offsets():
+    b = _builder(C, logprobs=True, echo=True)
+    b.add(Delta(text="Hé", logprobs=_LP[:1], prompt_text="Say: "))
+    b.add(_done("!", logprobs=_LP[1:]))
+    choice = b.response()["choices"][0]
+    assert choice["text"] == "Say: Hé!"
+    assert choice["logprobs"] == {
+        "tokens": ["Hé", "!"],
+        "token_logprobs": [-0.5, -0.25],
+        "top_logprobs": [{"Hé": -0.5, "A": -1.5}, {"!": -0.25, ".": -2.0}],
+        "text_offset": [5, 7],
+    }
+
+
+def test_echo_is_a_completions_thing():
+    b = _builder(CHAT, echo=True)
+    b.add(_done("x", prompt_text="prompt"))
+    assert b.response()["choices"][0]["message"]["content"] == "x"
+
+
+def test_completion_stream_chunks():
+    b = _builder(C, logprobs=True, echo=True)
+    first = b.add(Delta(text="Hé", logprobs=_LP[:1], prompt_text="Say: "))
+    last = b.add(_done("!", "length", logprobs=_LP[1:]))
+    assert [c["choices"][0]["text"] for c in first + last] == ["Say: Hé", "!"]
+    assert [c["choices"][0]["finish_reason"] for c in first + last] == [None, "length"]
+    assert last[0]["choices"][0]["logprobs"]["text_offset"] == [7]  # continues from the first chunk
+    assert all(c["object"] == "text_completion" and "usage" not in c for c in first + last)
+
+
+def test_chat_stream_chunks_open_each_choice_with_its_role():
+    b = _builder(CHAT)
+    chunks = b.add(Delta(index=0, text="a")) + b.add(Delta(index=1, text="b")) + b.add(_done("c", index=0))
+    assert [c["choices"][0] for c in chunks] == [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None},
+        {"index": 0, "delta": {"content": "a"}, "logprobs": None, "finish_reason": None},
+        {"index": 1, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None},
+        {"index": 1, "delta": {"content": "b"}, "logprobs": None, "finish_reason": None},
+        {"index": 0, "delta": {"content": "c"}, "logprobs": None, "finish_reason": None},
+        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"},
+    ]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
 
 
 def test_chunks_with_include_usage_carry_null_usage_then_the_counts():
     b = _builder(CHAT, include_usage=True)
-    assert b.chunk(text="x")["usage"] is None
-    last = b.usage_chunk(Usage(3, 4))
-    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert all(c["usage"] is None for c in b.add(_done("x", usage=Usage(3, 4))))
+    last = b.usage_chunk()
+    assert last["choices"] == [] and last["usage"]["total_tokens"] == 7
     assert last["object"] == "chat.completion.chunk"
 
 
-def test_model_list_is_distinct_and_sorted():
-    assert model_list(["b", "a", "b"], 9) == {
+def test_model_list_is_sorted_and_cards_say_the_context_length():
+    assert model_list([model_card("b", 9), model_card("a", 9, 2048)]) == {
         "object": "list",
         "data": [
-            {"id": "a", "object": "model", "created": 9, "owned_by": "kvfleet"},
+            {"id": "a", "object": "model", "created": 9, "owned_by": "kvfleet", "max_model_len": 2048},
             {"id": "b", "object": "model", "created": 9, "owned_by": "kvfleet"},
         ],
     }

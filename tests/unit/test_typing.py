@@ -12,6 +12,8 @@ CORES = [
     "telemetry_svc/gates.py",
     "telemetry_svc/summary.py",
     "gateway_svc/openai_schema.py",
+    "gateway_svc/openai_responses.py",
+    "worker_svc/sampling.py",
 ]
 
 

