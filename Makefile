@@ -35,7 +35,17 @@ demo: install
 sweep: install
 	$(BIN)/kvfleet sweep --out sweep.json
 
-bench: install
+# The llama.cpp peer, built once (several minutes); a failed build is remembered and the
+# benchmark then skips that peer with a line saying why. On a CPU with AMX, llama.cpp's AMX
+# kernels crashed here (ggml_backend_amx_mul_mat, SIGSEGV), so such CPUs get an AVX-512 build.
+LLAMACPP_STAMP := $(VENV)/.llamacpp
+LLAMACPP_CMAKE := $(if $(shell grep -m1 -o amx_int8 /proc/cpuinfo 2>/dev/null),-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF,)
+$(LLAMACPP_STAMP): $(STAMP)
+	@echo "building llama-cpp-python for the llama.cpp peer (once; several minutes)"
+	@if CMAKE_ARGS="$(LLAMACPP_CMAKE)" $(BIN)/pip install -q -e '.[bench-llamacpp]'; then touch $@; \
+	else echo "llama-cpp-python did not build: make bench will skip the llama.cpp peer (rm $@ to retry)"; touch $@; fi
+
+bench: install $(LLAMACPP_STAMP)
 	$(BIN)/python -m bench
 
 soak: install

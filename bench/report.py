@@ -4,10 +4,13 @@ from __future__ import annotations
 
 TARGETS = {
     "batch1_decode_vs_bandwidth_bound": 0.70,
-    "cluster_vs_peer_at_32": 2.0,
-    "scheduler_rpc_share_at_32": 0.10,
+    "cluster_vs_llamacpp_at_1": 1.0,  # output tok/s at c=1 (batch-1 decode), same sessions
+    "cluster_vs_peer_at_32": 4.0,
+    "cluster_vs_llamacpp_at_32": 1.0,
+    "scheduler_rpc_share_at_32": 0.05,
     "tiny_sweep_ticks_per_s": 500.0,
 }
+PEERS = ("peer", "llama.cpp")  # the systems the cluster is measured against
 
 
 def _by_conc(rows: list[dict]) -> dict[int, dict]:
@@ -18,12 +21,15 @@ def ratios(doc: dict, breakdown_concurrency: int = 32) -> dict:
     out: dict = {}
     results = doc.get("results", {})
     peer = _by_conc(results.get("peer", []))
+    llama = _by_conc(results.get("llama.cpp", []))
     for name, rows in results.items():
-        if name == "peer":
+        if name in PEERS:
             continue
         for c, row in _by_conc(rows).items():
             if c in peer and peer[c]["output_tokens_per_s"]:
                 out[f"{name}_vs_peer_c{c}"] = round(row["output_tokens_per_s"] / peer[c]["output_tokens_per_s"], 3)
+            if c in llama and llama[c]["output_tokens_per_s"]:
+                out[f"{name}_vs_llamacpp_c{c}"] = round(row["output_tokens_per_s"] / llama[c]["output_tokens_per_s"], 3)
             if c == breakdown_concurrency and "scheduler_rpc_share" in row.get("tick_breakdown", {}):
                 out[f"{name}_scheduler_rpc_share_c{c}"] = row["tick_breakdown"]["scheduler_rpc_share"]
     bound = doc.get("limits", {}).get("batch1_decode_bound_tok_s")
@@ -48,7 +54,9 @@ def targets(doc: dict) -> dict:
 
     got = {
         "batch1_decode_vs_bandwidth_bound": r.get("cluster_batch1_decode_vs_bound"),
+        "cluster_vs_llamacpp_at_1": best("cluster-", "_vs_llamacpp_c1"),
         "cluster_vs_peer_at_32": best("cluster-", "_vs_peer_c32"),
+        "cluster_vs_llamacpp_at_32": best("cluster-", "_vs_llamacpp_c32"),
         "scheduler_rpc_share_at_32": best("cluster-", "_scheduler_rpc_share_c32", low=True),
         "tiny_sweep_ticks_per_s": r.get("tiny_sweep_ticks_per_s"),
     }
@@ -84,6 +92,12 @@ def table(doc: dict) -> str:
         f"({doc['machine']['cores']} cores), kv_views {cfg['kv_views']}, "
         f"prefill budget {cfg['prefill_token_budget']}, sessions per concurrency {cfg['sessions']}, "
         f"threads per worker {threads}, peer threads {doc.get('peer_threads', {}).get('threads')}"
+        + (
+            f", llama.cpp {doc['llamacpp']['version']} on {doc['llamacpp']['threads']} threads"
+            if "llamacpp" in doc
+            else ""
+        )
+        + (f", quant {cfg['quant']}" if cfg.get("quant", "none") != "none" else "")
     ]
     lim = doc.get("limits")
     if lim:
@@ -118,15 +132,31 @@ def table(doc: dict) -> str:
                     _fmt(r.get("itl_ms_p99")),
                     _fmt(r["wall_s"]),
                     _fmt(ratios_.get(f"{name}_vs_peer_c{c}"), 2) if name != "peer" else "1.00",
+                    _fmt(ratios_.get(f"{name}_vs_llamacpp_c{c}"), 2) if name != "llama.cpp" else "1.00",
                 ]
             )
     rows.sort(key=lambda r: (int(r[1]), r[0]))
     lines.append("")
     lines += _grid(
-        ["system", "conc", "sessions", "out tok/s", "ttft p50", "ttft p99", "itl p50", "itl p99", "wall s", "vs peer"],
+        [
+            "system",
+            "conc",
+            "sessions",
+            "out tok/s",
+            "ttft p50",
+            "ttft p99",
+            "itl p50",
+            "itl p99",
+            "wall s",
+            "vs peer",
+            "vs llama.cpp",
+        ],
         rows,
     )
-    lines.append("(latencies in ms, client-side; the peer's tok/s counts useful tokens only)")
+    lines.append(
+        "(latencies in ms, client-side; the peer's tok/s counts useful tokens only; "
+        "llama.cpp runs the GGUF's own quantized weights)"
+    )
     for name, res in doc.get("results", {}).items():
         for r in res:
             b = r.get("tick_breakdown")

@@ -61,7 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-tokens", type=_ints, default=(16, 128), help="LOW,HIGH")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep-repeats", type=int, default=3)
-    p.add_argument("--skip", default="", help="comma list of parts to skip: limits,engine,cluster,peer,sweep")
+    p.add_argument("--skip", default="", help="comma list of parts to skip: limits,engine,cluster,peer,llamacpp,sweep")
+    p.add_argument("--llamacpp-threads", type=int, default=0, help="llama.cpp's threads (0 = every core)")
     p.add_argument("--out", default=str(DEFAULT_OUT))
     a = p.parse_args(argv)
     if len(a.sessions) != len(a.concurrency):
@@ -77,7 +78,17 @@ def _cores() -> int:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     # The bar counts the measured runs: each system at each concurrency.
-    systems = (0 if "cluster" in a.skip else len(a.workers)) + (0 if "peer" in a.skip else 1)
+    from bench import llamacpp_peer
+
+    llamacpp_missing = None if "llamacpp" in a.skip else llamacpp_peer.available()
+    if llamacpp_missing:
+        print(f"bench: skipping the llama.cpp peer: {llamacpp_missing}", file=sys.stderr)
+        a.skip.add("llamacpp")
+    systems = (
+        (0 if "cluster" in a.skip else len(a.workers))
+        + (0 if "peer" in a.skip else 1)
+        + (0 if "llamacpp" in a.skip else 1)
+    )
     say = for_terminal("bench", total=len(a.concurrency) * systems or None)
     from kvfleet_models.registry import load_model
 
@@ -131,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
     clusters: list[BenchCluster] = []
     peer = None
+    llama: llamacpp_peer.LlamaCppPeer | None = None
     results: dict[str, list[dict]] = {}
     try:
         if "cluster" not in a.skip:
@@ -169,6 +181,15 @@ def main(argv: list[str] | None = None) -> int:
             peer = load_peer(a.model, a.device, a.dtype)
             doc["peer_threads"] = pick_threads(peer, workload, a.device, a.peer_threads or threads)
             say(f"peer threads: {doc['peer_threads']}")
+        if "llamacpp" not in a.skip:
+            from bench.peer import gguf_path
+
+            n = a.llamacpp_threads or cores
+            say(f"loading llama.cpp on the same GGUF ({n} threads)")
+            llama = llamacpp_peer.LlamaCppPeer(
+                gguf_path(a.model), n, max(a.concurrency), spec.prompt_tokens[1] + spec.output_tokens[1]
+            )
+            doc["llamacpp"] = {"threads": n, "version": llamacpp_peer.version()}
         # Interleaved by concurrency, so that each comparison is made minutes apart, not ten.
         for conc, n in zip(a.concurrency, a.sessions):
             sessions = workload[:n]
@@ -186,9 +207,17 @@ def main(argv: list[str] | None = None) -> int:
                 row = run_static(peer, sessions, conc, a.device, progress=_prefixed(say, f"peer c={conc}: "))
                 results.setdefault("peer", []).append({**row, "loadavg_1m_before": load})
                 say.advance(message=f"peer c={conc}: {row['output_tokens_per_s']:.1f} tok/s")
+            if llama is not None:
+                say(f"llama.cpp: continuous batching of {conc}, {n} sessions")
+                load = os.getloadavg()[0]
+                run, _ = llama.run(sessions, conc, a.prefill_budget, progress=_prefixed(say, f"llama.cpp c={conc}: "))
+                results.setdefault("llama.cpp", []).append({**run.row(), "loadavg_1m_before": load})
+                say.advance(message=f"llama.cpp c={conc}: {run.tok_per_s:.1f} tok/s")
     finally:
         for c in clusters:
             c.stop()
+        if llama is not None:
+            llama.close()
     doc["results"] = results
     del peer
 

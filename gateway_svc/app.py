@@ -28,6 +28,7 @@ from gateway_svc.metrics import CONTENT_TYPE_LATEST, GatewayMetrics, RequestMete
 from gateway_svc.openai_responses import SSE_DONE, ResponseBuilder, model_card, model_list, new_response_id, sse
 from gateway_svc.openai_schema import Endpoint, GenerationRequest, SchemaError, parse_request
 from gateway_svc.tokenize_api import detokenize_request, tokenize_request, tokenize_response
+from gateway_svc.tool_calls import declared_tool_names
 from gateway_svc.upstream import Auth, ModelInfo, Upstream, events, to_delta
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet_common.security import token_metadata
@@ -234,6 +235,7 @@ class Gateway:
             include_usage=req.include_usage,
             logprobs=req.logprobs,
             echo=req.echo,
+            tool_names=declared_tool_names(req.tools_json),  # none when tool_choice is "none"
         )
         span.set_attributes(
             {"gen_ai.request.model": req.model, "gen_ai.response.id": builder.id, "gen_ai.response.model": req.model}

@@ -3,6 +3,8 @@
 The HTTP adapter turns each scheduler event into a `Delta` (no protobuf here) and feeds it to
 one request's `ResponseBuilder`, which keeps each choice's text, logprobs and finish: streamed,
 `add` returns the chunks to send for it; not streamed, `response` builds the body at the end.
+A chat request that declared tools has each choice's finished text read for tool calls
+(tool_calls.py); streamed, the text from a possible `<tool_call>` on is held until the end.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway_svc.openai_schema import Endpoint
+from gateway_svc.tool_calls import held_from, parse_tool_calls
 
 # kvfleet finish names (kvfleet.client.finish_name) -> the OpenAI finish_reason. EOS and a stop
 # token or string are both "stop" in the OpenAI API. A session cancelled on the scheduler (by
@@ -118,6 +121,10 @@ class _Choice:
     started: bool = False  # a chat stream sent its role chunk
     start: int = 0  # completions: text_offset of the first token (after an echoed prompt)
     offset: int = 0  # completions: text_offset of the next token
+    sent: int = 0  # chat with tools: how much of text has been streamed as content
+    held_logprobs: list[TokenLogprob] = field(default_factory=list)  # of the text not yet streamed
+    content: str | None = None  # chat with tools, once finished: the text outside the calls
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ResponseBuilder:
@@ -133,9 +140,11 @@ class ResponseBuilder:
         include_usage: bool = False,  # streamed chunks carry "usage": null, a last one the counts
         logprobs: bool = False,  # the request asked for logprobs
         echo: bool = False,  # completions: each choice's text starts with the prompt's
+        tool_names: frozenset[str] = frozenset(),  # chat: the declared tools whose calls are read
     ) -> None:
         self.endpoint, self.id, self.created, self.model = endpoint, id, created, model
         self.include_usage, self.logprobs, self.echo = include_usage, logprobs, echo
+        self.tool_names = tool_names if endpoint is Endpoint.CHAT else frozenset()
         self._choices: dict[int, _Choice] = {}
 
     @property
@@ -165,8 +174,14 @@ class ResponseBuilder:
         c.offset += sum(len(t.token) for t in delta.logprobs)
         if delta.finish is not None:
             c.finish, c.usage = delta.finish, delta.usage
+            if self.tool_names:
+                c.content, c.tool_calls = parse_tool_calls(c.text, self.tool_names)
+                if c.tool_calls:
+                    c.finish = "tool_calls"
         chunks = []
-        if self.chat:
+        if self.tool_names:
+            chunks = self._tool_chunks(delta.index, c, delta)
+        elif self.chat:
             if not c.started:
                 c.started = True
                 chunks.append(self.chunk(delta.index, text="", role=True))
@@ -178,6 +193,34 @@ class ResponseBuilder:
             chunks.append(
                 self.chunk(delta.index, text=text, finish=delta.finish, logprobs=list(delta.logprobs), offset=offset)
             )
+        return chunks
+
+    def _tool_chunks(self, index: int, c: _Choice, delta: Delta) -> list[dict[str, Any]]:
+        """A chat choice's chunks when tools were declared: content up to where a call could
+        start; at the finish, the rest as content, or the calls with the text outside them."""
+        chunks = []
+        if not c.started:
+            c.started = True
+            chunks.append(self.chunk(index, text="", role=True))
+        c.held_logprobs.extend(delta.logprobs)
+        if delta.finish is None:
+            upto = c.sent + held_from(c.text[c.sent :])
+            # Held logprobs go with the next content sent (a token is not split over chunks).
+            if upto > c.sent or (upto == len(c.text) and c.held_logprobs):
+                text = c.text[c.sent : upto]
+                chunks.append(self.chunk(index, text=text, logprobs=c.held_logprobs))
+                c.sent, c.held_logprobs = upto, []
+            return chunks
+        # Finished: the held part has no call (sent as it is) or has them all, since nothing from
+        # a `<tool_call>` on was sent: then the unsent text outside them, and the calls found in add.
+        rest = parse_tool_calls(c.text[c.sent :], self.tool_names)[0] if c.tool_calls else c.text[c.sent :]
+        if rest or c.held_logprobs:
+            chunks.append(self.chunk(index, text=rest or "", logprobs=c.held_logprobs))
+        c.sent, c.held_logprobs = len(c.text), []
+        if c.tool_calls:
+            calls = [{"index": i, **call} for i, call in enumerate(c.tool_calls)]
+            chunks.append(self.chunk(index, tool_calls=calls))
+        chunks.append(self.chunk(index, finish=c.finish))
         return chunks
 
     @property
@@ -208,7 +251,9 @@ class ResponseBuilder:
         for index, c in sorted(self._choices.items()):
             logprobs = self._logprobs(c.logprobs, c.start)
             if self.chat:
-                message = {"role": "assistant", "content": c.text}
+                message: dict[str, Any] = {"role": "assistant", "content": c.text}
+                if c.tool_calls:
+                    message = {"role": "assistant", "content": c.content, "tool_calls": c.tool_calls}
                 choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": c.finish})
             else:
                 choices.append({"index": index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish})
@@ -224,17 +269,21 @@ class ResponseBuilder:
         role: bool = False,
         logprobs: list[TokenLogprob] | None = None,
         offset: int = 0,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """One streamed chunk of one choice: a text delta and/or the finish reason; `role` opens a
-        chat choice. `offset`: completions' text_offset of the chunk's first token."""
+        chat choice; `tool_calls` are a chat choice's calls, each with its index among them.
+        `offset`: completions' text_offset of the chunk's first token."""
         body = self._head(self.endpoint.chunk_object_name)
         lp = self._logprobs(logprobs, offset) if logprobs else None
         if self.chat:
-            delta: dict[str, str] = {}
+            delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}

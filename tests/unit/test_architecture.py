@@ -33,6 +33,7 @@ CORES = [
     "telemetry_svc/retention.py",
     "gateway_svc/openai_schema.py",
     "gateway_svc/openai_responses.py",
+    "gateway_svc/tool_calls.py",
     "worker_svc/sampling.py",
 ]
 IO_MODULES = {"grpc", "grpc_health", "grpc_reflection", "google", "socket", "aiohttp", "kvfleet"}

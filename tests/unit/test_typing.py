@@ -13,6 +13,7 @@ CORES = [
     "telemetry_svc/summary.py",
     "gateway_svc/openai_schema.py",
     "gateway_svc/openai_responses.py",
+    "gateway_svc/tool_calls.py",
     "worker_svc/sampling.py",
 ]
 
