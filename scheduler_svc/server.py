@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 
 import grpc
@@ -117,6 +118,8 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         sreq = await self._session_request(request, context, caller_identity(context))
         echo = await self._echo_text(request, sreq, context)
         n = max(request.n, 1)
+        if n > 1:  # the choices share their prompt's prefill (see SessionRequest.prefix_group)
+            sreq = dataclasses.replace(sreq, prefix_group=secrets.token_hex(8))
         sreqs = [_choice(sreq, i) for i in range(n)]
         # The n choices are admitted together or not at all.
         sub = await self._submit(context, lambda: self._runtime.submit(sreqs, [_operation(request)] * n, parent=parent))

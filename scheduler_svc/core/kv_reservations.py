@@ -114,14 +114,15 @@ class KvReservations:
         extra = extra_tokens * self.bytes_per_token(worker_id)
         return self.reserved_bytes() + extra <= self.kv_budget_bytes
 
-    def reserve(self, session_id: str, tokens: int) -> str | None:
-        """Reserve `tokens` for a session on the least loaded live worker with room; None when
-        no worker has room or the byte budget would be exceeded."""
+    def reserve(self, session_id: str, tokens: int, prefer: str | None = None) -> str | None:
+        """Reserve `tokens` for a session on the least loaded live worker with room (`prefer`,
+        when it has room); None when no worker has room or the byte budget would be exceeded."""
         assert session_id not in self._by_session, f"{session_id} already holds a reservation"
         candidates = [w for w in self.live if round_up(tokens, w.spec.block_size) <= w.free_tokens]
         if not candidates:
             return None
-        slot = min(candidates, key=lambda w: (w.load, w.spec.worker_id))
+        preferred = [w for w in candidates if w.spec.worker_id == prefer]
+        slot = preferred[0] if preferred else min(candidates, key=lambda w: (w.load, w.spec.worker_id))
         worker_id = slot.spec.worker_id
         footprint = round_up(tokens, slot.spec.block_size)
         if not self._fits_budget(footprint, worker_id):

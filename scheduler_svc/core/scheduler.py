@@ -70,6 +70,7 @@ class SchedulerCore:
         self._bounds = ModelBounds()
         self._sessions: dict[str, Session] = {}
         self._queue: list[tuple[int, int, str]] = []  # (priority, seq, session id), sorted
+        self._groups: dict[str, list[str]] = {}  # prefix group -> its sessions (SessionRequest.prefix_group)
         self._running: list[str] = []  # admission order
         self._caps: dict[str, WorkloadCaps] = {}  # workloads not yet finished
         self._cancel_requested: set[str] = set()
@@ -153,6 +154,8 @@ class SchedulerCore:
             session = Session(session_id=sid, request=req, workload_id=workload_id, seq=self._seq)
             self._sessions[sid] = session
             bisect.insort(self._queue, (req.priority, session.seq, sid))
+            if req.prefix_group:
+                self._groups.setdefault(req.prefix_group, []).append(sid)
             ids.append(sid)
         return ids
 
@@ -262,6 +265,8 @@ class SchedulerCore:
                 continue  # this workload is at its own cap; it does not block others
             if sid in preempted or session.retry_not_before > self._tick_started:
                 continue  # not back in the tick that preempted it, nor before its retry backoff
+            if self._sibling_computes_the_prompt(session):
+                continue  # it follows once the shared prompt's KV exists (the prefix cache)
             if not self._try_place(session, tick):
                 break  # strict FCFS on KV: a large head-of-line request is not starved
             self._dequeue(session)
@@ -280,12 +285,30 @@ class SchedulerCore:
                 counts[wid] = counts.get(wid, 0) + 1
         return counts
 
+    def _siblings(self, session: Session) -> list[Session]:
+        group = session.request.prefix_group
+        if not group:
+            return []
+        return [
+            self._sessions[s] for s in self._groups.get(group, ()) if s != session.session_id and s in self._sessions
+        ]
+
+    def _sibling_computes_the_prompt(self, session: Session) -> bool:
+        """A session of a prefix group waits while a sibling's prefill is under way and none has
+        finished one yet; after that every sibling goes (all in one tick, if they fit)."""
+        siblings = self._siblings(session)
+        computing = any(s.running and s.phase == Phase.PREFILL for s in siblings)
+        computed = any(s.generated or s.phase in (Phase.DECODE, Phase.FINISHED) for s in siblings)
+        return computing and not computed
+
     def _try_place(self, session: Session, tick: int) -> bool:
         need = session.worst_case_tokens
         if self.limits.kv_policy == "preempt":
             # The prompt (plus what it generated before a preemption) and the first decode.
             need = min(need, session.prompt_len + len(session.generated) + 1)
-        worker_id = self.kv.reserve(session.session_id, need)
+        # A prefix group's sessions go where a sibling's KV is, when it has room.
+        prefer = next((s.worker_id for s in self._siblings(session) if s.running and s.worker_id), None)
+        worker_id = self.kv.reserve(session.session_id, need, prefer)
         if worker_id is None:
             return False
         session.worker_id = worker_id
@@ -514,6 +537,11 @@ class SchedulerCore:
         session = self._sessions.get(session_id)
         if session is not None and session.phase == Phase.FINISHED and session.workload_id is None:
             del self._sessions[session_id]
+            group = session.request.prefix_group
+            if group in self._groups:
+                self._groups[group] = [s for s in self._groups[group] if s != session_id]
+                if not self._groups[group]:
+                    del self._groups[group]
 
     # ---- reads ---------------------------------------------------------------------------
 

@@ -64,6 +64,10 @@ class SessionRequest:
     eos_token_ids: frozenset[int] = frozenset()  # filled by the adapter unless ignore_eos
     priority: int = 0
     owner: str = ""  # who may cancel it: the caller's identity, as the adapter saw it
+    # Sessions of one group share their prompt (the n choices of a Generate): the first computes
+    # it, the others are admitted once its prefill is done, on its worker, so they reuse its KV
+    # blocks through the worker's prefix cache instead of computing the same prompt n times.
+    prefix_group: str = ""
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,18 @@ def test_greedy_n_gives_identical_choices(tiny):
     assert got[0].token_ids == tiny.generate(build_request([1, 2, 3], 8)).token_ids
 
 
+def test_n_choices_share_the_prompts_prefill_through_the_prefix_cache(tiny):
+    """Two workers, yet the choices go where the first one computed the prompt, and reuse its
+    full KV blocks: 40 prompt tokens are two 16-token blocks (the last token is always computed)."""
+    prompt = [(7 * i) % 40 + 5 for i in range(40)]
+    events = list(tiny.stream(build_request(prompt, 6, temperature=1.0, seed=9, n=3)))
+    finals = {ev.index: ev for ev in events if ev.finished}
+    workers = {ev.worker_id for ev in events if ev.worker_id}
+    assert sorted(finals) == [0, 1, 2] and len(workers) == 1, workers
+    assert finals[0].usage.cached_tokens == 0
+    assert finals[1].usage.cached_tokens == finals[2].usage.cached_tokens == 32
+
+
 def test_n_is_admitted_all_or_nothing(tiny):
     before = tiny.telemetry()
     with pytest.raises(grpc.RpcError) as info:
