@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
@@ -197,9 +197,11 @@ def _requests(prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem]) -> l
     return out
 
 
-def _item_result(session_id: str, status: ItemStatus, sampled: Sampled | None, kv_tokens: int) -> ItemResult:
+def _item_result(
+    session_id: str, status: ItemStatus, sampled: Sampled | None, kv_tokens: int, cached_tokens: int
+) -> ItemResult:
     if sampled is None:
-        return ItemResult(session_id, status, None, kv_tokens)
+        return ItemResult(session_id, status, None, kv_tokens, cached_tokens=cached_tokens)
     return ItemResult(
         session_id,
         status,
@@ -208,6 +210,7 @@ def _item_result(session_id: str, status: ItemStatus, sampled: Sampled | None, k
         logprob=sampled.logprob,
         top_logprobs=sampled.top_logprobs,
         constraint_done=sampled.constraint_done,
+        cached_tokens=cached_tokens,
     )
 
 
@@ -354,18 +357,17 @@ class Engine:
             self._counts["decode_tokens"] += sum(1 for a in admitted if not a.request.creates)
         self._counts["steps"] += 1
 
+        cached = {a.request.out_index: a.cached for a in admitted}  # reused from the prefix cache
         results = [
             _item_result(
                 r.session_id,
                 failed.get(r.out_index, ItemStatus.OK),
                 tokens.get(r.out_index),
                 self.books.num_tokens(r.session_id),
+                cached.get(r.out_index, 0),
             )
             for r in requests
         ]
-        cached = {a.request.out_index: a.cached for a in admitted if a.cached}
-        if cached:  # prompt chunks that reused cached blocks say how many tokens
-            results = [replace(x, cached_tokens=cached.get(r.out_index, 0)) for r, x in zip(requests, results)]
         profile = StepProfile(
             kv_view_prepare_ns=times.kv_view_prepare_ns,
             attention_ns=times.attention_ns,
