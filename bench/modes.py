@@ -30,6 +30,10 @@ MODES: dict[str, dict[str, Any]] = {
     "bfloat16": {"dtype": "bfloat16"},
     "float16": {"dtype": "float16"},  # GPUs
     "int8": {"quant": "int8"},  # CPU only
+    # The same modes with torch's ops in place of the fused C ones (worker_svc/model/fused.py).
+    "float32-torchops": {"fused_ops": False},
+    "bfloat16-torchops": {"dtype": "bfloat16", "fused_ops": False},
+    "int8-torchops": {"quant": "int8", "fused_ops": False},
 }
 GREEDY = SamplingSpec()
 

@@ -126,6 +126,10 @@ class EngineConfig:
     # Reuse the KV of full blocks whose token prefix an earlier session computed (see
     # block_allocator). Off = no hashing or lookup at all, the behaviour before it existed.
     prefix_caching: bool = True
+    # The hand-fused C ops of worker_svc/model/fused.py on a CPU (norms, RoPE, SiLU-gate, a
+    # decode's attention); False = torch's ops only (an A/B lever; KVFLEET_FUSED_OPS=0 also
+    # switches them off process-wide).
+    fused_ops: bool = True
 
     def __post_init__(self) -> None:
         if not _DEVICE_RE.match(self.device):
@@ -234,7 +238,9 @@ class Engine:
                 f"quant={config.quant} runs on the CPU; device {config.device!r} resolved to {self.device}"
             )
         self.quant = config.quant
-        self.model = LlamaModel(cfg, weights, self.device, dtype, quant=config.quant)
+        self.model = LlamaModel(
+            cfg, weights, self.device, dtype, quant=config.quant, fused_ops=None if config.fused_ops else False
+        )
         self.num_threads = config.num_threads or torch.get_num_threads()
         self.use_threads()
         kv_dtype = self.model.act_dtype  # float32 on a CPU whatever the weights

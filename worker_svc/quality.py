@@ -64,7 +64,15 @@ def teacher_forced(
             )
             groups = engine.views.begin_step(layout)
             st = step_tensors(
-                model.cfg, layout, groups, tokens, slots, [0], model.dtype, model.device, host_blas=model.host_attention
+                model.cfg,
+                layout,
+                groups,
+                tokens,
+                slots,
+                [0],
+                model.act_dtype,
+                model.device,
+                host_blas=model.host_attention,
             )
             st = replace(st, sample_rows=torch.arange(n, device=model.device))  # every row
             logits = model.forward(st, engine.cache, engine.views, PhaseTimes())  # [n, V]

@@ -17,7 +17,7 @@ import torch
 
 from kvfleet_models.config import LlamaConfig
 from worker_svc.kv_cache import AttnGroup, BatchLayout, KVViews, PagedKVCache
-from worker_svc.model.llama import GroupTensors, LlamaModel, PhaseTimes, StepTensors
+from worker_svc.model.llama import TORCH_ATTENTION_NEVER, GroupTensors, LlamaModel, PhaseTimes, StepTensors
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ def _group_tensors(
     dtype: torch.dtype,
     device: torch.device,
     host_blas: bool,
+    torch_items: int,
 ) -> GroupTensors:
     items = list(g.items)
     starts = np.array([layout.starts[i] for i in items])
@@ -57,7 +58,7 @@ def _group_tensors(
     allowed = np.arange(s)[None, None, :] <= query_pos[:, :, None]  # [B, Q, S]
     mask = None if allowed.all() else np.where(allowed, 0.0, -np.inf).astype(np.float32)
     bias = None
-    if not host_blas:
+    if not host_blas or b >= torch_items:  # this group's attention runs on torch's bmm
         m = torch.zeros((b, q, s)) if mask is None else torch.from_numpy(mask)
         m = m.to(device, dtype)
         if g.order == "bh":
@@ -65,9 +66,20 @@ def _group_tensors(
         else:
             m = m.view(1, b, 1, q, s).expand(num_kv_heads, b, group_size, q, s)
         bias = m.reshape(b * num_kv_heads, group_size * q, s)
+    kv_lens = None
+    if q == 1 and mask is not None:  # a key is visible up to the query's own position
+        kv_lens = torch.from_numpy(np.ascontiguousarray(query_pos[:, 0] + 1))
+        assert int(kv_lens.max()) <= s
     start, stop = int(offsets[items[0]]), int(offsets[items[-1] + 1])
     return GroupTensors(
-        group=g, rows=slice(start, stop), batch=b, query_len=q, pad_index=pad_index, mask=mask, bias=bias
+        group=g,
+        rows=slice(start, stop),
+        batch=b,
+        query_len=q,
+        pad_index=pad_index,
+        mask=mask,
+        bias=bias,
+        kv_lens=kv_lens,
     )
 
 
@@ -81,8 +93,11 @@ def step_tensors(
     dtype: torch.dtype,
     device: torch.device,
     host_blas: bool = False,
+    torch_items: int = TORCH_ATTENTION_NEVER,
 ) -> StepTensors:
-    """Host-side preparation of a step: index tensors and per-group masks."""
+    """Host-side preparation of a step: index tensors and per-group masks (and, for the
+    groups whose attention runs on torch's bmm, biases: every group unless ``host_blas``,
+    else those of at least ``torch_items`` items)."""
     lengths = np.asarray(layout.lengths)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     positions = np.repeat(np.asarray(layout.starts) - offsets[:-1], lengths) + np.arange(offsets[-1])
@@ -95,7 +110,10 @@ def step_tensors(
         tokens=dev(tokens),
         positions=dev(positions),
         slots=dev(slots),
-        groups=tuple(_group_tensors(x, layout, offsets, cfg.num_kv_heads, g, dtype, device, host_blas) for x in groups),
+        groups=tuple(
+            _group_tensors(x, layout, offsets, cfg.num_kv_heads, g, dtype, device, host_blas, torch_items)
+            for x in groups
+        ),
         sample_rows=dev(offsets[np.asarray(sample_items, dtype=np.int64) + 1] - 1),
     )
 
@@ -129,9 +147,10 @@ def run_step(
         tokens=[t for a in items for t in a.tokens],
         slots=[s for a in items for s in a.slots],
         sample_items=sampled,
-        dtype=model.dtype,
+        dtype=model.act_dtype,
         device=model.device,
         host_blas=model.host_attention,
+        torch_items=model.torch_attention_items,
     )
     logits = model.forward(st, cache, views, times, sync=sync)
     # Back to admitted order: row k of the result is the k-th sampled item of ``admitted``.

@@ -121,7 +121,15 @@ def test_torch_matmul_path_matches_host_blas_path(kv_views: str) -> None:
     outs = []
     for host_blas in (True, False):
         engine = _engine(kv_views)
-        engine.model = LlamaModel(TIED, TIED_WEIGHTS, torch.device("cpu"), torch.float32, host_blas=host_blas)
+        # The GPU's path is torch's ops throughout: no fused C ops either.
+        engine.model = LlamaModel(
+            TIED,
+            TIED_WEIGHTS,
+            torch.device("cpu"),
+            torch.float32,
+            host_blas=host_blas,
+            fused_ops=None if host_blas else False,
+        )
         a, b = _prompt(9, 1), _prompt(3, 2)
         first = engine.step(
             [PrefillItem("a", a, 0, True, GREEDY), PrefillItem("b", b, 0, True, GREEDY)], [], return_logits=True

@@ -31,6 +31,12 @@ Weights are prepared once for this forward, not kept in the checkpoint's form:
     KV cache stay float32, attention on numpy's BLAS as in the float32 path. The embedding stays
     float32 for the lookup (a tied head is then a float table plus its int8 copy).
 
+On a CPU the small ops between the products (the RMS norms, each fused with the residual add
+before it, RoPE, SiLU-gate, a one-item decode's attention) are hand-fused C (``fused``) where a C
+compiler is found, and torch's ops otherwise or with ``fused_ops=False``. Where torch holds the
+threads (int8, bfloat16), attention groups of several items run on torch's bmm, which uses all
+of them (``use_threads``).
+
 The step's input tensors (``StepTensors``: token ids, positions, slots, per-group masks) are
 built by ``worker_svc.runner`` from the engine's admitted items; this module only consumes them.
 """
@@ -47,8 +53,14 @@ import torch.nn.functional as F
 
 from kvfleet_models.config import LlamaConfig
 from worker_svc.kv_cache import AttnGroup, KVViews, PagedKVCache
+from worker_svc.model import fused
 from worker_svc.model.cpu_backend import QUANT_MODES, Matrix, attention_core, matmul, matmul_add_, pack_bf16, torch_rows
 from worker_svc.model.int8 import quantize_model
+
+# Items in an attention group from which torch's bmm runs it where torch holds the threads
+# (``LlamaModel.use_threads``); NEVER: the host path keeps every group.
+TORCH_ATTENTION_ITEMS = 2
+TORCH_ATTENTION_NEVER = 1 << 62
 
 
 @dataclass
@@ -76,6 +88,9 @@ class GroupTensors:
     mask: np.ndarray | None
     # The mask expanded for ``baddbmm``, [N, G * Q, S] in group order (torch path only).
     bias: torch.Tensor | None
+    # One-token items only: [B] int64 keys each item sees, in attention order (the mask as
+    # lengths, for the fused decode attention); None when every item sees all S.
+    kv_lens: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -131,10 +146,13 @@ class LlamaModel:
         dtype: torch.dtype,
         host_blas: bool | None = None,
         quant: str = "none",
+        fused_ops: bool | None = None,
     ) -> None:
         """host_blas: None = numpy's BLAS exactly when float32 on a CPU (False forces torch's
         path, which GPUs take, so that a CPU-only test can check it).
-        quant: "none" or "int8" (float32 on a CPU only: fbgemm's int8 products)."""
+        quant: "none" or "int8" (float32 on a CPU only: fbgemm's int8 products).
+        fused_ops: None = the hand-fused C ops (``fused``) on a CPU where they build; False =
+        torch's ops only; True = required (an error where they cannot be built)."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
         # The residual stream, norms, attention and KV cache: float32 on a CPU whatever the
         # weights (see the module docstring), the weights' dtype elsewhere.
@@ -164,6 +182,9 @@ class LlamaModel:
         # numpy's batched matmul for attention on every CPU path (activations are float32 there),
         # unless host_blas=False asks for the torch path GPUs take.
         self.host_attention = self.host_blas or (device.type == "cpu" and host_blas is None)
+        # Attention groups of at least this many items run on torch's bmm (and so get a
+        # ``bias``) even on the host path: see ``use_threads``.
+        self.torch_attention_items = TORCH_ATTENTION_NEVER
         # Row counts of a product that go to torch even on the host BLAS path.
         self.torch_rows = torch_rows(self.host_blas, threads=1)
 
@@ -214,13 +235,25 @@ class LlamaModel:
         inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
         angles = torch.arange(cfg.max_position, dtype=torch.float64)[:, None] * inv_freq
         self.rotary = torch.polar(torch.ones_like(angles), angles).to(device, torch.complex64)
-        if quant == "int8":
+        self.fused: fused.FusedOps | None = None
+        if quant == "int8":  # calibrated on torch's ops, so both paths quantize alike
             quantize_model(self)  # float [out, in] products -> smoothed int8, in place
+        # The C ops work on float32 CPU tensors: every CPU mode's activations are float32.
+        if fused_ops is not False and device.type == "cpu":
+            self.fused = fused.load()
+            if self.fused is None and fused_ops:
+                raise RuntimeError("fused CPU ops were required but could not be built (see the log)")
 
     def use_threads(self, n: int) -> None:
         """With the host BLAS on ``n`` > 1 threads, every product goes to it: MKL would run on
         torch's single thread (see ``cpu_backend.use_cpu_threads``)."""
         self.torch_rows = torch_rows(self.host_blas, n)
+        # Where torch holds the threads (int8, bfloat16), its bmm runs attention's products
+        # on all of them; numpy's and the fused one run on one. Measured in a step (smollm2
+        # int8, 2 threads, 100-250-token contexts): 32 decodes 51-54 ms of attention -> 35,
+        # 8 decodes 13.3 -> 9.0; fewer items stay on one thread (the fused op at 1 item).
+        parallel = self.host_attention and not self.host_blas and n > 1
+        self.torch_attention_items = TORCH_ATTENTION_ITEMS if parallel else TORCH_ATTENTION_NEVER
 
     def sizes(self) -> tuple[int, int]:
         """(parameters, bytes) of the weights, each distinct parameter counted once: a tied
@@ -243,11 +276,30 @@ class LlamaModel:
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # Computed in float32 (torch's kernel upcasts half types), as HF does.
+        if self.fused is not None:
+            return self.fused.rms_norm(x.contiguous(), w, self.cfg.rms_norm_eps)
         return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
 
+    def _add_rms_norm_(self, h: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """h += y in place; returns rms_norm(h) * w."""
+        if self.fused is not None:
+            return self.fused.add_rms_norm_(h, y.contiguous(), w, self.cfg.rms_norm_eps)
+        h.add_(y)
+        return self._rms_norm(h, w)
+
+    def _silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+        """silu(gate) * up of gate_up [T, 2 * inter]."""
+        if self.fused is not None and gate_up.shape[0] <= fused.SILU_MAX_ROWS and gate_up.is_contiguous():
+            return self.fused.silu_mul(gate_up)
+        return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+
     def _rope_(self, qkv: torch.Tensor, rot: torch.Tensor) -> None:
-        """Rotate the q and k columns of qkv [T, (Hq + 2 Hkv) * D] in place; rot: [T, 1, D/2]."""
+        """Rotate the q and k columns of qkv [T, (Hq + 2 Hkv) * D] in place; rot: [T, 1, D/2]
+        (contiguous)."""
         cfg = self.cfg
+        if self.fused is not None and qkv.stride(1) == 1:
+            self.fused.rope_(qkv, rot, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim // 2)
+            return
         t, width = qkv.shape[0], (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
         qk = qkv[:, :width].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim // 2, 2)
         if qkv.dtype == torch.float32:
@@ -268,22 +320,30 @@ class LlamaModel:
             q3 = q5.permute(0, 2, 3, 1, 4).reshape(b * hkv, g * n, d)  # [B*Hkv, G*Q, D]
         else:
             q3 = q5.permute(2, 0, 3, 1, 4).reshape(hkv * b, g * n, d)  # [Hkv*B, G*Q, D]
-        if self.host_attention:
+        if gt.bias is not None and (b >= self.torch_attention_items or not self.host_attention):
+            o3 = self._torch_attention(q3, kv, gt.bias)
+        elif self.fused is not None and n == 1 and (gt.mask is None or gt.kv_lens is not None):
+            o3 = self.fused.decode_attention(q3.contiguous(), kv, gt.kv_lens, gt.group.order == "bh", b, hkv)
+        elif self.host_attention:
             o3 = attention_core(q3, kv, gt.mask, gt.group.order, b, n, hkv, g)  # [N, G*Q, D]
         else:
             assert gt.bias is not None
-            scores = torch.baddbmm(gt.bias, q3, kv[0].transpose(1, 2))  # [N, G*Q, S]
-            if scores.dtype == torch.float32:
-                probs = torch.softmax(scores, dim=-1)
-            else:
-                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-            o3 = torch.bmm(probs, kv[1])  # [N, G*Q, D]
+            o3 = self._torch_attention(q3, kv, gt.bias)
         if gt.group.order == "bh":
             o = o3.view(b, hkv, g, n, d).permute(0, 3, 1, 2, 4)
         else:
             o = o3.view(hkv, b, g, n, d).permute(1, 3, 0, 2, 4)
         o = o.reshape(b * n, hkv * g * d)  # [B*Q, Hq*D]
         return o if gt.pad_index is None else o.index_select(0, gt.pad_index)
+
+    def _torch_attention(self, q3: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T + bias) v on torch's bmm: q3 [N, G*Q, D], kv [2, N, S, D]."""
+        scores = torch.baddbmm(bias, q3, kv[0].transpose(1, 2))  # [N, G*Q, S]
+        if scores.dtype == torch.float32:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q3.dtype)
+        return torch.bmm(probs, kv[1])  # [N, G*Q, D]
 
     @torch.inference_mode()
     def forward(
@@ -304,8 +364,9 @@ class LlamaModel:
         inter = cfg.intermediate_size
         h = self._embed(st.tokens)  # [T, hidden]
         rot = self.rotary.index_select(0, st.positions).unsqueeze(1)  # [T, 1, D/2]
+        fused_ops = self.fused is not None
+        x = self._rms_norm(h, self.layers[0].input_norm)
         for i, w in enumerate(self.layers):
-            x = self._rms_norm(h, w.input_norm)
             qkv = matmul(x, w.qkv, self.torch_rows)  # [T, (Hq+2Hkv)*D]
             self._rope_(qkv, rot)
             kv = qkv[:, q_width:].view(t, 2, cfg.num_kv_heads, cfg.head_dim)
@@ -327,10 +388,21 @@ class LlamaModel:
             times.kv_view_prepare_ns += t2 - t1
             times.attention_ns += t3 - t2
 
-            matmul_add_(h, attn, w.o, self.torch_rows)
-            x = self._rms_norm(h, w.post_norm)
-            gate_up = matmul(x, w.gate_up, self.torch_rows)  # [T, 2 * inter]
-            act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-            matmul_add_(h, act, w.down, self.torch_rows)
+            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
+            if fused_ops:  # each residual add fused with the norm after it
+                x = self._add_rms_norm_(h, matmul(attn, w.o, self.torch_rows), w.post_norm)
+                gate_up = matmul(x, w.gate_up, self.torch_rows)  # [T, 2 * inter]
+                down = matmul(self._silu_mul(gate_up, inter), w.down, self.torch_rows)
+                if following is None:
+                    h.add_(down)
+                else:
+                    x = self._add_rms_norm_(h, down, following)
+            else:
+                matmul_add_(h, attn, w.o, self.torch_rows)
+                x = self._rms_norm(h, w.post_norm)
+                gate_up = matmul(x, w.gate_up, self.torch_rows)  # [T, 2 * inter]
+                matmul_add_(h, self._silu_mul(gate_up, inter), w.down, self.torch_rows)
+                if following is not None:
+                    x = self._rms_norm(h, following)
         last = self._rms_norm(h.index_select(0, st.sample_rows), self.norm)  # [N, hidden]
         return matmul(last, self.lm_head, self.torch_rows).float()  # [N, V]

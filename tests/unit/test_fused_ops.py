@@ -1,0 +1,180 @@
+"""The hand-fused C ops (worker_svc/model/fused.py): each against torch's ops on the same
+inputs, the engine with them against the engine without them in every CPU mode, and the
+fallback when they cannot be built. No timing is asserted (bench.modes measures them:
+``--modes int8-torchops,int8``)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvfleet_models.config import LlamaConfig
+from kvfleet_models.tiny import tiny_weights
+from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
+from worker_svc.model import fused
+from worker_svc.model.llama import LlamaModel
+
+OPS = fused.load()
+needs_ops = pytest.mark.skipif(OPS is None, reason="no C compiler here: the fallback tests cover this machine")
+GREEDY = SamplingSpec()
+CFG = LlamaConfig(
+    name="tiny-gqa",
+    vocab_size=96,
+    hidden_size=48,
+    num_layers=2,
+    num_heads=6,
+    num_kv_heads=2,
+    intermediate_size=80,
+    max_position=128,
+    rope_theta=1000.0,
+)
+WEIGHTS = tiny_weights(CFG, seed=5)
+
+
+def _rand(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
+
+
+@needs_ops
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_norms_match_torch(rows: int) -> None:
+    assert OPS is not None
+    x, w, y = _rand(rows, 576, seed=1), _rand(576, seed=2), _rand(rows, 576, seed=3)
+    want = F.rms_norm(x, (576,), w, 1e-5)
+    torch.testing.assert_close(OPS.rms_norm(x, w, 1e-5), want, rtol=1e-5, atol=1e-5)
+    h = x.clone()
+    got = OPS.add_rms_norm_(h, y, w, 1e-5)
+    torch.testing.assert_close(h, x + y, rtol=0, atol=0)  # the residual add is exact
+    torch.testing.assert_close(got, F.rms_norm(x + y, (576,), w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+@needs_ops
+@pytest.mark.parametrize("rows", [1, 5])
+def test_silu_mul_matches_torch(rows: int) -> None:
+    assert OPS is not None
+    gu = _rand(rows, 2 * 80, seed=4) * 6  # reaches well into both tails of the sigmoid
+    want = F.silu(gu[:, :80]) * gu[:, 80:]
+    torch.testing.assert_close(OPS.silu_mul(gu), want, rtol=1e-5, atol=1e-6)
+
+
+@needs_ops
+def test_rope_rotates_only_q_and_k_in_place() -> None:
+    """qkv rows hold q and k heads, then v; only the first ``heads`` heads turn, as torch's
+    complex multiply turns them."""
+    assert OPS is not None
+    t, heads, kv_heads, d = 4, 6, 2, 16
+    qkv = _rand(t, (heads + 2 * kv_heads) * d, seed=5)
+    angles = _rand(t, d // 2, seed=6)
+    rot = torch.polar(torch.ones_like(angles), angles)  # [T, D/2] complex64
+    want = qkv.clone()
+    width = (heads + kv_heads) * d
+    qk = want[:, :width].reshape(t, heads + kv_heads, d // 2, 2)
+    torch.view_as_complex(qk).mul_(rot[:, None])
+    got = qkv.clone()
+    OPS.rope_(got, rot, heads + kv_heads, d // 2)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[:, width:], qkv[:, width:])  # v untouched
+
+
+@needs_ops
+@pytest.mark.parametrize("order", ["bh", "hb"])
+def test_decode_attention_matches_masked_softmax(order: str) -> None:
+    """Items of different lengths in a padded, strided slab view: the lengths do what the
+    additive mask does in torch's path."""
+    assert OPS is not None
+    items, hkv, g, d, s = 3, 2, 3, 16, 11
+    slab = _rand(2, items * hkv, 32, d, seed=7)  # capacity 32, S = 11 used: rows are strided
+    kv = slab[:, :, :s]
+    q3 = _rand(items * hkv, g, d, seed=8)
+    lens = torch.tensor([11, 4, 7], dtype=torch.int64)
+    item_of_row = [n // hkv if order == "bh" else n % items for n in range(items * hkv)]
+    allowed = torch.arange(s)[None, :] < lens[item_of_row][:, None]  # [N, S]
+    scores = q3 @ kv[0].transpose(1, 2) + torch.where(allowed, 0.0, float("-inf"))[:, None, :]
+    want = torch.softmax(scores, -1) @ kv[1]
+    got = OPS.decode_attention(q3, kv, lens, order == "bh", items, hkv)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        OPS.decode_attention(q3, kv, None, order == "bh", items, hkv),
+        torch.softmax(q3 @ kv[0].transpose(1, 2), -1) @ kv[1],
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    with pytest.raises(ValueError, match="lens"):
+        OPS.decode_attention(q3, kv, lens.int(), order == "bh", items, hkv)
+
+
+def _mixed_steps(engine: Engine) -> np.ndarray:
+    """Prefill chunks, then a step mixing a chunk with decodes of different lengths (a masked
+    decode group), then plain decodes; every step's logits."""
+    prompts = {n: tuple((7 * i + 3 * n) % CFG.vocab_size for i in range(n)) for n in (9, 3, 14)}
+    out = []
+    first = engine.step([PrefillItem(f"s{n}", p, 0, True, GREEDY) for n, p in prompts.items() if n != 14], [])
+    tokens = {r.session_id: r.token_id for r in first.results}
+    pos = {"s9": 9, "s3": 3}
+    for k in range(3):
+        prefill = [PrefillItem("s14", prompts[14], 0, True, GREEDY)] if k == 0 else []
+        decode = [DecodeItem(sid, tokens[sid], pos[sid], GREEDY, k + 1) for sid in pos]
+        res = engine.step(prefill, decode, return_logits=True)
+        out.append(res.logits)
+        for r in res.results:
+            tokens[r.session_id] = r.token_id
+        pos = {sid: p + 1 for sid, p in pos.items()}
+        if k == 0:
+            pos["s14"] = 14
+    return np.concatenate(out)
+
+
+@needs_ops
+@pytest.mark.parametrize("kv_views", ["rebuild", "persistent"])
+@pytest.mark.parametrize(
+    "mode,atol", [({}, 1e-5), ({"quant": "int8"}, 1e-4), ({"dtype": "bfloat16"}, 1e-4)], ids=["f32", "int8", "bf16"]
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_engine_with_fused_ops_matches_torch_ops(kv_views: str, mode: dict, atol: float, threads: int) -> None:
+    """Same weights and steps with and without the C ops: the logits agree in every CPU mode
+    and thread count (2 threads sends multi-item attention groups to torch's bmm in int8 and
+    bfloat16, one thread keeps them on the host path)."""
+    logits = []
+    for on in (True, False):
+        engine = Engine(
+            CFG,
+            WEIGHTS,
+            EngineConfig(block_size=4, num_blocks=64, kv_views=kv_views, fused_ops=on, num_threads=threads, **mode),
+        )
+        assert (engine.model.fused is not None) is on
+        logits.append(_mixed_steps(engine))
+    assert np.isfinite(logits[0]).all()
+    np.testing.assert_allclose(logits[0], logits[1], atol=atol, rtol=0)
+
+
+def test_switched_off_by_environment_and_fallback_without_compiler(monkeypatch, tmp_path, caplog) -> None:
+    monkeypatch.setenv("KVFLEET_CACHE_DIR", str(tmp_path))
+    fused.load.cache_clear()
+    try:
+        monkeypatch.setenv("KVFLEET_FUSED_OPS", "0")
+        assert fused.load() is None
+        fused.load.cache_clear()
+        monkeypatch.delenv("KVFLEET_FUSED_OPS")
+        monkeypatch.setenv("CC", "/bin/false")  # a compiler that fails
+        with caplog.at_level(logging.WARNING, logger="worker_svc.model.fused"):
+            assert fused.load() is None
+        assert "fused CPU ops unavailable" in caplog.text
+        model = LlamaModel(CFG, WEIGHTS, torch.device("cpu"), torch.float32)
+        assert model.fused is None  # the model keeps torch's ops
+        with pytest.raises(RuntimeError, match="required"):
+            LlamaModel(CFG, WEIGHTS, torch.device("cpu"), torch.float32, fused_ops=True)
+        assert not list(tmp_path.rglob("*.so"))  # no half-built library left behind
+    finally:
+        fused.load.cache_clear()
+
+
+@needs_ops
+def test_build_is_cached_per_source_and_cpu(tmp_path) -> None:
+    first = fused.build(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert fused.build(tmp_path) == first and first.stat().st_mtime_ns == stamp  # not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]
