@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
 
 from kvfleet_common.flags import FlagParser
@@ -44,7 +43,10 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         type=float,
         env="KVFLEET_INLINE_STEP_MS",
         default=5.0,
-        help="steps expected under this many ms run on the event loop (0 = never)",
+        help=(
+            "in-process servers only: steps expected under this many ms run on the event loop "
+            "(0 = never); python -m worker_svc runs every step on its compute thread"
+        ),
     )
     # Two switches on one dest rather than BooleanOptionalAction, which the flag layer's
     # environment/config coercion reads as a plain string ("0" would be true).
@@ -87,12 +89,13 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         sys.exit(f"worker: {exc}")
     from kvfleet_models.errors import ModelLoadError
-    from worker_svc.server import serve
+    from worker_svc.server import build_engine, serve_on_compute_thread
 
     try:
-        asyncio.run(serve(config))
+        loaded = build_engine(config)  # on this thread, which then runs every step
     except ModelLoadError as exc:
         sys.exit(f"worker: cannot load model: {exc}")
+    serve_on_compute_thread(config, loaded)
 
 
 if __name__ == "__main__":

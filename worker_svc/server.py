@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import signal
+import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from concurrent.futures import Executor
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -17,6 +21,7 @@ from kvfleet_common.security import authorize_peer
 from kvfleet_common.tracing import extract_context
 from kvfleet_models.config import LlamaConfig
 from worker_svc import convert
+from worker_svc.compute import HostThreadExecutor
 from worker_svc.config import WorkerConfig
 from worker_svc.engine import Engine, EngineConfig, StepOutput
 from worker_svc.metrics import WorkerMetrics
@@ -37,9 +42,17 @@ def runs_inline(last_s: float, last_tokens: int, tokens: int, limit_s: float) ->
 
 class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(
-        self, config: WorkerConfig, cfg: LlamaConfig, engine: Engine, metrics: WorkerMetrics | None = None
+        self,
+        config: WorkerConfig,
+        cfg: LlamaConfig,
+        engine: Engine,
+        metrics: WorkerMetrics | None = None,
+        executor: Executor | None = None,
     ) -> None:
         self._config = config
+        # Where steps that do not run inline go: the process's compute thread (``compute``)
+        # when served by ``python -m worker_svc``; None = a thread of asyncio's default pool.
+        self._executor = executor
         self.metrics = metrics or WorkerMetrics(engine, config.worker_id)
         self._cfg = cfg
         self._engine = engine
@@ -101,15 +114,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         await self._lock.acquire()
         handed_over = False
         try:
-            if call.release_session_ids:
-                self._engine.release(call.release_session_ids)
             start = time.perf_counter_ns()
-            if runs_inline(*self._last_step, call.tokens, self._config.inline_step_s):
+            # With a compute thread every torch call goes to it, even a tiny step: torch work on
+            # a second thread gives it a second OpenMP pool, and the compute thread's steps run
+            # up to 2x slower from then on (see ``compute``).
+            inline = self._executor is None and runs_inline(*self._last_step, call.tokens, self._config.inline_step_s)
+            if inline:
+                if call.release_session_ids:
+                    self._engine.release(call.release_session_ids)
                 out = self._engine.step(call.prefill, call.decode, kv_views=call.kv_views)
             else:
-                thread = asyncio.ensure_future(
-                    asyncio.to_thread(self._engine.step, call.prefill, call.decode, kv_views=call.kv_views)
-                )
+                thread = self._run_step(call)
                 try:
                     out = await asyncio.shield(thread)
                 except asyncio.CancelledError:
@@ -124,6 +139,21 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         finally:
             if not handed_over:
                 self._lock.release()
+
+    def _run_step(self, call: convert.StepCall) -> asyncio.Future[StepOutput]:
+        """The step (after its releases) off the event loop."""
+
+        def work() -> StepOutput:
+            if call.release_session_ids:
+                self._engine.release(call.release_session_ids)
+            return self._engine.step(call.prefill, call.decode, kv_views=call.kv_views)
+
+        return self._off_loop(work)
+
+    def _off_loop(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        if self._executor is None:
+            return asyncio.ensure_future(asyncio.to_thread(fn))
+        return asyncio.wrap_future(self._executor.submit(fn))
 
     def _abandon(self, thread: asyncio.Future[StepOutput], start_ns: int, tokens: int) -> None:
         """The RPC of a running step was cancelled: hold the lock until its thread returns."""
@@ -143,7 +173,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def Release(self, request, context):
         await authorize_peer(context, self._config.tls)
         async with self._lock:
-            released = self._engine.release(request.session_ids)
+            # Releasing moves rows of the persistent views (torch copies): on the compute thread.
+            released = await self._off_loop(functools.partial(self._engine.release, request.session_ids))
             self.metrics.refresh()
         return pb.ReleaseResponse(released=released)
 
@@ -204,11 +235,14 @@ def grammar_factory(model: str, cfg: LlamaConfig) -> Callable[[str, str], Gramma
     return constraint_factory(tokenizer, cfg.vocab_size, eos)
 
 
-async def create_server(config: WorkerConfig, loaded: tuple[LlamaConfig, Engine] | None = None):
-    """Build and start the worker server; returns (server, port, health servicer)."""
+async def create_server(
+    config: WorkerConfig, loaded: tuple[LlamaConfig, Engine] | None = None, executor: Executor | None = None
+):
+    """Build and start the worker server; returns (server, port, health servicer).
+    executor: where steps run (see ``WorkerServicer``)."""
     cfg, engine = loaded if loaded is not None else build_engine(config)
     server = grpc.aio.server(options=grpcutil.SERVER_OPTIONS)
-    servicer = WorkerServicer(config, cfg, engine)
+    servicer = WorkerServicer(config, cfg, engine, executor=executor)
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
     health = grpcutil.add_health_and_reflection(server, [SERVICE_NAME])
     port = grpcutil.bind(server, config.host, config.port, config.tls)
@@ -230,10 +264,18 @@ async def create_server(config: WorkerConfig, loaded: tuple[LlamaConfig, Engine]
     return server, port, health
 
 
-async def _serve(config: WorkerConfig) -> None:
-    server, port, health = await create_server(config)
+async def _serve(
+    config: WorkerConfig,
+    loaded: tuple[LlamaConfig, Engine] | None = None,
+    executor: Executor | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    server, port, health = await create_server(config, loaded, executor)
     log.info("worker %s listening on %s:%d", config.worker_id, config.host, port)
-    await grpcutil.wait_for_termination_signal()
+    if stop is None:
+        await grpcutil.wait_for_termination_signal()
+    else:
+        await stop.wait()
     log.info("worker %s draining", config.worker_id)
     grpcutil.set_not_serving(health, [SERVICE_NAME])
     await server.stop(config.drain_grace_s)
@@ -244,3 +286,47 @@ async def serve(config) -> None:
     from kvfleet_common.tracing import run_traced
 
     await run_traced("kvfleet-worker", _serve(config))
+
+
+def serve_on_compute_thread(config: WorkerConfig, loaded: tuple[LlamaConfig, Engine]) -> None:
+    """Serve until SIGTERM or SIGINT with the steps on this (the process's initial) thread and
+    gRPC on an event loop in a second thread (see ``compute`` for why)."""
+    from kvfleet_common.tracing import run_traced
+
+    executor = HostThreadExecutor()
+    state: dict[str, Any] = {}
+    stop_requested = threading.Event()
+
+    async def body() -> None:
+        loop, stop = asyncio.get_running_loop(), asyncio.Event()
+        state["wake"] = lambda: loop.call_soon_threadsafe(stop.set)
+        if stop_requested.is_set():  # a signal came before the loop was up
+            stop.set()
+        await run_traced("kvfleet-worker", _serve(config, loaded, executor, stop))
+
+    def loop_thread() -> None:
+        try:
+            asyncio.run(body())
+        except BaseException as exc:  # re-raised on the main thread below
+            state["error"] = exc
+        finally:
+            executor.shutdown()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop_requested.set()
+        wake = state.get("wake")
+        if wake is not None:
+            wake()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    thread = threading.Thread(target=loop_thread, name="worker-grpc")
+    thread.start()
+    try:
+        executor.run()
+    finally:
+        executor.shutdown()
+        thread.join()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if "error" in state:
+        raise state["error"]
