@@ -3,9 +3,11 @@
 torch's CPU kernels run 1.5-2.5x slower when called from any thread but the process's first
 (measured on the 2-core Xeon, 2 threads, the same calls one after the other: 20 int8
 products at 1 row 1.55 -> 3.45 ms, at 32 rows 5.1 -> 12.6 ms, float32 5.5 -> 7.4 ms, SiLU
-2.9 -> 6.4 ms; a batch-1 int8 decode step 16.5 -> 30 ms). libgomp's workers behave there as
-under OMP_WAIT_POLICY=passive (which makes the main thread as slow), and secondary threads
-allocate from their own malloc arena; ``asyncio.to_thread`` hit both. So ``python -m
+2.9 -> 6.4 ms; a batch-1 int8 decode step 16.5 -> 30 ms). The products run there as they
+run on the main thread under OMP_WAIT_POLICY=passive (libgomp's workers sleeping between
+calls), and SiLU's loss went away with MALLOC_ARENA_MAX=1 (other threads allocate from
+their own malloc arenas). Worse, once a second thread has run torch work, the main thread's
+steps are slow too (two OpenMP pools on two cores). So ``python -m
 worker_svc`` gives its initial thread to the steps (``HostThreadExecutor.run``) and serves
 gRPC from an event loop on a second thread, handing each step over with ``submit``.
 """

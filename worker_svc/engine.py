@@ -126,8 +126,8 @@ class EngineConfig:
     # Reuse the KV of full blocks whose token prefix an earlier session computed (see
     # block_allocator). Off = no hashing or lookup at all, the behaviour before it existed.
     prefix_caching: bool = True
-    # The hand-fused C ops of worker_svc/model/fused.py on a CPU (norms, RoPE, SiLU-gate, a
-    # decode's attention); False = torch's ops only (an A/B lever; KVFLEET_FUSED_OPS=0 also
+    # The hand-fused C ops of worker_svc/model/fused.py on a CPU (norms, RoPE, a decode
+    # group's attention); False = torch's ops only (an A/B lever; KVFLEET_FUSED_OPS=0 also
     # switches them off process-wide).
     fused_ops: bool = True
 

@@ -42,6 +42,7 @@ def _group_tensors(
     device: torch.device,
     host_blas: bool,
     torch_items: int,
+    torch_decode_items: int,
 ) -> GroupTensors:
     items = list(g.items)
     starts = np.array([layout.starts[i] for i in items])
@@ -58,7 +59,7 @@ def _group_tensors(
     allowed = np.arange(s)[None, None, :] <= query_pos[:, :, None]  # [B, Q, S]
     mask = None if allowed.all() else np.where(allowed, 0.0, -np.inf).astype(np.float32)
     bias = None
-    if not host_blas or b >= torch_items:  # this group's attention runs on torch's bmm
+    if not host_blas or b >= (torch_items if q > 1 else torch_decode_items):  # attention on torch's bmm
         m = torch.zeros((b, q, s)) if mask is None else torch.from_numpy(mask)
         m = m.to(device, dtype)
         if g.order == "bh":
@@ -94,10 +95,11 @@ def step_tensors(
     device: torch.device,
     host_blas: bool = False,
     torch_items: int = TORCH_ATTENTION_NEVER,
+    torch_decode_items: int = TORCH_ATTENTION_NEVER,
 ) -> StepTensors:
     """Host-side preparation of a step: index tensors and per-group masks (and, for the
     groups whose attention runs on torch's bmm, biases: every group unless ``host_blas``,
-    else those of at least ``torch_items`` items)."""
+    else those of at least ``torch_items`` items, ``torch_decode_items`` for one-token groups)."""
     lengths = np.asarray(layout.lengths)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     positions = np.repeat(np.asarray(layout.starts) - offsets[:-1], lengths) + np.arange(offsets[-1])
@@ -111,7 +113,9 @@ def step_tensors(
         positions=dev(positions),
         slots=dev(slots),
         groups=tuple(
-            _group_tensors(x, layout, offsets, cfg.num_kv_heads, g, dtype, device, host_blas, torch_items)
+            _group_tensors(
+                x, layout, offsets, cfg.num_kv_heads, g, dtype, device, host_blas, torch_items, torch_decode_items
+            )
             for x in groups
         ),
         sample_rows=dev(offsets[np.asarray(sample_items, dtype=np.int64) + 1] - 1),
@@ -151,6 +155,7 @@ def run_step(
         device=model.device,
         host_blas=model.host_attention,
         torch_items=model.torch_attention_items,
+        torch_decode_items=model.torch_decode_items,
     )
     logits = model.forward(st, cache, views, times, sync=sync)
     # Back to admitted order: row k of the result is the k-th sampled item of ``admitted``.

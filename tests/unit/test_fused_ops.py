@@ -53,15 +53,6 @@ def test_norms_match_torch(rows: int) -> None:
 
 
 @needs_ops
-@pytest.mark.parametrize("rows", [1, 5])
-def test_silu_mul_matches_torch(rows: int) -> None:
-    assert OPS is not None
-    gu = _rand(rows, 2 * 80, seed=4) * 6  # reaches well into both tails of the sigmoid
-    want = F.silu(gu[:, :80]) * gu[:, 80:]
-    torch.testing.assert_close(OPS.silu_mul(gu), want, rtol=1e-5, atol=1e-6)
-
-
-@needs_ops
 def test_rope_rotates_only_q_and_k_in_place() -> None:
     """qkv rows hold q and k heads, then v; only the first ``heads`` heads turn, as torch's
     complex multiply turns them."""

@@ -3,8 +3,9 @@
 A batch-1 decode step on the CPU spent more time in small ops than in its weight products
 (measured, smollm2 int8 on the 2-core Xeon: 12 ms of products, 12 ms of the rest): every op
 after a product finds the caches flushed by the weights it streamed, so torch's ~40 small ops
-of a layer (two RMS norms of ~8 ops each, RoPE, attention's views, softmax and products, SiLU
-and the gate) run at 3-5x their warm cost. ``FusedOps`` does each of those in one C call.
+of a layer (two RMS norms of ~8 ops each and the residual adds, RoPE, attention's views,
+softmax and products) run at 3-5x their warm cost. ``FusedOps`` does each of those in one C
+call. (SiLU-gate was fused too and measured no faster in a step: it stays torch's.)
 
 The library is built with the system's C compiler (``cc``, ``-O3 -march=native``) into a cache
 directory keyed by the source and the CPU, once per machine (well under a second); without a
@@ -21,6 +22,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from functools import cache
 from pathlib import Path
@@ -31,10 +33,11 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("fused_ops.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC"]
-# SiLU-gate rows at most this many go to C: its expf is scalar, torch's SiLU is vectorised
-# (measured on the Xeon: C ahead to about 16 rows of 1536, behind from 64).
-SILU_MAX_ROWS = 16
-
+# With OpenMP the decode attention shares its rows among torch's intra-op threads: the library
+# then needs libgomp.so.1, which the dynamic loader resolves to the copy torch already loaded
+# (same soname), so both use one runtime and one pool. Without torch's libgomp (builds of
+# torch on another OpenMP runtime) the library is built single-threaded.
+OPENMP_FLAGS = ["-fopenmp"]
 _F = ctypes.c_void_p
 _L = ctypes.c_long
 
@@ -47,6 +50,12 @@ def _cpu_key() -> str:
     except OSError:
         lines = []
     return platform.machine() + "\n" + "\n".join(lines)
+
+
+def _torch_uses_libgomp() -> bool:
+    """Whether torch's CPU library is linked against libgomp.so.1 (the Linux wheels bundle it)."""
+    lib_dir = Path(torch.__file__).parent / "lib"
+    return sys.platform.startswith("linux") and (lib_dir / "libgomp.so.1").exists()
 
 
 def cache_dir() -> Path:
@@ -62,8 +71,9 @@ def build(dest_dir: Path | None = None) -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    flags = FLAGS + (OPENMP_FLAGS if _torch_uses_libgomp() else [])
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + _cpu_key().encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + _cpu_key().encode() + " ".join(flags).encode()).hexdigest()[:16]
     out_dir = dest_dir or cache_dir()
     lib = out_dir / f"fused_ops-{key}.so"
     if lib.exists():
@@ -74,7 +84,7 @@ def build(dest_dir: Path | None = None) -> Path:
     os.close(fd)
     try:
         run = subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=120
+            [compiler, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=120
         )
         if run.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {run.stderr.strip()[-2000:]}")
@@ -98,13 +108,13 @@ class FusedOps:
         self._rms.argtypes = [_F, _F, _F, _L, _L, ctypes.c_float]
         self._add_rms = lib.kv_add_rms_norm
         self._add_rms.argtypes = [_F, _F, _F, _F, _L, _L, ctypes.c_float]
-        self._silu = lib.kv_silu_mul
-        self._silu.argtypes = [_F, _F, _L, _L]
         self._rope = lib.kv_rope
         self._rope.argtypes = [_F, _L, _F, _L, _L, _L]
+        self._max_threads = lib.kv_max_threads
+        self._max_threads.argtypes, self._max_threads.restype = [], _L
         self._attn = lib.kv_decode_attention
         self._attn.argtypes = [_F, _F, _F, _L, _L, _F, _L, _L, _L, _L, _L, _L, ctypes.c_int, _F, _F]
-        for fn in (self._rms, self._add_rms, self._silu, self._rope, self._attn):
+        for fn in (self._rms, self._add_rms, self._rope, self._attn):
             fn.restype = None
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -117,13 +127,6 @@ class FusedOps:
         """h += y in place (both [T, n] contiguous); returns rms_norm(h) * w, a new [T, n]."""
         out = torch.empty_like(h)
         self._add_rms(_ptr(h), _ptr(y), _ptr(w), _ptr(out), h.shape[0], h.shape[1], eps)
-        return out
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up [T, 2 * I] contiguous -> silu(gate) * up, [T, I]."""
-        t, width = gate_up.shape
-        out = gate_up.new_empty((t, width // 2))
-        self._silu(_ptr(gate_up), _ptr(out), t, width // 2)
         return out
 
     def rope_(self, qkv: torch.Tensor, rot: torch.Tensor, heads: int, half: int) -> None:
@@ -145,7 +148,7 @@ class FusedOps:
         if lens is not None and (lens.dtype != torch.int64 or not lens.is_contiguous() or lens.shape[0] * hkv != n):
             raise ValueError("lens must be contiguous int64, one per item (each at most S: the caller's check)")
         out = torch.empty_like(q3)
-        scratch = torch.empty(g * s, dtype=torch.float32)
+        scratch = torch.empty(g * s * self._max_threads(), dtype=torch.float32)
         self._attn(
             _ptr(q3), _ptr(k), _ptr(v), k.stride(0), k.stride(1), _ptr(lens) if lens is not None else None,
             n, g, s, d, hkv, items, int(bh), _ptr(scratch), _ptr(out),

@@ -3,14 +3,26 @@
  * Each function is one pass over rows that torch runs as several dispatched ops. Between
  * the weight products every op runs with cold caches (a product streams megabytes of
  * weights through them), so a batch-1 layer's ~40 small ops cost 3-5x their warm time; one
- * call each for the norm, RoPE, SiLU-gate and a decode's attention removes most of that.
- * Plain C, float32, no threads: the inputs are a few rows. Reductions are vectorised with
- * `omp simd` (compiled with -fopenmp-simd: no OpenMP runtime is linked); exponentials are
- * libm's expf, one call per element, so SiLU over many rows stays with torch's vectorised
- * kernel (fused.py decides).
+ * call each for the norm (with the residual add before it), RoPE and a decode's attention
+ * removes most of that. (A SiLU-gate here measured no faster than torch's in a step.)
+ * Plain C, float32; only a decode group's attention is spread over threads. Reductions are
+ * vectorised with `omp simd`; exponentials are libm's expf, one call per element.
  */
 #include <math.h>
 #include <stddef.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* Threads a parallel region of the calling thread gets: torch's intra-op setting (torch's
+ * set_num_threads sets this OpenMP value), 1 in a build without OpenMP. */
+long kv_max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
 
 static void norm_row(const float *x, const float *w, float *out, long n, float eps) {
     float ss = 0.0f;
@@ -37,15 +49,6 @@ void kv_add_rms_norm(float *h, const float *y, const float *w, float *out, long 
     }
 }
 
-static void silu_mul_row(const float *restrict g, const float *restrict u, float *restrict o, long n) {
-    for (long j = 0; j < n; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
-}
-
-/* out[r, j] = silu(gu[r, j]) * gu[r, inter + j]; gu: [rows, 2 * inter], out: [rows, inter]. */
-void kv_silu_mul(const float *gu, float *out, long rows, long inter) {
-    for (long r = 0; r < rows; r++) silu_mul_row(gu + r * 2 * inter, gu + r * 2 * inter + inter, out + r * inter, inter);
-}
-
 /* RoPE in place on adjacent pairs: row r of qk (row stride `stride` floats) holds `heads`
  * heads of `half` (re, im) pairs; rot: [rows, half] (cos, sin) pairs. The complex product
  * (a + ib)(c + is) is written as torch's complex multiply writes it. */
@@ -69,13 +72,21 @@ void kv_rope(float *qk, long stride, const float *rot, long rows, long heads, lo
  *   k, v: row n, key s at k + n * n_stride + s * s_stride (D contiguous floats).
  *   lens: [B] keys each item sees (its first lens[b] keys; the rest of the padded S are
  *   never read), or NULL for all `keys`. Item of row n: n / hkv ("bh" order, bh = 1) or
- *   n % items ("hb" order). scratch: G * keys floats.
+ *   n % items ("hb" order). scratch: G * keys floats per thread (kv_max_threads).
  * softmax over the item's keys of q.k, then the probabilities times V: what torch's masked
- * path computes (a masked key's probability is exactly 0 there). */
+ * path computes (a masked key's probability is exactly 0 there). Rows are shared among the
+ * threads of an OpenMP region from 4 rows up: built against the libgomp torch loaded (the
+ * same soname), that region is torch's own pool, so no second pool spins against it. */
 void kv_decode_attention(const float *q, const float *k, const float *v, long n_stride, long s_stride,
                          const long *lens, long rows, long groups, long keys, long dim, long hkv, long items,
                          int bh, float *scratch, float *out) {
+#pragma omp parallel for schedule(static) if (rows >= 4)
     for (long n = 0; n < rows; n++) {
+#ifdef _OPENMP
+        float *sc = scratch + omp_get_thread_num() * groups * keys;
+#else
+        float *sc = scratch;
+#endif
         const float *kn = k + n * n_stride, *vn = v + n * n_stride;
         const float *qn = q + n * groups * dim;
         const long len = lens ? lens[bh ? n / hkv : n % items] : keys;
@@ -86,11 +97,11 @@ void kv_decode_attention(const float *q, const float *k, const float *v, long n_
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                 for (long d = 0; d < dim; d++) dot += qg[d] * ks[d];
-                scratch[g * keys + s] = dot;
+                sc[g * keys + s] = dot;
             }
         }
         for (long g = 0; g < groups; g++) {
-            float *p = scratch + g * keys;
+            float *p = sc + g * keys;
             float mx = -INFINITY, sum = 0.0f;
             for (long s = 0; s < len; s++) mx = p[s] > mx ? p[s] : mx;
             for (long s = 0; s < len; s++) {
