@@ -31,11 +31,14 @@ def batch1_decode(
     prompt_len: int = 256,
     steps: int = 20,
     budget_s: float = 4.0,
+    quant: str = "none",
 ) -> dict:
     """Per thread count: decode tokens/s of one session after a ``prompt_len`` prompt, and
-    that prompt's prefill tokens/s."""
+    that prompt's prefill tokens/s, in the workers' mode (``dtype``, ``quant``)."""
     engine = Engine(
-        cfg, weights, EngineConfig(device=device, dtype=dtype, num_blocks=64, kv_views=KVViewsMode.parse(kv_views))
+        cfg,
+        weights,
+        EngineConfig(device=device, dtype=dtype, quant=quant, num_blocks=64, kv_views=KVViewsMode.parse(kv_views)),
     )
     greedy = SamplingSpec()
     prompt = tuple(int(t) for t in np.random.default_rng(1).integers(100, cfg.vocab_size, prompt_len))

@@ -120,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
             "sessions": dict(zip(map(str, a.concurrency), a.sessions)),
         },
     }
-    bytes_per_param = torch.empty((), dtype=getattr(torch, a.dtype)).element_size()
+    # Bytes a decoded token reads per weight, in the workers' mode (int8: one byte; its per-row
+    # scales add under 0.1 %).
+    bytes_per_param = 1 if a.quant == "int8" else torch.empty((), dtype=getattr(torch, a.dtype)).element_size()
 
     if "limits" not in a.skip:
         from bench.roofline import decode_bounds, matmul_gflops, memory_bandwidth_gbs
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.engine_probe import batch1_decode
 
         say("engine alone: batch-1 decode at each thread count")
-        doc["engine_batch1"] = batch1_decode(cfg, weights, a.device, a.dtype, a.kv_views, threads)
+        doc["engine_batch1"] = batch1_decode(cfg, weights, a.device, a.dtype, a.kv_views, threads, quant=a.quant)
     del weights
 
     clusters: list[BenchCluster] = []
