@@ -25,10 +25,20 @@ from kvfleet_common.security import TlsConfig
 log = logging.getLogger(__name__)
 
 
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free now, never one this process handed out before: the OS may give the same
+    port to two binds of port 0 in a row once the first socket is closed, and a cluster's
+    processes bind theirs later (a worker's metrics port once its model is loaded)."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvfleet_models.config import LlamaConfig
 from kvfleet_models.tiny import tiny_weights
+from tests.unit.model_configs import GQA_CFG
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
 from worker_svc.model import fused
 from worker_svc.model.llama import LlamaModel
@@ -21,17 +21,7 @@ from worker_svc.model.llama import LlamaModel
 OPS = fused.load()
 needs_ops = pytest.mark.skipif(OPS is None, reason="no C compiler here: the fallback tests cover this machine")
 GREEDY = SamplingSpec()
-CFG = LlamaConfig(
-    name="tiny-gqa",
-    vocab_size=96,
-    hidden_size=48,
-    num_layers=2,
-    num_heads=6,
-    num_kv_heads=2,
-    intermediate_size=80,
-    max_position=128,
-    rope_theta=1000.0,
-)
+CFG = GQA_CFG
 WEIGHTS = tiny_weights(CFG, seed=5)
 
 
