@@ -250,9 +250,9 @@ class LlamaModel:
         torch's single thread (see ``cpu_backend.use_cpu_threads``)."""
         self.torch_rows = torch_rows(self.host_blas, n)
         # Where torch holds the threads (int8, bfloat16), its bmm runs attention's products
-        # on all of them; numpy's and the fused one run on one. Measured in a step (smollm2
-        # int8, 2 threads, 100-250-token contexts): 32 decodes 51-54 ms of attention -> 35,
-        # 8 decodes 13.3 -> 9.0; fewer items stay on one thread (the fused op at 1 item).
+        # on all of them, numpy's on one. Measured on decode groups before the fused attention
+        # took those (smollm2 int8, 2 threads, 100-250-token contexts): 32 items 51-54 ms of
+        # attention a step -> 35, 8 items 13.3 -> 9.0; it now applies to prefill groups.
         parallel = self.host_attention and not self.host_blas and n > 1
         self.torch_attention_items = TORCH_ATTENTION_ITEMS if parallel else TORCH_ATTENTION_NEVER
         # A decode group goes to the fused attention where there is one: it reads each item's
