@@ -4,6 +4,7 @@ stopped by SIGTERM."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -40,7 +41,7 @@ def test_executor_runs_calls_on_the_thread_in_run_and_passes_errors_back() -> No
 
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="needs the main thread")
-def test_steps_and_releases_run_on_the_main_thread_and_sigterm_drains() -> None:
+def test_steps_and_releases_run_on_the_main_thread_and_sigterm_drains(caplog) -> None:
     port = free_port()
     config = WorkerConfig(port=port, metrics_port=0, num_blocks=64, block_size=16)
     cfg, engine = build_engine(config)
@@ -90,10 +91,15 @@ def test_steps_and_releases_run_on_the_main_thread_and_sigterm_drains() -> None:
     t = threading.Thread(target=client, name="test-client")
     t.start()
     previous = signal.getsignal(signal.SIGTERM)
-    serve_on_compute_thread(config, (cfg, engine))  # returns after the drain
+    with caplog.at_level(logging.INFO, logger="worker_svc.server"):
+        serve_on_compute_thread(config, (cfg, engine))  # returns after the drain
     t.join()
     assert "error" not in results, results.get("error")
     assert results == {"decoded": True, "released": 1, "same_token": True}
     assert threads and set(threads) == {threading.main_thread().name}  # 3 steps, a release in one, a Release
     assert len(threads) == 5
     assert signal.getsignal(signal.SIGTERM) == previous  # handlers given back
+    # The start line says which ops the CPU forward uses (README: "Faster CPU modes").
+    fused_on = engine.model.fused is not None
+    assert f"fused CPU ops {'on' if fused_on else 'off'}" in caplog.text
+    assert "draining" in caplog.text
