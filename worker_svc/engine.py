@@ -120,8 +120,9 @@ class EngineConfig:
     # CPU threads a step may use; 0 = the process's torch setting (OMP_NUM_THREADS). See
     # ``use_cpu_threads`` for how they are split between torch and the host BLAS.
     num_threads: int = 0
-    # "none" | "int8": the products' weights (int8 = fbgemm's dynamic int8 linear, per-row
-    # scales, float32 activations; CPU and float32 only). Quality: tests/unit/test_quant_quality.py.
+    # "none" | "int8": the products' weights (int8 = blocks of 32 with their own scales, each
+    # input quantized alike, integer products: worker_svc/model/q8.py; CPU and float32 only).
+    # Quality: tests/unit/test_quant_quality.py.
     quant: str = "none"
     # Reuse the KV of full blocks whose token prefix an earlier session computed (see
     # block_allocator). Off = no hashing or lookup at all, the behaviour before it existed.

@@ -251,7 +251,7 @@ async def create_server(
 
     serve_metrics(servicer.metrics.registry, config.host, config.metrics_port)
     log.info(
-        "worker %s serving %s on %s:%d (device %s, dtype %s, quant %s, fused CPU ops %s, %d KV blocks of %d)",
+        "worker %s serving %s on %s:%d (device %s, dtype %s, quant %s%s, fused CPU ops %s, %d KV blocks of %d)",
         config.worker_id,
         cfg.name,
         config.host,
@@ -259,6 +259,7 @@ async def create_server(
         engine.device,
         engine.dtype_name,
         engine.quant,
+        f" on {engine.model.int8_kernels} kernels" if engine.model.int8_kernels else "",
         "on" if engine.model.fused is not None else "off",
         config.num_blocks,
         config.block_size,

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-import worker_svc.model.cpu_backend as cpu_backend
 import worker_svc.model.int8 as int8
 from kvfleet.v1 import worker_pb2 as pb
 from kvfleet_models.config import LlamaConfig, tiny_config
@@ -20,6 +19,7 @@ from worker_svc.__main__ import parse_args
 from worker_svc.config import WorkerConfig
 from worker_svc.convert import info_to_pb
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
+from worker_svc.model import q8
 
 GREEDY = SamplingSpec()
 # Untied GQA and tied MHA: the o-projection fold differs when query heads share a kv head, and
@@ -59,14 +59,24 @@ def _logits(engine: Engine, prompt: tuple[int, ...], steps: int = 3) -> tuple[np
     return np.stack(rows), tokens
 
 
+class _Unrounded:
+    """A stand-in for a ``Q8Weight``: the smoothed float matrix itself, multiplied exactly."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.w, self.nbytes = w.clone(), 4 * w.numel()
+
+    def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        y = x @ self.w.t()
+        return y if out is None else out.add_(y)
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_int8_smoothing_folds_are_exact_without_rounding(name, monkeypatch) -> None:
     """With the int8 rounding taken out (the 'packed' weight is the smoothed float matrix),
     the int8 model equals the reference: every division folded into the norms, V rows and up
     rows is matched by its weight column's multiplication, including through attention."""
     cfg, weights = MODELS[name]
-    monkeypatch.setattr(int8, "quantize_int8", lambda w: w.clone())
-    monkeypatch.setattr(cpu_backend, "int8_linear", lambda x, w: x @ w.t())
+    monkeypatch.setattr(int8, "quantize_blocks", lambda w, kernels: _Unrounded(w))
     engine = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=64, quant="int8"))
     prompt = _prompt(9, cfg.vocab_size)
     got, tokens = _logits(engine, prompt)
@@ -74,12 +84,18 @@ def test_int8_smoothing_folds_are_exact_without_rounding(name, monkeypatch) -> N
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("level", q8.LEVELS)
 @pytest.mark.parametrize("name", ["gqa", "tied"])
-def test_int8_logits_close_to_reference(name) -> None:
-    """Real int8 products: logits within 5 % of their range of the reference's (a wrong fold or
-    scale moves them by the whole range), and the first greedy token equal."""
+def test_int8_logits_close_to_reference(name, level, monkeypatch) -> None:
+    """Real int8 products at each kernel level this CPU runs: logits within 5 % of their range
+    of the reference's (a wrong fold or scale moves them by the whole range; fbgemm's saturating
+    AVX2 products moved them by 16 %), and the first greedy token equal."""
+    if level not in q8.runnable_levels():
+        pytest.skip(f"this CPU does not run the {level} kernels (it runs {', '.join(q8.runnable_levels())})")
+    monkeypatch.setenv(q8.LEVEL_ENV, level)
     cfg, weights = MODELS[name]
     engine = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=64, quant="int8"))
+    assert engine.model.int8_kernels == level
     prompt = _prompt(11, cfg.vocab_size, salt=2)
     got, tokens = _logits(engine, prompt)
     ref = reference_logits(cfg, weights, list(prompt) + tokens[:-1])[len(prompt) - 1 :]
@@ -94,16 +110,18 @@ def test_int8_sizes_threads_and_info() -> None:
     try:
         f32 = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=16))
         q = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=16, quant="int8", num_threads=2))
-        assert torch.get_num_threads() == 2  # fbgemm runs in torch's pool
+        assert torch.get_num_threads() == 2  # the int8 kernels run in torch's OpenMP pool
     finally:
         torch.set_num_threads(saved)
     assert q.parameter_count == f32.parameter_count == sum(w.size for w in weights.values())
     matrices = [m for layer in q.model.layers for m in layer.matrices()] + [q.model.lm_head]
     assert all(m.q8 is not None and m.kn is None and m.nk is None for m in matrices)
-    # int8 products + a scale per row, float32 norms and the tied head's float lookup table.
+    # int8 products (rows padded to blocks of 32) + a scale per block, float32 norms and the
+    # tied head's float lookup table.
     embed = weights["model.embed_tokens.weight"].size
     vectors = q.parameter_count - sum(m.numel for m in matrices)
-    assert q.weight_bytes == sum(m.numel + 4 * m.shape[0] for m in matrices) + 4 * (vectors + embed)
+    padded = [m.shape[0] * -(-m.shape[1] // 32) * 32 for m in matrices]
+    assert q.weight_bytes == sum(n + 4 * n // 32 for n in padded) + 4 * (vectors + embed)
     assert q.kv_bytes_per_token == f32.kv_bytes_per_token
     info = info_to_pb("w", cfg, q, 4, 16)
     assert isinstance(info, pb.WorkerInfo) and info.quant == "int8" and info.dtype == "float32"

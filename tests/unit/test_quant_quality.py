@@ -2,9 +2,13 @@
 
 tests/data/heldout.txt (written for this test; 2,288 tokens, 2,287 positions) goes through
 each engine's own prefill in 512-token chunks. Against float32: top-1 agreement (the fraction
-of positions whose argmax is the same) and the perplexity ratio. Measured on the 2-core EPYC:
-bfloat16 weights 0.978 / 1.0006; int8 0.928 / 1.010. Thresholds leave room for BLAS differences,
-not for a broken mode: int8 without its activation smoothing measured 0.898 / 1.034 and fails.
+of positions whose argmax is the same) and the perplexity ratio. The thresholds are what the
+README promises of each mode, whatever the CPU: bfloat16 >= 0.95 / <= 1.01, int8 >= 0.95 /
+<= 1.02. Measured on the 2-core AMD EPYC with AVX2 only: bfloat16 weights 0.978 / 1.0006; int8
+(blocks of 32, avx2 kernels) 0.963 / 1.000. A broken mode fails them: fbgemm's per-row int8 on
+that CPU (saturating AVX2 products) measured 0.897 / 1.039, and with 7-bit inputs 0.880.
+The int8 products run at the CPU's best kernel level; the other levels compute the same
+integer sums (``test_q8_kernels`` holds every level to the reference).
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ def test_float32_perplexity_is_that_of_a_language_model(float32) -> None:
     "mode, kw, min_agreement, max_ppl_ratio",
     [
         ("bfloat16", {"dtype": "bfloat16"}, 0.95, 1.01),
-        ("int8", {"quant": "int8"}, 0.91, 1.03),
+        ("int8", {"quant": "int8"}, 0.95, 1.02),
     ],
 )
 def test_mode_agrees_with_float32(model, token_ids, float32, mode, kw, min_agreement, max_ppl_ratio) -> None:

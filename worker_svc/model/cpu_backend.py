@@ -12,11 +12,10 @@ bfloat16 on a CPU: oneDNN's linear with the weight reordered once into its block
 (measured, the 30 layers' products on 2 threads: 1 row 19.0 -> 13.4 ms, 32 rows 21.9 ->
 16.6 ms, 256 rows 48.7 -> 33.2 ms), with float32 activations cast around it.
 
-With ``quant="int8"`` (CPU, float32 activations) every product is fbgemm's dynamic int8 linear
-instead: weights int8 with one scale per output row, prepacked once; each call quantizes its
-input per tensor, multiplies in int8 (VNNI) and returns float32. A layer's four products then
-read 4x fewer bytes (measured on the 2-core EPYC, the 30 layers' products on one thread:
-29.9 -> 10.6 ms at 1 row, 136 -> 27 ms at 32 rows; the tied head 5.4 -> 1.2 ms).
+With ``quant="int8"`` (CPU, float32 activations) every product is int8 in blocks of 32
+instead (``q8``): weights with one scale per row and block, each call's input quantized the
+same way, integer dot products at the CPU's best kernel level. A layer's four products then
+read 4x fewer bytes.
 
 numpy's OpenBLAS and torch each keep their own thread pool; ``use_cpu_threads`` gives a step's
 threads to one of them only (see there for why).
@@ -25,13 +24,14 @@ threads to one of them only (see there for why).
 from __future__ import annotations
 
 import ctypes
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 import torch
+
+from worker_svc.model.q8 import Q8Weight
 
 # Row counts of a product that torch's MKL runs faster than numpy's OpenBLAS on one CPU thread
 # (15-27 % at 4-12 rows, measured on the 2-core AMD EPYC; OpenBLAS wins at 1 row by 1.7x and is
@@ -47,12 +47,12 @@ QUANT_MODES = ("none", "int8")
 @dataclass(frozen=True)
 class Matrix:
     """One weight matrix in the layouts its products use: ``kn`` [in, out] for numpy's BLAS
-    (host BLAS only), ``nk`` [out, in] for torch (unless quantized), ``q8`` fbgemm's prepacked
-    int8 weight (``quant="int8"`` only; then neither float copy is kept)."""
+    (host BLAS only), ``nk`` [out, in] for torch (unless quantized), ``q8`` int8 blocks
+    (``quant="int8"`` only; then neither float copy is kept)."""
 
     kn: torch.Tensor | None
     nk: torch.Tensor | None
-    q8: object | None = None  # torch.ops.quantized.linear_prepack's packed params
+    q8: Q8Weight | None = None
     shape: tuple[int, int] = (0, 0)  # (out, in)
     dnn: torch.Tensor | None = None  # bfloat16 in oneDNN's blocked layout (``pack_bf16``)
 
@@ -63,9 +63,9 @@ class Matrix:
     @property
     def nbytes(self) -> int:
         """Bytes of the copy that counts as the parameter (sizes are reported once); int8
-        weights count one byte per element plus a float32 scale per output row."""
+        weights count one byte per element (and padding) plus a float32 scale per block."""
         if self.q8 is not None:
-            return self.numel + 4 * self.shape[0]
+            return self.q8.nbytes
         if self.dnn is not None:
             return 2 * self.numel
         t = self.kn if self.kn is not None else self.nk
@@ -87,46 +87,16 @@ def _dnn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "")
 
 
-def quantize_int8(w: torch.Tensor) -> object:
-    """w: float32 [out, in] on the CPU -> fbgemm's prepacked int8 weight, symmetric, one scale
-    per output row (absmax / 127), so a row's largest weight keeps 8 bits whatever the others."""
-    scale = (w.abs().amax(dim=1).double() / 127.0).clamp_min(1e-12)
-    zero = torch.zeros(w.shape[0], dtype=torch.long)
-    with warnings.catch_warnings():
-        # torch 2.13 flags quantized tensor creation as deprecated (moving to torchao); the
-        # fbgemm kernels it feeds are what we measured, and nothing else here needs torchao.
-        warnings.simplefilter("ignore", UserWarning)
-        q = torch.quantize_per_channel(w.float(), scale, zero, 0, torch.qint8)
-        return torch.ops.quantized.linear_prepack(q, None)
-
-
 def torch_rows(host_blas: bool, threads: int) -> range:
     """Row counts sent to torch instead of the host BLAS: with more than one thread every
     product goes to the BLAS, as MKL would run on torch's single thread."""
     return TORCH_ROWS if host_blas and threads == 1 else NO_ROWS
 
 
-def int8_linear(x: torch.Tensor, packed: object) -> torch.Tensor:
-    """x [M, in] float32 times an int8 weight -> [M, out] float32.
-
-    fbgemm quantizes its input with one scale for the whole tensor; across the rows of a
-    prefill chunk or a decode batch the tokens' ranges differ by 10-100x (a few tokens carry
-    the model's outlier activations), so the quiet rows would keep only a few bits. Scaling
-    each row to max |x| = 1 first and back after makes that one scale a per-row one (the
-    product is linear per row); one row needs none.
-    """
-    # reduce_range=False: with VNNI the int8 products accumulate in int32 and cannot saturate,
-    # so the input keeps all 8 bits (True halves its resolution).
-    if x.shape[0] == 1:
-        return torch.ops.quantized.linear_dynamic(x, packed, False)
-    scale = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)  # [M, 1]
-    return torch.ops.quantized.linear_dynamic(x / scale, packed, False).mul_(scale)
-
-
 def matmul(x: torch.Tensor, w: Matrix, rows_to_torch: range) -> torch.Tensor:
     """x [M, in] times w -> [M, out]."""
     if w.q8 is not None:
-        return int8_linear(x, w.q8)
+        return w.q8.linear(x.contiguous())
     if w.dnn is not None:
         return _dnn_linear(x, w.dnn).to(x.dtype)
     if w.kn is not None and x.shape[0] not in rows_to_torch:
@@ -140,7 +110,7 @@ def matmul(x: torch.Tensor, w: Matrix, rows_to_torch: range) -> torch.Tensor:
 def matmul_add_(h: torch.Tensor, x: torch.Tensor, w: Matrix, rows_to_torch: range) -> None:
     """h += x times w, in place. h: [M, out]; x: [M, in]."""
     if w.q8 is not None:
-        h.add_(int8_linear(x, w.q8))
+        w.q8.linear(x.contiguous(), out=h)
     elif w.dnn is not None:
         h.add_(_dnn_linear(x, w.dnn))
     elif w.kn is not None and x.shape[0] not in rows_to_torch:

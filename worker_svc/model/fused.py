@@ -65,17 +65,18 @@ def cache_dir() -> Path:
     return Path(base) / "fused"
 
 
-def build(dest_dir: Path | None = None) -> Path:
-    """Compile ``fused_ops.c`` (if not already built for this source and CPU); returns the .so.
-    Raises RuntimeError with the compiler's message when it cannot."""
+def build(dest_dir: Path | None = None, source: Path = SOURCE, flags: list[str] | None = None) -> Path:
+    """Compile ``source`` (``fused_ops.c`` by default, with ``FLAGS``) if not already built for
+    this source, these flags and this CPU; returns the .so. Raises RuntimeError with the
+    compiler's message when it cannot."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    flags = FLAGS + (OPENMP_FLAGS if _torch_uses_libgomp() else [])
-    src = SOURCE.read_bytes()
+    flags = (FLAGS if flags is None else flags) + (OPENMP_FLAGS if _torch_uses_libgomp() else [])
+    src = source.read_bytes()
     key = hashlib.sha256(src + _cpu_key().encode() + " ".join(flags).encode()).hexdigest()[:16]
     out_dir = dest_dir or cache_dir()
-    lib = out_dir / f"fused_ops-{key}.so"
+    lib = out_dir / f"{source.stem}-{key}.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -84,7 +85,7 @@ def build(dest_dir: Path | None = None) -> Path:
     os.close(fd)
     try:
         run = subprocess.run(
-            [compiler, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=120
+            [compiler, *flags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True, timeout=120
         )
         if run.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {run.stderr.strip()[-2000:]}")

@@ -1,4 +1,4 @@
-"""Int8 weights for the CPU: activation smoothing, then fbgemm's per-row int8 packing.
+"""Int8 weights for the CPU: activation smoothing, then int8 blocks of 32 (``q8``).
 
 Llama's activations have a few outlier channels (the same hidden dimensions in every layer:
 on smollm2 the down projection's input peaks at 480 where its median channel is 5, the MLP
@@ -7,7 +7,7 @@ few levels, which measured 0.90 top-1 agreement with float32 where int8 weights 
 0.956. So, as in SmoothQuant, each product's input channel j is divided by
 ``s_j = max|x_j|^a / max|W_:j|^(1-a)`` and the weight's column multiplied by it: the product is
 unchanged and the range moves from the activation into the weights, whose per-row scales
-absorb it. The division costs nothing at run time, folded into whatever makes the input:
+absorb it (and likewise the per-block scales of ``q8``). The division costs nothing at run time, folded into whatever makes the input:
   * qkv and gate/up: the RMS norm's weight before them (and the final norm before the head);
   * o: the v rows of qkv (attention output is a convex mix of V rows, so scaling V's channel
     scales its output channel; the s of query heads sharing a kv head are their max);
@@ -16,9 +16,11 @@ The KV cache then holds the scaled V (internal to this engine). ``max|x_j|`` com
 float32 forward at load over 512 seeded random token ids drawn with p(id) ~ 1 / (id + 10):
 BPE vocabularies put frequent tokens first, so that resembles text without needing a
 tokenizer or a corpus. Measured on smollm2 (top-1 agreement with float32 / perplexity ratio
-on tests/data/heldout.txt): no smoothing 0.898 / 1.034; smoothing calibrated on uniform
-random ids 0.913 / 1.031, on real text (ARCHITECTURE.md) 0.925 / 1.016, on these ids
-0.928 / 1.010; int8 weights with float activations (no fast kernel here) 0.956 / 1.002.
+on tests/data/heldout.txt), with fbgemm's per-row int8 (one scale per weight row and per token,
+the products before ``q8``): no smoothing 0.898 / 1.034; smoothing calibrated on uniform random
+ids 0.913 / 1.031, on real text (ARCHITECTURE.md) 0.925 / 1.016, on these ids 0.928 / 1.010.
+With ``q8``'s blocks of 32 (weights and inputs), on the 2-core AMD EPYC (AVX2): no smoothing
+0.956 / 1.011, smoothing 0.963 / 1.000; int8 weights with float32 activations 0.974 / 0.998.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from worker_svc.model.cpu_backend import Matrix, quantize_int8
+from worker_svc.model.cpu_backend import Matrix
+from worker_svc.model.q8 import Q8Kernels, load_kernels, quantize_blocks
 
 if TYPE_CHECKING:
     from worker_svc.model.llama import LlamaModel
@@ -95,17 +98,20 @@ def _smoothing(x_max: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return s.clamp(1e-2, 1e2)
 
 
-def quantize_model(model: LlamaModel, seed: int = 0) -> None:
+def quantize_model(model: LlamaModel, seed: int = 0, kernels: Q8Kernels | None = None) -> str:
     """Replace ``model``'s float products (torch layout, [out, in]) by smoothed int8 ones, in
-    place; the norms take the folded divisions."""
+    place; the norms take the folded divisions. ``kernels``: the C products (default: the
+    best level this CPU runs, or torch's reference product where they cannot be built).
+    Returns the products' kernel level ("torch" for the reference)."""
     cfg = model.cfg
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q_width, kv_width, inter = hq * d, hkv * d, cfg.intermediate_size
     n = min(CALIBRATION_TOKENS, cfg.max_position)
     ranges = input_ranges(model, calibration_ids(cfg.vocab_size, n, seed))
+    kernels = kernels or load_kernels()
 
     def q8(w: torch.Tensor) -> Matrix:
-        return Matrix(kn=None, nk=None, q8=quantize_int8(w), shape=(w.shape[0], w.shape[1]))
+        return Matrix(kn=None, nk=None, q8=quantize_blocks(w, kernels), shape=(w.shape[0], w.shape[1]))
 
     layers = []
     for w, seen in zip(model.layers, ranges):
@@ -137,3 +143,4 @@ def quantize_model(model: LlamaModel, seed: int = 0) -> None:
         model.embed = head
     model.layers, model.norm = layers, model.norm / s_head
     model.lm_head = q8(head * s_head)
+    return kernels.level if kernels is not None else "torch"

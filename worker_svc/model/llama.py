@@ -26,8 +26,8 @@ Weights are prepared once for this forward, not kept in the checkpoint's form:
     with everything in bfloat16 (attention's bfloat16 bmm alone ~3 ms, norms and casts another
     few) against 25 ms this way with oneDNN's packed products (``python -m bench.modes``);
     on GPUs everything stays bfloat16;
-  * with ``quant="int8"`` (CPU, float32) every projection and the LM head are fbgemm int8
-    weights with per-row scales (``cpu_backend.quantize_int8``); attention, norms, RoPE and the
+  * with ``quant="int8"`` (CPU, float32) every projection and the LM head are int8 weights in
+    blocks of 32 with their own scales (``q8``, inputs quantized alike per call); attention, norms, RoPE and the
     KV cache stay float32, attention on numpy's BLAS as in the float32 path. The embedding stays
     float32 for the lookup (a tied head is then a float table plus its int8 copy).
 
@@ -150,7 +150,7 @@ class LlamaModel:
     ) -> None:
         """host_blas: None = numpy's BLAS exactly when float32 on a CPU (False forces torch's
         path, which GPUs take, so that a CPU-only test can check it).
-        quant: "none" or "int8" (float32 on a CPU only: fbgemm's int8 products).
+        quant: "none" or "int8" (float32 on a CPU only: ``q8``'s int8 products).
         fused_ops: None = the hand-fused C ops (``fused``) on a CPU where they build; False =
         torch's ops only; True = required (an error where they cannot be built)."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
@@ -237,8 +237,11 @@ class LlamaModel:
         angles = torch.arange(cfg.max_position, dtype=torch.float64)[:, None] * inv_freq
         self.rotary = torch.polar(torch.ones_like(angles), angles).to(device, torch.complex64)
         self.fused: fused.FusedOps | None = None
+        # The int8 products' kernel level ("" unless int8; "torch" where the C kernels could
+        # not be built): reported in the worker's start line.
+        self.int8_kernels = ""
         if quant == "int8":  # calibrated on torch's ops, so both paths quantize alike
-            quantize_model(self)  # float [out, in] products -> smoothed int8, in place
+            self.int8_kernels = quantize_model(self)  # float [out, in] -> smoothed int8, in place
         # The C ops work on float32 CPU tensors: every CPU mode's activations are float32.
         if fused_ops is not False and device.type == "cpu":
             self.fused = fused.load()

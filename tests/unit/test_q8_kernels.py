@@ -1,0 +1,125 @@
+"""The int8 block products (``worker_svc/model/q8.py``) at every kernel level this CPU runs.
+
+Each level's integer dot products are exact, so every level must equal the float64 reference
+(input quantized per block, times the dequantized weight) up to float32 rounding; levels the
+CPU cannot run are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from worker_svc.model import q8
+from worker_svc.model.cpu_features import CpuFeatures
+
+
+def _kernels(level: str) -> q8.Q8Kernels:
+    if level not in q8.runnable_levels():
+        pytest.skip(f"this CPU does not run the {level} kernels (it runs {', '.join(q8.runnable_levels())})")
+    return q8.Q8Kernels.load(level)
+
+
+# (N, K): N not a multiple of the 4-row tile, K not a multiple of 32, an odd number of blocks
+# (the AVX-512 path takes two at a time), and smollm2's shapes.
+SHAPES = [(7, 48), (5, 32), (12, 96), (960, 576), (576, 1536)]
+
+
+@pytest.mark.parametrize("level", q8.LEVELS)
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_every_level_equals_the_reference(level, n, k, m) -> None:
+    kernels = _kernels(level)
+    g = torch.Generator().manual_seed(n * 1000 + k + m)
+    w = q8.quantize_blocks(torch.randn(n, k, generator=g), kernels)
+    # channels of very different ranges, as Llama's activations have
+    x = torch.randn(m, k, generator=g) * torch.rand(k, generator=g).pow(4) * 50
+    ref = q8.reference_linear(x, w)
+    got = w.linear(x)
+    assert got.shape == (m, n)
+    np.testing.assert_allclose(got.numpy(), ref.numpy(), rtol=0, atol=2e-5 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("level", q8.LEVELS)
+def test_products_at_full_range_do_not_saturate(level) -> None:
+    """Every input and weight at +-127, all products of a pair the same sign: each 16-bit pair
+    sum is 2 * 127 * 127 = 32258, the most the AVX2 path can meet; the result is the exact
+    integer sum (fbgemm's AVX2 kernels, with u8 inputs up to 255, saturate here)."""
+    kernels = _kernels(level)
+    k = 96
+    w = q8.quantize_blocks(torch.ones(4, k), kernels)
+    signs = torch.tensor([1.0, -1.0]).repeat(k // 2)
+    x = torch.stack([torch.ones(k), -torch.ones(k), signs])
+    got = w.linear(x)
+    assert torch.equal(got[0], torch.full((4,), 96.0))
+    assert torch.equal(got[1], torch.full((4,), -96.0))
+    assert torch.equal(got[2], torch.zeros(4))
+
+
+@pytest.mark.parametrize("level", q8.LEVELS)
+def test_accumulate_into_out_and_strided_rows(level) -> None:
+    kernels = _kernels(level)
+    g = torch.Generator().manual_seed(5)
+    w = q8.quantize_blocks(torch.randn(9, 40, generator=g), kernels)
+    wide = torch.randn(3, 64, generator=g)
+    x = wide[:, 8:48]  # rows 64 floats apart
+    h = torch.randn(3, 9, generator=g)
+    expect = h + q8.reference_linear(x.contiguous(), w)
+    assert w.linear(x, out=h) is h
+    np.testing.assert_allclose(h.numpy(), expect.numpy(), rtol=0, atol=1e-5 * float(expect.abs().max()))
+
+
+@pytest.mark.parametrize("level", q8.LEVELS)
+def test_c_input_quantizer_matches_the_weight_quantizer(level) -> None:
+    """The C quantizer (run inside every product) and ``quantize_blocks`` agree exactly,
+    halves rounded to even, and pad K with zeros."""
+    kernels = _kernels(level)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(4, 70, generator=g) * 3
+    x[0, :32] = torch.arange(32) - 12.7  # block max 19.3 -> scale 19.3/127: many ties near .5
+    xq, xd = kernels.quantize_input(x)
+    ref = q8.quantize_blocks(x)
+    assert torch.equal(xq, ref.qs) and xq.shape == (4, 96)
+    assert torch.equal(xq[:, 70:], torch.zeros(4, 26, dtype=torch.int8))
+    np.testing.assert_allclose(xd.numpy(), ref.scales.numpy(), rtol=1e-7)
+
+
+def test_zero_rows_and_blocks() -> None:
+    w = q8.quantize_blocks(torch.zeros(4, 64), q8.Q8Kernels.load("scalar"))
+    assert torch.equal(w.scales, torch.zeros(4, 2)) and torch.equal(w.qs, torch.zeros(4, 64, dtype=torch.int8))
+    assert torch.equal(w.linear(torch.randn(2, 64)), torch.zeros(2, 4))
+
+
+def test_levels_follow_the_cpu_flags_and_are_refused_beyond_them(monkeypatch) -> None:
+    assert q8.runnable_levels(CpuFeatures(frozenset())) == ("scalar",)
+    assert q8.runnable_levels(CpuFeatures(frozenset({"avx2", "fma"}))) == ("scalar", "avx2")
+    vnni = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+    assert q8.runnable_levels(CpuFeatures(frozenset(vnni))) == q8.LEVELS
+    # AVX-512 without VNNI runs the AVX2 kernels
+    assert q8.runnable_levels(CpuFeatures(frozenset(vnni - {"avx512_vnni"}))) == ("scalar", "avx2")
+    best = q8.runnable_levels()[-1]
+    assert q8.Q8Kernels.load().level == best
+    monkeypatch.setenv(q8.LEVEL_ENV, "scalar")
+    assert q8.Q8Kernels.load().level == "scalar"
+    with pytest.raises(ValueError, match="must be one of"):
+        q8.Q8Kernels(None, "avx9", q8.SOURCE)  # type: ignore[arg-type]
+    missing = [lv for lv in q8.LEVELS if lv not in q8.runnable_levels()]
+    for level in missing:
+        with pytest.raises(ValueError, match="not one this CPU runs"):
+            q8.Q8Kernels.load(level)
+
+
+def test_without_the_c_library_products_fall_back_to_the_reference(monkeypatch) -> None:
+    """No compiler: load_kernels logs and returns None, and the weights still multiply right."""
+
+    def no_compiler() -> None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+
+    monkeypatch.setattr(q8, "_library", no_compiler)
+    assert q8.load_kernels() is None
+    g = torch.Generator().manual_seed(2)
+    w = q8.quantize_blocks(torch.randn(6, 40, generator=g), None)
+    x = torch.randn(2, 40, generator=g)
+    assert torch.allclose(w.linear(x), q8.reference_linear(x, w))
+    assert torch.allclose(w.linear(x), x @ q8.dequantize(w).t(), atol=0.1)

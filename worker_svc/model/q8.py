@@ -1,0 +1,175 @@
+"""Int8 weight products in blocks of 32 (``q8_kernels.c``), at the CPU's best level.
+
+``--quant int8`` stores each product's weight [N, K] as int8 with one float32 scale per row and
+block of 32 columns (``Q8Weight``); every call quantizes its float32 input the same way and
+multiplies in integers (see the C file for the arithmetic per level). The kernel's level is
+picked once, at load (``Q8Kernels.load``): the best of avx512 (AVX-512 VNNI), avx2 and scalar
+that this CPU runs, or the one ``KVFLEET_Q8_LEVEL`` names (a lower one, for tests and
+comparisons; a level the CPU cannot run is refused).
+
+Built like ``fused`` (the system's C compiler, on first use) but without ``-march=native``:
+each function carries its own target, so one library holds every level and a test can call
+each one the CPU runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+from dataclasses import dataclass, field, replace
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from worker_svc.model import fused
+from worker_svc.model.cpu_features import CpuFeatures, cpu_features
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("q8_kernels.c")
+FLAGS = ["-O3", "-shared", "-fPIC"]
+QK = 32
+LEVELS = ("scalar", "avx2", "avx512")  # lowest first
+LEVEL_ENV = "KVFLEET_Q8_LEVEL"
+_P = ctypes.c_void_p
+_L = ctypes.c_long
+
+
+def runnable_levels(features: CpuFeatures | None = None) -> tuple[str, ...]:
+    """The kernel levels this CPU runs, lowest first."""
+    f = features or cpu_features()
+    ok = {"scalar": True, "avx2": f.avx2 and "fma" in f.flags, "avx512": f.avx512_vnni}
+    return tuple(level for level in LEVELS if ok[level])
+
+
+@dataclass(frozen=True)
+class Q8Weight:
+    """A weight [N, K] in blocks of 32: ``qs`` int8 [N, Kp] in [-127, 127] (Kp = K rounded up
+    to 32, the padding zero), ``scales`` float32 [N, Kp / 32] (block max |w| / 127), and the
+    kernels its products run on."""
+
+    qs: torch.Tensor
+    scales: torch.Tensor
+    in_features: int
+    kernels: Q8Kernels | None = field(default=None, compare=False)
+
+    def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] float32 times this weight -> [M, N] (added into ``out`` when given)."""
+        if self.kernels is None:
+            y = reference_linear(x, self)
+            return y if out is None else out.add_(y)
+        return self.kernels.linear(x, self, out)
+
+    @property
+    def out_features(self) -> int:
+        return self.qs.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.numel() + 4 * self.scales.numel()
+
+
+def quantize_blocks(w: torch.Tensor, kernels: Q8Kernels | None = None) -> Q8Weight:
+    """w: float [N, K] -> its int8 blocks, rounded half to even as the C input quantizer."""
+    n, k = w.shape
+    kp = -(-k // QK) * QK
+    padded = torch.zeros(n, kp, dtype=torch.float32)
+    padded[:, :k] = w.float()
+    blocks = padded.view(n, kp // QK, QK)
+    scales = blocks.abs().amax(dim=2) / 127.0  # [N, Kp/32]
+    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    qs = torch.round(blocks * inv[:, :, None]).clamp_(-127, 127).to(torch.int8)
+    return Q8Weight(qs.view(n, kp).contiguous(), scales.contiguous(), k, kernels)
+
+
+def dequantize(w: Q8Weight) -> torch.Tensor:
+    """The float32 [N, K] the blocks stand for (tests, and the reference product)."""
+    n, kp = w.qs.shape
+    full = w.qs.view(n, kp // QK, QK).float() * w.scales[:, :, None]
+    return full.view(n, kp)[:, : w.in_features]
+
+
+def reference_linear(x: torch.Tensor, w: Q8Weight) -> torch.Tensor:
+    """What every level computes, in float64: x quantized per row and block of 32 (as the C
+    quantizer does), times the dequantized weight. x [M, K] -> [M, N] float32. Also the
+    product where the C kernels cannot be built (slow: it dequantizes on every call)."""
+    xq = quantize_blocks(x)
+    return (dequantize(xq).double() @ dequantize(w).double().t()).float()
+
+
+def with_kernels(w: Q8Weight, kernels: Q8Kernels | None) -> Q8Weight:
+    return replace(w, kernels=kernels)
+
+
+class Q8Kernels:
+    """The C products at one level."""
+
+    def __init__(self, lib: ctypes.CDLL, level: str, path: Path) -> None:
+        if level not in LEVELS:
+            raise ValueError(f"q8 level must be one of {list(LEVELS)}, got {level!r}")
+        self.level, self.path = level, path
+        self._linear = getattr(lib, f"kv_q8_linear_{level}")
+        self._linear.argtypes = [_P, _L, _L, _L, _P, _P, _L, _P, _L, ctypes.c_int, _P]
+        self._linear.restype = None
+        self._quantize = lib.kv_q8_quantize
+        self._quantize.argtypes = [_P, _L, _L, _L, _P, _P]
+        self._quantize.restype = None
+
+    @staticmethod
+    def load(level: str | None = None) -> Q8Kernels:
+        """The kernels at ``level`` (default: ``KVFLEET_Q8_LEVEL``, else the best this CPU
+        runs). Raises ValueError for a level the CPU cannot run, RuntimeError where the
+        library cannot be built."""
+        level = level or os.environ.get(LEVEL_ENV) or runnable_levels()[-1]
+        if level not in runnable_levels():
+            raise ValueError(f"int8 kernel level {level!r} is not one this CPU runs ({', '.join(runnable_levels())})")
+        path, lib = _library()
+        return Q8Kernels(lib, level, path)
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The C input quantizer on its own (the products run it inside): x [M, K] float32
+        -> (int8 [M, Kp], float32 scales [M, Kp / 32])."""
+        m, k = x.shape
+        kp = -(-k // QK) * QK
+        xq = torch.empty(m, kp, dtype=torch.int8)
+        xd = torch.empty(m, kp // QK, dtype=torch.float32)
+        self._quantize(x.data_ptr(), m, k, x.stride(0), xq.data_ptr(), xd.data_ptr())
+        return xq, xd
+
+    def linear(self, x: torch.Tensor, w: Q8Weight, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] float32 (rows contiguous) times w -> [M, N] float32; with ``out`` [M, N]
+        (rows contiguous) the product is added to it in place and ``out`` returned."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features or x.stride(1) != 1:
+            raise ValueError(f"x must be float32 [M, {w.in_features}] with contiguous rows, got {tuple(x.shape)}")
+        m, kp = x.shape[0], w.qs.shape[1]
+        accumulate = out is not None
+        y = out if out is not None else torch.empty(m, w.out_features, dtype=torch.float32)
+        if y.stride(1) != 1 or tuple(y.shape) != (m, w.out_features):
+            raise ValueError("out must be float32 [M, N] with contiguous rows")
+        scratch = torch.empty(m * kp + 4 * m * (kp // QK) + 4, dtype=torch.uint8)
+        base = scratch.data_ptr()
+        self._linear(
+            x.data_ptr(), m, w.in_features, x.stride(0), w.qs.data_ptr(), w.scales.data_ptr(),
+            w.out_features, y.data_ptr(), y.stride(0), int(accumulate), base + (-(base + m * kp) % 4),
+        )  # fmt: skip
+        return y
+
+
+def load_kernels(level: str | None = None) -> Q8Kernels | None:
+    """``Q8Kernels.load``, or None (logged) where the library cannot be built: the products
+    then run torch's reference (correct, several times slower). A level this CPU cannot run
+    is still an error."""
+    try:
+        return Q8Kernels.load(level)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("int8 kernels unavailable, products dequantize on every call: %s", e)
+        return None
+
+
+@cache
+def _library() -> tuple[Path, ctypes.CDLL]:
+    path = fused.build(source=SOURCE, flags=FLAGS)
+    return path, ctypes.CDLL(str(path))
