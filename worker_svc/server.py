@@ -13,6 +13,7 @@ from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import numpy as np
 
 from kvfleet.v1 import worker_pb2 as pb
 from kvfleet.v1 import worker_pb2_grpc as pb_grpc
@@ -198,10 +199,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         )
 
 
-def build_engine(config: WorkerConfig) -> tuple[LlamaConfig, Engine]:
+def build_engine(
+    config: WorkerConfig, model: tuple[LlamaConfig, dict[str, np.ndarray]] | None = None
+) -> tuple[LlamaConfig, Engine]:
+    """An engine for ``config``; ``model``: its config and weights already loaded (several
+    in-process workers share one load; each engine prepares its own copy of the weights)."""
     from kvfleet_models.registry import load_model
 
-    cfg, weights = load_model(config.model)
+    cfg, weights = model if model is not None else load_model(config.model)
     engine = Engine(
         cfg,
         weights,

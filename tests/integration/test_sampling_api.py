@@ -135,11 +135,11 @@ def test_usage_reports_prefix_cached_prompt_tokens():
 
 
 @pytest.mark.slow
-def test_smollm2_logprob_texts_spell_the_streamed_text():
+def test_smollm2_logprob_texts_spell_the_streamed_text(smollm2_cluster):
     req = spb.GenerateRequest(
         text="The capital of France is", max_new_tokens=8, logprobs=True, top_logprobs=3, ignore_eos=True
     )
-    with InProcessCluster(workers=1, model="smollm2-135m", num_blocks=64) as c, SchedulerClient(c.address) as client:
+    with SchedulerClient(smollm2_cluster.address) as client:
         _, events = _generate(client, req)
     text = "".join(ev.text for ev in events)
     pieces = [lp for ev in events for lp in ev.logprobs]

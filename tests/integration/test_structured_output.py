@@ -40,8 +40,8 @@ SCHEMAS = {
 
 
 @pytest.fixture(scope="module")
-def client():
-    with InProcessCluster(workers=1, model="smollm2-135m", num_blocks=128) as c, SchedulerClient(c.address) as cl:
+def client(smollm2_cluster):
+    with SchedulerClient(smollm2_cluster.address) as cl:
         yield cl
 
 

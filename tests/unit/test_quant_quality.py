@@ -18,25 +18,22 @@ from pathlib import Path
 
 import pytest
 
-from kvfleet_models.registry import load_model
-from kvfleet_models.tokenizer import Tokenizer
 from worker_svc.engine import Engine, EngineConfig
 from worker_svc.quality import TeacherForced, compare, teacher_forced
 
 pytestmark = pytest.mark.slow
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "heldout.txt"
-MODEL = "smollm2-135m"
 BLOCKS = 160  # 2,560 tokens of KV
 
 
 @pytest.fixture(scope="module")
-def model():
-    return load_model(MODEL)
+def model(smollm2_model):
+    return smollm2_model
 
 
 @pytest.fixture(scope="module")
-def token_ids() -> list[int]:
-    ids = Tokenizer.for_model(MODEL).encode(HELDOUT.read_text())
+def token_ids(smollm2_tokenizer) -> list[int]:
+    ids = smollm2_tokenizer.encode(HELDOUT.read_text())
     assert len(ids) > 2000
     return ids
 

