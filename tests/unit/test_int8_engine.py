@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import worker_svc.model.int8 as int8
+import worker_svc.model.llama as llama
 from kvfleet.v1 import worker_pb2 as pb
 from kvfleet_models.config import LlamaConfig, tiny_config
 from kvfleet_models.reference import reference_generate, reference_logits
@@ -128,14 +129,26 @@ def test_int8_sizes_threads_and_info() -> None:
     assert info_to_pb("w", cfg, f32, 4, 16).quant == "none"
 
 
-def test_bfloat16_on_cpu_keeps_activations_and_kv_in_float32() -> None:
+def _onednn_bf16() -> bool:
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@pytest.mark.parametrize("path", ["onednn", "torch"])
+def test_bfloat16_on_cpu_keeps_activations_and_kv_in_float32(path, monkeypatch) -> None:
+    """Both bfloat16 product paths: oneDNN's packed weights where this CPU has its bfloat16
+    kernels (AVX-512 BF16 / AMX), and torch's matmul on [out, in] bfloat16 weights (forced)."""
+    if path == "onednn" and not _onednn_bf16():
+        pytest.skip("this CPU has no oneDNN bfloat16 kernels (needs AVX-512 BF16 or AMX)")
+    if path == "torch":
+        monkeypatch.setattr(llama, "pack_bf16", lambda w: None)
     cfg, weights = MODELS["gqa"]
     engine = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=64, dtype="bfloat16"))
     assert engine.model.act_dtype == torch.float32 and engine.cache.kv.dtype == torch.float32
     qkv = engine.model.layers[0].qkv
-    assert (qkv.dnn if qkv.dnn is not None else qkv.nk).dtype == torch.bfloat16
-    if qkv.dnn is not None:  # oneDNN's copy replaces torch's
-        assert qkv.nk is None and qkv.kn is None
+    if path == "onednn":  # oneDNN's copy replaces torch's
+        assert qkv.dnn is not None and qkv.dnn.dtype == torch.bfloat16 and qkv.nk is None and qkv.kn is None
+    else:
+        assert qkv.dnn is None and qkv.nk is not None and qkv.nk.dtype == torch.bfloat16
     assert engine.weight_bytes < 0.55 * 4 * engine.parameter_count
     prompt = _prompt(10, cfg.vocab_size, salt=4)
     got, tokens = _logits(engine, prompt)
