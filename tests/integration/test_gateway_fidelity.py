@@ -8,6 +8,7 @@ front doors must agree; refused fields are a BadRequestError naming the field; v
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 
 import jsonschema
@@ -253,13 +254,17 @@ def test_tools_on_a_template_without_them_are_a_400(client):
 # ---- usage -----------------------------------------------------------------------------------
 
 
-def test_cached_prompt_tokens_are_reported(client):
+def test_cached_prompt_tokens_are_reported(client, cluster):
     prompt = "Here is a long shared preamble that repeats across requests. " * 6 + "Question:"
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
     second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
-    assert first.usage.prompt_tokens_details is not None
-    cached = second.usage.prompt_tokens_details.cached_tokens
-    assert 0 < cached <= second.usage.prompt_tokens, "the repeated prompt's prefix was not reported as cached"
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # a prompt never seen before
+    n = second.usage.prompt_tokens
+    assert n == first.usage.prompt_tokens > 2 * cluster.spec.block_size
+    # The worker reuses the full blocks of the prompt but the last token (which must still be
+    # run for its logits): every whole block of the first n - 1 tokens.
+    bs = cluster.spec.block_size
+    assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // bs * bs
 
 
 # ---- refused fields --------------------------------------------------------------------------
@@ -298,18 +303,19 @@ def test_tokenize_detokenize_round_trip(gateway, grpc_client):
     assert status == 200 and body["count"] == len(body["tokens"]) > 0 and body["max_model_len"] >= 2048
     # the same ids the scheduler generates from
     want = grpc_client.generate(build_request(text, 1, temperature=0.0))
-    assert [t for t in body["tokens"] if t in want.prompt_token_ids] == list(want.prompt_token_ids)
+    assert body["tokens"] == list(want.prompt_token_ids)
     status, back, _ = http("POST", gateway.url + "/detokenize", {"model": MODEL, "tokens": body["tokens"]})
     assert status == 200 and back["prompt"] == text
     status, chat, _ = http("POST", gateway.url + "/tokenize", {"model": MODEL, "messages": USER})
     assert status == 200 and chat["count"] > body["count"]  # the template's turn markers
+    assert chat["tokens"] == list(grpc_client.generate(build_request(USER, 1, temperature=0.0)).prompt_token_ids)
     assert http("POST", gateway.url + "/tokenize", {"model": "gpt-4o", "prompt": "x"})[0] == 404
     assert http("POST", gateway.url + "/detokenize", {"model": MODEL, "tokens": "x"})[0] == 400
 
 
 def test_version_and_models(gateway, client):
     status, body, _ = http("GET", gateway.url + "/version")
-    assert status == 200 and isinstance(body["version"], str) and body["version"]
+    assert status == 200 and body == {"version": importlib.metadata.version("kvfleet")}
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].model_extra["max_model_len"] >= 2048

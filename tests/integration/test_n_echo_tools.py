@@ -186,8 +186,13 @@ CALLS = '[{"id": "c1", "type": "function", "function": {"name": "f", "arguments"
     ids=["tools_json", "tool message", "assistant tool calls"],
 )
 def test_tools_on_a_template_without_tool_support_are_refused(smol, req):
+    plain = build_request([{"role": "user", "content": "hi"}], 1, ignore_eos=True)
+    before = smol.generate(plain)
     with pytest.raises(grpc.RpcError) as info:
         list(smol.stream(req))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"model '{SMOLLM2_135M}': its chat template has no tool support" in info.value.details()
-    assert smol.generate(build_request([{"role": "user", "content": "hi"}], 1)).finish_reason  # still serving
+    # still serving, and the refusal left nothing behind: the same greedy answer as before it
+    after = smol.generate(plain)
+    assert after.finish_reason == "length" and len(after.token_ids) == 1
+    assert (after.token_ids, after.text) == (before.token_ids, before.text)

@@ -17,7 +17,7 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 
 from kvfleet.v1 import telemetry_pb2, telemetry_pb2_grpc
 from kvfleet_common.security import TlsConfig
@@ -42,18 +42,35 @@ def guarded(tmp_path: Any) -> Iterator[RunningServer]:
     srv.stop()
 
 
+class _Verdicts(SpanExporter):
+    """Passes spans to the real exporter and keeps what each export call returned."""
+
+    def __init__(self, inner: SpanExporter) -> None:
+        self.inner, self.results = inner, []
+
+    def export(self, spans: Any) -> SpanExportResult:
+        result = self.inner.export(spans)
+        self.results.append(result)
+        return result
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+
 def _sdk_export(port: int, name: str, headers: str | None, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """One span through the stock SDK exporter, configured only by the standard environment."""
+    """One span through the stock SDK exporter, configured only by the standard environment;
+    True when the server accepted the export (the exporter's own SUCCESS)."""
     if headers is None:
         monkeypatch.delenv("OTEL_EXPORTER_OTLP_HEADERS", raising=False)
     else:
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", headers)
     provider = TracerProvider(resource=Resource.create({"service.name": "kvfleet-worker"}))
-    exporter = OTLPSpanExporter(endpoint=f"127.0.0.1:{port}", insecure=True, timeout=5)
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    verdicts = _Verdicts(OTLPSpanExporter(endpoint=f"127.0.0.1:{port}", insecure=True, timeout=5))
+    provider.add_span_processor(SimpleSpanProcessor(verdicts))
     provider.get_tracer("t").start_span(name, attributes={"experiment.id": "auth"}).end()
     provider.shutdown()
-    return bool(exporter)  # the verdict is read back from the store
+    assert len(verdicts.results) == 1, verdicts.results  # the span really went to the exporter
+    return verdicts.results[0] is SpanExportResult.SUCCESS
 
 
 def _artifact(arm: str = "control", sha: str = "a" * 64, n: int = 5) -> telemetry_pb2.ArtifactRequest:
@@ -67,9 +84,9 @@ def _artifact(arm: str = "control", sha: str = "a" * 64, n: int = 5) -> telemetr
 def test_writes_need_the_token_and_otlp_exporters_send_it_from_the_environment(
     guarded: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _sdk_export(guarded.port, "anonymous", None, monkeypatch)
-    _sdk_export(guarded.port, "wrong", "authorization=Bearer nope", monkeypatch)
-    _sdk_export(guarded.port, "signed", f"authorization=Bearer {TOKEN}", monkeypatch)
+    assert not _sdk_export(guarded.port, "anonymous", None, monkeypatch)
+    assert not _sdk_export(guarded.port, "wrong", "authorization=Bearer nope", monkeypatch)
+    assert _sdk_export(guarded.port, "signed", f"authorization=Bearer {TOKEN}", monkeypatch)
     assert [r.name for r in guarded.server.store.spans()] == ["signed"]
 
     with pytest.raises(grpc.RpcError) as err:

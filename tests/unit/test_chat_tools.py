@@ -199,6 +199,17 @@ def test_bad_request_options(req, says):
         check_options(req)
 
 
-def test_good_request_options():
-    check_options(spb.GenerateRequest(request_id="~ " + "r" * 126, n=16))
-    check_options(spb.GenerateRequest())
+@pytest.mark.parametrize(
+    "req",
+    [
+        spb.GenerateRequest(request_id="~ " + "r" * 126, n=16),  # both at their limits: 128 characters, 16 choices
+        spb.GenerateRequest(request_id="".join(chr(c) for c in range(0x20, 0x7F))),  # every printable ASCII one
+        spb.GenerateRequest(n=1),
+        spb.GenerateRequest(),  # request_id "" and n 0 (= one choice)
+    ],
+    ids=["at the limits", "all printable ASCII", "n 1", "defaults"],
+)
+def test_good_request_options(req):
+    before = req.SerializeToString(deterministic=True)
+    assert check_options(req) is None  # accepted: no PromptError
+    assert req.SerializeToString(deterministic=True) == before  # and left as it was

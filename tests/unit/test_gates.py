@@ -127,10 +127,23 @@ def test_positive_saving_uses_the_mean() -> None:
     candidate = [100, 100, 100, 100, 100, 100, 100, 100]
     c = compare("generation_wall", control, candidate, n_boot=50)
     gate = Gate("w", GateKind.POSITIVE_SAVING, "generation_wall", alpha=0.2)
-    assert c.median_saving == 0 and c.mean_saving > 0
+    # By hand: means 400 vs 100, so a mean saving of 300 ns; medians both 100.
+    assert c.median_saving == 0 and c.mean_saving == 300
+    # Mann-Whitney by hand: the three 900s beat all 8 candidates (24), the five 100s tie them
+    # (40 ties, 20), so U = 44 of 64; ties 13 x 100 and 3 x 900 give var = 64/12 * (17 - 2208/240)
+    # = 41.6; z = (44 - 32 - 0.5) / sqrt(41.6) = 1.783; two-sided p = erfc(z / sqrt 2) = 0.0746.
+    assert c.mann_whitney_p == pytest.approx(0.0746, abs=5e-4)
     r = evaluate_gate(gate, c, 5)
-    assert r.passed is (c.mann_whitney_p < 0.2)
-    assert "mean saving" in r.reason
+    assert r.passed is True  # 300 > 0 and p 0.0746 < alpha 0.2
+    assert r.reason == "mean saving 300 ns (need > 0), p=0.0746 < alpha=0.2"
+    # the same saving is not significant at alpha 0.05, and a 40% tolerance (need > 160) is met
+    assert evaluate_gate(Gate("w", GateKind.POSITIVE_SAVING, "generation_wall"), c, 5).passed is False
+    tolerant = Gate("w", GateKind.POSITIVE_SAVING, "generation_wall", alpha=0.2, tolerance=0.4)
+    assert evaluate_gate(tolerant, c, 5).passed is True
+    too_tolerant = Gate("w", GateKind.POSITIVE_SAVING, "generation_wall", alpha=0.2, tolerance=0.8)  # need > 320
+    assert evaluate_gate(too_tolerant, c, 5).passed is False
+    # while a median gate on the same data fails: no median saving at all
+    assert evaluate_gate(Gate("m", GateKind.POSITIVE_MEDIAN_SAVING, "generation_wall", alpha=0.2), c, 5).passed is False
 
 
 def test_p90_non_regression_bound() -> None:

@@ -17,6 +17,7 @@ import jsonschema
 import numpy as np
 import pytest
 
+from kvfleet_models import grammar as grammar_mod
 from kvfleet_models.errors import ModelLoadError
 from kvfleet_models.grammar import GrammarConstraint, check_response_format, constraint_factory
 from kvfleet_models.registry import SMOLLM2_135M, default_model_file
@@ -101,20 +102,37 @@ def test_check_response_format_refuses_bad_input(kind: str, schema: str, message
         check_response_format(kind, schema)
 
 
+INTEGERS = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
+
+
 @pytest.mark.parametrize(
-    ("kind", "schema"),
+    ("kind", "schema", "enforced"),
     [
-        ("", ""),
-        ("text", ""),
-        ("json_object", ""),
-        ("json_schema", json.dumps(PERSON)),
-        ("json_schema", json.dumps({"name": "person", "schema": PERSON, "strict": True})),
-        ("json_schema", '{"type": "array", "items": {"type": "integer"}, "minItems": 1}'),
+        ("", "", None),  # None: no constraint, no grammar built
+        ("text", "", None),
+        ("json_object", "", {"type": "object"}),
+        ("json_schema", json.dumps(PERSON), PERSON),
+        ("json_schema", json.dumps({"name": "person", "schema": PERSON, "strict": True}), PERSON),  # unwrapped
+        ("json_schema", json.dumps(INTEGERS), INTEGERS),
     ],
 )
-def test_check_response_format_accepts_good_input(kind: str, schema: str) -> None:
-    check_response_format(kind, schema)  # raises on failure
-    check_response_format(kind, schema)  # and again, from the cache
+def test_check_response_format_accepts_good_input(
+    kind: str, schema: str, enforced: dict[str, Any] | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if enforced is None:  # no constraint: the grammar builder is never reached
+        monkeypatch.setattr(grammar_mod, "_grammar", lambda *a: pytest.fail(f"built a grammar for {a}"))
+        assert check_response_format(kind, schema) is None
+        return
+    grammar_mod._grammar.cache_clear()
+    assert check_response_format(kind, schema) is None  # raises on failure
+    assert check_response_format(kind, schema) is None  # and again, from the cache
+    info = grammar_mod._grammar.cache_info()
+    assert (info.misses, info.hits) == (1, 1)  # built once, the second call served from the cache
+    # the grammar it checked enforces exactly that schema, strictly (no lenient mode)
+    (built,) = json.loads(grammar_mod._grammar(kind, schema))["grammars"]
+    guidance = built["json_schema"].pop("x-guidance")
+    assert built["json_schema"] == enforced
+    assert guidance["lenient"] is False
 
 
 # ----------------------------------------------------------------------------- real vocabulary

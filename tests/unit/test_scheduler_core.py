@@ -680,15 +680,24 @@ def test_empty_workload_rejected():
 
 
 def test_session_whose_block_rounded_reservation_exceeds_kv_budget_is_rejected():
-    core, fake = make_core(kv_budget_bytes=13 * BPT), FakeWorkers()  # block 16
-    try:
-        sid = core.submit(req(4, 10))  # worst 13 -> 16 reserved
-    except AdmissionRejected as e:
-        assert e.reason == RejectReason.KV_BUDGET
-        return
+    # Worst case 4 + 10 - 1 = 13 tokens, within a 13-token budget, but KV is reserved in whole
+    # blocks of 16 (KvReservations.could_ever_fit rounds up), and 16 tokens are over: rejected
+    # at submit rather than queued for ever.
+    core = make_core(kv_budget_bytes=13 * BPT)  # block 16
+    with pytest.raises(AdmissionRejected) as info:
+        core.submit(req(4, 10))
+    assert info.value.reason == RejectReason.KV_BUDGET
+    assert "needs up to 13 tokens of KV" in info.value.message
+    assert core.queue_depth == 0 and not core.has_work()
+    assert core.snapshot().rejected_by_reason == {"kv_budget": 1}
+    # One whole block of budget takes the same request, admits it at once and runs it to the end.
+    core, fake = make_core(kv_budget_bytes=16 * BPT), FakeWorkers()
+    sid = core.submit(req(4, 10))
     plan, _ = plan_tick(core)
-    assert not plan.empty, f"{sid} was accepted but can never be admitted"
+    assert [p.session_id for p in plan.prefill] == [sid]
+    complete_tick(core, plan, fake.run(plan))
     run_to_completion(core, fake)
+    assert core.session(sid).finish_reason == FinishReason.LENGTH
 
 
 # ---- 4. invariants on random workloads ----------------------------------------------------
@@ -1119,9 +1128,16 @@ def test_only_the_owner_may_cancel():
     "priority,ok", [(-10, True), (10, True), (0, True), (11, False), (-11, False), (2**31 - 1, False)]
 )
 def test_priority_is_bounded(priority, ok):
-    core = make_core()
+    core = make_core(max_running=1)
     if ok:
-        core.submit(req(2, 2, priority=priority))
+        first = core.submit(req(2, 2))  # priority 0, submitted first
+        sid = core.submit(req(2, 2, priority=priority))
+        assert core.session(sid).phase == Phase.QUEUED and core.session(sid).request.priority == priority
+        assert core.queue_depth == 2 and core.snapshot().rejected_by_reason == {}
+        # and the priority is honoured, not clamped or dropped: lower value first, FCFS among
+        # equals, so only -10 overtakes the earlier priority-0 session for the one slot
+        plan, _ = plan_tick(core)
+        assert [p.session_id for p in plan.prefill] == [sid if priority < 0 else first]
         return
     with pytest.raises(AdmissionRejected) as e:
         core.submit(req(2, 2, priority=priority))
