@@ -20,6 +20,8 @@ import pytest
 from kvfleet.client import Completion, SchedulerClient, build_request
 from kvfleet.v1 import telemetry_pb2, telemetry_pb2_grpc
 from tests.e2e.conftest import REPO, Stack
+from tests.helpers.prometheus import samples
+from tests.helpers.prometheus import types as family_types
 
 pytestmark = pytest.mark.e2e
 
@@ -135,27 +137,21 @@ def _scrape(stack: Stack, service: str, port: int) -> str:
 def test_prometheus_metrics_serve_every_name_the_dashboard_uses(stack: Stack) -> None:
     # the gateway serves its own /metrics on its API port (the earlier tests sent it requests)
     scraped = _scrape(stack, "scheduler", 9400) + _scrape(stack, "worker-0", 9401) + _scrape(stack, "gateway", 8000)
-    finished = re.findall(
-        rf'^kvfleet:request_success_total\{{finished_reason="length",model_name="{stack.model}"\}} '
-        r"(\S+)$",
-        scraped,
-        re.M,
+    finished = samples(
+        scraped, "kvfleet:request_success_total", {"finished_reason": "length", "model_name": stack.model}
     )
-    assert finished and float(finished[0]) >= 1, "no finished sessions counted"
-    served = re.findall(
-        rf'^kvfleet:gateway_requests_total\{{endpoint="text_completion",model_name="{stack.model}",'
-        r'status_code="200"\} (\S+)$',
+    assert finished and finished[0].value >= 1, "no finished sessions counted"
+    served = samples(
         scraped,
-        re.M,
+        "kvfleet:gateway_requests_total",
+        {"endpoint": "text_completion", "model_name": stack.model, "status_code": "200"},
     )
-    assert served and float(served[0]) >= 1, "no gateway requests counted"
+    assert served and served[0].value >= 1, "no gateway requests counted"
     dashboard = (REPO / "deploy" / "grafana" / "dashboards" / "kvfleet.json").read_text()
     used = set(re.findall(r"kvfleet:[a-z0-9_]+", dashboard))
     assert used, "the dashboard names no kvfleet metric"
-    # {family: type}; a counter's TYPE line names it with or without _total (by client version)
-    types: dict[str, str] = {}
-    for name, kind in re.findall(r"^# TYPE (kvfleet:[a-z0-9_]+) (\S+)$", scraped, re.M):
-        types[re.sub(r"_total$", "", name) if kind == "counter" else name] = kind
+    # {family: type}; a counter's family without _total, whatever its TYPE line said (by client version)
+    types = {name: kind for name, kind in family_types(scraped).items() if name.startswith("kvfleet:")}
     # what each sample suffix promises: _total a counter, _bucket/_sum/_count a histogram
     wrong = {}
     for m in used:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import tempfile
 import textwrap
 import time
@@ -27,7 +26,8 @@ import pytest
 from kvfleet.client import SchedulerClient, build_request
 from kvfleet.v1 import telemetry_pb2, telemetry_pb2_grpc
 from kvfleet_common.security import TlsConfig, channel
-from tests.e2e.conftest import REPO, Stack, run_stack
+from tests.e2e.conftest import Stack, run_stack
+from tests.helpers.certs import make_dev_certs
 
 pytestmark = pytest.mark.e2e
 
@@ -40,13 +40,7 @@ def certs() -> Iterator[Path]:
     # The containers' user (uid 10001) must read its key: own it (as root), or make it readable.
     key_access = {"KVFLEET_KEY_OWNER": "10001"} if os.geteuid() == 0 else {"KVFLEET_KEY_MODE": "644"}
     try:
-        subprocess.run(
-            ["bash", str(REPO / "deploy" / "tls" / "make_dev_certs.sh"), str(d)],
-            check=True,
-            capture_output=True,
-            env={**os.environ, **key_access},
-            timeout=120,
-        )
+        make_dev_certs(d, **key_access)
         d.chmod(0o755)
         yield d
     finally:

@@ -1,5 +1,8 @@
+from pathlib import Path
+
 import pytest
 
+from tests.helpers.certs import make_dev_certs
 from tests.integration.inproc import InProcessCluster
 
 
@@ -7,3 +10,10 @@ from tests.integration.inproc import InProcessCluster
 def cluster():
     with InProcessCluster(workers=2) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory) -> Path:
+    """deploy/tls/make_dev_certs.sh's default certificates (no extra names), made once per run;
+    tests read them and never change them."""
+    return make_dev_certs(tmp_path_factory.mktemp("certs"))

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers.images import png_size, svg_size
+
 
 def test_sweep_cli_starts_a_cluster_and_writes_the_json(tmp_path: Path):
     out = tmp_path / "sweep.json"
@@ -17,8 +19,6 @@ def test_sweep_cli_starts_a_cluster_and_writes_the_json(tmp_path: Path):
     assert [r["ticks"] for r in doc["concurrency_sweep"]["results"]] == [64, 33, 19, 15]
     assert "conc" in proc.stdout and "corruption_free: True" in proc.stdout
     # Beside the JSON, its picture (tests/unit/test_plots.py checks the drawing itself).
-    from tests.unit.test_plots import png_size, svg_size
-
     assert png_size(tmp_path / "sweep.png") == (1200, 400)
     assert svg_size(tmp_path / "sweep.svg") == ("864pt", "288pt")
     # stderr is a pipe here: plain progress lines, one per concurrency, no bar.

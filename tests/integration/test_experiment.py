@@ -2,13 +2,13 @@
 service, the lever switched per arm on live workers, the summary judged from stored spans."""
 
 import json
-import sqlite3
 
 import pytest
 
 from kvfleet.client import SchedulerClient, build_request
 from kvfleet.experiment import ExperimentSpec, run_experiment
 from kvfleet.local_cluster import ClusterSpec, LocalCluster
+from tests.helpers.telemetry_db import query, wait_for_rows
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +86,10 @@ def test_summary_is_complete_and_exact(summary):
 
 
 def test_one_trace_spans_scheduler_and_workers(summary, traced_cluster):
-    db = sqlite3.connect(traced_cluster.log_dir / "telemetry.db")
-    rows = db.execute(
-        "SELECT trace_id, name, service, attributes FROM spans WHERE experiment_id = 'exp-test'"
-    ).fetchall()
+    rows = query(
+        traced_cluster.log_dir / "telemetry.db",
+        "SELECT trace_id, name, service, attributes FROM spans WHERE experiment_id = 'exp-test'",
+    )
     by_trace: dict[str, set[tuple[str, str]]] = {}
     for trace_id, name, service, _ in rows:
         by_trace.setdefault(trace_id, set()).add((name, service))
@@ -120,21 +120,16 @@ def test_one_trace_spans_scheduler_and_workers(summary, traced_cluster):
 def test_a_lone_session_is_one_trace_too(traced_cluster):
     with SchedulerClient(traced_cluster.scheduler_address) as client:
         sid = client.generate(build_request([1, 2, 3], 4)).session_id
-    import time
-
-    db = sqlite3.connect(traced_cluster.log_dir / "telemetry.db")
-    for _ in range(40):
-        rows = db.execute(
-            "SELECT trace_id FROM spans WHERE name = 'text_completion tiny' AND attributes LIKE ?",
-            (f'%"kvfleet.session.id": "{sid}"%',),
-        ).fetchall()
-        if rows:
-            trace_id = rows[0][0]
-            names = {n for (n,) in db.execute("SELECT name FROM spans WHERE trace_id = ?", (trace_id,))}
-            if {"text_completion tiny", "queue", "tick", "worker_step", "attention"} <= names:
-                return
-        time.sleep(0.25)
-    pytest.fail(f"no complete trace for session {sid}")
+    wanted = {"text_completion tiny", "queue", "tick", "worker_step", "attention"}
+    wait_for_rows(
+        traced_cluster.log_dir / "telemetry.db",
+        "SELECT name FROM spans WHERE trace_id = (SELECT trace_id FROM spans WHERE name = 'text_completion tiny' "
+        "AND attributes LIKE ? LIMIT 1)",
+        (f'%"kvfleet.session.id": "{sid}"%',),
+        until=lambda rows: wanted <= {n for (n,) in rows},
+        what=f"a complete trace ({sorted(wanted)}) for session {sid}",
+        timeout=10,
+    )
 
 
 def test_reusing_an_experiment_id_is_refused_before_anything_runs(summary, traced_cluster):
@@ -142,10 +137,10 @@ def test_reusing_an_experiment_id_is_refused_before_anything_runs(summary, trace
     first run's data and then fail at RecordArtifact; it is refused up front, and the first
     run's record is untouched."""
     spec = ExperimentSpec(repeats=1, sessions=1, prompt_len=4, max_new_tokens=2, experiment_id="exp-test")
-    db = sqlite3.connect(traced_cluster.log_dir / "telemetry.db")
+    db = traced_cluster.log_dir / "telemetry.db"
     count = "SELECT COUNT(*) FROM spans WHERE experiment_id = 'exp-test'"
-    before = db.execute(count).fetchone()[0]
+    before = query(db, count)[0][0]
     with SchedulerClient(traced_cluster.scheduler_address) as client:
         with pytest.raises(RuntimeError, match="already has data"):
             run_experiment(client, traced_cluster.telemetry_address, spec)
-    assert db.execute(count).fetchone()[0] == before
+    assert query(db, count)[0][0] == before

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import uuid
 import pytest
 
 from kvfleet.local_cluster import ClusterSpec, LocalCluster, free_port
+from tests.helpers.telemetry_db import wait_for_rows
 from tests.integration.test_gateway import GatewayProcess, http
 
 TOKEN = "scheduler-s3cret"
@@ -123,14 +123,16 @@ def test_allow_anonymous_serves_keyless_callers_only_when_said(gateways):
     assert "--allow-anonymous: anyone who reaches this port" in g.log_path.read_text()
 
 
-def _gateway_spans(cluster, since_ns: int) -> list[tuple[str, dict]]:
-    db = sqlite3.connect(cluster.log_dir / "telemetry.db")
-    try:
-        rows = db.execute(
-            "SELECT name, attributes FROM spans WHERE service = 'kvfleet-gateway' AND start_ns >= ?", (since_ns,)
-        ).fetchall()
-    finally:
-        db.close()
+def _gateway_spans(cluster, since_ns: int, count: int) -> list[tuple[str, dict]]:
+    """The gateway's spans since `since_ns`, once there are `count` of them."""
+    rows = wait_for_rows(
+        cluster.log_dir / "telemetry.db",
+        "SELECT name, attributes FROM spans WHERE service = 'kvfleet-gateway' AND start_ns >= ?",
+        (since_ns,),
+        until=lambda rows: len(rows) >= count,
+        what=f"{count} gateway spans",
+        timeout=20,
+    )
     return [(name, json.loads(attrs)) for name, attrs in rows]
 
 
@@ -153,9 +155,7 @@ def test_span_names_come_from_validated_values_only(cluster, gateways):
         assert (status, err["error"]["code"]) == (404, "model_not_found")
     assert http("POST", g.url + "/v1/chat/completions", {"model": bogus, "messages": []}, _bearer("gw-key"))[0] == 400
     assert http("POST", g.url + "/v1/completions", BODY, _bearer("gw-key"))[0] == 200
-    end = time.monotonic() + 20
-    while len(spans := _gateway_spans(cluster, since)) < 3 and time.monotonic() < end:
-        time.sleep(0.3)
+    spans = _gateway_spans(cluster, since, 3)
     assert sorted(name for name, _ in spans) == ["text_completion", "text_completion", "text_completion tiny"], spans
     for name, attrs in spans:
         assert bogus not in name and bogus not in json.dumps(attrs), (name, attrs)

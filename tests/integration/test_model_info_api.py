@@ -5,8 +5,6 @@ tiny (no tokenizer) and SmolLM2-135M in-process clusters, and a subprocess clust
 from __future__ import annotations
 
 import json
-import sqlite3
-import time
 from importlib.metadata import version
 
 import grpc
@@ -19,6 +17,7 @@ from kvfleet_models.config import tiny_config
 from kvfleet_models.registry import SMOLLM2_135M
 from kvfleet_models.tokenizer import Tokenizer
 from tests.helpers.models import SMOLLM2_FILE, needs_smollm2
+from tests.helpers.telemetry_db import wait_for_rows
 from tests.integration.inproc import InProcessCluster
 
 SMOLLM = SMOLLM2_FILE
@@ -188,21 +187,16 @@ def test_served_name_request_id_in_span_and_logs(tmp_path):
 
 
 def _session_span_attrs(db_path, session_id: str) -> dict:
-    end = time.monotonic() + 30
-    while True:
-        rows = []
-        if db_path.exists():
-            db = sqlite3.connect(db_path)
-            try:
-                rows = db.execute(
-                    "SELECT attributes FROM spans WHERE attributes LIKE ?", (f'%"{session_id}"%',)
-                ).fetchall()
-            except sqlite3.OperationalError:  # the table is not there yet
-                rows = []
-            finally:
-                db.close()
-        sessions = [a for a in (json.loads(r[0]) for r in rows) if a.get("kvfleet.span") == "session"]
-        if sessions:
-            return sessions[0]
-        assert time.monotonic() < end, f"no session span for {session_id}"
-        time.sleep(0.3)
+    def sessions(rows) -> list[dict]:
+        return [a for a in (json.loads(r[0]) for r in rows) if a.get("kvfleet.span") == "session"]
+
+    rows = wait_for_rows(
+        db_path,
+        "SELECT attributes FROM spans WHERE attributes LIKE ?",
+        (f'%"{session_id}"%',),
+        until=lambda rows: bool(sessions(rows)),
+        what=f"the session span of {session_id}",
+        timeout=30,
+        interval=0.3,
+    )
+    return sessions(rows)[0]

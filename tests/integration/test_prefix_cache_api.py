@@ -6,16 +6,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import grpc
 import pytest
 
 from kvfleet.client import SchedulerClient, build_request
-from kvfleet.v1 import worker_pb2 as wpb
-from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
 from kvfleet_models.config import tiny_config
 from kvfleet_models.reference import reference_generate
 from kvfleet_models.tiny import tiny_weights
 from scheduler_svc.core import SchedulerLimits
+from tests.helpers.worker_stats import worker_stats
 from tests.integration.inproc import InProcessCluster
 
 CFG = tiny_config()
@@ -30,11 +28,6 @@ def _cluster(prefix_caching: bool, limits: SchedulerLimits | None = None) -> InP
     c = InProcessCluster(workers=1, limits=limits, block_size=BS)  # one worker: one cache
     c.worker_config = replace(c.worker_config, prefix_caching=prefix_caching)
     return c
-
-
-def _worker_stats(address: str) -> wpb.WorkerStats:
-    with grpc.insecure_channel(address) as ch:
-        return wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(), timeout=5)
 
 
 def _run(cluster: InProcessCluster) -> list[tuple[list[int], int]]:
@@ -66,10 +59,10 @@ def test_shared_system_prompt_is_reused_and_tokens_match_caching_off(budget: int
     limits = SchedulerLimits(prefill_token_budget=budget)
     with _cluster(False, limits) as off:
         plain = _run(off)
-        assert _worker_stats(off.worker_addresses[0]).prefix_cache_queries == 0
+        assert worker_stats(off.worker_addresses[0]).prefix_cache_queries == 0
     with _cluster(True, limits) as on:
         cached = _run(on)
-        stats = _worker_stats(on.worker_addresses[0])
+        stats = worker_stats(on.worker_addresses[0])
     for turn, (tokens, _), (want, none) in zip(TURNS, cached, plain):
         assert tokens == want == reference_generate(CFG, WEIGHTS, SYSTEM + turn, NEW)
         assert none == 0

@@ -1,8 +1,6 @@
 """KV a worker holds for sessions the scheduler never placed there (a drain timeout, a restarted
 scheduler, a lost Release) is found through GetStats and freed, so placement gets its room back."""
 
-import time
-
 import grpc
 
 from kvfleet.client import SchedulerClient, build_request
@@ -11,6 +9,7 @@ from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
 from kvfleet_models.config import tiny_config
 from kvfleet_models.reference import reference_generate
 from kvfleet_models.tiny import tiny_weights
+from tests.helpers.worker_stats import wait_for_worker_stats
 from tests.integration.inproc import InProcessCluster
 
 BLOCK = 16
@@ -37,12 +36,9 @@ def test_orphaned_kv_is_freed_and_its_room_used_again():
             stub = wpb_grpc.WorkerStub(ch)
             for i in range(7):
                 _orphan(stub, f"left-over-{i}", BLOCK)
-            end = time.monotonic() + 10
-            while True:
-                stats = stub.GetStats(wpb.GetStatsRequest(), timeout=5)
-                if not stats.session_ids or time.monotonic() > end:
-                    break
-                time.sleep(0.1)
+            stats = wait_for_worker_stats(
+                c.worker_addresses[0], lambda s: not s.session_ids, what="its orphaned sessions to be freed", timeout=10
+            )
             assert list(stats.session_ids) == [] and stats.used_blocks == 0
         prompt = [1 + i % 40 for i in range(40)]
         with SchedulerClient(c.address) as client:

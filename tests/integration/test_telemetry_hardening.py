@@ -4,10 +4,7 @@ collector's batches. Real servers on loopback ports; spans through the stock OTL
 
 from __future__ import annotations
 
-import socket
-import subprocess
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -19,14 +16,15 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 
+from kvfleet.local_cluster import free_port
 from kvfleet.v1 import telemetry_pb2, telemetry_pb2_grpc
 from kvfleet_common.security import TlsConfig
 from telemetry_svc.auth import AuthPolicy
 from telemetry_svc.retention import RetentionPolicy
 from telemetry_svc.server import MAX_EXPORT_BYTES, TelemetryConfig
-from tests.integration.test_telemetry_service import RunningServer, _export, _health, _request, _span
+from tests.helpers.prometheus import scrape
+from tests.helpers.telemetry_server import RunningServer, export_request, health_status, otlp_export, raw_span
 
-ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "telemetry-s3cret"
 BEARER = (("authorization", f"Bearer {TOKEN}"),)
 
@@ -90,7 +88,7 @@ def test_writes_need_the_token_and_otlp_exporters_send_it_from_the_environment(
     assert [r.name for r in guarded.server.store.spans()] == ["signed"]
 
     with pytest.raises(grpc.RpcError) as err:
-        _export(guarded.channel)(_request([_span("raw")]), timeout=5)
+        otlp_export(guarded.channel)(export_request([raw_span("raw")]), timeout=5)
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "Bearer" in err.value.details()
     stub = telemetry_pb2_grpc.TelemetryStub(guarded.channel)
     with pytest.raises(grpc.RpcError) as err:
@@ -99,7 +97,7 @@ def test_writes_need_the_token_and_otlp_exporters_send_it_from_the_environment(
     assert stub.RecordArtifact(_artifact(), metadata=BEARER, timeout=5).sha256 == "a" * 64
     # Reads stay open unless asked otherwise; health never needs a token.
     assert stub.ListExperiments(telemetry_pb2.ListExperimentsRequest(), timeout=5).experiments
-    assert _health(guarded.channel) == 1
+    assert health_status(guarded.channel) == 1
     metrics = guarded.server.metrics.registry
     export = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
     assert metrics.get_sample_value("kvfleet:telemetry_unauthorized_requests_total", {"method": export}) == 3
@@ -116,17 +114,9 @@ def test_protected_reads_need_the_token_too(tmp_path: Any) -> None:
                 call(req, timeout=5)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert not stub.GetTimings(telemetry_pb2.TimingsRequest(), metadata=BEARER, timeout=5).timings
-        assert _health(srv.channel) == 1
+        assert health_status(srv.channel) == 1
     finally:
         srv.stop()
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: Any) -> Path:
-    out = tmp_path_factory.mktemp("certs")
-    subprocess.run(["bash", str(ROOT / "deploy/tls/make_dev_certs.sh"), str(out)], check=True,
-                   capture_output=True, timeout=120)  # fmt: skip
-    return out
 
 
 def test_mutual_tls_writes_only_from_allowed_client_certificates(tmp_path: Any, certs: Path) -> None:
@@ -142,9 +132,9 @@ def test_mutual_tls_writes_only_from_allowed_client_certificates(tmp_path: Any, 
     try:
         with dial("client") as user, dial("worker") as worker:
             with pytest.raises(grpc.RpcError) as err:
-                _export(user)(_request([_span("from_user")]), timeout=10)
+                otlp_export(user)(export_request([raw_span("from_user")]), timeout=10)
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "kvfleet-client" in err.value.details()
-            _export(worker)(_request([_span("from_worker")]), timeout=10)
+            otlp_export(worker)(export_request([raw_span("from_worker")]), timeout=10)
             stub = telemetry_pb2_grpc.TelemetryStub(user)
             timings = stub.GetTimings(telemetry_pb2.TimingsRequest(), timeout=10).timings  # reads: any valid cert
             assert [t.span_name for t in timings] == ["from_worker"]
@@ -173,8 +163,8 @@ def test_artifacts_are_write_once_and_a_retry_is_ok(guarded: RunningServer) -> N
 
 
 def test_timings_are_paged_with_a_bounded_default(server: RunningServer) -> None:
-    spans = [_span(f"s{i:03d}", span_id=(i + 1).to_bytes(8, "big")) for i in range(150)]
-    _export(server.channel)(_request(spans), timeout=10)
+    spans = [raw_span(f"s{i:03d}", span_id=(i + 1).to_bytes(8, "big")) for i in range(150)]
+    otlp_export(server.channel)(export_request(spans), timeout=10)
     stub = telemetry_pb2_grpc.TelemetryStub(server.channel)
     first = stub.GetTimings(telemetry_pb2.TimingsRequest(), timeout=10)
     assert len(first.timings) == 100 and first.next_page_token
@@ -202,10 +192,10 @@ def server(tmp_path: Any) -> Iterator[RunningServer]:
 def _big_request(n_spans: int, pad: int) -> Any:
     spans = []
     for i in range(n_spans):
-        s = _span("batched", span_id=(i + 1).to_bytes(8, "big"))
+        s = raw_span("batched", span_id=(i + 1).to_bytes(8, "big"))
         s.attributes.append(common_pb2.KeyValue(key="pad", value=common_pb2.AnyValue(string_value="x" * pad)))
         spans.append(s)
-    return _request(spans)
+    return export_request(spans)
 
 
 def test_a_full_collector_batch_fits_and_beyond_the_limit_is_refused(server: RunningServer) -> None:
@@ -213,31 +203,25 @@ def test_a_full_collector_batch_fits_and_beyond_the_limit_is_refused(server: Run
     # 4 MiB default and the shared 16 MiB.
     req = _big_request(8192, 2_500)
     assert 16 * 2**20 < req.ByteSize() < MAX_EXPORT_BYTES
-    resp = _export(server.channel)(req, timeout=60)
+    resp = otlp_export(server.channel)(req, timeout=60)
     assert resp.partial_success.rejected_spans == 0
     assert len(server.server.store.spans("raw")) == 8192
     too_big = _big_request(2, MAX_EXPORT_BYTES // 2)
     with pytest.raises(grpc.RpcError) as err:
-        _export(server.channel)(too_big, timeout=60)
+        otlp_export(server.channel)(too_big, timeout=60)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 # --- retention and its metrics ---------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_retention_runs_in_the_background_and_is_exported_as_metrics(tmp_path: Any) -> None:
-    port = _free_port()
+    port = free_port()
     policy = RetentionPolicy(max_age_s=0.5, max_bytes=64 * 2**20, interval_s=0.2)
     srv = RunningServer(_config(tmp_path, retention=policy, metrics_port=port))
     try:
-        spans = [_span(f"old{i}", span_id=(i + 1).to_bytes(8, "big")) for i in range(5)]
-        _export(srv.channel)(_request(spans), timeout=5)
+        spans = [raw_span(f"old{i}", span_id=(i + 1).to_bytes(8, "big")) for i in range(5)]
+        otlp_export(srv.channel)(export_request(spans), timeout=5)
         deadline = time.monotonic() + 15
         while srv.server.store.spans() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -245,7 +229,7 @@ def test_retention_runs_in_the_background_and_is_exported_as_metrics(tmp_path: A
         deleted = 'kvfleet:telemetry_spans_deleted_total{reason="age"} 5.0'
         text = ""
         while deleted not in text and time.monotonic() < deadline:
-            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            text = scrape(port)
             time.sleep(0.1)
         assert deleted in text
         assert "kvfleet:telemetry_store_max_bytes 6.7108864e+07" in text

@@ -7,7 +7,6 @@ loop in a background thread; the test talks to it with ordinary blocking clients
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import signal
@@ -22,12 +21,9 @@ import grpc
 import numpy as np
 import pytest
 from google.rpc import error_details_pb2, status_pb2
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
-from opentelemetry.proto.common.v1 import common_pb2
-from opentelemetry.proto.trace.v1 import trace_pb2
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -35,35 +31,19 @@ from opentelemetry.trace import set_span_in_context
 
 from kvfleet.v1 import telemetry_pb2, telemetry_pb2_grpc
 from telemetry_svc.model import token_sha256
-from telemetry_svc.server import STATUS_DETAILS_KEY, TelemetryConfig, create_server
+from telemetry_svc.server import STATUS_DETAILS_KEY, TelemetryConfig
 from telemetry_svc.store import SqliteSpanStore
+from tests.helpers.telemetry_server import (
+    EXPORT,
+    RunningServer,
+    export_request,
+    health_status,
+    otlp_export,
+    raw_span,
+)
 
-EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 EXP = "exp-int"
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class RunningServer:
-    def __init__(self, config: TelemetryConfig, store: Any = None) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server, self.port = self._call(self._start(config, store))
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
-
-    async def _start(self, config: TelemetryConfig, store: Any) -> Any:
-        srv, port = create_server(config, store)
-        await srv.start()
-        return srv, port
-
-    def _call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
-
-    def stop(self) -> None:
-        self.channel.close()
-        self._call(self.server.stop(0.5))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture
@@ -71,10 +51,6 @@ def server(tmp_path: Any) -> Iterator[RunningServer]:
     srv = RunningServer(TelemetryConfig(host="127.0.0.1", port=0, db_path=str(tmp_path / "t.db")))
     yield srv
     srv.stop()
-
-
-def _health(channel: grpc.Channel, service: str = "") -> int:
-    return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
 
 
 # --- spans through the stock SDK exporter ---------------------------------------------------
@@ -225,38 +201,15 @@ def test_summary_errors_map_to_precise_codes(server: RunningServer) -> None:
 # --- malformed OTLP through a raw channel ----------------------------------------------------
 
 
-def _span(name: str, trace_id: bytes = b"\x01" * 16, span_id: bytes = b"\x02" * 8, start: int = 1_000,
-          end: int = 2_000, arm: str | None = "control") -> trace_pb2.Span:  # fmt: skip
-    attrs = [common_pb2.KeyValue(key="experiment.id", value=common_pb2.AnyValue(string_value="raw"))]
-    if arm is not None:
-        attrs.append(common_pb2.KeyValue(key="experiment.arm", value=common_pb2.AnyValue(string_value=arm)))
-    return trace_pb2.Span(trace_id=trace_id, span_id=span_id, name=name, start_time_unix_nano=start,
-                          end_time_unix_nano=end, attributes=attrs)  # fmt: skip
-
-
-def _request(spans: list[trace_pb2.Span]) -> trace_service_pb2.ExportTraceServiceRequest:
-    return trace_service_pb2.ExportTraceServiceRequest(
-        resource_spans=[trace_pb2.ResourceSpans(scope_spans=[trace_pb2.ScopeSpans(spans=spans)])]
-    )
-
-
-def _export(channel: grpc.Channel) -> Any:
-    return channel.unary_unary(
-        EXPORT,
-        request_serializer=trace_service_pb2.ExportTraceServiceRequest.SerializeToString,
-        response_deserializer=trace_service_pb2.ExportTraceServiceResponse.FromString,
-    )
-
-
 def test_malformed_spans_are_rejected_and_counted(server: RunningServer) -> None:
     spans = [
-        _span("good"),
-        _span("no_trace", trace_id=b""),
-        _span("zero_span", span_id=b"\x00" * 8),
-        _span("backwards", span_id=b"\x03" * 8, start=5_000, end=4_000),
-        _span("bad_arm", span_id=b"\x04" * 8, arm="treatment"),
+        raw_span("good"),
+        raw_span("no_trace", trace_id=b""),
+        raw_span("zero_span", span_id=b"\x00" * 8),
+        raw_span("backwards", span_id=b"\x03" * 8, start=5_000, end=4_000),
+        raw_span("bad_arm", span_id=b"\x04" * 8, arm="treatment"),
     ]
-    resp = _export(server.channel)(_request(spans), timeout=5)
+    resp = otlp_export(server.channel)(export_request(spans), timeout=5)
     assert resp.partial_success.rejected_spans == 4
     msg = resp.partial_success.error_message
     assert "trace_id is 0 bytes" in msg and "span_id is all zero" in msg and "end before start" in msg
@@ -270,10 +223,12 @@ def test_garbage_bytes_get_invalid_argument_and_service_stays_healthy(server: Ru
     with pytest.raises(grpc.RpcError) as err:
         raw(b"\x0a\xff\xff\xff\xff\x0f garbage", timeout=5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert _health(server.channel) == health_pb2.HealthCheckResponse.SERVING
+    assert health_status(server.channel) == health_pb2.HealthCheckResponse.SERVING
     trace_service = "opentelemetry.proto.collector.trace.v1.TraceService"
-    assert _health(server.channel, trace_service) == health_pb2.HealthCheckResponse.SERVING
-    assert _export(server.channel)(_request([_span("after")]), timeout=5).partial_success.rejected_spans == 0
+    assert health_status(server.channel, trace_service) == health_pb2.HealthCheckResponse.SERVING
+    assert (
+        otlp_export(server.channel)(export_request([raw_span("after")]), timeout=5).partial_success.rejected_spans == 0
+    )
 
 
 def test_reflection_lists_every_service(server: RunningServer) -> None:
@@ -308,11 +263,13 @@ def test_overload_answers_unavailable_with_retry_info(tmp_path: Any) -> None:
     config = TelemetryConfig(host="127.0.0.1", port=0, db_path="unused", max_pending_spans=2, retry_after_s=0.25)
     srv = RunningServer(config, store)
     try:
-        export = _export(srv.channel)
-        first = export.future(_request([_span("a", span_id=b"\x05" * 8), _span("b", span_id=b"\x06" * 8)]), timeout=20)
+        export = otlp_export(srv.channel)
+        first = export.future(
+            export_request([raw_span("a", span_id=b"\x05" * 8), raw_span("b", span_id=b"\x06" * 8)]), timeout=20
+        )
         assert store.entered.wait(timeout=10)
         with pytest.raises(grpc.RpcError) as err:
-            export(_request([_span("c", span_id=b"\x07" * 8)]), timeout=5)
+            export(export_request([raw_span("c", span_id=b"\x07" * 8)]), timeout=5)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         details = dict(err.value.trailing_metadata())[STATUS_DETAILS_KEY]
         status = status_pb2.Status.FromString(details)
@@ -322,7 +279,7 @@ def test_overload_answers_unavailable_with_retry_info(tmp_path: Any) -> None:
         assert info.retry_delay.ToNanoseconds() == 250_000_000
         store.release.set()
         assert first.result(timeout=10).partial_success.rejected_spans == 0
-        export(_request([_span("c", span_id=b"\x07" * 8)]), timeout=5)  # admitted once the backlog drained
+        export(export_request([raw_span("c", span_id=b"\x07" * 8)]), timeout=5)  # admitted once the backlog drained
         assert sorted(r.name for r in store.spans("raw")) == ["a", "b", "c"]
     finally:
         store.release.set()
@@ -332,11 +289,11 @@ def test_overload_answers_unavailable_with_retry_info(tmp_path: Any) -> None:
 def test_stop_drains_and_flushes_the_store(tmp_path: Any) -> None:
     path = str(tmp_path / "t.db")
     srv = RunningServer(TelemetryConfig(host="127.0.0.1", port=0, db_path=path))
-    _export(srv.channel)(_request([_span("kept")]), timeout=5)
+    otlp_export(srv.channel)(export_request([raw_span("kept")]), timeout=5)
     watcher = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
     srv.stop()
     with pytest.raises(grpc.RpcError):
-        _health(watcher)  # the server is gone, not half-serving
+        health_status(watcher)  # the server is gone, not half-serving
     watcher.close()
     reopened = SqliteSpanStore(path)
     assert [r.name for r in reopened.spans()] == ["kept"]
@@ -370,8 +327,8 @@ def test_entry_point_serves_and_stops_cleanly_on_sigterm(tmp_path: Any) -> None:
             assert line or proc.poll() is None, "server exited before listening"
         assert port, "no listening line in the log"
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            assert _health(ch) == health_pb2.HealthCheckResponse.SERVING
-            _export(ch)(_request([_span("via_main")]), timeout=5)
+            assert health_status(ch) == health_pb2.HealthCheckResponse.SERVING
+            otlp_export(ch)(export_request([raw_span("via_main")]), timeout=5)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
         # No token and no allowed clients configured: it runs open, and says so.

@@ -1,9 +1,6 @@
 """TLS everywhere, mutual TLS towards workers and telemetry, and the client API's bearer token."""
 
 import asyncio
-import sqlite3
-import subprocess
-import time
 from pathlib import Path
 
 import grpc
@@ -15,18 +12,9 @@ from kvfleet.v1 import worker_pb2 as wpb
 from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
 from kvfleet_common import security
 from kvfleet_common.security import TlsConfig
+from tests.helpers.telemetry_db import wait_for_rows
 
-ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "s3cret-token"
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("certs")
-    subprocess.run(
-        ["bash", str(ROOT / "deploy/tls/make_dev_certs.sh"), str(out)], check=True, capture_output=True, timeout=120
-    )
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +68,14 @@ def test_workers_accept_only_the_scheduler(tls_cluster, certs):
 def test_spans_reach_telemetry_over_mutual_tls(tls_cluster, certs):
     with SchedulerClient(tls_cluster.scheduler_address, TlsConfig(ca=str(certs / "ca.pem")), TOKEN) as client:
         client.generate(build_request([7, 7, 7], 3))
-    db = tls_cluster.log_dir / "telemetry.db"
-    for _ in range(60):
-        if db.exists():
-            names = {n for (n,) in sqlite3.connect(db).execute("SELECT DISTINCT name FROM spans")}
-            if {"text_completion tiny", "worker_step"} <= names:  # the session span is `{operation} {model}`
-                return
-        time.sleep(0.25)
-    pytest.fail("no spans arrived over TLS")
+    wanted = {"text_completion tiny", "worker_step"}  # the session span is `{operation} {model}`
+    wait_for_rows(
+        tls_cluster.log_dir / "telemetry.db",
+        "SELECT DISTINCT name FROM spans",
+        until=lambda rows: wanted <= {n for (n,) in rows},
+        what=f"spans {sorted(wanted)} over TLS",
+        timeout=15,
+    )
 
 
 def _identity(certs: Path, name: str) -> TlsConfig:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
 from scheduler_svc.config import SchedulerConfig
+from tests.helpers.certs import SCRIPT as CERTS_SCRIPT
+from tests.helpers.certs import make_dev_certs
 from worker_svc.config import WorkerConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -119,7 +120,7 @@ def _tls_mounts(svc: dict) -> list[str]:
 
 def test_tls_overlay_covers_every_core_service(tls: dict) -> None:
     assert set(tls) == set(CORE)
-    certs = (REPO / "deploy/tls/make_dev_certs.sh").read_text()
+    certs = CERTS_SCRIPT.read_text()
     issued = set(re.findall(r"^issue (\w+) ", certs, re.M))
     for name, svc in tls.items():
         env = svc["environment"]
@@ -149,12 +150,7 @@ def test_tls_overlay_mounts_each_service_its_own_key_only(tls: dict) -> None:
 
 
 def test_tls_overlay_mounts_folders_the_cert_script_makes_with_the_files_named(tls: dict, tmp_path: Path) -> None:
-    subprocess.run(
-        ["bash", str(REPO / "deploy/tls/make_dev_certs.sh"), str(tmp_path)],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+    make_dev_certs(tmp_path)
     for name, svc in tls.items():
         (source,) = _tls_mounts(svc)
         folder = tmp_path / source.rsplit("}/", 1)[1]

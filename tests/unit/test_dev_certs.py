@@ -3,7 +3,6 @@ key in none of them, and server certificates that name their own service and not
 
 from __future__ import annotations
 
-import os
 import re
 import stat
 import subprocess
@@ -11,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "tls" / "make_dev_certs.sh"
+from tests.helpers.certs import make_dev_certs, run_dev_certs_script
+
 IDENTITIES = ("scheduler", "worker", "telemetry", "gateway", "client")
 LOOPBACK = {"DNS:localhost", "IP:127.0.0.1"}
 # What each server is dialled as: compose service names, Kubernetes Service / pod names.
@@ -28,19 +28,11 @@ OWN_NAMES = {
 }
 
 
-def _make(out: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["bash", str(SCRIPT), str(out), *args], capture_output=True, text=True, timeout=120, env={**os.environ, **env}
-    )
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("certs")
     # KVFLEET_KEY_MODE=644 as the compose instructions once said: it must not reach the CA's key.
-    made = _make(out, "worker=hostA", "worker=10.0.0.7", "scheduler=control", KVFLEET_KEY_MODE="644")
-    assert made.returncode == 0, made.stderr
-    return out
+    return make_dev_certs(out, "worker=hostA", "worker=10.0.0.7", "scheduler=control", KVFLEET_KEY_MODE="644")
 
 
 def _sans(cert: Path) -> set[str]:
@@ -110,5 +102,5 @@ def test_client_certificates_name_no_server(certs: Path, ident: str) -> None:
 
 def test_an_extra_name_must_say_whose_certificate_it_goes_on(tmp_path: Path) -> None:
     for bad in ("hostA", "gateway=hostA", "worker="):
-        made = _make(tmp_path / bad.replace("=", "_"), bad)
+        made = run_dev_certs_script(tmp_path / bad.replace("=", "_"), bad)
         assert made.returncode != 0 and "names no server certificate" in made.stderr, (bad, made.stderr)

@@ -2,30 +2,15 @@
 
 import json
 import shutil
-import struct
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
 from bench import plot as bench_plot
 from kvfleet import sweep_plot
+from tests.helpers.images import png_size, svg_size
 
 EXAMPLE = Path(__file__).parents[1] / "data" / "concurrency_sweep_example.json"
-
-
-def png_size(path: Path) -> tuple[int, int]:
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
-    assert data[12:16] == b"IHDR"
-    assert data[-8:-4] == b"IEND", f"{path} is truncated"
-    return struct.unpack(">II", data[16:24])
-
-
-def svg_size(path: Path) -> tuple[str, str]:
-    root = ET.parse(path).getroot()
-    assert root.tag == "{http://www.w3.org/2000/svg}svg"
-    return root.get("width"), root.get("height")
 
 
 def _check(png: Path, svg: Path, module) -> None:
