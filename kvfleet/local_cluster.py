@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -74,9 +75,17 @@ class ClusterSpec:
 
 
 class LocalCluster:
+    """The processes' logs (and telemetry's database) go to ``log_dir``: a folder of the caller's
+    is left as it is; without one, a temporary folder is made and removed by ``stop``, except
+    after a failure (a start that failed, an exception out of the ``with`` body, or the
+    Supervisor's ClusterDown; a KeyboardInterrupt is no failure): then it is kept, since the
+    errors point to it ("logs in ...")."""
+
     def __init__(self, spec: ClusterSpec, log_dir: Path | None = None) -> None:
         self.spec = spec
+        self._own_log_dir = log_dir is None
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kvfleet-"))
+        self.failed = False  # set on a failure: stop() then keeps a temporary log folder
         self.procs: dict[str, subprocess.Popen] = {}
         self.commands: dict[str, list[str]] = {}  # name -> its arguments, to start it again
         self.started_at: dict[str, float] = {}  # name -> time.monotonic() of its last start
@@ -224,7 +233,8 @@ class LocalCluster:
                     ],
                 )
                 self._wait_http("gateway", self.gateway_url + "/health")
-        except BaseException:
+        except BaseException as exc:
+            self.failed = self.failed or isinstance(exc, Exception)  # not on Ctrl-C
             self.stop()
             raise
         return self
@@ -325,11 +335,16 @@ class LocalCluster:
                     proc.kill()
                     proc.wait()
         self.procs.clear()
+        # Only the folder made here, and only when nothing failed (see the class docstring).
+        if self._own_log_dir and not self.failed:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalCluster":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None and issubclass(exc_type, Exception):  # not on Ctrl-C
+            self.failed = True
         self.stop()
 
 
@@ -389,6 +404,7 @@ class Supervisor:
             crashes = 1 if up_for >= policy.stable_after_s else self.crashes.get(name, 0) + 1
             self.crashes[name] = crashes
             if policy.max_restarts and crashes > policy.max_restarts:
+                self.cluster.failed = True  # its logs are kept: the message points to them
                 raise ClusterDown(
                     f"{name} exited {crashes} times in a row (last code {proc.returncode}); "
                     f"logs in {self.cluster.log_dir}"

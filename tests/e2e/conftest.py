@@ -5,6 +5,11 @@ These tests need a running Docker engine and docker-compose; `make test-compose`
 collected only when named on the command line (`pytest tests/e2e`), so a plain `pytest` never
 needs Docker.
 
+They are skipped only when Docker itself is not there (no docker CLI or docker-compose, or no
+engine answering `docker version`) and the run did not ask for them; with KVFLEET_E2E=1 that is
+an error too. Anything else (the docker SDK missing, the image not building, the stack not coming
+up or not getting healthy) is an error, never a skip.
+
 Settings (environment):
   KVFLEET_IMAGE        image tag to build and run (kvfleet:e2e)
   KVFLEET_BASE_IMAGE   the Dockerfile's BASE; default kvfleet-base:bookworm when that image
@@ -24,7 +29,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn
 
 import pytest
 
@@ -113,18 +118,61 @@ class Stack:
         return out.stdout + out.stderr
 
 
+def _asked() -> bool:
+    """Whether the run asked for these tests (`make test-compose` sets KVFLEET_E2E=1)."""
+    return os.environ.get("KVFLEET_E2E") == "1"
+
+
+def _docker_missing(why: str) -> NoReturn:
+    """Docker itself is not available: a skip, unless the run asked for these tests."""
+    message = f"Docker is not available here: {why}; `make test-compose` installs and starts it"
+    if _asked():
+        pytest.fail(message + " (KVFLEET_E2E=1: not skipped)", pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture(autouse=True)
+def _docker_tools() -> None:
+    """Every test here drives docker-compose (or `docker compose`)."""
+    if shutil.which("docker-compose") is None and shutil.which("docker") is None:
+        _docker_missing("neither docker-compose nor the docker CLI is installed")
+
+
+_ENGINE: list[str] = []  # why no engine answers ("" when one does), asked once per session
+
+
+def _engine_unreachable() -> str:
+    """Why no Docker engine answers (the docker CLI's own `docker version`), "" when one does."""
+    if not _ENGINE:
+        docker = shutil.which("docker")
+        if docker is None:
+            _ENGINE.append("the docker CLI is not installed")
+        else:
+            try:
+                out = subprocess.run(
+                    [docker, "version", "--format", "{{.Server.Version}}"], capture_output=True, text=True, timeout=60
+                )
+                why = "" if out.returncode == 0 else f"no Docker engine answers ({out.stderr.strip()[-300:]})"
+            except subprocess.TimeoutExpired:
+                why = "no Docker engine answered `docker version` within 60 s"
+            _ENGINE.append(why)
+    return _ENGINE[0]
+
+
 def _docker_client() -> Any:
-    docker = pytest.importorskip("docker", reason="pip install docker (the e2e tests drive Docker through it)")
-    if not hasattr(docker, "from_env"):  # the repository's docker/ folder, imported as a namespace package
-        pytest.fail("the docker SDK is not installed in this environment: pip install docker")
+    """The docker SDK's client of the engine. Only an engine that is not there skips (see
+    _docker_missing); with one there, any failure here is the test's error."""
+    why = _engine_unreachable()
+    if why:
+        _docker_missing(why)
     try:
-        client = docker.from_env()
-        client.ping()
-    except Exception as exc:  # noqa: BLE001 - any failure to reach the engine means the same thing
-        message = f"no Docker engine reachable ({exc}); `make test-compose` starts one"
-        if os.environ.get("KVFLEET_E2E") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+        import docker
+    except ImportError:
+        pytest.fail("the docker SDK is not installed in this environment: pip install docker", pytrace=False)
+    if not hasattr(docker, "from_env"):  # the repository's docker/ folder, imported as a namespace package
+        pytest.fail("the docker SDK is not installed in this environment: pip install docker", pytrace=False)
+    client = docker.from_env()
+    client.ping()
     return client
 
 
@@ -175,8 +223,6 @@ def run_stack(
     """Build the image (once per test session), bring a compose project up on free host ports,
     wait until every service is healthy, yield it; always tear it down and keep its logs."""
     client = _docker_client()
-    if shutil.which("docker-compose") is None and shutil.which("docker") is None:
-        pytest.skip("neither docker-compose nor the docker CLI is installed")
     log_dir = Path(os.environ.get("KVFLEET_E2E_LOGS", REPO / "out" / "e2e"))
     log_dir.mkdir(parents=True, exist_ok=True)
     image = os.environ.get("KVFLEET_IMAGE", "kvfleet:e2e")

@@ -22,13 +22,27 @@ from tests.integration.test_up_supervision import Up, _wait_live
 
 CLIENT = Path(__file__).resolve().parents[1] / "clients" / "node"
 NODE = shutil.which("node")
-pytestmark = pytest.mark.skipif(NODE is None, reason="node is not installed (the grpc-js client needs it)")
+GRPC_JS = CLIENT / "node_modules" / "@grpc" / "grpc-js"
+
+
+def _missing() -> str:
+    """Why the grpc-js client cannot run here ("" when it can). `make test` installs its packages
+    (npm ci in tests/clients/node) wherever npm is, so there it runs."""
+    if NODE is None:
+        return "node is not installed (the grpc-js client needs it)"
+    if not GRPC_JS.is_dir():
+        return (
+            f"the grpc-js client's packages are not installed ({GRPC_JS.relative_to(CLIENT.parents[2])} is missing): "
+            "`make test` installs them with npm, or run `npm ci --prefix tests/clients/node`"
+        )
+    return ""
+
+
+pytestmark = pytest.mark.skipif(bool(_missing()), reason=_missing() or "-")
 
 
 def _node_client(address: str, max_new: int, prompts: list[list[int]]) -> subprocess.Popen:
-    assert (CLIENT / "node_modules" / "@grpc" / "grpc-js").is_dir(), (
-        "the grpc-js client's packages are missing: run `make test` (it runs npm ci in tests/clients/node)"
-    )
+    assert NODE is not None
     return subprocess.Popen(
         [NODE, str(CLIENT / "stream.js"), address, str(max_new), *(",".join(map(str, p)) for p in prompts)],
         stdout=subprocess.PIPE,

@@ -1,6 +1,8 @@
 """The client API over real gRPC: streaming, concurrency, rejections with their status codes."""
 
+import asyncio
 import concurrent.futures as cf
+import time
 
 import grpc
 import pytest
@@ -11,6 +13,8 @@ from kvfleet_models.config import tiny_config
 from kvfleet_models.reference import reference_generate
 from kvfleet_models.tiny import tiny_weights
 from scheduler_svc.core import SchedulerLimits
+from scheduler_svc.runtime import SchedulerRuntime
+from scheduler_svc.workers import WorkerClient
 from tests.integration.inproc import InProcessCluster
 
 CFG = tiny_config()
@@ -26,10 +30,31 @@ def test_generate_streams_reference_tokens(cluster):
     assert result.worker_id.startswith("worker-")
 
 
-def test_concurrent_clients_get_their_own_tokens(cluster):
+def test_concurrent_clients_get_their_own_tokens(cluster, monkeypatch):
+    """Twelve clients at once: each gets its own tokens, and the sessions are spread over both
+    workers. So that "at once" holds on a loaded machine too (where each short session could
+    otherwise end before the next arrives, all on the first worker), no worker step goes out
+    until all twelve have been submitted."""
     prompts = [[i % 48, (3 * i) % 48, (7 * i + 1) % 48][: 1 + i % 3] for i in range(12)]
+    submitted: list[int] = []
+    submit, step = SchedulerRuntime.submit, WorkerClient.step
+
+    def counted_submit(self, reqs, *args, **kwargs):
+        sub = submit(self, reqs, *args, **kwargs)
+        submitted.append(len(reqs))
+        return sub
+
+    async def gated_step(self, *args, **kwargs):
+        end = time.monotonic() + 60  # a bound, so that a broken submit fails the test, not hangs it
+        while sum(submitted) < len(prompts) and time.monotonic() < end:
+            await asyncio.sleep(0.005)
+        return await step(self, *args, **kwargs)
+
+    monkeypatch.setattr(SchedulerRuntime, "submit", counted_submit)
+    monkeypatch.setattr(WorkerClient, "step", gated_step)
     with SchedulerClient(cluster.address) as client, cf.ThreadPoolExecutor(12) as pool:
-        results = list(pool.map(lambda p: client.generate(build_request(p, 6 + len(p))), prompts))
+        results = list(pool.map(lambda p: client.generate(build_request(p, 6 + len(p)), timeout=120), prompts))
+    assert sum(submitted) == len(prompts)
     for p, r in zip(prompts, results):
         assert r.token_ids == reference_generate(CFG, WEIGHTS, p, 6 + len(p))
     workers = {r.worker_id for r in results}

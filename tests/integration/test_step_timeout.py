@@ -4,15 +4,18 @@ grpc.aio cancels the handler at the deadline, but the step's thread cannot be st
 returns, the worker must not run another mutation of its KV books (a Release, another Step),
 and must not tell the scheduler's dead-worker probe that it is ready again.
 
-Slowness is injected (a sleep in the model's forward, only for the first few big steps) so that
-a step outlives a short deadline by a known margin on any machine; everything else is real:
-gRPC servers on loopback ports, the tiny model, the scheduler's own timeout and probe.
+Slowness is injected in the model's forward, only for the first few big steps: a sleep that
+outlives the scheduler's short step timeout by a known margin, or, where the test must act while
+the step still runs, a gate the forward waits at until the test opens it, so that what happens
+"while the step runs" does not depend on the machine's load. Everything else is real: gRPC
+servers on loopback ports, the tiny model, the scheduler's own timeout and probe.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +33,7 @@ from tests.integration.inproc import InProcessCluster
 from worker_svc.config import WorkerConfig
 from worker_svc.engine import Engine
 from worker_svc.model.llama import LlamaModel
+from worker_svc.server import WorkerServicer
 
 CFG = tiny_config()
 WEIGHTS = tiny_weights(CFG, seed=0)
@@ -38,21 +42,31 @@ WEIGHTS = tiny_weights(CFG, seed=0)
 class MutationWatch:
     """Wraps Engine.step / Engine.release (every engine in the process) and records whether two
     threads were ever inside one engine's at once; optionally makes big forwards slow. (The
-    in-process workers share one event loop thread, so engines are told apart.)"""
+    in-process workers share one event loop thread, so engines are told apart.)
+
+    ``order`` lists, as they happen: "forward in" / "forward out" around each slow forward,
+    "release" when an engine's release starts and "Release RPC" when the worker's Release
+    handler is entered."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.overlaps = 0
         self.slow_s = 0.0  # extra seconds for a forward of >= slow_min_tokens tokens
         self.slow_min_tokens = 1
         self.slow_left = 0  # how many forwards are made slow
+        self.gate: threading.Event | None = None  # set by gate_forward: slow forwards wait for it
+        self.entered = threading.Event()  # a slow forward has started
+        self.order: list[str] = []
         self.inside: dict[tuple[int, int], int] = {}  # (engine, thread) -> nesting depth
         self._guard = threading.Lock()
         watch = self
         step, release, forward = Engine.step, Engine.release, LlamaModel.forward
+        release_rpc = WorkerServicer.Release
 
-        def watched(fn):
+        def watched(fn, name: str = ""):
             def call(self, *args, **kwargs):
                 watch._enter(id(self))
+                if name:
+                    watch.order.append(name)
                 try:
                     return fn(self, *args, **kwargs)
                 finally:
@@ -62,12 +76,34 @@ class MutationWatch:
 
         def slow_forward(self, st, *args, **kwargs):
             if watch._take_slow(int(st.tokens.shape[0])):
-                time.sleep(watch.slow_s)
+                watch.order.append("forward in")
+                watch.entered.set()
+                if watch.gate is not None:
+                    assert watch.gate.wait(60), "the test never opened the gate"
+                else:
+                    time.sleep(watch.slow_s)
+                try:
+                    return forward(self, st, *args, **kwargs)
+                finally:
+                    watch.order.append("forward out")
             return forward(self, st, *args, **kwargs)
 
+        async def counted_release_rpc(self, request, context):
+            watch.order.append("Release RPC")
+            return await release_rpc(self, request, context)
+
         monkeypatch.setattr(Engine, "step", watched(step))
-        monkeypatch.setattr(Engine, "release", watched(release))
+        monkeypatch.setattr(Engine, "release", watched(release, "release"))
         monkeypatch.setattr(LlamaModel, "forward", slow_forward)
+        monkeypatch.setattr(WorkerServicer, "Release", counted_release_rpc)
+
+    def gate_forward(self) -> None:
+        """The next forward waits until ``open`` instead of sleeping."""
+        self.gate, self.slow_left = threading.Event(), 1
+
+    def open(self) -> None:
+        if self.gate is not None:
+            self.gate.set()
 
     def _enter(self, engine: int) -> None:
         me = (engine, threading.get_ident())
@@ -93,7 +129,9 @@ class MutationWatch:
 
 @pytest.fixture
 def watch(monkeypatch: pytest.MonkeyPatch) -> Iterator[MutationWatch]:
-    yield MutationWatch(monkeypatch)
+    w = MutationWatch(monkeypatch)
+    yield w
+    w.open()
 
 
 def _stats(address: str) -> wpb.WorkerStats:
@@ -134,8 +172,9 @@ def test_timed_out_steps_never_corrupt_the_worker(watch: MutationWatch) -> None:
         assert (s.used_blocks, s.active_sessions) == (0, 0), s
 
 
-async def _with_worker(body, inline_step_s: float = 0.0):
-    """Run ``body(stub)`` against a real worker server on a loopback port."""
+async def _with_worker(body, watch: MutationWatch, inline_step_s: float = 0.0):
+    """Run ``body(stub)`` against a real worker server on a loopback port; the watch's gate is
+    opened before the server stops, so that no forward is left waiting."""
     from worker_svc.server import create_server
 
     config = WorkerConfig(port=0, metrics_port=0, num_blocks=64, block_size=16, inline_step_s=inline_step_s)
@@ -144,6 +183,7 @@ async def _with_worker(body, inline_step_s: float = 0.0):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             await body(wpb_grpc.WorkerStub(ch))
     finally:
+        watch.open()
         await server.stop(0)
 
 
@@ -151,46 +191,83 @@ def _prefill(sid: str, n: int) -> wpb.StepRequest:
     return wpb.StepRequest(prefill=[wpb.PrefillItem(session_id=sid, token_ids=_prompt(n, 1), last_chunk=True)])
 
 
-def test_release_after_a_cancelled_step_waits_for_it(watch: MutationWatch) -> None:
-    """The Step's deadline expires mid-forward; a Release sent at once runs only after the
-    abandoned step's thread has returned, so it frees what that step admitted."""
-    watch.slow_s, watch.slow_left = 0.8, 1
+ABANDONED = "a step's RPC was cancelled while it ran"  # worker_svc.server's warning
+
+
+async def _until(cond, what: str, timeout_s: float = 60.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, f"{what}: not within {timeout_s:.0f}s"
+        await asyncio.sleep(0.01)
+
+
+async def _step_abandoned_at_its_deadline(
+    stub: wpb_grpc.WorkerStub, watch: MutationWatch, caplog: pytest.LogCaptureFixture, sid: str
+) -> None:
+    """A Step whose forward waits at the watch's gate: its deadline expires while it runs, on any
+    machine. Returns once the worker has said it abandoned the RPC (its warning), the forward
+    still waiting. A deadline that expired before the step even started (a loaded machine) is
+    retried with a longer one."""
+    watch.gate_forward()
+    for deadline in (0.2, 1.0, 5.0):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Step(_prefill(sid, 40), timeout=deadline)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        if await asyncio.to_thread(watch.entered.wait, 10):
+            break
+    else:
+        pytest.fail("the step never started before its deadline")
+    await _until(lambda: ABANDONED in caplog.text, "the worker's warning that it abandoned the step")
+    assert watch.order == ["forward in"] and not watch.gate.is_set()
+
+
+def test_release_after_a_cancelled_step_waits_for_it(watch: MutationWatch, caplog) -> None:
+    """The Step's deadline expires mid-forward; a Release that reaches the worker while that
+    step's thread still runs does not run until the thread has returned, and then frees what
+    the step admitted. (The forward waits at a gate, so the order is the same on any machine.)"""
 
     async def body(stub: wpb_grpc.WorkerStub) -> None:
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.Step(_prefill("a", 40), timeout=0.2)
-        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        released = await stub.Release(wpb.ReleaseRequest(session_ids=["a"]), timeout=10)
+        await _step_abandoned_at_its_deadline(stub, watch, caplog, "a")
+        release = asyncio.ensure_future(stub.Release(wpb.ReleaseRequest(session_ids=["a"]), timeout=60))
+        await _until(lambda: "Release RPC" in watch.order, "the Release reaching the worker")
+        # Deterministic while the gate is shut: the abandoned step holds the worker's lock.
+        done, _ = await asyncio.wait({release}, timeout=0.5)
+        assert not done, "a Release ran while an abandoned step still ran"
+        watch.open()
+        released = await release
         assert released.released == 1  # the step had admitted "a" before it was freed
         stats = await stub.GetStats(wpb.GetStatsRequest(), timeout=10)
         assert (stats.used_blocks, stats.free_blocks, stats.active_sessions) == (0, 64, 0)
 
-    asyncio.run(_with_worker(body))
-    assert watch.slow_left == 0
+    with caplog.at_level(logging.WARNING, logger="worker_svc.server"):
+        asyncio.run(_with_worker(body, watch))
+    assert watch.order == ["forward in", "Release RPC", "forward out", "release"], watch.order
     assert watch.overlaps == 0
 
 
-def test_worker_is_unavailable_to_the_probe_until_an_abandoned_step_returns(watch: MutationWatch) -> None:
+def test_worker_is_unavailable_to_the_probe_until_an_abandoned_step_returns(watch: MutationWatch, caplog) -> None:
     """GetInfo (the scheduler's dead-worker probe) answers UNAVAILABLE while a timed-out step
     still runs, and answers again once it has returned; a new Step then runs normally."""
-    watch.slow_s, watch.slow_left = 0.8, 1
 
     async def body(stub: wpb_grpc.WorkerStub) -> None:
-        with pytest.raises(grpc.aio.AioRpcError):
-            await stub.Step(_prefill("a", 40), timeout=0.2)
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.GetInfo(wpb.GetInfoRequest(), timeout=5)
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        end = time.monotonic() + 10
+        await _step_abandoned_at_its_deadline(stub, watch, caplog, "a")
+        for _ in range(3):  # as often as asked, while the step runs
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.GetInfo(wpb.GetInfoRequest(), timeout=30)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        watch.open()
+        end = time.monotonic() + 60
         while True:
             try:
-                await stub.GetInfo(wpb.GetInfoRequest(), timeout=5)
+                await stub.GetInfo(wpb.GetInfoRequest(), timeout=30)
                 break
             except grpc.aio.AioRpcError as exc:
                 assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < end
                 await asyncio.sleep(0.05)
-        out = await stub.Step(_prefill("b", 8), timeout=10)
+        assert watch.order == ["forward in", "forward out"]  # answered only once the step returned
+        out = await stub.Step(_prefill("b", 8), timeout=30)
         assert out.results[0].status == wpb.ITEM_OK and out.results[0].kv_tokens == 8
 
-    asyncio.run(_with_worker(body))
+    with caplog.at_level(logging.WARNING, logger="worker_svc.server"):
+        asyncio.run(_with_worker(body, watch))
     assert watch.overlaps == 0

@@ -6,6 +6,8 @@ fallback when they cannot be built. No timing is asserted (bench.modes measures 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,35 +20,55 @@ from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, Sam
 from worker_svc.model import fused
 from worker_svc.model.llama import LlamaModel
 
-OPS = fused.load()
-needs_ops = pytest.mark.skipif(OPS is None, reason="no C compiler here: the fallback tests cover this machine")
+NO_OPS = "no C compiler here: the fallback tests cover this machine"
 GREEDY = SamplingSpec()
 CFG = GQA_CFG
 WEIGHTS = tiny_weights(CFG, seed=5)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def build_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Every build of this module's tests (fused.load, and the engines' through it) goes to a
+    folder of pytest's, not the user's cache (~/.cache/kvfleet); load() is cached, so it is
+    cleared on the way in (a handle from another folder) and out (one from this folder)."""
+    folder = tmp_path_factory.mktemp("kvfleet-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVFLEET_CACHE_DIR", str(folder))
+        fused.load.cache_clear()
+        try:
+            yield folder
+        finally:
+            fused.load.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def ops(build_dir: Path) -> fused.FusedOps:
+    """The C ops, built into ``build_dir``; the test is skipped where they cannot be built."""
+    loaded = fused.load()
+    if loaded is None:
+        pytest.skip(NO_OPS)
+    assert loaded.path.parent == build_dir / "fused"
+    return loaded
 
 
 def _rand(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.from_numpy(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
 
 
-@needs_ops
 @pytest.mark.parametrize("rows", [1, 3, 17])
-def test_norms_match_torch(rows: int) -> None:
-    assert OPS is not None
+def test_norms_match_torch(ops: fused.FusedOps, rows: int) -> None:
     x, w, y = _rand(rows, 576, seed=1), _rand(576, seed=2), _rand(rows, 576, seed=3)
     want = F.rms_norm(x, (576,), w, 1e-5)
-    torch.testing.assert_close(OPS.rms_norm(x, w, 1e-5), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), want, rtol=1e-5, atol=1e-5)
     h = x.clone()
-    got = OPS.add_rms_norm_(h, y, w, 1e-5)
+    got = ops.add_rms_norm_(h, y, w, 1e-5)
     torch.testing.assert_close(h, x + y, rtol=0, atol=0)  # the residual add is exact
     torch.testing.assert_close(got, F.rms_norm(x + y, (576,), w, 1e-5), rtol=1e-5, atol=1e-5)
 
 
-@needs_ops
-def test_rope_rotates_only_q_and_k_in_place() -> None:
+def test_rope_rotates_only_q_and_k_in_place(ops: fused.FusedOps) -> None:
     """qkv rows hold q and k heads, then v; only the first ``heads`` heads turn, as torch's
     complex multiply turns them."""
-    assert OPS is not None
     t, heads, kv_heads, d = 4, 6, 2, 16
     qkv = _rand(t, (heads + 2 * kv_heads) * d, seed=5)
     angles = _rand(t, d // 2, seed=6)
@@ -56,17 +78,15 @@ def test_rope_rotates_only_q_and_k_in_place() -> None:
     qk = want[:, :width].reshape(t, heads + kv_heads, d // 2, 2)
     torch.view_as_complex(qk).mul_(rot[:, None])
     got = qkv.clone()
-    OPS.rope_(got, rot, heads + kv_heads, d // 2)
+    ops.rope_(got, rot, heads + kv_heads, d // 2)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert torch.equal(got[:, width:], qkv[:, width:])  # v untouched
 
 
-@needs_ops
 @pytest.mark.parametrize("order", ["bh", "hb"])
-def test_decode_attention_matches_masked_softmax(order: str) -> None:
+def test_decode_attention_matches_masked_softmax(ops: fused.FusedOps, order: str) -> None:
     """Items of different lengths in a padded, strided slab view: the lengths do what the
     additive mask does in torch's path."""
-    assert OPS is not None
     items, hkv, g, d, s = 3, 2, 3, 16, 11
     slab = _rand(2, items * hkv, 32, d, seed=7)  # capacity 32, S = 11 used: rows are strided
     kv = slab[:, :, :s]
@@ -76,16 +96,16 @@ def test_decode_attention_matches_masked_softmax(order: str) -> None:
     allowed = torch.arange(s)[None, :] < lens[item_of_row][:, None]  # [N, S]
     scores = q3 @ kv[0].transpose(1, 2) + torch.where(allowed, 0.0, float("-inf"))[:, None, :]
     want = torch.softmax(scores, -1) @ kv[1]
-    got = OPS.decode_attention(q3, kv, lens, order == "bh", items, hkv)
+    got = ops.decode_attention(q3, kv, lens, order == "bh", items, hkv)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(
-        OPS.decode_attention(q3, kv, None, order == "bh", items, hkv),
+        ops.decode_attention(q3, kv, None, order == "bh", items, hkv),
         torch.softmax(q3 @ kv[0].transpose(1, 2), -1) @ kv[1],
         rtol=1e-5,
         atol=1e-5,
     )
     with pytest.raises(ValueError, match="lens"):
-        OPS.decode_attention(q3, kv, lens.int(), order == "bh", items, hkv)
+        ops.decode_attention(q3, kv, lens.int(), order == "bh", items, hkv)
 
 
 def _mixed_steps(engine: Engine) -> np.ndarray:
@@ -109,13 +129,14 @@ def _mixed_steps(engine: Engine) -> np.ndarray:
     return np.concatenate(out)
 
 
-@needs_ops
 @pytest.mark.parametrize("kv_views", ["rebuild", "persistent"])
 @pytest.mark.parametrize(
     "mode,atol", [({}, 1e-5), ({"quant": "int8"}, 1e-4), ({"dtype": "bfloat16"}, 1e-4)], ids=["f32", "int8", "bf16"]
 )
 @pytest.mark.parametrize("threads", [1, 2])
-def test_engine_with_fused_ops_matches_torch_ops(kv_views: str, mode: dict, atol: float, threads: int) -> None:
+def test_engine_with_fused_ops_matches_torch_ops(
+    ops: fused.FusedOps, kv_views: str, mode: dict, atol: float, threads: int
+) -> None:
     """Same weights and steps with and without the C ops: the logits agree in every CPU mode
     and thread count (2 threads sends multi-item attention groups to torch's bmm in int8 and
     bfloat16, one thread keeps them on the host path)."""
@@ -153,8 +174,7 @@ def test_switched_off_by_environment_and_fallback_without_compiler(monkeypatch, 
         fused.load.cache_clear()
 
 
-@needs_ops
-def test_build_is_cached_per_source_and_cpu(tmp_path) -> None:
+def test_build_is_cached_per_source_and_cpu(ops: fused.FusedOps, tmp_path) -> None:
     first = fused.build(tmp_path)
     stamp = first.stat().st_mtime_ns
     assert fused.build(tmp_path) == first and first.stat().st_mtime_ns == stamp  # not rebuilt
