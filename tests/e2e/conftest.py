@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -32,6 +31,8 @@ from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
 import pytest
+
+from kvfleet.local_cluster import free_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -55,12 +56,6 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
         if named == HERE or HERE in named.parents:
             return None
     return True
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _compose_command() -> list[str]:
@@ -232,7 +227,7 @@ def run_stack(
         _BUILT.add(image)
 
     model = model or os.environ.get("KVFLEET_E2E_MODEL", "smollm2-135m")
-    sched_port, tel_port, gw_port = _free_port(), _free_port(), _free_port()
+    sched_port, tel_port, gw_port = free_port(), free_port(), free_port()
     env = {
         **os.environ,
         "KVFLEET_IMAGE": image,

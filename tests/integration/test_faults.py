@@ -7,20 +7,14 @@ import grpc
 import pytest
 
 from kvfleet.client import SchedulerClient, build_request
-from kvfleet.v1 import worker_pb2 as wpb
-from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
 from kvfleet_models.config import tiny_config
 from kvfleet_models.reference import reference_generate
 from kvfleet_models.tiny import tiny_weights
+from tests.helpers.worker_stats import worker_stats
 from tests.integration.inproc import InProcessCluster
 
 CFG = tiny_config()
 WEIGHTS = tiny_weights(CFG, seed=0)
-
-
-def _worker_stats(address: str) -> wpb.WorkerStats:
-    with grpc.insecure_channel(address) as ch:
-        return wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(), timeout=5)
 
 
 def test_sessions_move_to_a_live_worker_when_theirs_dies():
@@ -68,9 +62,9 @@ def test_client_cancel_frees_the_session_within_a_tick(cluster):
             time.sleep(0.02)
         assert snap.active_sessions == 0 and snap.kv_total_bytes == 0
         address = cluster.worker_addresses[int(worker[-1])]
-        while time.monotonic() < deadline and _worker_stats(address).active_sessions:
+        while time.monotonic() < deadline and worker_stats(address).active_sessions:
             time.sleep(0.02)
-        assert _worker_stats(address).active_sessions == 0
+        assert worker_stats(address).active_sessions == 0
 
 
 def test_deadline_ends_only_that_session(cluster):

@@ -14,8 +14,8 @@ import uuid
 import pytest
 
 from kvfleet.local_cluster import ClusterSpec, LocalCluster, free_port
+from tests.helpers.gateway import GatewayProcess, http
 from tests.helpers.telemetry_db import wait_for_rows
-from tests.integration.test_gateway import GatewayProcess, http
 
 TOKEN = "scheduler-s3cret"
 BODY = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0}

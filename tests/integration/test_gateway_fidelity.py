@@ -18,7 +18,7 @@ import pytest
 from kvfleet.client import SchedulerClient, build_request
 from kvfleet.local_cluster import ClusterSpec, LocalCluster
 from kvfleet.v1 import scheduler_pb2 as spb
-from tests.integration.test_gateway import GatewayProcess, http
+from tests.helpers.gateway import GatewayProcess, http
 
 pytestmark = pytest.mark.slow
 

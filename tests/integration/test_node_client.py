@@ -18,7 +18,7 @@ from kvfleet.client import SchedulerClient
 from kvfleet_models.config import tiny_config
 from kvfleet_models.reference import reference_generate
 from kvfleet_models.tiny import tiny_weights
-from tests.integration.test_up_supervision import Up, _wait_live
+from tests.helpers.up import Up, wait_live
 
 CLIENT = Path(__file__).resolve().parents[1] / "clients" / "node"
 NODE = shutil.which("node")
@@ -85,7 +85,7 @@ def test_grpc_js_streams_survive_a_worker_killed_under_kvfleet_up(tmp_path: Path
             assert got == expected, f"stream {i} (on worker-1 at first: {i in on_victim})"
             assert [e["reason"] for e in events if e["i"] == i and e["finished"]] == ["FINISH_LENGTH"]
         with SchedulerClient(up.scheduler) as client:
-            _wait_live(client, "worker-1", 30)
+            wait_live(client, "worker-1", 30)
     finally:
         code = up.stop()
     assert code == 0, up.stderr()

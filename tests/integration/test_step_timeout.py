@@ -29,6 +29,7 @@ from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
 from kvfleet_models.config import tiny_config
 from kvfleet_models.reference import reference_generate
 from kvfleet_models.tiny import tiny_weights
+from tests.helpers.worker_stats import worker_stats
 from tests.integration.inproc import InProcessCluster
 from worker_svc.config import WorkerConfig
 from worker_svc.engine import Engine
@@ -134,11 +135,6 @@ def watch(monkeypatch: pytest.MonkeyPatch) -> Iterator[MutationWatch]:
     w.open()
 
 
-def _stats(address: str) -> wpb.WorkerStats:
-    with grpc.insecure_channel(address) as ch:
-        return wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(), timeout=10)
-
-
 def _prompt(n: int, salt: int) -> list[int]:
     return [(7 * i + 13 * salt + 1) % CFG.vocab_size for i in range(n)]
 
@@ -159,7 +155,7 @@ def test_timed_out_steps_never_corrupt_the_worker(watch: MutationWatch) -> None:
             results = list(pool.map(lambda p: client.generate(build_request(p, 12), timeout=60), prompts))
         deadline = time.monotonic() + 10
         while True:
-            stats = [_stats(a) for a in c.worker_addresses]
+            stats = [worker_stats(a, timeout=10) for a in c.worker_addresses]
             if all(s.used_blocks == 0 and s.active_sessions == 0 for s in stats) or time.monotonic() > deadline:
                 break
             time.sleep(0.05)

@@ -6,73 +6,13 @@ from __future__ import annotations
 
 import os
 import re
-import selectors
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from kvfleet.client import NO_RETRY, SchedulerClient, build_request
-
-
-class Up:
-    """A `kvfleet up` process: its scheduler address and its children's pids, read from its banner."""
-
-    def __init__(self, args: list[str], log: Path, start_timeout_s: float) -> None:
-        self.stderr_path = log
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvfleet.cli",
-                "up",
-                "--port",
-                "0",
-                "--telemetry-port",
-                "0",
-                "--gateway-port",
-                "0",
-                *args,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=open(log, "wb"),
-        )
-        banner = self._read_until("pids: ", start_timeout_s)
-        self.scheduler = re.search(r"scheduler at (\S+?)[,\s]", banner).group(1)
-        self.pids = {n: int(p) for n, p in re.findall(r"([\w-]+)=(\d+)", banner.split("pids: ")[1])}
-
-    def _read_until(self, marker: str, timeout_s: float) -> str:
-        text, end = "", time.monotonic() + timeout_s
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        while marker not in text or not text.endswith("\n"):
-            assert self.proc.poll() is None, f"kvfleet up exited:\n{text}\n{self.stderr()}"
-            assert time.monotonic() < end, f"kvfleet up not up within {timeout_s}s:\n{text}"
-            if sel.select(0.5):  # raw reads: a buffered readline could hide a line from select
-                text += os.read(self.proc.stdout.fileno(), 65536).decode()
-        return text
-
-    def stderr(self) -> str:
-        return self.stderr_path.read_text(errors="replace")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-
-
-def _wait_live(client: SchedulerClient, worker: str, timeout_s: float) -> None:
-    end = time.monotonic() + timeout_s
-    while not {w.worker_id: w.live for w in client.list_workers()}.get(worker):
-        assert time.monotonic() < end, f"{worker} was not taken back within {timeout_s}s"
-        time.sleep(0.2)
+from tests.helpers.up import Up, wait_live
 
 
 def _kill_a_worker_mid_stream(
@@ -88,7 +28,7 @@ def _kill_a_worker_mid_stream(
         for p, tokens, expected in zip(prompts, got, solo):
             assert tokens == expected, p
         assert up.proc.poll() is None, f"kvfleet up stopped:\n{up.stderr()}"
-        _wait_live(client, "worker-1", restart_timeout_s)
+        wait_live(client, "worker-1", restart_timeout_s)
         log = up.stderr()
         assert re.search(r"worker-1 exited with code -9 .*restarting in", log), log
         assert "worker-1 restarted" in log
