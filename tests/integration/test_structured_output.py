@@ -97,8 +97,10 @@ def test_what_the_grammar_cannot_enforce_is_invalid_argument(client, rf, says):
         _run(client, _chat("hi", rf))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert says in err.value.details() and "response_format" in err.value.details()
-    text, _ = _run(client, _chat("Say hi.", spb.ResponseFormat(type="json_object")))  # still serving
-    json.loads(text)
+    still = _chat("Say hi.", spb.ResponseFormat(type="json_object"))
+    still.max_new_tokens = 1  # still serving, constrained requests too: one token shows it
+    _, last = _run(client, still)
+    assert last.finish_reason == spb.FINISH_LENGTH and last.usage.output_tokens == 1
 
 
 def test_tiny_model_refuses_response_format():
