@@ -42,8 +42,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, LogSetting
         "--allow-anonymous",
         action="store_true",
         env="KVFLEET_GATEWAY_ALLOW_ANONYMOUS",
-        help="serve callers without a key even though KVFLEET_API_TOKEN (the scheduler's token) is set; "
-        "without this, the gateway refuses to start so",
+        help="serve callers without a key even though KVFLEET_API_TOKEN (the scheduler's token) is set, "
+        "or on a host beyond loopback; without this, the gateway refuses to start so",
     )
     p.add_argument(
         "--request-timeout",

@@ -103,6 +103,9 @@ def _auth(config: GatewayConfig):
     async def check(request: web.Request, handler) -> web.StreamResponse:
         request[_AUTH_KEY] = own
         if request.path.startswith("/v1/") or request.path in _KEYED_PATHS:
+            # Two headers leave it open which one a check (here, a proxy, the scheduler) reads.
+            if len(request.headers.getall("Authorization", [])) > 1:
+                raise unauthorized("more than one Authorization header; send exactly one 'Authorization: Bearer <key>'")
             if mode is AuthMode.PASS_THROUGH:
                 request[_AUTH_KEY] = tuple(token_metadata(_bearer(request)))
             elif mode is AuthMode.OWN_KEY:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from kvfleet_common.security import is_loopback
+
 
 class AuthMode(Enum):
     """Who may generate through the gateway, and with which token it calls the scheduler."""
@@ -26,7 +28,8 @@ class GatewayConfig:
     # or allow_anonymous to say that an open gateway is meant.
     scheduler_token: str = ""
     pass_through_key: bool = False  # forward the caller's "Authorization: Bearer" to the scheduler
-    allow_anonymous: bool = False  # serve callers without a key although the scheduler wants one
+    # serve callers without a key although the scheduler wants one, or beyond loopback at all
+    allow_anonymous: bool = False
     request_timeout_s: float = 600.0  # the gRPC deadline of one generation (-> 504)
     chat_max_tokens: int = 256  # chat's max_tokens when the request gives none
     models_ttl_s: float = 5.0  # how long the served-model list from ListWorkers is reused
@@ -50,6 +53,13 @@ class GatewayConfig:
                 "key would hand it to every caller: set KVFLEET_GATEWAY_API_KEY, or "
                 "--pass-through-key to forward each caller's own bearer token, or "
                 "--allow-anonymous if an open gateway is what you want"
+            )
+        if self.auth_mode is AuthMode.OPEN and not is_loopback(self.host) and not self.allow_anonymous:
+            raise ValueError(
+                f"listening on {self.host or 'every interface'} (beyond loopback) with no key would let anyone "
+                "who reaches the port generate: set KVFLEET_GATEWAY_API_KEY, or --pass-through-key with a "
+                "scheduler that wants KVFLEET_API_TOKEN, or --allow-anonymous "
+                "(KVFLEET_GATEWAY_ALLOW_ANONYMOUS=true) if an open gateway is meant, or listen on 127.0.0.1"
             )
         for name in ("request_timeout_s", "drain_grace_s"):
             if getattr(self, name) <= 0:

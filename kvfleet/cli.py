@@ -84,8 +84,10 @@ def _scheduler(a: argparse.Namespace) -> Iterator[str]:
 
 def cmd_up(a: argparse.Namespace) -> int:
     """Start the cluster and keep it up: a process that dies is restarted (with backoff, logged);
-    Ctrl-C or SIGTERM drains and stops everything, and so does a scheduler that keeps crashing."""
+    Ctrl-C or SIGTERM drains and stops everything, and so does a scheduler that keeps crashing.
+    The workers obey only this run's scheduler: a fresh secret, in their environment only."""
     import dataclasses
+    import secrets
 
     from kvfleet.local_cluster import ClusterDown, LocalCluster, Supervisor
     from kvfleet_common.logs import setup_logging
@@ -94,7 +96,12 @@ def cmd_up(a: argparse.Namespace) -> int:
     spec = _spec(a, a.port)
     if not a.no_gateway:
         spec = dataclasses.replace(spec, gateway=True, gateway_port=a.gateway_port)
-    spec = dataclasses.replace(spec, telemetry_port=a.telemetry_port)
+    spec = dataclasses.replace(
+        spec,
+        telemetry_port=a.telemetry_port,
+        worker_secret=secrets.token_urlsafe(32),
+        drain_grace_s=a.drain_grace,
+    )
     cluster = LocalCluster(spec)
     print(
         f"starting {a.workers} workers ({a.model} on {a.device}), the scheduler, telemetry"
@@ -112,6 +119,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     print("pids: " + ", ".join(f"{n}={p.pid}" for n, p in cluster.procs.items()), flush=True)
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    signal.signal(signal.SIGHUP, lambda *_: stop.append(1))  # the terminal closed: the children run apart
     supervisor = Supervisor(cluster)
     code = 0
     try:
@@ -123,8 +131,12 @@ def cmd_up(a: argparse.Namespace) -> int:
     except ClusterDown as exc:
         print(f"kvfleet: {exc}; stopping", file=sys.stderr, flush=True)
         code = 1
-    print("draining ...", flush=True)
-    cluster.stop()
+    print(f"draining (up to {spec.stop_timeout_s:.0f}s; Ctrl-C again to kill now) ...", flush=True)
+    try:
+        cluster.stop()
+    except KeyboardInterrupt:
+        print("killing ...", flush=True)
+        cluster.stop(grace_s=0)
     return code
 
 
@@ -362,6 +374,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the OpenAI-compatible HTTP gateway's port (key: env KVFLEET_GATEWAY_API_KEY)",
     )
     up.add_argument("--no-gateway", action="store_true", help="start no HTTP gateway")
+    up.add_argument(
+        "--drain-grace",
+        type=float,
+        env="KVFLEET_DRAIN_GRACE_S",
+        default=10.0,
+        help="seconds the scheduler lets running sessions finish on Ctrl-C (each process is killed "
+        "only after twice this plus a margin)",
+    )
     up.set_defaults(fn=cmd_up)
 
     for name, fn, helptext in (

@@ -6,9 +6,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import subprocess
 import time
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -57,9 +57,28 @@ def _request(spec: ExperimentSpec, prompts, experiment_id: str, arm: str) -> spb
     return req
 
 
-def _run_arm(client: SchedulerClient, request: spb.WorkloadRequest, n: int) -> list[list[int]]:
+# The scheduler's scheduler_svc.experiments.EXPERIMENT_TOKEN_HEADER (the client may not import it).
+EXPERIMENT_TOKEN_HEADER = "x-kvfleet-experiment-token"
+
+
+def new_experiment_id(lever: str) -> str:
+    """The lever's name and 128 random bits: nobody can guess a running experiment's id, and two
+    runs never share one (artifacts are write-once per id)."""
+    return f"{lever}-{secrets.token_hex(16)}"
+
+
+def experiment_metadata(client: SchedulerClient, experiment_token: str) -> tuple[tuple[str, str], ...]:
+    """The client's own metadata plus the experiment-writer token the scheduler may require
+    (scheduler_svc.experiments.ExperimentWriters); "" sends none."""
+    extra = ((EXPERIMENT_TOKEN_HEADER, experiment_token),) if experiment_token else ()
+    return (*client._md, *extra)
+
+
+def _run_arm(
+    client: SchedulerClient, request: spb.WorkloadRequest, n: int, metadata: tuple[tuple[str, str], ...]
+) -> list[list[int]]:
     outputs: list[list[int]] = [[] for _ in range(n)]
-    for ev in client.submit_workload(request):
+    for ev in client.stub.SubmitWorkload(request, metadata=metadata):
         if ev.HasField("event"):
             outputs[ev.session_index].extend(ev.event.token_ids)
     return outputs
@@ -116,7 +135,8 @@ def run_experiment(
     workers = client.list_workers()
     if not workers:
         raise RuntimeError("the scheduler lists no workers")
-    experiment_id = spec.experiment_id or f"{spec.lever}-{uuid.uuid4().hex[:8]}"
+    experiment_id = spec.experiment_id or new_experiment_id(spec.lever)
+    writer = experiment_metadata(client, os.environ.get("KVFLEET_EXPERIMENT_TOKEN", ""))
     token = os.environ.get("KVFLEET_TELEMETRY_TOKEN", "") if telemetry_token is None else telemetry_token
     auth = security.token_metadata(token) if token else None
     with security.channel(telemetry_address) as channel:
@@ -125,7 +145,7 @@ def run_experiment(
     tokens: dict[str, list[list[int]]] = {arm: [] for arm in ARMS}
     for r in range(spec.repeats):
         for arm in ARMS:  # ABAB...: drift on a shared machine hits both arms alike
-            tokens[arm].extend(_run_arm(client, _request(spec, prompts, experiment_id, arm), len(prompts)))
+            tokens[arm].extend(_run_arm(client, _request(spec, prompts, experiment_id, arm), len(prompts), writer))
             progress.advance(message=f"repeat {r + 1}/{spec.repeats}: {arm}")
     workload_doc = json.dumps(
         {"prompts": prompts, **asdict(spec), "model": workers[0].model}, sort_keys=True, separators=(",", ":")

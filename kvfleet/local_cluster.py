@@ -1,7 +1,10 @@
 """Starts a scheduler and N workers as local processes, waits for health, stops them by SIGTERM.
 
 `Supervisor` keeps them up (what `kvfleet up` runs): a process that exits is started again on
-its old address after a backoff; only a scheduler that keeps crashing stops the cluster."""
+its old address after a backoff; only a scheduler that keeps crashing stops the cluster.
+
+The processes run in their own session, so a Ctrl-C at the terminal reaches only the caller,
+which stops them in order (the scheduler drains while its workers still serve)."""
 
 from __future__ import annotations
 
@@ -24,6 +27,10 @@ from kvfleet_common.grpcutil import check_health
 from kvfleet_common.security import TlsConfig
 
 log = logging.getLogger(__name__)
+
+# Beyond a process's drain: its exit (tracing flushed, channels closed) on a loaded machine.
+STOP_MARGIN_S = 5.0
+_SECRET_VARS = ("KVFLEET_WORKER_SECRET", "KVFLEET_WORKER_SECRET_FILE")
 
 
 _handed_out: set[int] = set()
@@ -68,10 +75,23 @@ class ClusterSpec:
     log_format: str = ""  # --log-format for every process ("": theirs, i.e. text or $KVFLEET_LOG_FORMAT)
     log_level: str = ""  # --log-level likewise
     start_timeout_s: float = 180.0
+    # The scheduler<->worker secret, handed to those processes only through their environment
+    # (never a flag: the process list shows flags); "" = none. `kvfleet up` makes one per run.
+    worker_secret: str = field(default="", repr=False)
+    drain_grace_s: float = 10.0  # the scheduler's and gateway's --drain-grace
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"a cluster needs at least one worker, got {self.workers}")
+        if self.drain_grace_s <= 0:
+            raise ValueError(f"drain_grace_s must be positive, got {self.drain_grace_s}")
+
+    @property
+    def stop_timeout_s(self) -> float:
+        """How long `stop` waits for a process after SIGTERM before it kills it: the scheduler's
+        drain lets running sessions finish (up to the grace), then gives the server the grace
+        again to close its streams (scheduler_svc.server.RunningScheduler.stop), then exits."""
+        return 2 * self.drain_grace_s + STOP_MARGIN_S
 
 
 class LocalCluster:
@@ -125,6 +145,8 @@ class LocalCluster:
     def _env(self, name: str = "") -> dict[str, str]:
         env = dict(self.spec.extra_env)
         env.update(self._tls_env(name))
+        if self.spec.worker_secret and (name == "scheduler" or name.startswith("worker-")):
+            env["KVFLEET_WORKER_SECRET"] = self.spec.worker_secret
         if self.spec.api_token and name == "scheduler":
             env["KVFLEET_API_TOKEN"] = self.spec.api_token
         if self.telemetry_address:
@@ -145,9 +167,18 @@ class LocalCluster:
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         out = open(self.log_dir / f"{name}.log", "ab")
-        env = {**os.environ, **self._env(name)}
+        env = dict(os.environ)
+        # The worker secret reaches the scheduler and workers only; the spec's replaces one inherited.
+        if self.spec.worker_secret or not (name == "scheduler" or name.startswith("worker-")):
+            for var in _SECRET_VARS:
+                env.pop(var, None)
+        env.update(self._env(name))
         proc = subprocess.Popen(
-            [sys.executable, *args, *self._log_args()], stdout=out, stderr=subprocess.STDOUT, env=env
+            [sys.executable, *args, *self._log_args()],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # see the module docstring: Ctrl-C is the caller's to handle
         )
         out.close()  # the child holds its own descriptor
         self.procs[name] = proc
@@ -208,6 +239,8 @@ class LocalCluster:
                     str(s.max_running),
                     "--prefill-token-budget",
                     str(s.prefill_token_budget),
+                    "--drain-grace",
+                    str(s.drain_grace_s),
                     *s.scheduler_args,
                 ],
             )
@@ -229,6 +262,8 @@ class LocalCluster:
                         str(port),
                         "--scheduler",
                         self.scheduler_address,
+                        "--drain-grace",
+                        str(s.drain_grace_s),
                         *(["--pass-through-key"] if token and not own_key else []),
                     ],
                 )
@@ -322,7 +357,10 @@ class LocalCluster:
                 )
             time.sleep(0.2)
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
+        """SIGTERM each process in order and wait up to ``grace_s`` (default: the spec's
+        stop_timeout_s, which covers the scheduler's whole drain) before killing it."""
+        grace_s = self.spec.stop_timeout_s if grace_s is None else grace_s
         # Scheduler first, so it drains before its workers go; telemetry last, to get their spans.
         order = {"gateway": -1, "scheduler": 0, "telemetry": 2}
         for name in sorted(self.procs, key=lambda n: order.get(n, 1)):
@@ -332,6 +370,7 @@ class LocalCluster:
                 try:
                     proc.wait(grace_s)
                 except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop within %.0fs of SIGTERM; killing it", name, grace_s)
                     proc.kill()
                     proc.wait()
         self.procs.clear()

@@ -17,11 +17,51 @@ log = logging.getLogger(__name__)
 
 # Large enough for a long prompt's token ids or a batch of OTLP spans, small enough to bound memory.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.so_reuseport", 0),
-]
+
+# Connection lifetime. The server pings every connection each KEEPALIVE_TIME_MS and drops it
+# when no answer comes within KEEPALIVE_TIMEOUT_MS: a vanished peer's streams (and the sessions
+# behind them) end within ~80 s instead of when TCP gives up (hours).
+KEEPALIVE_TIME_MS = 60_000
+KEEPALIVE_TIMEOUT_MS = 20_000
+# A connection that carried no RPC for this long is closed (its client reconnects on the next call).
+MAX_CONNECTION_IDLE_MS = 5 * 60_000
+# How age and grace interact: at MAX_CONNECTION_AGE_MS (gRPC adds +-10 % jitter) the server sends
+# GOAWAY, so new calls go to a new connection (and a rebalanced server), while calls in flight
+# keep MAX_CONNECTION_AGE_GRACE_MS to finish before the connection is closed under them. So a
+# stream is guaranteed MAX_STREAM_S (the grace) whenever it starts, and no stream - not even one
+# whose client stopped reading - outlives its connection's age + grace (at most ~2.6 h).
+MAX_STREAM_S = 2 * 3600
+MAX_CONNECTION_AGE_MS = 30 * 60_000
+MAX_CONNECTION_AGE_GRACE_MS = MAX_STREAM_S * 1000
+# Clients may ping (keepalive) as often as every 10 s, with or without calls in flight; a client
+# pinging faster is told GOAWAY after MAX_PING_STRIKES offences (so pings cannot be a flood).
+MIN_CLIENT_PING_INTERVAL_MS = 10_000
+MAX_PING_STRIKES = 2
+
+
+def server_options(
+    max_receive_bytes: int = MAX_MESSAGE_BYTES, keepalive_time_ms: int = KEEPALIVE_TIME_MS
+) -> list[tuple[str, int]]:
+    """Every kvfleet server's channel arguments: message size limits, keepalive, connection
+    idle/age limits and the ping policy. `max_receive_bytes` for a server whose peers batch more
+    than MAX_MESSAGE_BYTES into one message (an OTLP receiver behind a collector);
+    `keepalive_time_ms` for tests that need to see pings within seconds."""
+    return [
+        ("grpc.max_receive_message_length", max_receive_bytes),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
+        ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
+        ("grpc.max_connection_age_grace_ms", MAX_CONNECTION_AGE_GRACE_MS),
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+        ("grpc.http2.max_ping_strikes", MAX_PING_STRIKES),
+    ]
+
+
+SERVER_OPTIONS = server_options()
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -82,12 +122,6 @@ async def check_health(address: str, timeout: float = 1.0, tls=None) -> bool:
         except grpc.aio.AioRpcError:
             return False
         return resp.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    """SERVER_OPTIONS with a different receive limit, for a server whose peers batch more than
-    MAX_MESSAGE_BYTES into one message (e.g. an OTLP receiver behind a collector)."""
-    return [(k, max_receive_bytes if k == "grpc.max_receive_message_length" else v) for k, v in SERVER_OPTIONS]
 
 
 async def drain(

@@ -9,12 +9,25 @@ KVFLEET_TLS_ALLOWED_CLIENTS        common names a server gated by authorize_peer
                                    the CA signed
 KVFLEET_API_TOKEN                  the scheduler's client API wants "authorization: Bearer <token>";
                                    clients send it when set
+KVFLEET_WORKER_SECRET              the scheduler<->worker shared secret: a worker obeys only calls
+                                   carrying it (metadata x-kvfleet-worker-secret), the scheduler
+                                   sends it on every worker call; the same value for both, at
+                                   least 16 characters (`kvfleet up` makes a fresh one per run)
+KVFLEET_WORKER_SECRET_FILE         the same, read from a file (a mounted Kubernetes or Docker
+                                   Secret); one of the two, not both
+
+A worker listening beyond loopback must have mutual TLS or the secret: plaintext cannot tell its
+scheduler from anyone else who reaches the port (who could list, free or probe other users'
+sessions). Every secret and token is compared in constant time, and a call carrying one of these
+metadata entries twice is refused: two values leave it open which one a check saw.
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import os
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +35,19 @@ import grpc
 
 SCHEDULER_CLIENT = "kvfleet-scheduler"  # the common name of the scheduler's certificate
 ANY_CLIENT = "*"  # KVFLEET_TLS_ALLOWED_CLIENTS: any certificate of the CA
+WORKER_SECRET_HEADER = "x-kvfleet-worker-secret"  # gRPC metadata keys are lower case
+MIN_SECRET_CHARS = 16
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain"})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether listening on ``host`` keeps a port on this machine ("" and 0.0.0.0 do not)."""
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
 
 
 def _read(path: str | None, what: str) -> bytes | None:
@@ -136,14 +162,134 @@ async def authorize_peer(context, tls: TlsConfig, default: frozenset[str] = froz
     )
 
 
-async def authorize_token(context, token: str) -> None:
+class DuplicateMetadata(ValueError):
+    """A credential's metadata key came more than once."""
+
+
+def single_metadata(metadata: Iterable[tuple[str, str | bytes]] | None, key: str) -> str | None:
+    """The one value of ``key`` in gRPC metadata (None: absent); DuplicateMetadata if repeated,
+    since checks that read the first or the last of two could then disagree."""
+    found = [v for k, v in (metadata or ()) if k == key]
+    if len(found) > 1:
+        raise DuplicateMetadata(f"metadata {key!r} sent {len(found)} times; send it exactly once")
+    if not found:
+        return None
+    value = found[0]
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def same_secret(sent: str, expected: str) -> bool:
+    """Constant-time equality: how long a compare takes must not tell how much of a guess was right."""
+    return hmac.compare_digest(sent.encode(), expected.encode())
+
+
+def token_refusal(metadata: Iterable[tuple[str, str | bytes]] | None, token: str) -> str | None:
+    """Why the call's bearer token does not pass (None: it does, or no token is configured).
+    A repeated authorization entry is refused even when no token is wanted."""
+    try:
+        sent = single_metadata(metadata, "authorization")
+    except DuplicateMetadata:
+        return "more than one 'authorization' metadata entry; send exactly one 'authorization: Bearer <token>'"
     if not token:
-        return
-    sent = dict(context.invocation_metadata() or ()).get("authorization", "")
-    if sent != f"Bearer {token}":
-        await context.abort(
-            grpc.StatusCode.UNAUTHENTICATED,
-            "missing or wrong bearer token; send metadata 'authorization: Bearer <token>'"
-            if sent
-            else "no bearer token; send metadata 'authorization: Bearer <token>'",
+        return None
+    if sent is None:
+        return "no bearer token; send metadata 'authorization: Bearer <token>'"
+    if not same_secret(sent, f"Bearer {token}"):
+        return "missing or wrong bearer token; send metadata 'authorization: Bearer <token>'"
+    return None
+
+
+async def authorize_token(context, token: str) -> None:
+    refusal = token_refusal(context.invocation_metadata(), token)
+    if refusal is not None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal)
+
+
+# ---- the scheduler<->worker secret ---------------------------------------------------------------
+
+
+def check_worker_secret(secret: str) -> None:
+    """Raise ValueError for a secret too short to resist guessing ("" = none: allowed)."""
+    if secret and len(secret) < MIN_SECRET_CHARS:
+        raise ValueError(
+            f"KVFLEET_WORKER_SECRET must be at least {MIN_SECRET_CHARS} characters (got {len(secret)}); "
+            "make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+        )
+
+
+def worker_secret_from_env(env: Mapping[str, str] | None = None) -> str:
+    """KVFLEET_WORKER_SECRET, or the contents of KVFLEET_WORKER_SECRET_FILE (surrounding
+    whitespace dropped: files end in a newline); "" when neither is set."""
+    env = os.environ if env is None else env
+    value, path = env.get("KVFLEET_WORKER_SECRET", ""), env.get("KVFLEET_WORKER_SECRET_FILE", "")
+    if value and path:
+        raise ValueError("set KVFLEET_WORKER_SECRET or KVFLEET_WORKER_SECRET_FILE, not both")
+    if path:
+        try:
+            value = Path(path).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read KVFLEET_WORKER_SECRET_FILE {path}: {exc.strerror}") from exc
+        if not value:
+            raise ValueError(f"KVFLEET_WORKER_SECRET_FILE {path} is empty")
+    check_worker_secret(value)
+    return value
+
+
+def worker_secret_metadata(secret: str) -> list[tuple[str, str]]:
+    return [(WORKER_SECRET_HEADER, secret)] if secret else []
+
+
+WORKER_SECRET_HOWTO = (
+    f"send metadata '{WORKER_SECRET_HEADER}' with the worker's secret: give the scheduler and its "
+    "workers the same KVFLEET_WORKER_SECRET (or KVFLEET_WORKER_SECRET_FILE)"
+)
+
+
+def worker_secret_refusal(metadata: Iterable[tuple[str, str | bytes]] | None, secret: str) -> str | None:
+    """Why a call does not carry the worker's secret (None: it does, or none is configured).
+    The message says how to configure it and nothing else (no ids, no state of the worker)."""
+    if not secret:
+        return None
+    try:
+        sent = single_metadata(metadata, WORKER_SECRET_HEADER)
+    except DuplicateMetadata:
+        return f"metadata '{WORKER_SECRET_HEADER}' sent more than once; send it exactly once"
+    if sent is None:
+        return f"this worker obeys only its scheduler; {WORKER_SECRET_HOWTO}"
+    if not same_secret(sent, secret):
+        return f"wrong worker secret; {WORKER_SECRET_HOWTO}"
+    return None
+
+
+class WorkerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Gates every method of one service (the Worker's): the TLS peer check, then the secret,
+    both before the request is handled. Other services (health, reflection) stay open."""
+
+    def __init__(self, service: str, tls: TlsConfig, secret: str) -> None:
+        self._prefix = f"/{service}/"
+        self._tls = tls
+        self._secret = secret
+
+    async def _check(self, context) -> None:
+        await authorize_peer(context, self._tls)
+        refusal = worker_secret_refusal(context.invocation_metadata(), self._secret)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal)
+
+    async def intercept_service(self, continuation: Callable[[object], Awaitable], details) -> object:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(self._prefix):
+            return handler
+        if handler.unary_unary is None:
+            # The Worker service is unary only; a streaming method added later must be gated
+            # here before it can be called at all (fail closed, never open).
+            raise TypeError(f"{details.method}: WorkerAuthInterceptor gates unary methods only")
+        check, inner = self._check, handler.unary_unary
+
+        async def guarded(request, context):
+            await check(context)
+            return await inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            guarded, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
         )

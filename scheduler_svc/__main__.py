@@ -33,6 +33,13 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
     )
     p.add_argument("--kv-budget-bytes", type=int, env="KVFLEET_KV_BUDGET_BYTES", default=d.kv_budget_bytes)
     p.add_argument("--max-queue-depth", type=int, env="KVFLEET_MAX_QUEUE_DEPTH", default=d.max_queue_depth)
+    p.add_argument(
+        "--max-queued-per-caller",
+        type=int,
+        env="KVFLEET_MAX_QUEUED_PER_CALLER",
+        default=d.max_queued_per_caller,
+        help="sessions one caller (token, certificate, or all anonymous callers together) may have queued",
+    )
     p.add_argument("--max-prompt-tokens", type=int, env="KVFLEET_MAX_PROMPT_TOKENS", default=d.max_prompt_tokens)
     p.add_argument("--max-new-tokens", type=int, env="KVFLEET_MAX_NEW_TOKENS", default=d.max_new_tokens)
     p.add_argument(
@@ -66,6 +73,20 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
     )
     p.add_argument("--drain-grace", type=float, env="KVFLEET_DRAIN_GRACE_S", default=10.0)
     p.add_argument(
+        "--allow-anonymous",
+        action="store_true",
+        env="KVFLEET_SCHEDULER_ALLOW_ANONYMOUS",
+        help="listen beyond loopback without KVFLEET_API_TOKEN (anyone who reaches the port may generate); "
+        "without this the scheduler refuses to start so",
+    )
+    p.add_argument(
+        "--experiment-writers",
+        env="KVFLEET_EXPERIMENT_WRITERS",
+        default="",
+        help="comma-separated client certificate names that may tag workloads with an experiment "
+        "(as may callers sending $KVFLEET_EXPERIMENT_TOKEN as x-kvfleet-experiment-token)",
+    )
+    p.add_argument(
         "--metrics-port", type=int, env="KVFLEET_METRICS_PORT", default=9400, help="Prometheus /metrics port (0 = off)"
     )
     p.add_logging_flags()
@@ -76,17 +97,22 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
         prefill_token_budget=a.prefill_token_budget,
         kv_budget_bytes=a.kv_budget_bytes,
         max_queue_depth=a.max_queue_depth,
+        max_queued_per_caller=a.max_queued_per_caller,
         max_prompt_tokens=a.max_prompt_tokens,
         max_new_tokens=a.max_new_tokens,
         kv_policy=a.kv_policy,
         max_priority=a.max_priority,
     )
     workers = tuple(w.strip() for w in a.workers.split(",") if w.strip())
-    from kvfleet_common.security import TlsConfig
+    from kvfleet_common.security import TlsConfig, worker_secret_from_env
 
     return SchedulerConfig(
         tls=TlsConfig.from_env(),
         api_token=env("KVFLEET_API_TOKEN", ""),
+        worker_secret=worker_secret_from_env(),
+        allow_anonymous=a.allow_anonymous,
+        experiment_token=env("KVFLEET_EXPERIMENT_TOKEN", ""),
+        experiment_writers=frozenset(n.strip() for n in a.experiment_writers.split(",") if n.strip()),
         host=a.host,
         port=a.port,
         workers=workers,

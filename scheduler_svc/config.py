@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvfleet_common.security import TlsConfig
+from kvfleet_common.security import TlsConfig, check_worker_secret, is_loopback
 from scheduler_svc.core import SchedulerLimits
+from scheduler_svc.experiments import ExperimentWriters
 from scheduler_svc.prompts import PromptLimits
 
 
@@ -27,6 +28,15 @@ class SchedulerConfig:
     metrics_port: int = 9400  # Prometheus /metrics; 0 = off
     tls: TlsConfig = field(default_factory=TlsConfig)  # serving, and dialling the workers
     api_token: str = ""  # clients must send "authorization: Bearer <token>"
+    # Sent on every worker call (KVFLEET_WORKER_SECRET); "" = none. repr=False: kept out of logs.
+    worker_secret: str = field(default="", repr=False)
+    # Serve beyond loopback without a token (callers share one identity): only when told so.
+    allow_anonymous: bool = False
+    # Who may tag workloads with an experiment (see scheduler_svc.experiments.ExperimentWriters):
+    # callers sending this token as x-kvfleet-experiment-token (KVFLEET_EXPERIMENT_TOKEN) ...
+    experiment_token: str = field(default="", repr=False)
+    # ... and callers whose client certificate has one of these common names (KVFLEET_EXPERIMENT_WRITERS).
+    experiment_writers: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -40,3 +50,17 @@ class SchedulerConfig:
             raise ValueError("served_model_name must be at most 256 printable characters")
         if self.step_timeout_s <= 0:
             raise ValueError("step_timeout_s must be positive")
+        check_worker_secret(self.worker_secret)
+        ExperimentWriters(self.experiment_token, self.experiment_writers)  # refuses a short token
+        identified = bool(self.api_token) or (self.tls.serves_tls and self.tls.client_auth)
+        if not is_loopback(self.host) and not identified and not self.allow_anonymous:
+            raise ValueError(
+                f"listening on {self.host or 'every interface'} (beyond loopback) without a token would let "
+                "anyone who reaches the port generate, and cancel other anonymous callers' sessions: set "
+                "KVFLEET_API_TOKEN, or --allow-anonymous (KVFLEET_SCHEDULER_ALLOW_ANONYMOUS=true) if an open "
+                "scheduler is meant, or listen on 127.0.0.1"
+            )
+
+    @property
+    def experiments(self) -> ExperimentWriters:
+        return ExperimentWriters(self.experiment_token, self.experiment_writers, is_loopback(self.host))

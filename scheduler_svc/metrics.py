@@ -100,6 +100,10 @@ class SchedulerMetrics:
             "kvfleet:orphan_sessions_released",
             "Sessions a worker held that the scheduler had not placed there, freed by reconciliation",
         )
+        self.cut_off = counter(
+            "kvfleet:streams_cut_off",
+            "Streams ended with RESOURCE_EXHAUSTED because their client stopped reading (max_stream_backlog)",
+        )
         self._snapshot: TelemetrySnapshot | None = None
         self._seen_rejections: dict[str, int] = {}
         self._times: dict[str, _Times] = {}
@@ -144,6 +148,9 @@ class SchedulerMetrics:
 
     def orphans_released(self, n: int) -> None:
         self.orphans.inc(n)
+
+    def stream_cut_off(self) -> None:
+        self.cut_off.inc()
 
     def iteration(self, prefill_tokens: int, decode_tokens: int) -> None:
         """One tick's answers arrived: the tokens it processed."""

@@ -58,6 +58,7 @@ class SessionEvent:
     finish: FinishReason | None = None
     worker_id: str = ""
     dropped: str = ""  # the session was given up on, unfinished (the reason)
+    cut_off: str = ""  # the stream's client stopped reading; its sessions were cancelled (the reason)
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,8 @@ class SchedulerRuntime:
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._no_worker_since: float | None = None
+        # Sessions whose stream ended before they finished: forgotten when their finish is delivered.
+        self._orphans: set[str] = set()
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -154,7 +157,8 @@ class SchedulerRuntime:
                 f"workload {workload_id}" if workload_id else "alone",
                 extra={"session_id": sid},
             )
-        events: asyncio.Queue[SessionEvent] = asyncio.Queue()
+        # Bounded: a client that stops reading is cut off (see _publish), not buffered for ever.
+        events: asyncio.Queue[SessionEvent] = asyncio.Queue(self._core.limits.max_stream_backlog * len(ids))
         for sid in ids:
             self._subscribers[sid] = events
         self._wake.set()
@@ -169,6 +173,7 @@ class SchedulerRuntime:
         for sid in submission.session_ids:
             if not self._finished(sid):
                 self.cancel(sid)  # the client went away: free its slot or KV
+                self._orphans.add(sid)  # forgotten once its cancel settles (_forget_orphan)
             self._subscribers.pop(sid, None)
             self._core.forget_session(sid)
         if submission.workload_id is not None:
@@ -370,10 +375,12 @@ class SchedulerRuntime:
             for sid, reason in out.finished:
                 self._ended(sid, reason.value)
                 self._publish(SessionEvent(sid, finish=reason))
+                self._forget_orphan(sid)
             for sid, why in out.dropped:
                 self._spans.failed(sid, why)
                 self._ended(sid, "unavailable")
                 self._publish(SessionEvent(sid, dropped=why))
+                self._forget_orphan(sid)
         self._metrics.tick(self._core.snapshot(), prefill, decode)
 
     def _ended(self, session_id: str, reason: str) -> None:
@@ -384,7 +391,51 @@ class SchedulerRuntime:
     def _publish(self, event: SessionEvent) -> None:
         queue = self._subscribers.get(event.session_id)
         if queue is not None:
-            queue.put_nowait(event)
+            try:
+                queue.put_nowait(event)
+            except asyncio.QueueFull:
+                self._cut_off(queue)
+
+    def _cut_off(self, queue: asyncio.Queue[SessionEvent]) -> None:
+        """A stream's client stopped reading (gRPC flow control holds its writes, so its events
+        pile up here): cancel its sessions, so their KV is freed with the next tick, drop what
+        waits, and leave one event that ends the stream with RESOURCE_EXHAUSTED."""
+        sids = [sid for sid, q in self._subscribers.items() if q is queue]
+        for sid in sids:
+            del self._subscribers[sid]
+            if not self._finished(sid):
+                # Not self.cancel(): that delivers now, inside the delivery under way; the
+                # outcome joins the outbox this very _deliver is draining.
+                self._emit(self._core.cancel(sid)[1])
+        while not queue.empty():
+            queue.get_nowait()
+        waited = queue.maxsize
+        log.warning("sessions %s cut off: their client left %d events unread", ", ".join(sids), waited)
+        self._metrics.stream_cut_off()
+        queue.put_nowait(
+            SessionEvent(
+                sids[0],
+                cut_off=f"the client stopped reading its stream: {waited} events waited unread "
+                f"(max_stream_backlog is {self._core.limits.max_stream_backlog} per session); the sessions "
+                f"were cancelled and their KV freed. Read a stream as it arrives",
+            )
+        )
+        self._wake.set()
+
+    def _forget_orphan(self, session_id: str) -> None:
+        if session_id in self._orphans:
+            self._orphans.discard(session_id)
+            self._core.forget_session(session_id)
+
+    def holds(self, session_id: str) -> bool:
+        """Whether the runtime still keeps anything of a session (its request and prompt, a stream)."""
+        if session_id in self._subscribers or session_id in self._orphans:
+            return True
+        try:
+            self._core.session(session_id)
+        except KeyError:
+            return False
+        return True
 
     def _drop_if_no_worker_for_too_long(self) -> None:
         """Sessions wait for a worker to come back, but not for ever: after no_worker_wait_s

@@ -17,7 +17,7 @@ from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet.v1 import scheduler_pb2_grpc as spb_grpc
 from kvfleet_common import grpcutil
 from kvfleet_common.logs import bind_request, bind_session
-from kvfleet_common.security import authorize_token
+from kvfleet_common.security import authorize_token, peer_common_names
 from kvfleet_common.tracing import extract_context
 from scheduler_svc import convert
 from scheduler_svc.config import SchedulerConfig
@@ -30,7 +30,7 @@ from scheduler_svc.core import (
     SessionRequest,
     TokenLogprob,
 )
-from scheduler_svc.experiments import ExperimentArm
+from scheduler_svc.experiments import ExperimentArm, ExperimentWriters
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.prompts import NoTokenizer, PromptError, PromptResolver, TextStream
 from scheduler_svc.runtime import RuntimeConfig, SchedulerRuntime, SessionEvent, Submission
@@ -59,8 +59,10 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         api_token: str = "",
         spans: SchedulerSpans | None = None,
         served_model: str = "",
+        experiments: ExperimentWriters | None = None,
     ) -> None:
         self._api_token = api_token
+        self._experiments = experiments or ExperimentWriters()
         self._runtime = runtime
         self._prompts = prompts
         self._spans = spans
@@ -159,6 +161,10 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
     async def SubmitWorkload(self, request, context) -> AsyncIterator[spb.WorkloadEvent]:
         await self._gate(context)
         owner = caller_identity(context)
+        if request.HasField("experiment"):  # before any prompt is read: a refusal costs nothing
+            refusal = self._experiments.refusal(context.invocation_metadata(), peer_common_names(context))
+            if refusal is not None:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         for i, r in enumerate(request.sessions):
             if r.n > 1:
                 self._runtime.record_rejection(RejectReason.INVALID_REQUEST)
@@ -242,6 +248,8 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
             )
         except SessionDropped as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{label}: {exc}")
+        except StreamCutOff as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{label}: {exc}")
         finally:
             self._runtime.end_stream(sub)
 
@@ -460,6 +468,9 @@ async def _batches(events: asyncio.Queue, context) -> AsyncIterator[list[Session
         batch = [first]
         while not events.empty():
             batch.append(events.get_nowait())
+        cut_off = [ev.cut_off for ev in batch if ev.cut_off]
+        if cut_off:
+            raise StreamCutOff(cut_off[0])
         dropped = [ev.dropped for ev in batch if ev.dropped]
         if dropped:
             raise SessionDropped(dropped[0])
@@ -470,10 +481,14 @@ class SessionDropped(Exception):
     """The scheduler gave up on a session (no live worker for too long, KV lost too often)."""
 
 
+class StreamCutOff(Exception):
+    """The stream's client stopped reading; the runtime cancelled its sessions."""
+
+
 async def create_server(config: SchedulerConfig):
     """Connect to the workers, then build and start the server. Returns (server, port, service)."""
     core = SchedulerCore(config.limits)
-    clients = [WorkerClient.open(a, config.tls) for a in config.workers]
+    clients = [WorkerClient.open(a, config.tls, config.worker_secret) for a in config.workers]
     infos = await asyncio.gather(*(c.wait_ready(config.worker_connect_timeout_s) for c in clients))
     for client, info in zip(clients, infos):
         core.add_worker(client.spec(), info.model.vocab_size, info.model.max_position)
@@ -502,7 +517,7 @@ async def create_server(config: SchedulerConfig):
             reconcile_interval_s=config.reconcile_interval_s,
         ),
     )
-    servicer = SchedulerServicer(runtime, prompts, config.api_token, spans, served)
+    servicer = SchedulerServicer(runtime, prompts, config.api_token, spans, served, config.experiments)
     server = grpc.aio.server(options=grpcutil.SERVER_OPTIONS)
     spb_grpc.add_SchedulerServicer_to_server(servicer, server)
     health = grpcutil.add_health_and_reflection(server, [SERVICE_NAME])

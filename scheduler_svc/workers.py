@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import trace
@@ -16,7 +16,7 @@ from opentelemetry.trace import Span
 from kvfleet.v1 import worker_pb2 as wpb
 from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
 from kvfleet_common import grpcutil
-from kvfleet_common.security import TlsConfig, aio_channel
+from kvfleet_common.security import TlsConfig, aio_channel, worker_secret_metadata
 from kvfleet_common.tracing import inject_metadata
 from scheduler_svc import convert
 from scheduler_svc.core import DecodeWork, PrefillWork, StepResult, WorkerSpec
@@ -49,11 +49,18 @@ class WorkerClient:
     channel: grpc.aio.Channel
     stub: wpb_grpc.WorkerStub
     info: wpb.WorkerInfo | None = None
+    # The scheduler<->worker secret (KVFLEET_WORKER_SECRET) as metadata, sent on every call.
+    auth: tuple[tuple[str, str], ...] = field(default=(), repr=False)
 
     @classmethod
-    def open(cls, address: str, tls: TlsConfig | None = None) -> "WorkerClient":
+    def open(cls, address: str, tls: TlsConfig | None = None, secret: str = "") -> "WorkerClient":
         channel = aio_channel(address, tls or TlsConfig(), options=grpcutil.CHANNEL_OPTIONS)
-        return cls(address=address, channel=channel, stub=wpb_grpc.WorkerStub(channel))
+        return cls(
+            address=address,
+            channel=channel,
+            stub=wpb_grpc.WorkerStub(channel),
+            auth=tuple(worker_secret_metadata(secret)),
+        )
 
     @property
     def worker_id(self) -> str:
@@ -72,7 +79,7 @@ class WorkerClient:
         )
 
     async def fetch_info(self, timeout: float = 5.0) -> wpb.WorkerInfo:
-        self.info = await self.stub.GetInfo(wpb.GetInfoRequest(), timeout=timeout)
+        self.info = await self.stub.GetInfo(wpb.GetInfoRequest(), timeout=timeout, metadata=self.auth)
         return self.info
 
     async def answers(self, timeout: float) -> bool:
@@ -115,22 +122,24 @@ class WorkerClient:
             request.kv_views = arm.kv_views
             request.experiment_id = arm.experiment_id
             request.experiment_arm = arm.arm
-        metadata = inject_metadata(trace.set_span_in_context(span)) if span is not None else None
+        trace_md = inject_metadata(trace.set_span_in_context(span)) if span is not None else ()
         try:
-            resp = await self.stub.Step(request, timeout=timeout, metadata=metadata)
+            resp = await self.stub.Step(request, timeout=timeout, metadata=(*self.auth, *trace_md))
         except grpc.aio.AioRpcError as exc:
             raise WorkerCallFailed(self.address, exc.code(), exc.details() or "") from exc
         return convert.step_results(resp)
 
     async def release(self, session_ids: Sequence[str], timeout: float) -> None:
         try:
-            await self.stub.Release(wpb.ReleaseRequest(session_ids=list(session_ids)), timeout=timeout)
+            await self.stub.Release(
+                wpb.ReleaseRequest(session_ids=list(session_ids)), timeout=timeout, metadata=self.auth
+            )
         except grpc.aio.AioRpcError as exc:
             raise WorkerCallFailed(self.address, exc.code(), exc.details() or "") from exc
 
     async def held(self, timeout: float) -> HeldSessions:
         try:
-            s = await self.stub.GetStats(wpb.GetStatsRequest(), timeout=timeout)
+            s = await self.stub.GetStats(wpb.GetStatsRequest(), timeout=timeout, metadata=self.auth)
         except grpc.aio.AioRpcError as exc:
             raise WorkerCallFailed(self.address, exc.code(), exc.details() or "") from exc
         return HeldSessions(tuple(s.session_ids), s.used_blocks, s.free_blocks)

@@ -11,13 +11,12 @@ the standard OTEL_EXPORTER_OTLP_HEADERS="authorization=Bearer <token>".
 
 from __future__ import annotations
 
-import hmac
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 import grpc
 
-from kvfleet_common.security import peer_common_names
+from kvfleet_common.security import DuplicateMetadata, peer_common_names, same_secret, single_metadata
 
 WRITE_METHODS = frozenset({
     "/opentelemetry.proto.collector.trace.v1.TraceService/Export",
@@ -48,9 +47,14 @@ class AuthPolicy:
     def refusal(self, metadata: Any, peer_names: set[str]) -> tuple[grpc.StatusCode, str] | None:
         """None when the caller passes every configured check, else the status to answer."""
         if self.token:
-            sent = dict(metadata or ()).get("authorization", "")
+            try:
+                sent = single_metadata(metadata, "authorization") or ""
+            except DuplicateMetadata:
+                return grpc.StatusCode.UNAUTHENTICATED, (
+                    "more than one 'authorization' metadata entry; send exactly one 'authorization: Bearer <token>'"
+                )
             # Constant-time compare: the check must not leak how much of a guess was right.
-            if not hmac.compare_digest(sent.encode(), f"Bearer {self.token}".encode()):
+            if not same_secret(sent, f"Bearer {self.token}"):
                 why = "wrong bearer token" if sent else "no bearer token"
                 return grpc.StatusCode.UNAUTHENTICATED, (
                     f"{why}; send metadata 'authorization: Bearer <token>' "

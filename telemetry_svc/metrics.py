@@ -18,6 +18,10 @@ class TelemetryMetrics:
                                       registry=r)  # fmt: skip
         self.spans_deleted = Counter("kvfleet:telemetry_spans_deleted", "Spans removed by retention, by reason",
                                      ["reason"], registry=r)  # fmt: skip
+        self.artifacts_deleted = Counter("kvfleet:telemetry_artifacts_deleted",
+                                         "Artifacts removed by retention for the store's size", registry=r)  # fmt: skip
+        self.artifacts_refused = Counter("kvfleet:telemetry_artifacts_refused",
+                                         "Artifacts refused for their size (--max-artifact-kb)", registry=r)  # fmt: skip
         self.unauthorized = Counter("kvfleet:telemetry_unauthorized_requests",
                                     "Calls refused for a missing/wrong token or client certificate", ["method"],
                                     registry=r)  # fmt: skip
@@ -28,6 +32,7 @@ class TelemetryMetrics:
     def retention(self, result: RetentionResult) -> None:
         self.spans_deleted.labels(reason="age").inc(result.deleted_by_age)
         self.spans_deleted.labels(reason="size").inc(result.deleted_by_size)
+        self.artifacts_deleted.inc(result.artifacts_deleted_by_size)
         self._last = result
 
     def _gauges(self) -> dict[str, tuple[str, float]]:

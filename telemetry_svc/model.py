@@ -31,6 +31,10 @@ class InvalidArtifact(ValueError):
     """An artifact record that cannot be stored; the message names the field."""
 
 
+class ArtifactTooLarge(ValueError):
+    """An artifact request over the service's size limit (TelemetryConfig.max_artifact_bytes)."""
+
+
 class UnknownExperiment(LookupError):
     """No span and no artifact carries this experiment id."""
 

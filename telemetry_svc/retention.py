@@ -2,8 +2,10 @@
 no clock (the caller passes `now_ns`), no threads, no metrics.
 
 Age first (spans and artifacts received more than max_age_s ago), then size: while the pages in
-use exceed max_bytes, the earliest-received spans go, in batches sized from the average span.
-Artifacts are never trimmed for size (a few rows per experiment) and age out with their spans.
+use exceed max_bytes, the earliest-received data goes, in batches sized from the average row.
+Artifacts count like spans (their bytes are pages of the same file) and go oldest first too: a
+round deletes artifacts when the oldest row of the store is an artifact (those recorded before
+every remaining span), else spans. So no kind of write can grow the store past its bound.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ _MAX_ROUNDS = 1_000  # a safety stop: each round deletes at least _MIN_BATCH spa
 class RetentionStore(Protocol):
     def delete_received_before(self, cutoff_ns: int) -> int: ...
     def delete_oldest_spans(self, n: int) -> int: ...
+    def delete_oldest_artifacts(self, n: int, not_after_ns: int | None = None) -> int: ...
+    def oldest_received(self) -> tuple[int | None, int | None]: ...
+    def artifact_count(self) -> int: ...
     def live_bytes(self) -> int: ...
     def span_count(self) -> int: ...
     def reclaim(self) -> None: ...
@@ -50,24 +55,31 @@ class RetentionResult:
     deleted_by_size: int
     live_bytes: int  # after enforcement
     spans: int  # after enforcement
+    artifacts_deleted_by_size: int = 0
 
 
 def enforce(store: RetentionStore, policy: RetentionPolicy, now_ns: int) -> RetentionResult:
     by_age = store.delete_received_before(now_ns - int(policy.max_age_s * 1e9))
-    by_size = 0
-    size, count = store.live_bytes(), store.span_count()
+    by_size = artifacts_by_size = 0
+    size, count, artifacts = store.live_bytes(), store.span_count(), store.artifact_count()
     for _ in range(_MAX_ROUNDS):
-        if size <= policy.max_bytes or count == 0:
+        if size <= policy.max_bytes or count + artifacts == 0:
             break
         # Overshoot a little (10 %) so one round usually suffices; pages only free up when whole.
-        per_span = size / count
-        n = max(_MIN_BATCH, int((size - policy.max_bytes) / per_span * 1.1))
-        deleted = store.delete_oldest_spans(n)
-        by_size += deleted
-        size, count = store.live_bytes(), store.span_count()
+        per_row = size / (count + artifacts)
+        rows = int((size - policy.max_bytes) / per_row * 1.1)
+        oldest_span, oldest_artifact = store.oldest_received()
+        if oldest_artifact is not None and (oldest_span is None or oldest_artifact <= oldest_span):
+            # No batch floor here: artifacts are few and large, and each one is an experiment's record.
+            deleted = store.delete_oldest_artifacts(max(1, rows), oldest_span)
+            artifacts_by_size += deleted
+        else:
+            deleted = store.delete_oldest_spans(max(_MIN_BATCH, rows))
+            by_size += deleted
+        size, count, artifacts = store.live_bytes(), store.span_count(), store.artifact_count()
         if deleted == 0:
             break
-    if by_age or by_size:
+    if by_age or by_size or artifacts_by_size:
         store.reclaim()
         size = store.live_bytes()
-    return RetentionResult(by_age, by_size, size, count)
+    return RetentionResult(by_age, by_size, size, count, artifacts_by_size)

@@ -33,6 +33,7 @@ from telemetry_svc.model import (
     Artifact,
     ArtifactConflict,
     ArtifactKind,
+    ArtifactTooLarge,
     InvalidArtifact,
     InvalidPageToken,
     UnknownExperiment,  # fmt: skip
@@ -61,6 +62,9 @@ STATUS_DETAILS_KEY = "grpc-status-details-bin"
 MAX_EXPORT_BYTES = 32 * 1024 * 1024
 DEFAULT_TIMINGS_PAGE = 100
 MAX_TIMINGS_PAGE = 1000
+# One artifact request, tokens_json included (hashed, never stored): an experiment of 64 sessions
+# x 2048 tokens x 6 repeats per arm is ~4 MB of JSON. Larger ones send sha256 alone.
+DEFAULT_MAX_ARTIFACT_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class TelemetryConfig:
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
     metrics_port: int = 0  # Prometheus /metrics; 0 = off (the entry point defaults to 9402)
     max_receive_bytes: int = MAX_EXPORT_BYTES
+    max_artifact_bytes: int = DEFAULT_MAX_ARTIFACT_BYTES  # a RecordArtifact request, serialized
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
@@ -88,6 +93,11 @@ class TelemetryConfig:
             raise ValueError("db_path must not be empty")
         if self.max_receive_bytes < 4 * 1024 * 1024:
             raise ValueError("max_receive_bytes below gRPC's own 4 MiB default makes no sense")
+        if not 1024 <= self.max_artifact_bytes <= self.max_receive_bytes:
+            raise ValueError(
+                f"max_artifact_bytes must be in 1 KiB..max_receive_bytes ({self.max_receive_bytes}), "
+                f"got {self.max_artifact_bytes}"
+            )
 
 
 class Overloaded(Exception):
@@ -122,6 +132,7 @@ mapped_errors = grpcutil.mapped_errors(
         (InvalidArtifact, grpc.StatusCode.INVALID_ARGUMENT),
         (InvalidPageToken, grpc.StatusCode.INVALID_ARGUMENT),
         (ArtifactConflict, grpc.StatusCode.ALREADY_EXISTS),
+        (ArtifactTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
         (Overloaded, grpc.StatusCode.UNAVAILABLE),
     ),
     _retry_info,
@@ -215,8 +226,12 @@ def artifact_from_pb(req: Any) -> Artifact:
 
 
 class TelemetryService(telemetry_pb2_grpc.TelemetryServicer):
-    def __init__(self, store: SpanStore) -> None:
+    def __init__(
+        self, store: SpanStore, max_artifact_bytes: int = DEFAULT_MAX_ARTIFACT_BYTES, metrics: Any = None
+    ) -> None:
         self._store = store
+        self._max_artifact_bytes = max_artifact_bytes
+        self._metrics = metrics
 
     def _spec(self, text: str) -> GateSpec:
         return parse_gate_spec(text) if text.strip() else load_default_spec()
@@ -272,6 +287,14 @@ class TelemetryService(telemetry_pb2_grpc.TelemetryServicer):
 
     @mapped_errors
     async def RecordArtifact(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        size = request.ByteSize()
+        if size > self._max_artifact_bytes:  # before any JSON is parsed or hashed
+            if self._metrics is not None:
+                self._metrics.artifacts_refused.inc()
+            raise ArtifactTooLarge(
+                f"the artifact request is {size} bytes; this service takes at most {self._max_artifact_bytes} "
+                "(--max-artifact-kb): send the tokens' sha256 instead of tokens_json, or raise the limit"
+            )
         artifact = artifact_from_pb(request)
         stored = await asyncio.to_thread(self._store.add_artifact, artifact)
         logger.info("artifact %s/%s %s %s", artifact.experiment_id, artifact.kind.value, artifact.arm or "-",
@@ -309,11 +332,12 @@ class TelemetryServer:
         """One retention pass in a worker thread (the store batches its deletes)."""
         result = await asyncio.to_thread(enforce, self.store, self._config.retention, time.time_ns())
         self.metrics.retention(result)
-        if result.deleted_by_age or result.deleted_by_size:
+        if result.deleted_by_age or result.deleted_by_size or result.artifacts_deleted_by_size:
             logger.info(
-                "retention deleted %d spans by age, %d by size; store %.1f MB, %d spans",
+                "retention deleted %d spans by age, %d spans and %d artifacts by size; store %.1f MB, %d spans",
                 result.deleted_by_age,
                 result.deleted_by_size,
+                result.artifacts_deleted_by_size,
                 result.live_bytes / 2**20,
                 result.spans,
             )
@@ -359,7 +383,9 @@ def create_server(config: TelemetryConfig, store: SpanStore | None = None) -> tu
         response_serializer=trace_service_pb2.ExportTraceServiceResponse.SerializeToString,
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(TRACE_SERVICE, {"Export": export}),))
-    telemetry_pb2_grpc.add_TelemetryServicer_to_server(TelemetryService(store), server)
+    telemetry_pb2_grpc.add_TelemetryServicer_to_server(
+        TelemetryService(store, config.max_artifact_bytes, metrics), server
+    )
     health_servicer = grpcutil.add_health_and_reflection(server, SERVICE_NAMES)
     port = grpcutil.bind(server, config.host, config.port, config.tls or TlsConfig())
     return TelemetryServer(server, health_servicer, store, admission, config, metrics), port

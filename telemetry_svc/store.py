@@ -113,6 +113,9 @@ class SpanStore(Protocol):
     def experiments(self) -> list[ExperimentInfo]: ...
     def delete_received_before(self, cutoff_ns: int) -> int: ...
     def delete_oldest_spans(self, n: int) -> int: ...
+    def delete_oldest_artifacts(self, n: int, not_after_ns: int | None = None) -> int: ...
+    def oldest_received(self) -> tuple[int | None, int | None]: ...
+    def artifact_count(self) -> int: ...
     def live_bytes(self) -> int: ...
     def reclaim(self) -> None: ...
     def span_count(self) -> int: ...
@@ -360,6 +363,24 @@ class SqliteSpanStore:
         """Delete the n earliest-received spans; returns how many went."""
         return self._delete_batch("DELETE FROM spans WHERE rowid IN (SELECT rowid FROM spans"
                                   " ORDER BY received_ns, rowid LIMIT ?)", (n,))  # fmt: skip
+
+    def delete_oldest_artifacts(self, n: int, not_after_ns: int | None = None) -> int:
+        """Delete the n earliest-recorded artifacts (only those recorded at or before not_after_ns
+        when given); returns how many went."""
+        cutoff = not_after_ns if not_after_ns is not None else 2**63 - 1
+        return self._delete_batch("DELETE FROM artifacts WHERE rowid IN (SELECT rowid FROM artifacts"
+                                  " WHERE recorded_ns <= ? ORDER BY recorded_ns, rowid LIMIT ?)", (cutoff, n))  # fmt: skip
+
+    def oldest_received(self) -> tuple[int | None, int | None]:
+        """When the oldest span was received and the oldest artifact recorded (None: there is none)."""
+        with self._reading() as db:
+            (span,) = db.execute("SELECT MIN(received_ns) FROM spans").fetchone()
+            (artifact,) = db.execute("SELECT MIN(recorded_ns) FROM artifacts").fetchone()
+        return span, artifact
+
+    def artifact_count(self) -> int:
+        with self._reading() as db:
+            return int(db.execute("SELECT COUNT(*) FROM artifacts").fetchone()[0])
 
     def live_bytes(self) -> int:
         """Bytes of pages in use (the file minus its free pages): what retention bounds."""

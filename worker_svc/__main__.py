@@ -62,10 +62,11 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_logging_flags()
     a = p.parse_args(argv)
     setup_logging(a.log_level, a.log_format)
-    from kvfleet_common.security import TlsConfig
+    from kvfleet_common.security import TlsConfig, worker_secret_from_env
 
     return WorkerConfig(
         tls=TlsConfig.from_env(),
+        worker_secret=worker_secret_from_env(),
         host=a.host,
         port=a.port,
         worker_id=a.worker_id,

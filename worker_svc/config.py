@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvfleet_common.security import TlsConfig
+from kvfleet_common.security import TlsConfig, check_worker_secret, is_loopback
 from worker_svc.kv_views_mode import KVViewsMode
 
 
@@ -29,6 +29,8 @@ class WorkerConfig:
     quant: str = "none"  # none | int8 (CPU, float32 only; see EngineConfig)
     prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (see EngineConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
+    # Calls must carry this (KVFLEET_WORKER_SECRET); "" = no secret check. repr=False: kept out of logs.
+    worker_secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -46,3 +48,17 @@ class WorkerConfig:
             raise ValueError(f"quant={self.quant} needs dtype float32 (the activations), got {self.dtype!r}")
         if self.inline_step_s < 0:
             raise ValueError(f"inline step time must be >= 0, got {self.inline_step_s}")
+        check_worker_secret(self.worker_secret)
+        if not is_loopback(self.host) and not self.worker_secret and not self.mutual_tls:
+            raise ValueError(
+                f"listening on {self.host or 'every interface'} (beyond loopback) with neither mutual TLS "
+                "nor a worker secret would let anyone who reaches the port drive this worker (list, free "
+                "and probe other users' sessions): set KVFLEET_WORKER_SECRET (or KVFLEET_WORKER_SECRET_FILE) "
+                "to the scheduler's secret, or serve mutual TLS (KVFLEET_TLS_CERT/KEY/CA with "
+                "KVFLEET_TLS_CLIENT_AUTH=true), or listen on 127.0.0.1"
+            )
+
+    @property
+    def mutual_tls(self) -> bool:
+        """Clients must show a certificate of the CA (authorize_peer then names who may call)."""
+        return self.tls.serves_tls and self.tls.client_auth

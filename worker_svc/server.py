@@ -18,7 +18,7 @@ import numpy as np
 from kvfleet.v1 import worker_pb2 as pb
 from kvfleet.v1 import worker_pb2_grpc as pb_grpc
 from kvfleet_common import grpcutil
-from kvfleet_common.security import authorize_peer
+from kvfleet_common.security import WorkerAuthInterceptor, authorize_peer
 from kvfleet_common.tracing import extract_context
 from kvfleet_models.config import LlamaConfig
 from worker_svc import convert
@@ -246,7 +246,9 @@ async def create_server(
     """Build and start the worker server; returns (server, port, health servicer).
     executor: where steps run (see ``WorkerServicer``)."""
     cfg, engine = loaded if loaded is not None else build_engine(config)
-    server = grpc.aio.server(options=grpcutil.SERVER_OPTIONS)
+    # Every Worker RPC passes the TLS peer check and the scheduler's secret before it is handled.
+    gate = WorkerAuthInterceptor(SERVICE_NAME, config.tls, config.worker_secret)
+    server = grpc.aio.server(options=grpcutil.SERVER_OPTIONS, interceptors=[gate])
     servicer = WorkerServicer(config, cfg, engine, executor=executor)
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
     health = grpcutil.add_health_and_reflection(server, [SERVICE_NAME])

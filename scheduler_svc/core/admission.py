@@ -161,3 +161,15 @@ def check_queue_room(queued: int, arriving: int, limits: SchedulerLimits) -> Non
             f"the queue holds {queued} of {limits.max_queue_depth} sessions and cannot "
             f"take {arriving} more; retry later or send fewer",
         )
+
+
+def check_caller_room(queued: int, arriving: int, caller: str, limits: SchedulerLimits) -> None:
+    """One caller's share of the queue (max_queued_per_caller), so others still find room."""
+    if queued + arriving > limits.max_queued_per_caller:
+        who = "anonymous callers (no token, no certificate)" if not caller else "this caller"
+        raise _reject(
+            RejectReason.QUEUE_FULL,
+            f"{who} already {'have' if not caller else 'has'} {queued} sessions queued and cannot add {arriving}: "
+            f"max_queued_per_caller is {limits.max_queued_per_caller} (--max-queued-per-caller); "
+            f"wait for some to start, or send fewer at once",
+        )

@@ -11,6 +11,15 @@ class SchedulerLimits:
     prefill_token_budget: int = 512  # prompt tokens prefilled per tick (longer prompts chunk)
     kv_budget_bytes: int = 64 * 1024 * 1024
     max_queue_depth: int = 1024
+    # Sessions one caller (token, certificate or anonymous: see the server's caller_identity) may
+    # have waiting at once, so one caller cannot fill the queue for all. Half the default queue;
+    # at or above max_queue_depth it has no effect.
+    max_queued_per_caller: int = 512
+    # Events a stream may hold unread, per session of the stream (a Generate's n choices, a
+    # workload's sessions share one stream). A client that stops reading lets gRPC's flow-control
+    # window fill, then this backlog; past it the stream ends with RESOURCE_EXHAUSTED and its
+    # sessions are cancelled (their KV freed) instead of buffering for ever.
+    max_stream_backlog: int = 1024
     max_prompt_tokens: int = 4096
     max_new_tokens: int = 2048
     # "reserve": admission reserves each session's worst-case KV, so no step ever runs out.
@@ -33,6 +42,8 @@ class SchedulerLimits:
             "prefill_token_budget",
             "kv_budget_bytes",
             "max_queue_depth",
+            "max_queued_per_caller",
+            "max_stream_backlog",
             "max_prompt_tokens",
             "max_new_tokens",
             "max_priority",

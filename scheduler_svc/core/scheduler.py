@@ -144,6 +144,13 @@ class SchedulerCore:
             admission.check_request(req, self.limits, self._bounds, where)
             admission.check_capacity(req, self.kv, where)
         admission.check_queue_room(len(self._queue), len(requests), self.limits)
+        for owner in {r.owner for r in requests}:  # one caller per call; checked per owner all the same
+            arriving = sum(1 for r in requests if r.owner == owner)
+            admission.check_caller_room(self._queued_by(owner), arriving, owner, self.limits)
+
+    def _queued_by(self, owner: str) -> int:
+        """Sessions of this caller waiting in the queue (O(queue), at most max_queue_depth)."""
+        return sum(1 for _, _, sid in self._queue if self._sessions[sid].request.owner == owner)
 
     def _enqueue(self, requests: Sequence[SessionRequest], workload_id: str | None) -> list[str]:
         self._checked(lambda: self._check_all(requests))
@@ -533,9 +540,10 @@ class SchedulerCore:
             del self._caps[wid]
 
     def forget_session(self, session_id: str) -> None:
-        """Drop a finished session that belongs to no workload (its stream has ended)."""
+        """Drop a finished session whose stream has ended, its prompt with it. A workload's too:
+        its figures live on in the accounting (workload_stats), which keeps only ids."""
         session = self._sessions.get(session_id)
-        if session is not None and session.phase == Phase.FINISHED and session.workload_id is None:
+        if session is not None and session.phase == Phase.FINISHED:
             del self._sessions[session_id]
             group = session.request.prefix_group
             if group in self._groups:

@@ -127,6 +127,29 @@ def test_openai_completion_through_the_published_gateway(stack: Stack) -> None:
         assert stack.model in [m["id"] for m in json.load(resp)["data"]]
 
 
+_INTRUDER = """
+import grpc
+from kvfleet.v1 import worker_pb2 as wpb, worker_pb2_grpc as wpb_grpc
+with grpc.insecure_channel("worker-0:50061") as ch:
+    try:
+        wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(), timeout=20)
+    except grpc.RpcError as exc:
+        print(exc.code().name, exc.details())
+    else:
+        print("ANSWERED")
+"""
+
+
+def test_a_worker_answers_no_one_but_the_scheduler_on_the_compose_network(stack: Stack) -> None:
+    """The gateway's container reaches worker-0 on the compose network but has no secret."""
+    res = stack.container("gateway").exec_run(["python", "-c", _INTRUDER])
+    out = res.output.decode()
+    assert res.exit_code == 0 and out.startswith("UNAUTHENTICATED"), out
+    # the one-shot service made the secret and the workers read it (they are healthy with it)
+    secret = stack.container("worker-0").exec_run(["sh", "-c", "stat -c '%u %a %s' /run/kvfleet/worker-secret"])
+    assert secret.output.decode().split()[:2] == ["10001", "400"], secret.output.decode()
+
+
 def _scrape(stack: Stack, service: str, port: int) -> str:
     script = f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{port}/metrics').read().decode())"
     res = stack.container(service).exec_run(["python", "-c", script])

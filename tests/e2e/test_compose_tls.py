@@ -111,14 +111,18 @@ _WORKER_CALL = textwrap.dedent("""
                 health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=20)
                 print("OK")
             else:
-                info = worker_pb2_grpc.WorkerStub(ch).GetInfo(worker_pb2.GetInfoRequest(), timeout=20)
+                secret = os.environ.get("WORKER_SECRET")
+                md = [("x-kvfleet-worker-secret", secret)] if secret else []
+                info = worker_pb2_grpc.WorkerStub(ch).GetInfo(worker_pb2.GetInfoRequest(), timeout=20, metadata=md)
                 print("OK", info.worker_id)
         except grpc.RpcError as e:
             print(e.code().name)
 """)
 
 
-def _worker_call(stack: Stack, certs: Path, identity: str, what: str = "getinfo", name: str = "worker-0") -> str:
+def _worker_call(
+    stack: Stack, certs: Path, identity: str, what: str = "getinfo", name: str = "worker-0", secret: str = ""
+) -> str:
     env = (
         {"CERT_PEM": "plain"}
         if identity == "plain"
@@ -127,13 +131,21 @@ def _worker_call(stack: Stack, certs: Path, identity: str, what: str = "getinfo"
             "KEY_PEM": (certs / identity / f"{identity}.key").read_text(),
         }
     )
+    if secret:
+        env["WORKER_SECRET"] = secret
     res = stack.container("gateway").exec_run(["python", "-c", _WORKER_CALL, what, name], environment=env)
     assert res.exit_code == 0, res.output.decode()
     return res.output.decode().strip().splitlines()[-1]
 
 
 def test_workers_accept_only_the_scheduler(tls_stack: Stack, certs: Path) -> None:
-    assert _worker_call(tls_stack, certs, "scheduler") == "OK worker-0"  # the scheduler is let in
+    # The scheduler's certificate and the scheduler<->worker secret (kept under TLS too) let it in ...
+    secret = tls_stack.container("worker-0").exec_run(["cat", "/run/kvfleet/worker-secret"]).output.decode().strip()
+    assert len(secret) >= 16
+    assert _worker_call(tls_stack, certs, "scheduler", secret=secret) == "OK worker-0"
+    # ... the certificate alone does not (a stolen key is not enough), nor does the secret alone
+    assert _worker_call(tls_stack, certs, "scheduler") == "UNAUTHENTICATED"
+    assert _worker_call(tls_stack, certs, "gateway", secret=secret) == "PERMISSION_DENIED"
     assert _worker_call(tls_stack, certs, "gateway") == "PERMISSION_DENIED"  # same CA, but not the scheduler
     assert _worker_call(tls_stack, certs, "client") == "PERMISSION_DENIED"
     assert _worker_call(tls_stack, certs, "plain") == "UNAVAILABLE"  # no TLS, no connection

@@ -179,3 +179,38 @@ def test_kvfleet_up_with_a_token_starts_a_gateway_that_passes_callers_keys_throu
         assert status == 401
         status, body, _ = http("POST", url, BODY, _bearer(TOKEN))
         assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+
+
+def _post_with_headers(url: str, headers: list[tuple[str, str]]) -> tuple[int, dict]:
+    """A POST carrying exactly these headers, repeats included (urllib merges a repeated name)."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    try:
+        body = json.dumps(BODY).encode()
+        conn.putrequest("POST", u.path)
+        for name, value in [("Content-Type", "application/json"), ("Content-Length", str(len(body))), *headers]:
+            conn.putheader(name, value)
+        conn.endheaders(body)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"{}")
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("mode", ["own-key", "pass-through"])
+def test_two_authorization_headers_are_refused_even_when_one_is_right(gateways, mode):
+    """A proxy in front may read the first and the gateway the last: neither may decide alone."""
+    if mode == "own-key":
+        g = gateways("gateway-dup-own", env={"KVFLEET_API_TOKEN": TOKEN, "KVFLEET_GATEWAY_API_KEY": "gw-key"})
+        right = "Bearer gw-key"
+    else:
+        g = gateways("gateway-dup-pass", args=("--pass-through-key",))
+        right = f"Bearer {TOKEN}"
+    url = g.url + "/v1/completions"
+    assert _post_with_headers(url, [("Authorization", right)])[0] == 200  # one header: served
+    for pair in ([right, "Bearer wrong"], ["Bearer wrong", right], [right, right]):
+        status, err = _post_with_headers(url, [("Authorization", v) for v in pair])
+        assert status == 401 and "more than one Authorization header" in err["error"]["message"], (pair, err)

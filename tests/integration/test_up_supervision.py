@@ -74,3 +74,27 @@ def test_up_keeps_serving_when_a_worker_is_killed_smollm2(tmp_path: Path):
     finally:
         code = up.stop()
     assert code == 0, up.stderr()
+
+
+def test_up_hands_its_drain_grace_on_and_a_closed_terminal_stops_it(tmp_path: Path):
+    """SIGHUP (the terminal closed) drains and stops the cluster like SIGTERM, leaving no child;
+    --drain-grace reaches the scheduler and the gateway, whose drains it bounds."""
+    import time
+
+    up = Up(["--model", "tiny", "--workers", "1", "--drain-grace", "3"], tmp_path / "up.err", start_timeout_s=60)
+    try:
+        for name in ("scheduler", "gateway"):
+            args = Path(f"/proc/{up.pids[name]}/cmdline").read_bytes().split(b"\0")
+            assert args[args.index(b"--drain-grace") + 1] == b"3.0", (name, args)
+        with SchedulerClient(up.scheduler) as client:
+            assert client.generate(build_request([1, 2, 3], 4, ignore_eos=True)).token_ids
+        up.proc.send_signal(signal.SIGHUP)
+        assert up.proc.wait(60) == 0, up.stderr()
+    finally:
+        up.stop()
+    out = up.proc.stdout.read().decode()
+    assert "draining (up to 11s" in out, out  # 2 x 3 s + the margin
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in up.pids.values()):
+        assert time.monotonic() < deadline, f"children left running: {up.pids}"
+        time.sleep(0.1)

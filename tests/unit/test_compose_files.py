@@ -36,15 +36,16 @@ def tls() -> dict:
 
 
 def test_core_services_check_health_over_grpc_and_wait_for_healthy_dependencies(base: dict) -> None:
-    assert set(CORE) | set(DASHBOARDS) == set(base)
+    assert set(CORE) | set(DASHBOARDS) | {"worker-secret"} == set(base)
     for name in CORE:
         svc = base[name]
         assert "profiles" not in svc, name
         assert svc["healthcheck"]["test"][:3] == ["CMD", "python", "-m"], name
         assert svc["healthcheck"]["test"][3] == "kvfleet.healthcheck", name
         for dep, cond in svc.get("depends_on", {}).items():
-            assert cond == {"condition": "service_healthy"}, (name, dep)
-    assert set(base["scheduler"]["depends_on"]) == {"telemetry", "worker-0", "worker-1"}
+            want = "service_completed_successfully" if dep == "worker-secret" else "service_healthy"
+            assert cond == {"condition": want}, (name, dep)
+    assert set(base["scheduler"]["depends_on"]) == {"worker-secret", "telemetry", "worker-0", "worker-1"}
     assert base["telemetry"]["volumes"] == ["telemetry-data:/data"]
     for name in ("worker-0", "worker-1", "scheduler", "gateway"):
         assert base[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"].endswith("telemetry:4317}"), name
@@ -169,7 +170,8 @@ def test_tls_overlay_requires_the_token_and_the_gateway_passes_callers_keys_thro
     assert tls["scheduler"]["environment"]["KVFLEET_API_TOKEN"].startswith("${KVFLEET_API_TOKEN:?")
     gateway = tls["gateway"]["environment"]
     # The gateway holds no token of the scheduler's: it cannot serve a caller the scheduler refuses.
-    assert "KVFLEET_API_TOKEN" not in gateway and "KVFLEET_GATEWAY_ALLOW_ANONYMOUS" not in gateway
+    assert "KVFLEET_API_TOKEN" not in gateway and gateway["KVFLEET_GATEWAY_ALLOW_ANONYMOUS"] == "false"
+    assert tls["scheduler"]["environment"]["KVFLEET_SCHEDULER_ALLOW_ANONYMOUS"] == "false"
     for k in [k for k in os.environ if k.startswith("KVFLEET_")]:
         monkeypatch.delenv(k)
     for k, v in gateway.items():
@@ -177,3 +179,67 @@ def test_tls_overlay_requires_the_token_and_the_gateway_passes_callers_keys_thro
             monkeypatch.setenv(k, v)
     config, _ = parse_args([])
     assert config.auth_mode is AuthMode.PASS_THROUGH
+
+
+def test_workers_and_scheduler_share_a_generated_secret_and_nothing_else_reads_it(base: dict) -> None:
+    """The scheduler<->worker secret: made once per volume by the one-shot worker-secret service,
+    mounted read-only into the scheduler and the workers only, and read from the file."""
+    init = base["worker-secret"]
+    assert init["restart"] == "no" and init["volumes"] == ["worker-secret:/run/kvfleet"]
+    script = init["command"][-1]
+    assert "secrets.token_urlsafe(32)" in script and "chmod 0400" in script and "umask 077" in script
+    for name in ("worker-0", "worker-1", "scheduler"):
+        svc = base[name]
+        assert "worker-secret:/run/kvfleet:ro" in svc["volumes"], name
+        assert svc["environment"]["KVFLEET_WORKER_SECRET_FILE"] == "/run/kvfleet/worker-secret", name
+        assert svc["depends_on"]["worker-secret"] == {"condition": "service_completed_successfully"}, name
+    for name in ("telemetry", "gateway", *DASHBOARDS):
+        assert not any("worker-secret" in str(v) for v in base[name].get("volumes", [])), name
+        assert "KVFLEET_WORKER_SECRET_FILE" not in base[name].get("environment", {}), name
+
+
+def test_every_published_port_binds_loopback_unless_the_operator_says_otherwise(base: dict) -> None:
+    published = {name: svc["ports"] for name, svc in base.items() if "ports" in svc}
+    assert set(published) == {"telemetry", "scheduler", "gateway", "jaeger", "prometheus", "grafana"}
+    for name, ports in published.items():
+        for port in ports:
+            assert port.startswith(("127.0.0.1:", "${KVFLEET_BIND:-127.0.0.1}:")), (name, port)
+    assert base["telemetry"]["ports"][0].startswith("127.0.0.1:")  # its API has no token here: never opened
+    # open only because the ports are loopback; the operator who widens them turns this off
+    assert base["scheduler"]["environment"]["KVFLEET_SCHEDULER_ALLOW_ANONYMOUS"] == "${KVFLEET_ANONYMOUS:-true}"
+    assert base["gateway"]["environment"]["KVFLEET_GATEWAY_ALLOW_ANONYMOUS"] == "${KVFLEET_ANONYMOUS:-true}"
+    grafana = base["grafana"]["environment"]
+    assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false" and "GF_AUTH_ANONYMOUS_ORG_ROLE" not in grafana
+
+
+def test_compose_services_start_with_their_environment(
+    base: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Each service's configuration, parsed as its container would (host 0.0.0.0 as the image's
+    entrypoint sets it), starts; without the secret a worker, and without --allow-anonymous the
+    scheduler, refuse to, which is what makes the compose settings above necessary."""
+    from scheduler_svc.__main__ import parse_args as scheduler_args
+    from worker_svc.__main__ import parse_args as worker_args
+
+    secret = tmp_path / "worker-secret"
+    secret.write_text("s" * 43 + "\n")
+
+    def environ(name: str, drop: str = "") -> None:
+        for k in [k for k in os.environ if k.startswith("KVFLEET_")]:
+            monkeypatch.delenv(k)
+        for k, v in base[name]["environment"].items():
+            if k.startswith("KVFLEET_") and k != drop:
+                value = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(v))  # compose's defaults
+                monkeypatch.setenv(k, str(secret) if k == "KVFLEET_WORKER_SECRET_FILE" else value)
+
+    environ("worker-0")
+    assert worker_args(["--host", "0.0.0.0", "--model", "tiny"]).worker_secret == "s" * 43
+    environ("worker-0", drop="KVFLEET_WORKER_SECRET_FILE")
+    with pytest.raises(ValueError, match="beyond loopback"):
+        worker_args(["--host", "0.0.0.0", "--model", "tiny"])
+    environ("scheduler")
+    config = scheduler_args(["--host", "0.0.0.0"])
+    assert config.worker_secret == "s" * 43 and config.allow_anonymous
+    environ("scheduler", drop="KVFLEET_SCHEDULER_ALLOW_ANONYMOUS")
+    with pytest.raises(ValueError, match="beyond loopback"):
+        scheduler_args(["--host", "0.0.0.0"])

@@ -322,3 +322,21 @@ def test_the_scheduler_wants_a_token_and_the_gateway_passes_callers_through(monk
             monkeypatch.setenv(name, e["value"])
     config, _ = parse_args([])
     assert config.auth_mode is AuthMode.PASS_THROUGH
+
+
+def test_workers_and_the_scheduler_share_the_worker_secret_from_one_secret() -> None:
+    """Behind the NetworkPolicy the workers still check the scheduler's secret: a policy that is
+    not enforced (a CNI without NetworkPolicy support) must not leave them open."""
+    refs = {
+        name: _env(kind, name)["KVFLEET_WORKER_SECRET"]["valueFrom"]["secretKeyRef"]
+        for kind, name in (("StatefulSet", "kvfleet-worker"), ("Deployment", "kvfleet-scheduler"))
+    }
+    assert refs["kvfleet-worker"] == refs["kvfleet-scheduler"] == {"name": "kvfleet-worker-secret", "key": "secret"}
+    assert "KVFLEET_WORKER_SECRET" not in _config_literals()
+    for kind, name in (("Deployment", "kvfleet-gateway"), ("Deployment", "kvfleet-telemetry")):
+        assert "KVFLEET_WORKER_SECRET" not in _env(kind, name), name
+    # the comment at the top of kustomization.yaml says how to make it
+    assert (
+        "create secret generic kvfleet-worker-secret --from-literal=secret="
+        in (K8S_DIR / "kustomization.yaml").read_text()
+    )

@@ -68,3 +68,29 @@ def test_under_the_limits_nothing_is_deleted(store: SqliteSpanStore) -> None:
 def test_a_nonsensical_policy_is_refused(hours: float, mb: float) -> None:
     with pytest.raises(ValueError):
         RetentionPolicy.from_flags(hours, mb)
+
+
+def test_artifacts_count_toward_the_size_and_the_oldest_go(store: SqliteSpanStore) -> None:
+    # Only artifacts, ~2.4 MB of them, recorded in order: spans alone could never bring this down.
+    for i in range(240):
+        store.add_artifact(Artifact(f"x{i:03d}", ArtifactKind.TREATMENT, value=f"{i}" + "v" * 10_000))
+    assert store.live_bytes() > 2 * 2**20
+    policy = RetentionPolicy(max_age_s=3600, max_bytes=1 * 2**20)
+    result = enforce(store, policy, time.time_ns())
+    assert result.artifacts_deleted_by_size > 0 and result.live_bytes <= policy.max_bytes
+    kept = sorted(i.experiment_id for i in store.experiments())
+    assert kept and len(kept) == 240 - result.artifacts_deleted_by_size
+    assert kept[-1] == "x239" and "x000" not in kept  # the newest survive, the oldest went first
+
+
+def test_size_retention_takes_spans_and_artifacts_oldest_first(store: SqliteSpanStore) -> None:
+    store.add_artifact(Artifact("old", ArtifactKind.TREATMENT, value="o" * 200_000))
+    for batch in range(6):
+        store.add_spans(_rows(batch * 1_000, 200, pad=2_000, exp=f"b{batch}"))
+    store.add_artifact(Artifact("new", ArtifactKind.TREATMENT, value="n" * 200_000))
+    result = enforce(store, RetentionPolicy(max_age_s=3600, max_bytes=1 * 2**20), time.time_ns())
+    assert result.live_bytes <= 1 * 2**20
+    kinds = {i.experiment_id: i.artifact_kinds for i in store.experiments()}
+    assert "old" not in kinds, "the artifact older than every span outlived them"
+    assert kinds.get("new") == ("treatment",), "the newest artifact went before older spans"
+    assert result.artifacts_deleted_by_size == 1
