@@ -33,7 +33,16 @@ def test_plain_and_dashboards_profile_render() -> None:
     services = yaml.safe_load(plain.stdout)["services"]
     # docker-compose 1.x lists profiled services in `config` too; they carry their profile
     core = {n for n, s in services.items() if not s.get("profiles")}
-    assert core == {"telemetry", "worker-0", "worker-1", "scheduler", "gateway"}
+    assert core == {"worker-secret", "telemetry", "worker-0", "worker-1", "scheduler", "gateway"}
+    # as docker-compose renders them: every published port on loopback unless KVFLEET_BIND says so
+    for name, svc in services.items():
+        for port in svc.get("ports", []):
+            host = port.get("host_ip") if isinstance(port, dict) else str(port).split(":")[0]
+            assert host == "127.0.0.1", (name, port)
+    opened = _config("-f", "docker-compose.yml", env={"KVFLEET_BIND": "0.0.0.0"})
+    assert opened.returncode == 0, opened.stderr
+    gateway_ports = yaml.safe_load(opened.stdout)["services"]["gateway"]["ports"]
+    assert [p.get("host_ip") if isinstance(p, dict) else str(p).split(":")[0] for p in gateway_ports] == ["0.0.0.0"]
     dash = _config(
         "-f",
         "docker-compose.yml",
