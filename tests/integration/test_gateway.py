@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import signal
-import sqlite3
 import time
 
 import openai
@@ -22,6 +21,7 @@ from gateway_svc.upstream import to_pb
 from kvfleet.client import SchedulerClient, build_request
 from kvfleet.local_cluster import ClusterSpec, LocalCluster
 from tests.helpers.gateway import GatewayProcess, http
+from tests.helpers.telemetry_db import wait_for_rows
 
 pytestmark = pytest.mark.slow
 
@@ -246,26 +246,22 @@ def test_one_request_is_one_trace(client, cluster, gateway):
         temperature=0,
         extra_body={"top_k": 40},
     )
-    db_path = cluster.log_dir / "telemetry.db"
-    end = time.monotonic() + 20
-    while True:
-        db = sqlite3.connect(db_path)
-        rows = db.execute(
-            "SELECT trace_id, span_id, parent_span_id, name, service, attributes FROM spans "
-            "WHERE trace_id IN (SELECT trace_id FROM spans WHERE service = 'kvfleet-gateway' "
-            "AND attributes LIKE ?)",
-            (f'%"{got.id}"%',),
-        ).fetchall()
-        db.close()
-        names = {(r[3], r[4]) for r in rows}
+    wanted = {
         # both the gateway's span and the scheduler's session span are named `{operation} {model}`
-        if {
-            (f"chat {MODEL}", "kvfleet-gateway"),
-            (f"chat {MODEL}", "kvfleet-scheduler"),
-            ("worker_step", "kvfleet-worker"),
-        } <= names or time.monotonic() > end:
-            break
-        time.sleep(0.3)
+        (f"chat {MODEL}", "kvfleet-gateway"),
+        (f"chat {MODEL}", "kvfleet-scheduler"),
+        ("worker_step", "kvfleet-worker"),
+    }
+    rows = wait_for_rows(
+        cluster.log_dir / "telemetry.db",
+        "SELECT trace_id, span_id, parent_span_id, name, service, attributes FROM spans "
+        "WHERE trace_id IN (SELECT trace_id FROM spans WHERE service = 'kvfleet-gateway' "
+        "AND attributes LIKE ?)",
+        (f'%"{got.id}"%',),
+        until=lambda rows: wanted <= {(r[3], r[4]) for r in rows},
+        what=f"the gateway's, the scheduler's and a worker's spans of request {got.id} in one trace",
+    )
+    names = {(r[3], r[4]) for r in rows}
     gw = [r for r in rows if r[4] == "kvfleet-gateway"]
     session = [r for r in rows if json.loads(r[5]).get("kvfleet.span") == "session"]
     assert len(gw) == 1 and len(session) == 1, names
