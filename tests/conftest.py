@@ -59,6 +59,27 @@ def smollm2_cluster(smollm2_model) -> Iterator:  # type: ignore[no-untyped-def]
         yield c
 
 
+@pytest.fixture(scope="session")
+def smollm2_services() -> Iterator:  # type: ignore[no-untyped-def]
+    """A SmolLM2 cluster as processes (scheduler, one worker, telemetry) and an HTTP gateway in
+    front of it exporting its spans there: what the gateway's test modules share (one start)."""
+    require_smollm2()
+    from kvfleet.local_cluster import ClusterSpec, LocalCluster
+    from tests.helpers.gateway import GatewayProcess
+
+    with LocalCluster(ClusterSpec(workers=1, model=SMOLLM2)) as cluster:
+        env = {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{cluster.telemetry_address}",
+            "OTEL_EXPORTER_OTLP_INSECURE": "true",
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+        }
+        gateway = GatewayProcess(cluster.scheduler_address, cluster.log_dir, env=env)
+        try:
+            yield cluster, gateway
+        finally:
+            gateway.stop()
+
+
 SMOLLM2_FIXTURES = {"smollm2_model", "smollm2_tokenizer", "hf_smollm2", "smollm2_cluster", "smollm2_services"}
 
 

@@ -30,25 +30,14 @@ TINY_KV_BYTES_PER_TOKEN = 2 * 6 * 4 * 8 * 4  # K and V x layers x kv heads x hea
 FINISH = {"length": "length", "eos": "stop", "stop": "stop"}
 
 
-def _otel_env(cluster: LocalCluster) -> dict[str, str]:
-    return {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{cluster.telemetry_address}",
-        "OTEL_EXPORTER_OTLP_INSECURE": "true",
-        "OTEL_BSP_SCHEDULE_DELAY": "200",
-    }
+@pytest.fixture(scope="module")
+def cluster(smollm2_services):
+    return smollm2_services[0]
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(ClusterSpec(workers=1, model=MODEL)) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def gateway(cluster):
-    g = GatewayProcess(cluster.scheduler_address, cluster.log_dir, env=_otel_env(cluster))
-    yield g
-    g.stop()
+def gateway(smollm2_services):
+    return smollm2_services[1]
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,8 @@ import openai
 import pytest
 
 from kvfleet.client import SchedulerClient, build_request
-from kvfleet.local_cluster import ClusterSpec, LocalCluster
 from kvfleet.v1 import scheduler_pb2 as spb
-from tests.helpers.gateway import GatewayProcess, http
+from tests.helpers.gateway import http
 
 pytestmark = pytest.mark.slow
 
@@ -27,16 +26,13 @@ USER = [{"role": "user", "content": "Describe a cat in one sentence."}]
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(ClusterSpec(workers=1, model=MODEL, telemetry=False)) as c:
-        yield c
+def cluster(smollm2_services):
+    return smollm2_services[0]
 
 
 @pytest.fixture(scope="module")
-def gateway(cluster):
-    g = GatewayProcess(cluster.scheduler_address, cluster.log_dir, name="gateway-fidelity")
-    yield g
-    g.stop()
+def gateway(smollm2_services):
+    return smollm2_services[1]
 
 
 @pytest.fixture(scope="module")
