@@ -177,6 +177,15 @@ def test_spans_reach_telemetry_over_mutual_tls(tls_stack: Stack, certs: Path) ->
     with pytest.raises(grpc.RpcError) as no_cert:  # mutual TLS: a client without a certificate
         timings(_client_tls(certs))
     assert no_cert.value.code() == grpc.StatusCode.UNAVAILABLE, no_cert.value
+    # A certificate of the CA reads, but only the services' own certificates write.
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    with channel(tls_stack.telemetry_address, _client_tls(certs, "client")) as ch:
+        with pytest.raises(grpc.RpcError) as forged:
+            trace_service_pb2_grpc.TraceServiceStub(ch).Export(
+                trace_service_pb2.ExportTraceServiceRequest(), timeout=10
+            )
+    assert forged.value.code() == grpc.StatusCode.PERMISSION_DENIED, forged.value
 
 
 def _gateway_completion(stack: Stack, key: str | None) -> tuple[int, dict]:

@@ -251,6 +251,7 @@ def test_kustomize_build_renders_valid_manifests_when_kustomize_is_installed() -
             "Service",
             "Service",
             "NetworkPolicy",
+            "NetworkPolicy",
         ]
     ), kinds
     (config_map,) = [d for d in docs if d["kind"] == "ConfigMap"]
@@ -340,3 +341,27 @@ def test_workers_and_the_scheduler_share_the_worker_secret_from_one_secret() -> 
         "create secret generic kvfleet-worker-secret --from-literal=secret="
         in (K8S_DIR / "kustomization.yaml").read_text()
     )
+
+
+def test_only_kvfleets_exporters_reach_telemetrys_grpc_port() -> None:
+    """Telemetry's writes decide experiments: only the scheduler, workers and gateway (its OTLP
+    exporters) may reach its gRPC port from inside the cluster, and every one of them exists."""
+    policy = _one("NetworkPolicy", "kvfleet-telemetry")["spec"]
+    telemetry = _one("Deployment", "kvfleet-telemetry")
+    assert policy["podSelector"]["matchLabels"].items() <= telemetry["spec"]["template"]["metadata"]["labels"].items()
+    assert policy["policyTypes"] == ["Ingress"]
+    (rule,) = policy["ingress"]
+    assert rule["ports"] == [{"port": "grpc", "protocol": "TCP"}]
+    declared = {p["name"] for c in _containers(telemetry) for p in c["ports"]}
+    assert "grpc" in declared
+    components = set()
+    for peer in rule["from"]:
+        assert set(peer) == {"podSelector"}, peer
+        components.add(peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"])
+        matched = [
+            w
+            for w in _workloads()
+            if peer["podSelector"]["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        assert matched, f"no workload matches {peer}"
+    assert components == {"scheduler", "worker", "gateway"}
