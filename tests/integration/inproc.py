@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from dataclasses import replace
 
@@ -24,8 +25,11 @@ class InProcessCluster:
         no_worker_wait_s: float = 30.0,
         reconcile_interval_s: float = 10.0,
         loaded_model: tuple | None = None,
+        device: str | None = None,
     ) -> None:
-        """loaded_model: (config, weights) already loaded for ``model`` (a session fixture's)."""
+        """loaded_model: (config, weights) already loaded for ``model`` (a session fixture's).
+        device: the workers' torch device; default KVFLEET_TEST_WORKER_DEVICE, else cpu (the GPU
+        check, bench/gpu_session.sh, runs the cluster tests with cuda)."""
         self.loaded_model = loaded_model
         self.reconcile_interval_s = reconcile_interval_s
         self.no_worker_wait_s = no_worker_wait_s
@@ -36,6 +40,7 @@ class InProcessCluster:
             host="127.0.0.1",
             port=0,
             model=model,
+            device=device or os.environ.get("KVFLEET_TEST_WORKER_DEVICE", "cpu"),
             num_blocks=num_blocks,
             block_size=block_size,
             kv_views=kv_views,
