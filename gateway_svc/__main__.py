@@ -60,6 +60,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, LogSetting
         help="max_tokens of a chat request that gives none",
     )
     p.add_argument("--drain-grace", type=float, env="KVFLEET_GATEWAY_DRAIN_GRACE_S", default=d.drain_grace_s)
+    p.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        env="KVFLEET_MAX_PROMPT_BYTES",
+        default=d.max_prompt_bytes,
+        help="the scheduler's prompt size limit in UTF-8 bytes; request bodies over about 4x it are refused (413)",
+    )
     p.add_logging_flags()
     a = p.parse_args(argv)
     config = GatewayConfig(
@@ -73,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, LogSetting
         request_timeout_s=a.request_timeout,
         chat_max_tokens=a.chat_max_tokens,
         drain_grace_s=a.drain_grace,
+        max_prompt_bytes=a.max_prompt_bytes,
     )
     return config, LogSettings(a.log_level, a.log_format)
 

@@ -37,7 +37,8 @@ from kvfleet_common.tracing import extract_context, inject_metadata
 log = logging.getLogger(__name__)
 
 PROVIDER = "kvfleet"  # gen_ai.provider.name, as the scheduler's spans say
-MAX_BODY_BYTES = 16 * 1024 * 1024  # as the gRPC message limit: a long prompt of token ids fits
+# A body this size or more is parsed in a thread: a megabyte of JSON takes milliseconds.
+THREAD_PARSE_BYTES = 64 * 1024
 _SSE_HEADERS = {
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",
@@ -46,7 +47,17 @@ _SSE_HEADERS = {
 
 
 def _json(payload: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(payload, status=status, headers=headers, dumps=lambda o: json.dumps(o, ensure_ascii=False))
+    return web.Response(body=encode_json(payload), status=status, headers=headers, content_type="application/json")
+
+
+def encode_json(payload: Any) -> bytes:
+    """UTF-8 JSON; ASCII escapes when a string cannot be UTF-8 (an error message quoting a
+    caller's lone surrogate), so quoting the caller never fails the response."""
+    text = json.dumps(payload, ensure_ascii=False)
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(payload).encode()
 
 
 def error_response(err: ApiError) -> web.Response:
@@ -63,10 +74,13 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as exc:  # unknown route, wrong method, body too large
         if exc.status < 400:
             raise
+        why = exc.reason
+        if isinstance(exc, web.HTTPRequestEntityTooLarge):
+            why = f"{exc.text} (about 4x the prompt limit, --max-prompt-bytes)"
         return error_response(
             ApiError(
                 exc.status,
-                f"{request.method} {request.path}: {exc.reason}",
+                f"{request.method} {request.path}: {why}",
                 type="invalid_request_error" if exc.status < 500 else "server_error",
             )
         )
@@ -120,10 +134,21 @@ def _auth(config: GatewayConfig):
 
 
 async def _body(request: web.Request) -> Any:
+    raw = await request.read()  # at most the app's client_max_size, else a 413
+    if len(raw) >= THREAD_PARSE_BYTES:
+        return await asyncio.to_thread(parse_json_body, raw)
+    return parse_json_body(raw)
+
+
+def parse_json_body(raw: bytes) -> Any:
     try:
-        return json.loads(await request.read())
+        return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # the parser's own depth limit, about a thousand levels
+        raise bad_request("the request body is nested too deeply") from None
+    except ValueError as exc:  # an integer of more digits than int() takes (sys.get_int_max_str_digits)
+        raise bad_request(f"the request body has a number out of range: {exc}") from None
 
 
 def _request_attributes(request: web.Request, req: GenerationRequest) -> dict[str, Any]:
@@ -380,7 +405,7 @@ def _end_with_error(span: Span, status: int, error_type: str, message: str) -> N
 
 def create_app(config: GatewayConfig, upstream: Upstream) -> tuple[web.Application, Gateway]:
     gateway = Gateway(config, upstream)
-    app = web.Application(middlewares=[_errors, _auth(config)], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[_errors, _auth(config)], client_max_size=config.max_body_bytes)
     app.router.add_post("/v1/completions", gateway.completions)
     app.router.add_post("/v1/chat/completions", gateway.chat_completions)
     app.router.add_get("/v1/models", gateway.models)

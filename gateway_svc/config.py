@@ -7,6 +7,8 @@ from enum import Enum
 
 from kvfleet_common.security import is_loopback
 
+BODY_EXTRA_BYTES = 256 * 1024  # a request body's room beyond its prompt (see max_body_bytes)
+
 
 class AuthMode(Enum):
     """Who may generate through the gateway, and with which token it calls the scheduler."""
@@ -34,6 +36,9 @@ class GatewayConfig:
     chat_max_tokens: int = 256  # chat's max_tokens when the request gives none
     models_ttl_s: float = 5.0  # how long the served-model list from ListWorkers is reused
     drain_grace_s: float = 10.0  # on SIGTERM, how long in-flight requests may finish
+    # The scheduler's --max-prompt-bytes (the same KVFLEET_MAX_PROMPT_BYTES); the body limit
+    # follows from it (max_body_bytes), so a body the scheduler would refuse is not read whole.
+    max_prompt_bytes: int = 256 * 1024
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -68,6 +73,15 @@ class GatewayConfig:
             raise ValueError(f"models_ttl_s must not be negative, got {self.models_ttl_s}")
         if self.chat_max_tokens < 1:
             raise ValueError(f"chat_max_tokens must be at least 1, got {self.chat_max_tokens}")
+        if self.max_prompt_bytes < 1:
+            raise ValueError(f"max_prompt_bytes must be at least 1, got {self.max_prompt_bytes}")
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest request body read (then 413). JSON escapes grow a prompt: non-ASCII text
+        sent as \\uXXXX is 2-3x its UTF-8 size, so 4x the prompt limit, plus room for the
+        rest (a response_format schema is up to 64 KiB, the other fields a few KiB)."""
+        return 4 * self.max_prompt_bytes + BODY_EXTRA_BYTES
 
     @property
     def auth_mode(self) -> AuthMode:

@@ -186,7 +186,7 @@ def check_fields(endpoint: Endpoint, body: dict[str, Any]) -> None:
         if value not in rule.accepted or isinstance(value, bool) is not isinstance(rule.accepted[0], bool):
             allowed = " or ".join(json.dumps(a) for a in rule.accepted)
             raise SchemaError(
-                f"{name}={json.dumps(value)} is not supported: {rule.why}; leave it unset or send {allowed}", name
+                f"{name}={_show(value)} is not supported: {rule.why}; leave it unset or send {allowed}", name
             )
 
 
@@ -196,8 +196,18 @@ def check_fields(endpoint: Endpoint, body: dict[str, Any]) -> None:
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id"}
 _UINT64 = 1 << 64
+UINT32_MAX = (1 << 32) - 1  # the widest integer most GenerateRequest fields hold
 MAX_N = 16  # the scheduler's limit on GenerateRequest.n
 MAX_TOP_LOGPROBS = 20  # the scheduler's limit on GenerateRequest.top_logprobs
+# Array and map sizes, checked before an element is read; each as the scheduler's own limit
+# (PromptLimits, admission.MAX_LOGIT_BIAS), or OpenAI's (128 tools), so none refuses what the
+# scheduler would serve. Token ids: PromptLimits.max_prompt_ids before the scheduler lowers it.
+MAX_PROMPT_IDS = 64 * 1024
+MAX_MESSAGES = 1024
+MAX_CONTENT_PARTS = 1024
+MAX_STOP = 16
+MAX_LOGIT_BIAS = 300
+MAX_TOOLS = 128
 
 
 @dataclass(frozen=True)
@@ -286,6 +296,43 @@ def _is_number(value: Any) -> bool:
     return _is_int(value) or isinstance(value, float)
 
 
+def _show(value: Any) -> str:
+    """A caller's value for an error message: JSON, cut short (a value may be megabytes)."""
+    if _is_int(value) and abs(value) >= 10**40:
+        return f"an integer of {len(str(abs(value)))} digits"
+    try:
+        text = json.dumps(value)
+    except (ValueError, RecursionError):
+        text = f"({_type_name(value)})"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def unicode_text(value: str, param: str) -> str:
+    """`value`, refused if it cannot be UTF-8 (a lone surrogate escape like "\\ud800"): gRPC
+    strings are UTF-8, so such a string would fail the call, not the caller."""
+    if not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError as exc:
+            raise SchemaError(
+                f"{param} is not valid Unicode: a lone surrogate at character {exc.start}", param
+            ) from None
+    return value
+
+
+def check_count(values: list[Any] | dict[str, Any], limit: int, param: str, what: str) -> None:
+    if len(values) > limit:
+        raise SchemaError(f"{param} has {len(values)} {what}; at most {limit} are allowed", param)
+
+
+def _dumps(value: Any, param: str) -> str:
+    """`value` as JSON for the scheduler (ASCII, so no string in it can fail to encode)."""
+    try:
+        return json.dumps(value)
+    except (ValueError, RecursionError):  # NaN is written, so: nested past the encoder's depth
+        raise SchemaError(f"{param} is nested too deeply", param) from None
+
+
 def _get_int(
     body: dict[str, Any], name: str, default: int | None, minimum: int | None = None, maximum: int | None = None
 ) -> int | None:
@@ -294,10 +341,10 @@ def _get_int(
         return default
     if not _is_int(value):
         raise SchemaError(f"{name} must be an integer, got {_type_name(value)}", name)
-    if minimum is not None and value < minimum:
-        raise SchemaError(f"{name} must be at least {minimum}, got {value}", name)
-    if maximum is not None and value > maximum:
-        raise SchemaError(f"{name} must be at most {maximum}, got {value}", name)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        low = "" if minimum is None else str(minimum)
+        high = "" if maximum is None else str(maximum)
+        raise SchemaError(f"{name} must be in {low}..{high}, got {_show(value)}", name)
     return int(value)
 
 
@@ -332,10 +379,12 @@ def _get_object(body: dict[str, Any], name: str) -> dict[str, Any] | None:
 
 
 def _token_ids(values: list[Any], param: str) -> tuple[int, ...]:
+    check_count(values, MAX_PROMPT_IDS, param, "token ids")
     if not all(_is_int(v) for v in values):
         raise SchemaError(f"{param} must be a string or an array of integer token ids", param)
-    if any(v < 0 for v in values):
-        raise SchemaError(f"{param} token ids must not be negative", param)
+    if any(not 0 <= v <= UINT32_MAX for v in values):
+        bad = next(v for v in values if not 0 <= v <= UINT32_MAX)
+        raise SchemaError(f"{param} token ids must be in 0..{UINT32_MAX}, got {_show(bad)}", param)
     return tuple(values)
 
 
@@ -350,7 +399,7 @@ def _parse_prompt(body: dict[str, Any]) -> str | tuple[int, ...]:
     if isinstance(prompt, str):
         if not prompt:
             raise SchemaError("prompt is empty; send some text or token ids", "prompt")
-        return prompt
+        return unicode_text(prompt, "prompt")
     if not isinstance(prompt, list):
         raise SchemaError(f"prompt must be a string or an array of token ids, got {_type_name(prompt)}", "prompt")
     if not prompt:
@@ -372,9 +421,10 @@ def _content(message: dict[str, Any], i: int, role: str) -> str:
             return ""
         raise SchemaError(f"{param} is required", param)
     if isinstance(content, str):
-        return content
+        return unicode_text(content, param)
     if not isinstance(content, list):
         raise SchemaError(f"{param} must be a string or an array of text parts, got {_type_name(content)}", param)
+    check_count(content, MAX_CONTENT_PARTS, param, "parts")
     texts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -382,7 +432,7 @@ def _content(message: dict[str, Any], i: int, role: str) -> str:
                 f'{param}[{j}] must be a text part {{"type": "text", "text": ...}}; only text content is supported',
                 f"{param}[{j}]",
             )
-        texts.append(part["text"])
+        texts.append(unicode_text(part["text"], f"{param}[{j}].text"))
     return "\n".join(texts)
 
 
@@ -410,6 +460,7 @@ def _message(m: Any, i: int) -> ChatMessage:
                 f"messages[{i}].tool_call_id is required on a tool message: the id of the call it answers",
                 f"messages[{i}].tool_call_id",
             )
+        unicode_text(tool_call_id, f"messages[{i}].tool_call_id")
     elif tool_call_id is not None:
         raise SchemaError(f"messages[{i}].tool_call_id belongs to tool messages", f"messages[{i}].tool_call_id")
     calls = m.get("tool_calls")
@@ -421,7 +472,7 @@ def _message(m: Any, i: int) -> ChatMessage:
         _ROLES[role],
         _content(m, i, role),
         tool_call_id=tool_call_id or "",
-        tool_calls_json=json.dumps(calls) if calls else "",
+        tool_calls_json=_dumps(calls, f"messages[{i}].tool_calls") if calls else "",
     )
 
 
@@ -433,6 +484,7 @@ def parse_messages(body: dict[str, Any]) -> tuple[ChatMessage, ...]:
         raise SchemaError(f"messages must be an array, got {_type_name(messages)}", "messages")
     if not messages:
         raise SchemaError("messages is empty; send at least one message", "messages")
+    check_count(messages, MAX_MESSAGES, "messages", "messages")
     return tuple(_message(m, i) for i, m in enumerate(messages))
 
 
@@ -442,11 +494,14 @@ def _parse_stop(body: dict[str, Any]) -> tuple[str, ...]:
         return ()
     if isinstance(stop, str):
         stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+    if not isinstance(stop, list):
+        raise SchemaError("stop must be a string or an array of strings", "stop")
+    check_count(stop, MAX_STOP, "stop", "strings")
+    if not all(isinstance(s, str) for s in stop):
         raise SchemaError("stop must be a string or an array of strings", "stop")
     if any(not s for s in stop):
         raise SchemaError("stop strings must not be empty", "stop")
-    return tuple(stop)
+    return tuple(unicode_text(s, "stop") for s in stop)
 
 
 # ---- sampling, logprobs, formats, tools --------------------------------------------------------
@@ -458,25 +513,28 @@ def _parse_logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
     bias = _get_object(body, "logit_bias")
     if not bias:
         return ()
+    check_count(bias, MAX_LOGIT_BIAS, "logit_bias", "entries")
     out = []
     for key, value in bias.items():
         # JSON object keys are strings: OpenAI sends token ids as "50256".
-        if not _TOKEN_ID.fullmatch(key):
-            raise SchemaError(f"logit_bias keys must be token ids (decimal integers), got {key!r}", "logit_bias")
+        if not _TOKEN_ID.fullmatch(key) or int(key) > UINT32_MAX:
+            raise SchemaError(
+                f"logit_bias keys must be token ids (decimal integers in 0..{UINT32_MAX}), got {_show(key)}",
+                "logit_bias",
+            )
         if not _is_number(value) or not -100 <= value <= 100:
-            raise SchemaError(f"logit_bias[{key!r}] must be a number in [-100, 100], got {value!r}", "logit_bias")
+            raise SchemaError(f"logit_bias[{key!r}] must be a number in [-100, 100], got {_show(value)}", "logit_bias")
         out.append((int(key), float(value)))
     return tuple(sorted(out))
 
 
 def _parse_sampling(body: dict[str, Any]) -> Sampling:
-    seed = _get_int(body, "seed", None)
-    if seed is not None and not -(1 << 63) <= seed < _UINT64:
-        raise SchemaError(f"seed must fit in 64 bits, got {seed}", "seed")
-    top_k = _get_int(body, "top_k", 0, minimum=-1)  # -1 = off, as vLLM has it
+    # Any 64-bit seed, signed or not: a negative one is taken mod 2**64.
+    seed = _get_int(body, "seed", None, minimum=-(1 << 63), maximum=_UINT64 - 1)
+    top_k = _get_int(body, "top_k", 0, minimum=-1, maximum=UINT32_MAX)  # -1 = off, as vLLM has it
     repetition = body.get("repetition_penalty")
-    if repetition is not None and (not _is_number(repetition) or repetition <= 0):
-        raise SchemaError(f"repetition_penalty must be a number > 0, got {repetition!r}", "repetition_penalty")
+    if repetition is not None and (not _is_number(repetition) or not 0 < repetition < float("inf")):
+        raise SchemaError(f"repetition_penalty must be a number > 0, got {_show(repetition)}", "repetition_penalty")
     return Sampling(
         temperature=_get_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_get_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
@@ -521,7 +579,7 @@ def _parse_response_format(body: dict[str, Any]) -> tuple[str, str] | None:
                 '"json_schema": {"name": ..., "schema": {...}}}',
                 "response_format.json_schema",
             )
-        return ("json_schema", json.dumps(schema))
+        return ("json_schema", _dumps(schema, "response_format.json_schema"))
     raise SchemaError(
         f"response_format.type must be text, json_object or json_schema; got {kind!r}", "response_format.type"
     )
@@ -533,9 +591,10 @@ def _parse_tools(body: dict[str, Any]) -> str:
     if tools is not None:
         if not isinstance(tools, list):
             raise SchemaError(f"tools must be an array, got {_type_name(tools)}", "tools")
+        check_count(tools, MAX_TOOLS, "tools", "tools")
         for i, tool in enumerate(tools):
             fn = tool.get("function") if isinstance(tool, dict) else None
-            if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            if not isinstance(fn, dict) or tool.get("type") != "function" or not isinstance(fn.get("name"), str):
                 raise SchemaError(
                     f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}',
                     f"tools[{i}]",
@@ -544,13 +603,12 @@ def _parse_tools(body: dict[str, Any]) -> str:
     if choice not in (None, "none", "auto"):
         # "required" or a named function would need the output forced into a call.
         raise SchemaError(
-            f"tool_choice={json.dumps(choice)} is not supported: kvfleet does not force a tool call; "
-            'send "auto" or "none"',
+            f'tool_choice={_show(choice)} is not supported: kvfleet does not force a tool call; send "auto" or "none"',
             "tool_choice",
         )
     if not tools or choice == "none":
         return ""
-    return json.dumps(tools)
+    return _dumps(tools, "tools")
 
 
 def _include_usage(body: dict[str, Any], stream: bool) -> bool:
@@ -578,16 +636,17 @@ def parse_request(endpoint: Endpoint, body: Any, *, chat_max_tokens: int = 256) 
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise SchemaError("model is required and must be a non-empty string", "model")
+    unicode_text(model, "model")
     check_fields(endpoint, body)
     prompt: Prompt
     if endpoint is Endpoint.COMPLETIONS:
         prompt = _parse_prompt(body)
-        max_tokens = _get_int(body, "max_tokens", 16, minimum=1)  # OpenAI's default for completions
+        max_tokens = _get_int(body, "max_tokens", 16, minimum=1, maximum=UINT32_MAX)  # OpenAI's default: 16
     else:
         prompt = parse_messages(body)
         # max_completion_tokens is the current name, max_tokens the deprecated one.
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = _get_int(body, name, chat_max_tokens, minimum=1)
+        max_tokens = _get_int(body, name, chat_max_tokens, minimum=1, maximum=UINT32_MAX)
     assert max_tokens is not None
     stream = _get_bool(body, "stream", False)
     logprobs, top_logprobs = _parse_logprobs(endpoint, body)
@@ -597,6 +656,8 @@ def parse_request(endpoint: Endpoint, body: Any, *, chat_max_tokens: int = 256) 
     request_id = body.get("request_id")
     if request_id is not None and not isinstance(request_id, str):
         raise SchemaError(f"request_id must be a string, got {_type_name(request_id)}", "request_id")
+    if request_id is not None:
+        unicode_text(request_id, "request_id")
     return GenerationRequest(
         endpoint=endpoint,
         model=model,

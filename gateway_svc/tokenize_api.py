@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway_svc.openai_schema import SchemaError, parse_messages
+from gateway_svc.openai_schema import MAX_PROMPT_IDS, UINT32_MAX, SchemaError, check_count, parse_messages, unicode_text
 from kvfleet.v1 import scheduler_pb2 as spb
 
 _PROMPT_KEYS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
@@ -58,7 +58,9 @@ def tokenize_request(body: Any) -> spb.TokenizeRequest:
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise SchemaError('send {"prompt": "text"} or {"messages": [...]}', "prompt")
-    return spb.TokenizeRequest(text=prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
+    return spb.TokenizeRequest(
+        text=unicode_text(prompt, "prompt"), add_special_tokens=_flag(body, "add_special_tokens", True)
+    )
 
 
 def tokenize_response(body: dict[str, Any], resp: spb.TokenizeResponse, max_model_len: int | None) -> dict[str, Any]:
@@ -73,8 +75,11 @@ def tokenize_response(body: dict[str, Any], resp: spb.TokenizeResponse, max_mode
 def detokenize_request(body: Any) -> spb.DetokenizeRequest:
     body = _object(body, _DETOKENIZE_KEYS)
     tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+    if not isinstance(tokens, list):
         raise SchemaError("tokens must be an array of integer token ids", "tokens")
-    if any(t < 0 or t >= 1 << 32 for t in tokens):
-        raise SchemaError("tokens must be token ids (0 or more, below 2^32)", "tokens")
+    check_count(tokens, MAX_PROMPT_IDS, "tokens", "token ids")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise SchemaError("tokens must be an array of integer token ids", "tokens")
+    if any(t < 0 or t > UINT32_MAX for t in tokens):
+        raise SchemaError(f"tokens must be token ids in 0..{UINT32_MAX}", "tokens")
     return spb.DetokenizeRequest(token_ids=tokens)

@@ -24,10 +24,13 @@ and the scheduler calls ``check_response_format`` on each request to refuse bad 
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
@@ -41,21 +44,85 @@ WHITESPACE = r"(\r?\n)?[ \t]{0,24}"
 _OPENAI_WRAPPER_KEYS = {"name", "description", "schema", "strict"}
 
 
+T = TypeVar("T")
+
+
+def cache_key(kind: str, schema: str) -> bytes:
+    """A fixed-size key for (kind, schema): a cache holds 32 bytes per entry, not the schema."""
+    h = hashlib.sha256(kind.encode(errors="surrogatepass"))
+    h.update(b"\0")
+    h.update(schema.encode(errors="surrogatepass"))
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class _Refused:
+    message: str  # the ValueError a compile raised, raised again on each hit
+
+
+class CompileCache(Generic[T]):
+    """A bounded LRU of compile results keyed by ``cache_key``, refusals included: a bad schema
+    sent again is refused without compiling again. Thread-safe (compiles run in threads); two
+    threads missing the same key at once may both compile, and one result is kept."""
+
+    def __init__(self, compile_fn: Callable[[str, str], T], max_entries: int = 256) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be at least 1, got {max_entries}")
+        self._compile = compile_fn
+        self._max = max_entries
+        self._entries: OrderedDict[bytes, T | _Refused] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.compiles = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, kind: str, schema: str) -> T:
+        """The compiled (kind, schema); ValueError, from the cache or a compile, for bad input."""
+        key = cache_key(kind, schema)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+        if entry is None:
+            try:
+                entry = self._compile(kind, schema)
+            except ValueError as exc:
+                entry = _Refused(str(exc))
+            with self._lock:
+                self.compiles += 1
+                self._entries[key] = entry
+                while len(self._entries) > self._max:
+                    self._entries.popitem(last=False)
+        if isinstance(entry, _Refused):
+            raise ValueError(entry.message)
+        return entry
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.hits = self.compiles = 0
+
+
 def check_response_format(kind: str, schema: str) -> None:
     """Raise ValueError, saying what to fix, unless (kind, schema) is a usable response format.
 
-    "" and "text" (no constraint) pass. Results are cached, so a server may call this per request.
+    "" and "text" (no constraint) pass. Results are cached (GRAMMARS), so a server may call this
+    per request; a miss compiles (milliseconds to seconds for a big schema), so call it off the
+    event loop.
     """
     if kind in NO_CONSTRAINT:
         if schema:
             raise ValueError(f"response_format type {kind or '(empty)'!r} takes no schema; use 'json_schema'")
         return
-    _grammar(kind, schema)
+    GRAMMARS.get(kind, schema)
 
 
-@functools.lru_cache(maxsize=256)
 def _grammar(kind: str, schema: str) -> str:
-    """The llguidance grammar for (kind, schema), checked; ValueError for bad input."""
+    """The llguidance grammar for (kind, schema), checked; ValueError for bad input. Uncached:
+    callers go through GRAMMARS."""
     import llguidance
 
     if kind == "json_object":
@@ -78,6 +145,10 @@ def _grammar(kind: str, schema: str) -> str:
     return grammar
 
 
+# The process's checked grammars, shared by the scheduler's checks and the workers' factories.
+GRAMMARS: CompileCache[str] = CompileCache(lambda kind, schema: _grammar(kind, schema))
+
+
 def _schema_object(text: str) -> dict[str, Any]:
     """The JSON Schema in ``text``, unwrapped from OpenAI's {"name", "schema", "strict"} form."""
     if not text.strip():
@@ -86,6 +157,8 @@ def _schema_object(text: str) -> dict[str, Any]:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"json_schema is not valid JSON: {e}") from None
+    except RecursionError:  # the parser's own depth limit, about a thousand levels
+        raise ValueError("json_schema is nested too deeply to parse") from None
     if not isinstance(value, dict):
         raise ValueError(f"json_schema must be a JSON object, got {type(value).__name__}")
     if isinstance(value.get("schema"), dict) and set(value) <= _OPENAI_WRAPPER_KEYS:
@@ -157,14 +230,15 @@ def constraint_factory(
         raise ValueError(f"eos_ids must be non-empty token ids of the tokenizer, got {list(eos_ids)}")
     lltok = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=list(eos))
 
-    @functools.lru_cache(maxsize=64)
-    def compiled(kind: str, schema: str) -> Any:
-        matcher = llguidance.LLMatcher(lltok, _grammar(kind, schema), log_level=0)
+    def compile_matcher(kind: str, schema: str) -> Any:
+        matcher = llguidance.LLMatcher(lltok, GRAMMARS.get(kind, schema), log_level=0)
         if matcher.is_error():
             raise ValueError(f"response format cannot be enforced: {matcher.get_error()}")
         return matcher
 
+    compiled: CompileCache[Any] = CompileCache(compile_matcher, max_entries=64)
+
     def make(kind: str, schema: str) -> GrammarConstraint:
-        return GrammarConstraint(compiled(kind, schema).deep_copy(), vocab_size, tokenizer_vocab, eos)
+        return GrammarConstraint(compiled.get(kind, schema).deep_copy(), vocab_size, tokenizer_vocab, eos)
 
     return make

@@ -16,7 +16,8 @@ from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet_models import grammar
 from kvfleet_models.errors import ModelLoadError
 from scheduler_svc import convert
-from scheduler_svc.core import SessionRequest
+from scheduler_svc.core import RejectReason, SessionRequest
+from scheduler_svc.core.admission import MAX_LOGIT_BIAS
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,19 @@ class PromptError(ValueError):
 
 class NoTokenizer(PromptError):
     """The served model takes token ids only (e.g. "tiny"): there is no text to map to or from."""
+
+
+class PromptRejected(PromptError):
+    """A refusal the core would also make, made before the expensive work; it carries the
+    core's reason, so the status details and the rejection counters read the same."""
+
+    def __init__(self, reason: RejectReason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+# A token-id prompt longer than this is converted and range-checked in a thread, not on the loop.
+INLINE_PROMPT_IDS = 1024
 
 
 MAX_REQUEST_ID = 128
@@ -55,6 +69,9 @@ class PromptLimits:
     max_stop_bytes: int = 256  # each stop string (UTF-8)
     max_stop_token_ids: int = 256
     max_schema_bytes: int = 64 * 1024  # response_format.json_schema (UTF-8)
+    # prompt_ids entries; the server lowers it to the core's max_prompt_tokens, so an oversized
+    # id list is refused by its length before any id in it is read
+    max_prompt_ids: int = 64 * 1024
 
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():
@@ -62,6 +79,12 @@ class PromptLimits:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
     def check(self, req: spb.GenerateRequest) -> None:
+        """Counts and sizes only (each O(1) or one pass over lengths): nothing here reads a token id,
+        tokenizes, renders a template or compiles a grammar."""
+        if len(req.sampling.logit_bias) > MAX_LOGIT_BIAS:
+            raise PromptError(
+                f"logit_bias has {len(req.sampling.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed"
+            )
         if len(req.stop) > self.max_stop_strings:
             raise PromptError(f"{len(req.stop)} stop strings; at most {self.max_stop_strings} are allowed")
         for stop in req.stop:
@@ -83,6 +106,13 @@ class PromptLimits:
         kind = req.WhichOneof("prompt")
         if req.tools_json and kind != "chat":
             raise PromptError("tools_json needs a chat prompt (chat messages); send the prompt as chat")
+        if kind == "prompt_ids":
+            count = len(req.prompt_ids.ids)
+            if count > self.max_prompt_ids:
+                raise PromptRejected(
+                    RejectReason.PROMPT_TOO_LONG, f"the prompt has {count} tokens; the limit is {self.max_prompt_ids}"
+                )
+            return
         if kind == "text":
             size = len(req.text.encode())
         elif kind == "chat":
@@ -178,13 +208,25 @@ class PromptResolver:
     def prompt_ids(self, req: spb.GenerateRequest) -> tuple[int, ...]:
         kind = req.WhichOneof("prompt")
         if kind == "prompt_ids":
-            return tuple(req.prompt_ids.ids)
+            return self._checked_ids(req.prompt_ids.ids)
         if kind is None:
             raise PromptError("the request has no prompt; set prompt_ids, text or chat")
         tokenizer = self._need_tokenizer(f"send prompt_ids instead of {kind}")
         if kind == "text":
             return tuple(tokenizer.encode(req.text))
         return tuple(tokenizer.encode(self.render_chat(req.chat, req.tools_json)))
+
+    def _checked_ids(self, values: Any) -> tuple[int, ...]:
+        """A token-id prompt as a tuple, every id inside the vocabulary (max() runs in C; the
+        first bad id is looked for only when there is one)."""
+        ids = tuple(values)
+        if ids and max(ids) >= self.vocab_size:
+            bad = next(i for i in ids if i >= self.vocab_size)
+            raise PromptRejected(
+                RejectReason.INVALID_REQUEST,
+                f"prompt token id {bad} is outside the vocabulary 0..{self.vocab_size - 1}",
+            )
+        return ids
 
     def render_chat(self, chat: spb.ChatMessages, tools_json: str = "") -> str:
         """The chat template's text for the messages (and tools), generation prompt added."""
@@ -245,20 +287,35 @@ class PromptResolver:
         return str(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     async def resolve(self, req: spb.GenerateRequest, owner: str = "") -> SessionRequest:
-        """The core's request for a GenerateRequest: size limits first (cheap), then the
-        tokenizer, in a thread when there is text to tokenize, so the event loop keeps serving."""
-        check_options(req)
-        self.limits.check(req)
-        if req.WhichOneof("prompt") in ("text", "chat") and self.tokenizer is not None:
+        """The core's request for a GenerateRequest: counts and sizes first (cheap, on the loop),
+        then the expensive work (tokenizing, the chat template, a grammar compile, a long id
+        list) in a thread, so one heavy request does not stall the others' streams."""
+        self.precheck(req)
+        if self.needs_thread(req):
             return await asyncio.to_thread(self.session_request, req, owner)
         return self.session_request(req, owner)
+
+    def precheck(self, req: spb.GenerateRequest) -> None:
+        """The options and the limits: counts and sizes, no token id read, nothing tokenized."""
+        check_options(req)
+        self.limits.check(req)
+
+    def needs_thread(self, req: spb.GenerateRequest) -> bool:
+        """Whether resolving `req` may take more than microseconds."""
+        kind = req.WhichOneof("prompt")
+        if kind in ("text", "chat"):
+            return self.tokenizer is not None
+        if req.response_format.type not in grammar.NO_CONSTRAINT:
+            return True  # a compile on a cache miss
+        return kind == "prompt_ids" and len(req.prompt_ids.ids) > INLINE_PROMPT_IDS
 
     def session_request(self, req: spb.GenerateRequest, owner: str = "") -> SessionRequest:
         if req.stop and self.tokenizer is None:
             raise PromptError(f"stop strings need a tokenizer; model {self.model_name!r} has none (use stop_token_ids)")
+        prompt_ids = self.prompt_ids(req)  # before the grammar: a compile may cost the most
         self._check_response_format(req.response_format)
         return SessionRequest(
-            prompt_ids=self.prompt_ids(req),
+            prompt_ids=prompt_ids,
             max_new_tokens=req.max_new_tokens,
             sampling=convert.sampling_from_request(req),
             stop_token_ids=frozenset(req.stop_token_ids),
@@ -350,6 +407,8 @@ def _json_array(text: str, name: str) -> list[Any]:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise PromptError(f"{name} is not valid JSON: {exc}") from None
+    except RecursionError:  # the parser's own depth limit, about a thousand levels
+        raise PromptError(f"{name} is nested too deeply") from None
     if not isinstance(value, list):
         raise PromptError(f"{name} must be a JSON array, got {type(value).__name__}")
     return value

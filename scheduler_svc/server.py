@@ -32,7 +32,7 @@ from scheduler_svc.core import (
 )
 from scheduler_svc.experiments import ExperimentArm, ExperimentWriters
 from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.prompts import NoTokenizer, PromptError, PromptResolver, TextStream
+from scheduler_svc.prompts import NoTokenizer, PromptError, PromptRejected, PromptResolver, TextStream
 from scheduler_svc.runtime import RuntimeConfig, SchedulerRuntime, SessionEvent, Submission
 from scheduler_svc.spans import SchedulerSpans
 from scheduler_svc.workers import WorkerClient
@@ -85,9 +85,23 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         try:
             return await self._prompts.resolve(req, owner)
         except PromptError as exc:
-            self._runtime.record_rejection(RejectReason.INVALID_REQUEST)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}{exc}")
+            await self._refuse(exc, context, where)
             raise  # unreachable: abort raises
+
+    async def _precheck(self, req: spb.GenerateRequest, context, where: str) -> None:
+        """The cheap checks alone (counts, sizes): a workload's every session passes them before
+        any session is tokenized."""
+        try:
+            self._prompts.precheck(req)
+        except PromptError as exc:
+            await self._refuse(exc, context, where)
+
+    async def _refuse(self, exc: PromptError, context, where: str) -> None:
+        if isinstance(exc, PromptRejected):  # the core's own refusal, made early: the core's wording
+            self._runtime.record_rejection(exc.reason)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.reason.value}: {where}{exc}")
+        self._runtime.record_rejection(RejectReason.INVALID_REQUEST)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}{exc}")
 
     async def _submit(self, context, submit: Callable[[], Submission]) -> Submission:
         try:
@@ -173,6 +187,8 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                     f"session {i}: n is {r.n}; a workload lists its sessions one by one, so send n <= 1 "
                     f"and repeat the session with the seeds you want",
                 )
+        for i, r in enumerate(request.sessions):
+            await self._precheck(r, context, f"session {i}: ")
         reqs = [
             await self._session_request(r, context, owner, f"session {i}: ") for i, r in enumerate(request.sessions)
         ]
@@ -500,7 +516,11 @@ async def create_server(config: SchedulerConfig):
             info.device,
             info.kv_capacity_tokens,
         )
-    prompts = PromptResolver.for_model(config.model or infos[0].model.name, infos[0].model, config.prompt_limits)
+    # A token-id prompt over the core's limit is refused by its length, before its ids are read.
+    prompt_limits = dataclasses.replace(
+        config.prompt_limits, max_prompt_ids=min(config.prompt_limits.max_prompt_ids, config.limits.max_prompt_tokens)
+    )
+    prompts = PromptResolver.for_model(config.model or infos[0].model.name, infos[0].model, prompt_limits)
     # The name clients see (GetModelInfo, spans, metrics): --served-model-name, else the workers' own.
     served = config.served_model_name or infos[0].model.name
     spans = SchedulerSpans(served)

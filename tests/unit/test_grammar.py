@@ -110,14 +110,14 @@ def test_check_response_format_accepts_good_input(
     kind: str, schema: str, enforced: dict[str, Any] | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if enforced is None:  # no constraint: the grammar builder is never reached
-        monkeypatch.setattr(grammar_mod, "_grammar", lambda *a: pytest.fail(f"built a grammar for {a}"))
+        monkeypatch.setattr(grammar_mod.GRAMMARS, "get", lambda *a: pytest.fail(f"built a grammar for {a}"))
         assert check_response_format(kind, schema) is None
         return
-    grammar_mod._grammar.cache_clear()
+    grammar_mod.GRAMMARS.clear()
     assert check_response_format(kind, schema) is None  # raises on failure
     assert check_response_format(kind, schema) is None  # and again, from the cache
-    info = grammar_mod._grammar.cache_info()
-    assert (info.misses, info.hits) == (1, 1)  # built once, the second call served from the cache
+    cache = grammar_mod.GRAMMARS
+    assert (cache.compiles, cache.hits) == (1, 1)  # built once, the second call served from the cache
     # the grammar it checked enforces exactly that schema, strictly (no lenient mode)
     (built,) = json.loads(grammar_mod._grammar(kind, schema))["grammars"]
     guidance = built["json_schema"].pop("x-guidance")
