@@ -63,8 +63,12 @@ def from_grpc(error: grpc.aio.AioRpcError | grpc.RpcError, what: str = "the sche
     code: grpc.StatusCode = error.code()  # type: ignore[attr-defined]
     details: str = error.details() or code.name  # type: ignore[attr-defined]
     reason = _reason(details)
-    if code is grpc.StatusCode.INVALID_ARGUMENT:
+    # FAILED_PRECONDITION: the served model cannot do what was asked (no tokenizer to tokenize
+    # with); the request is the thing to change, as with a bad argument.
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE):
         return ApiError(400, details, code=reason)
+    if code is grpc.StatusCode.PERMISSION_DENIED:
+        return ApiError(403, details, type="permission_error", code=reason or "permission_denied")
     if code is grpc.StatusCode.UNAUTHENTICATED:
         return unauthorized(details)
     if code is grpc.StatusCode.NOT_FOUND:

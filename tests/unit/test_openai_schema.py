@@ -490,6 +490,8 @@ class _Rpc(grpc.RpcError):
     [
         (grpc.StatusCode.INVALID_ARGUMENT, "prompt_too_long: 5000 tokens", 400, "prompt_too_long"),
         (grpc.StatusCode.INVALID_ARGUMENT, "stop strings need a tokenizer", 400, None),
+        (grpc.StatusCode.FAILED_PRECONDITION, "model 'tiny' has no tokenizer", 400, None),
+        (grpc.StatusCode.PERMISSION_DENIED, "not an experiment writer", 403, "permission_denied"),
         (grpc.StatusCode.UNAUTHENTICATED, "who are you", 401, "invalid_api_key"),
         (grpc.StatusCode.NOT_FOUND, "no session", 404, None),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_full: the queue holds 1 of 1", 429, "queue_full"),
