@@ -28,6 +28,8 @@ _STATUS = {
     wpb.ITEM_OK: StepStatus.OK,
     wpb.ITEM_CACHE_MISS: StepStatus.CACHE_MISS,
     wpb.ITEM_OUT_OF_BLOCKS: StepStatus.OUT_OF_BLOCKS,
+    wpb.ITEM_REJECTED: StepStatus.REJECTED,
+    wpb.ITEM_FAILED: StepStatus.FAILED,
 }
 
 
@@ -119,6 +121,7 @@ def step_results(resp: wpb.StepResponse) -> dict[str, StepResult]:
             top_logprobs=tuple((t.token_id, t.logprob) for t in r.top_logprobs),
             cached_tokens=r.cached_tokens,
             constraint_done=r.constraint_done,
+            error=r.error,
         )
         for r in resp.results
     }

@@ -104,6 +104,18 @@ class SchedulerMetrics:
             "kvfleet:streams_cut_off",
             "Streams ended with RESOURCE_EXHAUSTED because their client stopped reading (max_stream_backlog)",
         )
+        self.worker_failures = counter(
+            "kvfleet:worker_failures",
+            "Steps a worker did not answer (a transport error or a timeout): the worker was marked dead",
+        )
+        self.step_failures = counter(
+            "kvfleet:step_failures",
+            "Steps a worker answered as failed as a whole: its sessions recomputed, the worker kept",
+        )
+        self.item_errors = counter(
+            "kvfleet:item_errors",
+            "Step items a worker rejected or failed alone: those sessions ended, the rest of the step ran",
+        )
         self._snapshot: TelemetrySnapshot | None = None
         self._seen_rejections: dict[str, int] = {}
         self._times: dict[str, _Times] = {}

@@ -20,10 +20,12 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span
 
 from scheduler_svc.core import (
+    DropCause,
     FinishReason,
     SchedulerCore,
     SessionRequest,
     StepResult,
+    StepStatus,
     TickOutcome,
     TickPlan,
     WorkloadPolicy,
@@ -58,6 +60,7 @@ class SessionEvent:
     finish: FinishReason | None = None
     worker_id: str = ""
     dropped: str = ""  # the session was given up on, unfinished (the reason)
+    drop_cause: DropCause = DropCause.UNAVAILABLE  # with dropped: what kind of error the caller gets
     cut_off: str = ""  # the stream's client stopped reading; its sessions were cancelled (the reason)
 
 
@@ -127,6 +130,10 @@ class SchedulerRuntime:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*(c.close() for c in self._clients.values()), return_exceptions=True)
+
+    @property
+    def metrics(self) -> SchedulerMetrics:
+        return self._metrics
 
     # ---- the servicer's calls --------------------------------------------------------------
 
@@ -295,15 +302,17 @@ class SchedulerRuntime:
             plan.tick, sessions, sum(len(w.token_ids) for w in plan.prefill), len(plan.decode), self._arm_of(sessions)
         )
         try:
-            results, failed = await self._dispatch(plan, span)
-            return self._core.update(plan, results, failed)
+            results, failed, failed_steps = await self._dispatch(plan, span)
+            return self._core.update(plan, results, failed, failed_steps)
         finally:
             span.end()
 
     def _arm_of(self, session_ids: Iterable[str]) -> ExperimentArm | None:
         return self._arms.shared(self._core.session(s).workload_id for s in session_ids)
 
-    async def _dispatch(self, plan: TickPlan, span: Span) -> tuple[dict[str, StepResult], set[str]]:
+    async def _dispatch(self, plan: TickPlan, span: Span) -> tuple[dict[str, StepResult], set[str], dict[str, str]]:
+        """Send each worker its step; returns the items' results, the workers that did not answer
+        (marked dead by update) and, by worker, why a step failed on a worker that did answer."""
         by_worker = plan.by_worker()
         ids = list(by_worker)
         steps = []
@@ -330,17 +339,32 @@ class SchedulerRuntime:
         responses = (await gathered)[: len(ids)]
         results: dict[str, StepResult] = {}
         failed: set[str] = set()
+        failed_steps: dict[str, str] = {}
         for worker_id, resp in zip(ids, responses):
-            if isinstance(resp, WorkerCallFailed):
+            if isinstance(resp, WorkerCallFailed) and resp.worker_unreachable:
                 log.warning(
                     "worker %s failed its step (%s: %s); moving its sessions", worker_id, resp.code.name, resp.details
                 )
                 failed.add(worker_id)
+                self._metrics.worker_failures.inc()
+            elif isinstance(resp, WorkerCallFailed):
+                log.warning(
+                    "worker %s answered that its step failed (%s: %s); recomputing the step's sessions",
+                    worker_id,
+                    resp.code.name,
+                    resp.details,
+                )
+                failed_steps[worker_id] = f"{resp.code.name}: {resp.details}"
+                self._metrics.step_failures.inc()
             elif isinstance(resp, BaseException):
                 raise resp
             elif resp is not None:
                 results.update(resp)
-        return results, failed
+                errors = [r for r in resp.values() if r.status in (StepStatus.REJECTED, StepStatus.FAILED)]
+                for r in errors:
+                    log.warning("worker %s: session %s %s: %s", worker_id, r.session_id, r.status.value, r.error)
+                self._metrics.item_errors.inc(len(errors))
+        return results, failed, failed_steps
 
     # ---- the outbox ---------------------------------------------------------------------------
 
@@ -376,10 +400,10 @@ class SchedulerRuntime:
                 self._ended(sid, reason.value)
                 self._publish(SessionEvent(sid, finish=reason))
                 self._forget_orphan(sid)
-            for sid, why in out.dropped:
+            for sid, why, cause in out.dropped:
                 self._spans.failed(sid, why)
-                self._ended(sid, "unavailable")
-                self._publish(SessionEvent(sid, dropped=why))
+                self._ended(sid, cause.value)
+                self._publish(SessionEvent(sid, dropped=why, drop_cause=cause))
                 self._forget_orphan(sid)
         self._metrics.tick(self._core.snapshot(), prefill, decode)
 

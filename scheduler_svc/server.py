@@ -23,6 +23,7 @@ from scheduler_svc import convert
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core import (
     AdmissionRejected,
+    DropCause,
     FinishReason,
     NotSessionOwner,
     RejectReason,
@@ -263,7 +264,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"{label} did not finish before the client's deadline"
             )
         except SessionDropped as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{label}: {exc}")
+            await context.abort(_DROP_CODE[exc.cause], f"{label}: {exc}")
         except StreamCutOff as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{label}: {exc}")
         finally:
@@ -487,14 +488,27 @@ async def _batches(events: asyncio.Queue, context) -> AsyncIterator[list[Session
         cut_off = [ev.cut_off for ev in batch if ev.cut_off]
         if cut_off:
             raise StreamCutOff(cut_off[0])
-        dropped = [ev.dropped for ev in batch if ev.dropped]
+        dropped = [ev for ev in batch if ev.dropped]
         if dropped:
-            raise SessionDropped(dropped[0])
+            raise SessionDropped(dropped[0].dropped, dropped[0].drop_cause)
         yield batch
 
 
 class SessionDropped(Exception):
-    """The scheduler gave up on a session (no live worker for too long, KV lost too often)."""
+    """The scheduler gave up on a session (no live worker for too long, KV lost too often, moved
+    too often), or a worker refused or failed it alone."""
+
+    def __init__(self, why: str, cause: DropCause) -> None:
+        super().__init__(why)
+        self.cause = cause
+
+
+# What a dropped session's stream ends with: retry later, change the request, or a fault.
+_DROP_CODE = {
+    DropCause.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    DropCause.REJECTED: grpc.StatusCode.INVALID_ARGUMENT,
+    DropCause.FAILED: grpc.StatusCode.INTERNAL,
+}
 
 
 class StreamCutOff(Exception):

@@ -20,6 +20,8 @@ _STATUS = {
     ItemStatus.OK: pb.ITEM_OK,
     ItemStatus.CACHE_MISS: pb.ITEM_CACHE_MISS,
     ItemStatus.OUT_OF_BLOCKS: pb.ITEM_OUT_OF_BLOCKS,
+    ItemStatus.REJECTED: pb.ITEM_REJECTED,
+    ItemStatus.FAILED: pb.ITEM_FAILED,
 }
 
 
@@ -113,6 +115,7 @@ def step_to_pb(out: StepOutput, step_ns: int) -> pb.StepResponse:
             logprob=r.logprob if r.logprob is not None else 0.0,
             top_logprobs=[pb.TopToken(token_id=t, logprob=lp) for t, lp in r.top_logprobs],
             constraint_done=r.constraint_done,
+            error=r.error,
         )
     return resp
 

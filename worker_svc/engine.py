@@ -1,9 +1,13 @@
 """The worker's engine: admits a step's items against the KV books, runs them as one batched
 forward, samples, and reports per item. Synchronous and gRPC-free; the servicer wraps it.
 
-Per-item failures (CACHE_MISS, OUT_OF_BLOCKS) are results, not exceptions: the rest of the
-batch proceeds. A request that could never succeed (token id out of vocabulary, position past
-``max_position``, a session twice in one step) raises ``ValueError`` before anything changes.
+Per-item failures are results, not exceptions: the rest of the batch proceeds. CACHE_MISS and
+OUT_OF_BLOCKS leave the session as it was; an item that could never run as sent (a token id
+outside the vocabulary, a position past ``max_position``, sampling this worker cannot serve) is
+REJECTED and one whose sampling faults is FAILED, and both free the session here (it ends), so
+the books stay right whatever the scheduler does next. Only a malformed step (a session twice)
+raises ``ValueError``, before anything changes; a fault of the batched forward itself raises
+after freeing the step's sessions.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ import numpy as np
 import torch
 
 from kvfleet_models.config import LlamaConfig
+from worker_svc import failpoints
 from worker_svc.block_allocator import BlockAllocator, KVBookkeeper, OutOfBlocks
 from worker_svc.kv_cache import KVViews, PagedKVCache, make_views
 from worker_svc.kv_views_mode import KVViewsMode
 from worker_svc.model.cpu_backend import QUANT_MODES, use_cpu_threads
 from worker_svc.model.llama import LlamaModel, PhaseTimes, synchronize
 from worker_svc.runner import RunItem, run_step
-from worker_svc.sampling import ConstraintFactory, Sampled, SamplingSpec, SessionSampling
+from worker_svc.sampling import ConstraintFactory, ConstraintRefused, Sampled, SamplingSpec, SessionSampling
 from worker_svc.sampling import sample_token as sample_token  # re-exported for existing callers
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,6 +59,8 @@ class ItemStatus(Enum):
     OK = "ok"
     CACHE_MISS = "cache_miss"  # unknown session or position != tokens held
     OUT_OF_BLOCKS = "out_of_blocks"  # not enough free KV blocks for this item
+    REJECTED = "rejected"  # cannot run as sent (see ItemResult.error); the session was freed
+    FAILED = "failed"  # its sampling faulted (see ItemResult.error); the session was freed
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,7 @@ class ItemResult:
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
     constraint_done: bool = False  # the constraint allows nothing more after this token
     cached_tokens: int = 0  # tokens of this prefill chunk whose KV came from the prefix cache
+    error: str = ""  # why, for REJECTED and FAILED
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,7 @@ class EngineStats:
     used_blocks: int
     free_blocks: int
     out_of_blocks: int = 0
+    item_errors: int = 0  # items REJECTED or FAILED (their sessions freed)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found there (their KV reused, not computed)
     cached_blocks: int = 0  # free blocks still holding a reusable prefix
@@ -165,6 +174,9 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+_ENDS = (ItemStatus.REJECTED, ItemStatus.FAILED)  # statuses that end the session on this worker
+
+
 @dataclass(frozen=True)
 class _Request:
     """A prefill or decode item, in the one shape admission needs."""
@@ -203,10 +215,10 @@ def _requests(prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem]) -> l
 
 
 def _item_result(
-    session_id: str, status: ItemStatus, sampled: Sampled | None, kv_tokens: int, cached_tokens: int
+    session_id: str, status: ItemStatus, sampled: Sampled | None, kv_tokens: int, cached_tokens: int, error: str
 ) -> ItemResult:
     if sampled is None:
-        return ItemResult(session_id, status, None, kv_tokens, cached_tokens=cached_tokens)
+        return ItemResult(session_id, status, None, kv_tokens, cached_tokens=cached_tokens, error=error)
     return ItemResult(
         session_id,
         status,
@@ -256,7 +268,14 @@ class Engine:
         self.kv_bytes_per_token = cfg.kv_bytes_per_token(elem)
         self.capacity_tokens = config.num_blocks * config.block_size
         self.parameter_count, self.weight_bytes = self.model.sizes()
-        self._counts = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "cache_misses": 0, "out_of_blocks": 0}
+        self._counts = {
+            "steps": 0,
+            "prefill_tokens": 0,
+            "decode_tokens": 0,
+            "cache_misses": 0,
+            "out_of_blocks": 0,
+            "item_errors": 0,
+        }
 
     def use_threads(self, n: int = 0) -> None:
         """(Re)claim the process's CPU threads for this engine: ``n``, or its configured count
@@ -266,29 +285,32 @@ class Engine:
 
     # -- validation and admission ------------------------------------------------------------
 
-    def _validate(self, requests: Sequence[_Request]) -> None:
+    @staticmethod
+    def _check_step(requests: Sequence[_Request]) -> None:
+        """ValueError for a step no worker could run: it names a session twice."""
         seen: set[str] = set()
         for r in requests:
-            sid, tokens, start = r.session_id, r.tokens, r.start
-            if sid in seen:
-                raise ValueError(f"session {sid!r} appears more than once in one step")
-            seen.add(sid)
-            if not tokens:
-                raise ValueError(f"session {sid!r}: empty prefill chunk")
-            if start < 0:
-                raise ValueError(f"session {sid!r}: negative position {start}")
-            if start + len(tokens) > self.cfg.max_position:
-                raise ValueError(
-                    f"session {sid!r}: positions up to {start + len(tokens)} exceed "
-                    f"max_position {self.cfg.max_position}"
-                )
-            bad = [t for t in tokens if not 0 <= t < self.cfg.vocab_size]
-            if bad:
-                raise ValueError(f"session {sid!r}: token ids {bad} outside vocab_size {self.cfg.vocab_size}")
-            try:
-                self.sampling.check(r.sampling, self.cfg.vocab_size)
-            except ValueError as exc:
-                raise ValueError(f"session {sid!r}: {exc}") from None
+            if r.session_id in seen:
+                raise ValueError(f"session {r.session_id!r} appears more than once in one step")
+            seen.add(r.session_id)
+
+    def _problem(self, r: _Request) -> str:
+        """Why this worker cannot run the item as sent ("" if it can)."""
+        tokens, start = r.tokens, r.start
+        if not tokens:
+            return "empty prefill chunk"
+        if start < 0:
+            return f"negative position {start}"
+        if start + len(tokens) > self.cfg.max_position:
+            return f"positions up to {start + len(tokens)} exceed max_position {self.cfg.max_position}"
+        bad = [t for t in tokens if not 0 <= t < self.cfg.vocab_size][:8]
+        if bad:
+            return f"token ids {bad} outside vocab_size {self.cfg.vocab_size}"
+        try:
+            self.sampling.check(r.sampling, self.cfg.vocab_size)
+        except ValueError as exc:
+            return str(exc)
+        return ""
 
     def _admit(self, r: _Request) -> _Admitted | ItemStatus:
         sid = r.session_id
@@ -330,15 +352,16 @@ class Engine:
         t_start = time.perf_counter_ns()
         views = self._views[KVViewsMode.parse(kv_views)] if kv_views else self.views
         requests = _requests(prefill, decode)
-        self._validate(requests)
+        self._check_step(requests)
         admitted: list[_Admitted] = []
-        failed: dict[int, ItemStatus] = {}
+        failed: dict[int, tuple[ItemStatus, str]] = {}  # by output index: (status, error)
         for r in requests:
-            got = self._admit(r)
-            if isinstance(got, ItemStatus):
-                failed[r.out_index] = got
-            else:
+            problem = self._problem(r)
+            got = ItemStatus.REJECTED if problem else self._admit(r)
+            if isinstance(got, _Admitted):
                 admitted.append(got)
+            else:
+                failed[r.out_index] = (got, problem)
 
         times = PhaseTimes()
         tokens: dict[int, Sampled] = {}
@@ -347,6 +370,7 @@ class Engine:
         if admitted:
             sync = self.device.type != "cpu" and self.config.profile_sync
             try:
+                failpoints.check("worker.forward", [a.request.sampling.seed for a in admitted])
                 logits = run_step(
                     self.model, self.cache, views, [a.run for a in admitted], times, sync=sync
                 )  # [N, V] on device
@@ -359,19 +383,27 @@ class Engine:
                 self.books.publish(a.run.session_id)
             for a in admitted:
                 self.sampling.feed(a.request.session_id, a.request.tokens, a.request.start)
-            sync_ns = self._sample([a.request for a in admitted if a.run.sample], logits, tokens, logits_out)
+            sampled = [a.request for a in admitted if a.run.sample]
+            sync_ns = self._sample(sampled, logits, tokens, logits_out, failed)
             self._counts["prefill_tokens"] += sum(len(a.request.tokens) for a in admitted if a.request.creates)
             self._counts["decode_tokens"] += sum(1 for a in admitted if not a.request.creates)
         self._counts["steps"] += 1
+        # A rejected or failed item ends its session: free it now, so that nothing here waits
+        # on the scheduler's release to be right.
+        ended = [r.session_id for r in requests if failed.get(r.out_index, (ItemStatus.OK,))[0] in _ENDS]
+        if ended:
+            self.release(ended)
+            self._counts["item_errors"] += len(ended)
 
         cached = {a.request.out_index: a.cached for a in admitted}  # reused from the prefix cache
         results = [
             _item_result(
                 r.session_id,
-                failed.get(r.out_index, ItemStatus.OK),
-                tokens.get(r.out_index),
+                failed.get(r.out_index, (ItemStatus.OK, ""))[0],
+                None if r.out_index in failed else tokens.get(r.out_index),
                 self.books.num_tokens(r.session_id),
                 cached.get(r.out_index, 0),
+                failed.get(r.out_index, (ItemStatus.OK, ""))[1],
             )
             for r in requests
         ]
@@ -390,8 +422,10 @@ class Engine:
         logits: torch.Tensor,
         tokens: dict[int, Sampled],
         logits_out: np.ndarray | None,
+        failed: dict[int, tuple[ItemStatus, str]],
     ) -> int:
         """Fill ``tokens`` (by output index) from logits [N, V]; returns the sync time in ns.
+        A row whose sampling raises fails alone: its error goes into ``failed``.
 
         Plain greedy rows are reduced on the device so that only N ints cross to the host; only
         the rows that need processing (temperature, penalties, bias, a constraint, logprobs)
@@ -411,7 +445,12 @@ class Engine:
         sync_ns = time.perf_counter_ns() - t0
         for row, r in enumerate(sampled):
             if r.sampling.needs_host:
-                tokens[r.out_index] = self.sampling.sample(r.session_id, host[row], r.sampling, r.index)
+                try:
+                    tokens[r.out_index] = self.sampling.sample(r.session_id, host[row], r.sampling, r.index)
+                except ConstraintRefused as exc:
+                    failed[r.out_index] = (ItemStatus.REJECTED, str(exc))
+                except Exception as exc:  # a fault of this item's sampling, not of the step
+                    failed[r.out_index] = (ItemStatus.FAILED, f"sampling failed: {type(exc).__name__}: {exc}")
             else:
                 tokens[r.out_index] = Sampled(greedy[row])
             if logits_out is not None:
@@ -442,6 +481,7 @@ class Engine:
             used_blocks=self.books.allocator.num_used,
             free_blocks=self.books.allocator.num_free,
             out_of_blocks=c["out_of_blocks"],
+            item_errors=c["item_errors"],
             prefix_cache_queries=self.books.prefix_queries,
             prefix_cache_hits=self.books.prefix_hits,
             cached_blocks=self.books.allocator.num_cached,

@@ -51,6 +51,12 @@ class WorkerMetrics:
             "kvfleet:worker_cache_misses", "Items naming KV the worker did not hold", s.cache_misses, Kind.COUNTER
         )
         yield Reading("kvfleet:worker_steps", "Steps run", s.steps, Kind.COUNTER)
+        yield Reading(
+            "kvfleet:worker_item_errors",
+            "Step items rejected or failed alone (their sessions ended; the rest of the step ran)",
+            s.item_errors,
+            Kind.COUNTER,
+        )
         # Prefix caching: hit rate = hits / queries; cached blocks are free yet still reusable.
         yield Reading(
             "kvfleet:worker_prefix_cache_queries",

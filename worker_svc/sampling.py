@@ -28,6 +28,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from worker_svc import failpoints
+
 CONSTRAINTS = ("json_object", "json_schema")
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
@@ -213,6 +215,10 @@ def sample_token(
     return draw(process_logits(logits, spec, history, generated, allowed), spec, index)
 
 
+class ConstraintRefused(ValueError):
+    """The grammar would not take a session's response format (a schema it cannot enforce)."""
+
+
 class SessionSampling:
     """What the processors need to remember per session: the tokens fed into its KV so far
     (prompt chunks and decode tokens) and its constraint's state.
@@ -252,6 +258,7 @@ class SessionSampling:
 
     def sample(self, session_id: str, logits: torch.Tensor, spec: SamplingSpec, index: int) -> Sampled:
         """Sample the session's token number ``index`` from its host row of logits [V]."""
+        failpoints.check("worker.sample", spec.seed)
         history = self.history(session_id)
         constraint = self._constraint(session_id, spec, index) if spec.constraint else None
         allowed = constraint.allowed_mask() if constraint is not None else None
@@ -272,7 +279,10 @@ class SessionSampling:
         if held is not None and held[1] == index:
             return held[0]
         assert self.constraint_factory is not None, "checked before the step"
-        constraint = self.constraint_factory(spec.constraint, spec.constraint_schema)
+        try:
+            constraint = self.constraint_factory(spec.constraint, spec.constraint_schema)
+        except ValueError as exc:
+            raise ConstraintRefused(f"response format refused by the grammar: {exc}") from None
         history = self.history(session_id)
         for token in history[max(len(history) - index, 0) :] if index else ():
             constraint.accept(token)

@@ -90,6 +90,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             out, step_ns = await self._locked_step(call)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:  # the batched forward failed; the engine freed the step's sessions
+            log.exception("a step failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"the step failed on the worker: {type(exc).__name__}: {exc}")
         kv_views = call.kv_views or self._config.kv_views
         attrs: dict[str, str | int] = {
             "kvfleet.worker.id": self._config.worker_id,

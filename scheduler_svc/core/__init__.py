@@ -4,10 +4,11 @@ No grpc, protobuf or sockets here; the gRPC adapter in scheduler_svc.server driv
 """
 
 from scheduler_svc.core.limits import SchedulerLimits
-from scheduler_svc.core.plan import DecodeWork, PrefillWork, TickOutcome, TickPlan
+from scheduler_svc.core.plan import DecodeWork, Dropped, PrefillWork, TickOutcome, TickPlan
 from scheduler_svc.core.scheduler import SchedulerCore
 from scheduler_svc.core.types import (
     AdmissionRejected,
+    DropCause,
     FinishReason,
     NotSessionOwner,
     RejectReason,
@@ -23,6 +24,8 @@ from scheduler_svc.core.types import (
 __all__ = [
     "AdmissionRejected",
     "DecodeWork",
+    "DropCause",
+    "Dropped",
     "FinishReason",
     "NotSessionOwner",
     "PrefillWork",

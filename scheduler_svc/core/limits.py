@@ -33,6 +33,10 @@ class SchedulerLimits:
     # with a message that says so.
     max_kv_retries: int = 4
     kv_retry_backoff_s: float = 0.05
+    # A session whose worker fails (a transport error or timeout: it moves to another worker) or
+    # whose whole step fails (the worker stays in use) is recomputed at most this many times;
+    # then it ends with UNAVAILABLE and a message that says so, rather than bounce for ever.
+    max_moves: int = 3
 
     def __post_init__(self) -> None:
         if self.kv_policy not in ("reserve", "preempt"):
@@ -48,6 +52,7 @@ class SchedulerLimits:
             "max_new_tokens",
             "max_priority",
             "max_kv_retries",
+            "max_moves",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from scheduler_svc.core.types import FinishReason, Sampling, TokenLogprob
+from scheduler_svc.core.types import DropCause, FinishReason, Sampling, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,12 @@ class TickPlan:
         return dict(out)
 
 
+class Dropped(NamedTuple):
+    session_id: str
+    why: str  # what the caller is told
+    cause: DropCause = DropCause.UNAVAILABLE
+
+
 @dataclass
 class TickOutcome:
     """What came of a tick's steps (`update()`), or of a finish outside the tick rules."""
@@ -68,8 +75,8 @@ class TickOutcome:
     finished: list[tuple[str, FinishReason]] = field(default_factory=list)
     release: dict[str, list[str]] = field(default_factory=dict)  # worker -> sessions to free
     requeued: list[str] = field(default_factory=list)  # sessions to recompute
-    # Sessions given up on (session, why): the stream ends with an error, nothing is recomputed.
-    dropped: list[tuple[str, str]] = field(default_factory=list)
+    # Sessions given up on: the stream ends with an error, nothing is recomputed.
+    dropped: list[Dropped] = field(default_factory=list)
 
     def free(self, worker_id: str, session_id: str) -> None:
         self.release.setdefault(worker_id, []).append(session_id)

@@ -31,11 +31,12 @@ from scheduler_svc.core.admission import ModelBounds, WorkloadCaps
 from scheduler_svc.core.budget import PrefillBudget
 from scheduler_svc.core.kv_reservations import KvReservations, VictimCandidate, choose_victim
 from scheduler_svc.core.limits import SchedulerLimits
-from scheduler_svc.core.plan import DecodeWork, PrefillWork, TickOutcome, TickPlan
+from scheduler_svc.core.plan import DecodeWork, Dropped, PrefillWork, TickOutcome, TickPlan
 from scheduler_svc.core.session import Phase, Session
 from scheduler_svc.core.stats import BatchCounters, TelemetrySnapshot, WorkloadStats
 from scheduler_svc.core.types import (
     AdmissionRejected,
+    DropCause,
     FinishReason,
     NotSessionOwner,
     RejectReason,
@@ -89,13 +90,33 @@ class SchedulerCore:
         self.kv.add(spec)
         self._bounds = self._bounds.merged(vocab_size, max_position)
 
-    def worker_failed(self, worker_id: str) -> list[str]:
-        """Mark a worker dead and send its sessions back to the queue to be recomputed elsewhere."""
+    def worker_failed(self, worker_id: str, why: str = "") -> TickOutcome:
+        """Mark a worker dead and send its sessions back to the queue to be recomputed elsewhere
+        (each at most max_moves times: see ``_move``)."""
         self.kv.get(worker_id).live = False
-        moved = [sid for sid in self._running if self._sessions[sid].worker_id == worker_id]
-        for sid in moved:
-            self._requeue(self._sessions[sid])
-        return moved
+        out = TickOutcome(tick=self._tick)
+        for sid in [sid for sid in self._running if self._sessions[sid].worker_id == worker_id]:
+            self._move(self._sessions[sid], f"worker {worker_id} failed ({why or 'no answer'})", out)
+        self._close_workloads()
+        return out
+
+    def _move(self, session: Session, why: str, out: TickOutcome) -> None:
+        """Recompute a session whose worker or step failed, unless it has been moved max_moves
+        times already: then it ends, so that a session that fails everywhere cannot bounce for ever."""
+        session.moves += 1
+        if session.moves > self.limits.max_moves:
+            self._close(session, None, out)
+            out.dropped.append(
+                Dropped(
+                    session.session_id,
+                    f"the session was recomputed {session.moves - 1} times after failures and failed "
+                    f"again ({why}); it was stopped unfinished (max_moves is {self.limits.max_moves}). "
+                    "Retry it later; the scheduler's log names the failures",
+                )
+            )
+            return
+        out.requeued.append(session.session_id)
+        self._requeue(session)
 
     def worker_recovered(self, worker_id: str) -> None:
         self.kv.get(worker_id).live = True
@@ -192,7 +213,7 @@ class SchedulerCore:
             session = self._sessions[sid]
             self._dequeue(session)
             self._close(session, None, out)
-            out.dropped.append((sid, why))
+            out.dropped.append(Dropped(sid, why))
         self._close_workloads()
         return out
 
@@ -386,9 +407,20 @@ class SchedulerCore:
     # ---- the tick: update --------------------------------------------------------------------
 
     def update(
-        self, plan: TickPlan, results: Mapping[str, StepResult], failed_workers: Set[str] = frozenset()
+        self,
+        plan: TickPlan,
+        results: Mapping[str, StepResult],
+        failed_workers: Set[str] = frozenset(),
+        failed_steps: Mapping[str, str] | None = None,
     ) -> TickOutcome:
-        """Apply the workers' answers to a scheduled tick."""
+        """Apply the workers' answers to a scheduled tick.
+
+        failed_workers: workers that did not answer (a transport error or a timeout): marked dead,
+        their sessions moved. failed_steps: worker -> why, for workers that answered that the whole
+        step failed: they stay in use, and the step's sessions are freed there and recomputed.
+        An item the worker REJECTED or FAILED ends its session alone, with the worker's message.
+        """
+        failed_steps = failed_steps or {}
         out = TickOutcome(tick=plan.tick)
         if plan.empty:
             return out
@@ -398,8 +430,16 @@ class SchedulerCore:
             session = self._sessions[work.session_id]
             if work.worker_id in failed_workers or session.phase == Phase.FINISHED:
                 continue
+            if work.worker_id in failed_steps:
+                self._move(session, f"its step on worker {work.worker_id} failed: {failed_steps[work.worker_id]}", out)
+                if session.phase == Phase.QUEUED:  # (ended, _close freed it already)
+                    out.free(work.worker_id, session.session_id)
+                continue
             wl = tallies.get(session.workload_id or "")
             result = results.get(work.session_id)
+            if result is not None and result.status in (StepStatus.REJECTED, StepStatus.FAILED):
+                self._end_on_item_error(session, result, out)
+                continue
             if result is None or result.status != StepStatus.OK:
                 # The worker did not hold what we thought: recompute the session elsewhere.
                 total.misses += 1
@@ -425,7 +465,11 @@ class SchedulerCore:
             self._accept_token(session, result, out)
         for worker_id in sorted(failed_workers):
             if worker_id in self.kv and self.kv.get(worker_id).live:
-                out.requeued.extend(self.worker_failed(worker_id))
+                moved = self.worker_failed(worker_id)
+                out.requeued.extend(moved.requeued)
+                out.dropped.extend(moved.dropped)
+                for w, sids in moved.release.items():
+                    out.release.setdefault(w, []).extend(sids)
 
         held = self._held_kv_bytes()
         tally = TickTally(
@@ -452,7 +496,7 @@ class SchedulerCore:
             worker = session.worker_id
             self._close(session, None, out)
             out.dropped.append(
-                (
+                Dropped(
                     session.session_id,
                     f"worker {worker} could not hold the session's KV ({status}) "
                     f"{session.kv_retries} times; the session was stopped unfinished. "
@@ -469,6 +513,21 @@ class SchedulerCore:
         session.retry_not_before = self._clock() + backoff
         out.requeued.append(session.session_id)
         self._requeue(session)
+
+    def _end_on_item_error(self, session: Session, result: StepResult, out: TickOutcome) -> None:
+        """The worker refused or failed this session's item alone (it freed the session there):
+        the session ends with the worker's message; the rest of the step stands."""
+        worker = session.worker_id
+        rejected = result.status == StepStatus.REJECTED
+        self._close(session, None, out)
+        what = "refused the request" if rejected else "failed on this session"
+        out.dropped.append(
+            Dropped(
+                session.session_id,
+                f"worker {worker} {what}: {result.error or result.status.value}",
+                DropCause.REJECTED if rejected else DropCause.FAILED,
+            )
+        )
 
     def _accept_token(self, session: Session, result: StepResult, out: TickOutcome) -> None:
         token = result.token_id

@@ -30,6 +30,7 @@ class Session:
     finish_reason: FinishReason | None = None
     admitted_tick: int = 0
     kv_retries: int = 0  # recomputes after its worker lost its KV
+    moves: int = 0  # recomputes after its worker or its step failed (capped: max_moves)
     retry_not_before: float = 0.0  # not admitted again before this time (the core's clock)
 
     @property

@@ -92,6 +92,16 @@ class StepStatus(str, Enum):
     OK = "ok"
     CACHE_MISS = "cache_miss"
     OUT_OF_BLOCKS = "out_of_blocks"
+    REJECTED = "rejected"  # the worker will not run this session as sent (error says why)
+    FAILED = "failed"  # the session's sampling faulted on the worker (error says how)
+
+
+class DropCause(str, Enum):
+    """Why a session was given up on unfinished: what its stream's error says to the caller."""
+
+    UNAVAILABLE = "unavailable"  # the cluster could not run it (no worker, KV lost, moved too often): retry
+    REJECTED = "rejected"  # a worker refused it as sent: change the request
+    FAILED = "failed"  # it faulted on a worker, alone
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,7 @@ class StepResult:
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
     cached_tokens: int = 0  # prompt tokens of a prefill chunk whose KV came from a prefix cache
     constraint_done: bool = False  # the constraint allows nothing more: finish with STOP
+    error: str = ""  # why, for REJECTED and FAILED
 
 
 @dataclass(frozen=True)

@@ -47,9 +47,10 @@ def complete_tick(
     results: Mapping[str, StepResult],
     failed_workers: Set[str] = frozenset(),
     outcome: TickOutcome | None = None,
+    failed_steps: Mapping[str, str] | None = None,
 ) -> TickOutcome:
     """update(), with what schedule() settled first (the whole tick's effects in one outcome)."""
-    out = core.update(plan, results, failed_workers)
+    out = core.update(plan, results, failed_workers, failed_steps)
     if outcome is None:
         return out
     merged = TickOutcome(

@@ -275,19 +275,31 @@ def test_sample_token_filters() -> None:
     )
 
 
-def test_invalid_requests_raise_before_any_change() -> None:
+def test_items_the_worker_cannot_run_are_rejected_alone_and_change_nothing() -> None:
     engine = _engine()
-    with pytest.raises(ValueError, match="max_position"):
-        engine.step([PrefillItem("a", (1,) * 3, CFG.max_position - 2, True, GREEDY)], [])
-    with pytest.raises(ValueError, match="max_position"):
-        engine.step([], [DecodeItem("a", 1, CFG.max_position, GREEDY, 0)])
-    with pytest.raises(ValueError, match="vocab"):
-        engine.step([PrefillItem("a", (1, CFG.vocab_size), 0, True, GREEDY)], [])
-    with pytest.raises(ValueError, match="more than once"):
-        engine.step([PrefillItem("a", (1,), 0, True, GREEDY)], [DecodeItem("a", 1, 1, GREEDY, 0)])
-    with pytest.raises(ValueError, match="empty"):
-        engine.step([PrefillItem("a", (), 0, True, GREEDY)], [])
+    ok = _prompt(3, 6)
+    alone = engine.step([PrefillItem("ok", tuple(ok), 0, True, GREEDY)], []).results[0].token_id
+    engine.release(["ok"])
+    bad = [
+        (PrefillItem("pos", (1,) * 3, CFG.max_position - 2, True, GREEDY), "max_position"),
+        (PrefillItem("vocab", (1, CFG.vocab_size), 0, True, GREEDY), "outside vocab_size"),
+        (PrefillItem("empty", (), 0, True, GREEDY), "empty"),
+        (PrefillItem("bias", (1, 2), 0, True, SamplingSpec(logit_bias=((CFG.vocab_size, 5.0),))), "logit_bias"),
+        (PrefillItem("grammar", (1, 2), 0, True, SamplingSpec(constraint="json_object")), "no grammar support"),
+    ]
+    out = engine.step([PrefillItem("ok", tuple(ok), 0, True, GREEDY)] + [item for item, _ in bad], [])
+    good, *rejected = out.results
+    assert good.status == ItemStatus.OK and good.token_id == alone  # the batch ran without them
+    for r, (item, says) in zip(rejected, bad):
+        assert (r.session_id, r.status, r.token_id, r.kv_tokens) == (item.session_id, ItemStatus.REJECTED, None, 0)
+        assert says in r.error
+    assert engine.stats().active_sessions == 1 and engine.stats().item_errors == len(bad)
+    # A decode past max_position is rejected too, and ends that session here (its KV freed).
+    last = engine.step([], [DecodeItem("ok", good.token_id, CFG.max_position, GREEDY, 1)]).results[0]
+    assert last.status == ItemStatus.REJECTED and "max_position" in last.error
     assert engine.stats().active_sessions == 0 and engine.stats().used_blocks == 0
+    with pytest.raises(ValueError, match="more than once"):  # a malformed step is refused whole
+        engine.step([PrefillItem("a", (1,), 0, True, GREEDY)], [DecodeItem("a", 1, 1, GREEDY, 0)])
 
 
 @pytest.mark.parametrize(

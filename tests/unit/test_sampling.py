@@ -28,7 +28,7 @@ from scheduler_svc.core import (
 )
 from tests.unit.sim import tiny_worker
 from worker_svc import convert as worker_convert
-from worker_svc.engine import DecodeItem, Engine, EngineConfig, ItemResult, PrefillItem, SamplingSpec
+from worker_svc.engine import DecodeItem, Engine, EngineConfig, ItemResult, ItemStatus, PrefillItem, SamplingSpec
 from worker_svc.sampling import draw, logprobs_of, process_logits, sample_token
 
 CFG = tiny_config()
@@ -158,13 +158,32 @@ def test_spec_rejects_out_of_range_values_naming_the_field(kwargs: dict, field: 
         SamplingSpec(**kwargs)
 
 
-def test_engine_rejects_bias_outside_vocab_and_constraints_without_grammar() -> None:
-    engine = _engine()
-    with pytest.raises(ValueError, match="logit_bias token id"):
-        engine.step([PrefillItem("a", (1, 2), 0, True, SamplingSpec(logit_bias=((V, 1.0),)))], [])
-    with pytest.raises(ValueError, match="no grammar support"):
-        engine.step([PrefillItem("a", (1, 2), 0, True, SamplingSpec(constraint="json_object"))], [])
-    assert engine.stats().active_sessions == 0
+def test_a_grammar_refusal_or_a_sampling_fault_fails_its_item_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(kind: str, schema: str):  # type: ignore[no-untyped-def]
+        raise ValueError("schema nests too deep")
+
+    engine = Engine(CFG, WEIGHTS, EngineConfig(block_size=4, num_blocks=64), constraint_factory=refuse)
+    prompt = (1, 2, 3, 4, 5)
+    alone = engine.step([PrefillItem("ok", prompt, 0, True, SamplingSpec())], []).results[0].token_id
+    engine.release(["ok"])
+    monkeypatch.setenv("KVFLEET_FAILPOINTS", "worker.sample:seed=666")
+    items = [
+        PrefillItem("ok", prompt, 0, True, SamplingSpec()),
+        PrefillItem("refused", prompt, 0, True, SamplingSpec(constraint="json_object")),
+        PrefillItem("fault", prompt, 0, True, SamplingSpec(temperature=0.8, seed=666)),
+        PrefillItem("other-seed", prompt, 0, True, SamplingSpec(temperature=0.8, seed=665)),
+    ]
+    ok, refused, fault, other = engine.step(items, []).results
+    assert ok.status == ItemStatus.OK and ok.token_id == alone
+    assert other.status == ItemStatus.OK and other.token_id is not None
+    assert refused.status == ItemStatus.REJECTED and "schema nests too deep" in refused.error
+    assert fault.status == ItemStatus.FAILED and "FailpointHit" in fault.error
+    assert (refused.token_id, refused.kv_tokens, fault.token_id, fault.kv_tokens) == (None, 0, None, 0)
+    # Their sessions are freed here; the two that ran hold their prompts.
+    assert sorted(engine.books.session_ids()) == ["ok", "other-seed"]
+    assert engine.stats().item_errors == 2
+    held = set(engine.books.blocks("ok")) | set(engine.books.blocks("other-seed"))  # the full block is shared
+    assert engine.stats().used_blocks == len(held)
 
 
 # ---- through the engine ------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import pytest
 
 from scheduler_svc.core import (
     AdmissionRejected,
+    Dropped,
     FinishReason,
     NotSessionOwner,
     RejectReason,
@@ -26,6 +27,8 @@ from scheduler_svc.core import (
     SchedulerCore,
     SchedulerLimits,
     SessionRequest,
+    StepResult,
+    StepStatus,
     TickOutcome,
     TickPlan,
     WorkerSpec,
@@ -976,6 +979,93 @@ def test_worker_failure_recomputes_on_the_other_worker():
     assert fake.kv == {} and all(w.reserved_tokens == 0 for w in core.workers)
 
 
+@pytest.mark.parametrize("status, cause", [("rejected", "rejected"), ("failed", "failed")])
+def test_an_item_error_ends_that_session_alone(status, cause):
+    core, fake = make_core(), FakeWorkers()
+    sids = [core.submit(req(3, 6)) for _ in range(3)]
+    step(core, fake)
+    step(core, fake)
+    plan, early = plan_tick(core)
+    results = fake.run(plan)
+    bad = sids[1]
+    results[bad] = StepResult(bad, StepStatus(status), None, 0, error="logit_bias token id 99 is outside")
+    fake.lose(bad)  # the worker freed it
+    out = complete_tick(core, plan, results, outcome=early)
+    fake.release(out)
+    assert [(d.session_id, d.cause.value) for d in out.dropped] == [(bad, cause)]
+    assert "worker w0" in out.dropped[0].why and "logit_bias token id 99" in out.dropped[0].why
+    assert bad not in out.requeued and core.session(bad).phase == Phase.FINISHED
+    assert core.workers.get("w0").live  # the worker is not blamed
+    run_to_completion(core, fake)
+    others = [sids[0], sids[2]]
+    assert {s: core.session(s).generated for s in others} == {s: expected_tokens(s, 6) for s in others}
+    assert fake.kv == {} and core.workers.get("w0").reserved_tokens == 0
+
+
+def test_a_failed_step_recomputes_its_sessions_on_a_worker_that_stays_live():
+    core, fake = make_core((tiny_worker("w0"), tiny_worker("w1"))), FakeWorkers()
+    s0, s1 = core.submit(req(3, 6)), core.submit(req(3, 6))  # s0 on w0, s1 on w1
+    step(core, fake)
+    plan, early = plan_tick(core)
+    results = fake.run(plan)
+    results.pop(s0)
+    out = complete_tick(core, plan, results, outcome=early, failed_steps={"w0": "INTERNAL: device fault"})
+    assert out.requeued == [s0] and out.release == {"w0": [s0]}  # freed where the step failed
+    fake.release(out)
+    assert core.workers.get("w0").live and core.session(s0).moves == 1
+    run_to_completion(core, fake)
+    assert core.session(s0).generated == expected_tokens(s0, 6)
+    assert core.session(s1).generated == expected_tokens(s1, 6)
+
+
+def test_a_session_that_keeps_failing_ends_after_max_moves():
+    core, fake = make_core((tiny_worker("w0"), tiny_worker("w1")), max_moves=2), FakeWorkers()
+    sid = core.submit(req(3, 20))
+    other = core.submit(req(3, 6))
+    failures = 0
+    dropped: list[Dropped] = []
+    while core.has_work() and failures < 10:
+        plan, early = plan_tick(core)
+        fake.release(early)
+        results = fake.run(plan)
+        work = [w for w in plan.prefill + plan.decode if w.session_id == sid]
+        failed = {}
+        if work:  # every step holding the session fails on whatever worker it is on
+            failed = {work[0].worker_id: "INTERNAL: the forward faulted"}
+            failures += 1
+            for w in plan.prefill + plan.decode:
+                if w.worker_id == work[0].worker_id:
+                    results.pop(w.session_id, None)
+                    fake.lose(w.session_id)
+        out = complete_tick(core, plan, results, outcome=early, failed_steps=failed)
+        fake.release(out)
+        dropped += out.dropped
+    assert failures == 3  # the first try and max_moves recomputes
+    assert [(d.session_id, d.cause.value) for d in dropped] == [(sid, "unavailable")]
+    assert "recomputed 2 times" in dropped[0].why and "max_moves is 2" in dropped[0].why
+    run_to_completion(core, fake)
+    assert core.session(other).generated == expected_tokens(other, 6)
+    assert all(w.live for w in core.workers)
+
+
+def test_sessions_of_a_dead_worker_move_at_most_max_moves_times():
+    workers = (tiny_worker("w0"), tiny_worker("w1"), tiny_worker("w2"))
+    core, fake = make_core(workers, max_moves=1), FakeWorkers()
+    sid = core.submit(req(3, 20))
+    step(core, fake)
+    first = core.session(sid).worker_id
+    out = core.worker_failed(first, "UNAVAILABLE: connection refused")
+    assert out.requeued == [sid] and not out.dropped
+    fake.drop_worker(first)
+    step(core, fake)
+    second = core.session(sid).worker_id
+    assert second not in (None, first)
+    out = core.worker_failed(second, "DEADLINE_EXCEEDED")
+    assert out.requeued == [] and [d.session_id for d in out.dropped] == [sid]
+    assert f"worker {second} failed (DEADLINE_EXCEEDED)" in out.dropped[0].why
+    assert core.session(sid).phase == Phase.FINISHED and not core.has_work()
+
+
 def test_worker_failure_recompute_is_chunked_under_the_budget():
     core, fake = make_core((tiny_worker("w0"), tiny_worker("w1")), prefill_token_budget=4), FakeWorkers()
     sid = core.submit(req(3, 6))
@@ -1155,7 +1245,7 @@ def test_a_session_whose_kv_keeps_vanishing_is_retried_with_backoff_then_dropped
     bad = core.submit(req(4, 6))
     good = core.submit(req(4, 6))
     admitted_at: list[int] = []
-    dropped: list[tuple[str, str]] = []
+    dropped: list[Dropped] = []
     for _ in range(100):
         if not core.has_work():
             break
@@ -1169,7 +1259,7 @@ def test_a_session_whose_kv_keeps_vanishing_is_retried_with_backoff_then_dropped
     # wait 2 -> 8; miss 9 -> wait 4 -> 13; miss 14: the 5th loss -> dropped. Idle plans in
     # between (only the waiting session left) do not stop the clock.
     assert admitted_at == [1, 3, 5, 8, 13]
-    assert [sid for sid, _ in dropped] == [bad]
+    assert [d.session_id for d in dropped] == [bad]
     assert "could not hold the session's KV (cache_miss) 5 times" in dropped[0][1]
     assert core.session(bad).phase == Phase.FINISHED and core.session(bad).finish_reason is None
     assert core.session(good).generated == expected_tokens(good, 6)
