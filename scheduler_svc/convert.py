@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -98,6 +99,7 @@ def step_request(prefill: Sequence[PrefillWork], decode: Sequence[DecodeWork]) -
             last_chunk=p.last_chunk,
             sampling=_sampling_to_wpb(p.sampling),
             generated_so_far=p.generated_so_far,
+            cache_salt=cache_salt(p.cache_owner),
         )
     for d in decode:
         req.decode.add(
@@ -108,6 +110,12 @@ def step_request(prefill: Sequence[PrefillWork], decode: Sequence[DecodeWork]) -
             generated_so_far=d.generated_so_far,
         )
     return req
+
+
+def cache_salt(owner: str) -> bytes:
+    """A caller's prefix-cache namespace on the workers: a hash of its identity, so workers never
+    see identities; anonymous callers ("") share one namespace, being one identity."""
+    return hashlib.blake2b(owner.encode(), digest_size=16, person=b"kvfleet-salt").digest() if owner else b""
 
 
 def step_results(resp: wpb.StepResponse) -> dict[str, StepResult]:

@@ -11,6 +11,10 @@ shared: they are never written again, so sessions can read them at once. Blocks 
 counts; a block whose count drops to 0 but has a hash stays *cached* (evictable, least recently
 released first) and counts as free: an allocation takes never-hashed blocks first and only then
 evicts cached ones, so caching never costs capacity.
+
+A session may carry a *cache salt* (the scheduler sends a hash of the caller's identity): it
+seeds the session's hash chain, so blocks are shared only between sessions of the same salt, and
+one tenant cannot learn from its time to first token whether another sent a given prompt.
 """
 
 from __future__ import annotations
@@ -159,6 +163,7 @@ class KVBookkeeper:
         self._chain: dict[str, list[bytes]] = {}  # hash of each full block, in order
         self._tail: dict[str, list[int]] = {}  # token ids past the last full block
         self._published: dict[str, int] = {}  # leading full blocks the allocator knows of
+        self._salt: dict[str, bytes] = {}  # sessions with a cache salt: the root of their chain
         self.prefix_queries = 0  # tokens of prompt chunks looked up in the cache
         self.prefix_hits = 0  # of which were found there
 
@@ -212,15 +217,20 @@ class KVBookkeeper:
         tail.extend(token_ids)
         bs = self.block_size
         while len(tail) >= bs:
-            chain.append(block_hash(chain[-1] if chain else None, tail[:bs]))
+            chain.append(block_hash(chain[-1] if chain else self._root(session_id), tail[:bs]))
             del tail[:bs]
+
+    def _root(self, session_id: str) -> bytes | None:
+        """The parent of the session's first block: its salt's namespace (None: unsalted)."""
+        salt = self._salt.get(session_id)
+        return None if salt is None else b"salt:" + salt
 
     def _match(self, session_id: str, token_ids: Sequence[int], max_blocks: int) -> list[tuple[int, bytes]]:
         """Cached blocks continuing the session's prefix with ``token_ids``: (block, hash) pairs."""
         if self._tail.get(session_id):
             return []  # a partial last block: the next tokens do not start a block
         chain = self._chain.get(session_id, [])
-        parent = chain[-1] if chain else None
+        parent = chain[-1] if chain else self._root(session_id)
         bs, found = self.block_size, []
         for i in range(max_blocks):
             h = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
@@ -231,15 +241,27 @@ class KVBookkeeper:
             parent = h
         return found
 
-    def append_prefill(self, session_id: str, token_ids: Sequence[int]) -> tuple[int, list[int]]:
+    def append_prefill(self, session_id: str, token_ids: Sequence[int], salt: bytes = b"") -> tuple[int, list[int]]:
         """Reserve a prompt chunk, first reusing cached full blocks that already hold its leading
         tokens; returns (reused tokens, slots of the tokens still to compute).
 
         At least one token is left to compute, so the chunk still yields logits. Without prefix
-        caching nothing is reused. Raises ``OutOfBlocks`` with nothing changed.
+        caching nothing is reused. ``salt``: the cache namespace of a session this chunk creates
+        (see the module docstring). Raises ``OutOfBlocks`` with nothing changed.
         """
         if not self.prefix_caching:
             return 0, self.append(session_id, len(token_ids), token_ids)
+        new_salt = bool(salt) and session_id not in self._tokens
+        if new_salt:
+            self._salt[session_id] = salt
+        try:
+            return self._append_prefill(session_id, token_ids)
+        except OutOfBlocks:
+            if new_salt:  # nothing changed: not even the salt is kept
+                del self._salt[session_id]
+            raise
+
+    def _append_prefill(self, session_id: str, token_ids: Sequence[int]) -> tuple[int, list[int]]:
         bs = self.block_size
         looked_up = self.num_tokens(session_id) % bs == 0
         found = self._match(session_id, token_ids, (len(token_ids) - 1) // bs) if looked_up else []
@@ -282,6 +304,6 @@ class KVBookkeeper:
         # Last block first: a prompt's tail is then evicted before the prefix others share.
         self.allocator.free(reversed(self._blocks.pop(session_id)))
         del self._tokens[session_id]
-        for books in (self._chain, self._tail, self._published):
+        for books in (self._chain, self._tail, self._published, self._salt):
             books.pop(session_id, None)
         return True

@@ -53,6 +53,7 @@ def prefill_from_pb(items) -> list[PrefillItem]:
             last_chunk=i.last_chunk,
             sampling=sampling_from_pb(i.sampling),
             generated_so_far=i.generated_so_far,
+            cache_salt=i.cache_salt,
         )
         for i in items
     ]

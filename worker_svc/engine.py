@@ -44,6 +44,7 @@ class PrefillItem:
     last_chunk: bool  # sample the first new token after this chunk
     sampling: SamplingSpec
     generated_so_far: int = 0  # index of the token to sample (for seeded sampling)
+    cache_salt: bytes = b""  # prefix-cache namespace of the session (see block_allocator)
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,7 @@ class _Request:
     sampling: SamplingSpec
     index: int  # generated_so_far, for seeded draws
     creates: bool  # may create the session (a prefill item at position 0)
+    salt: bytes = b""  # the prefix-cache namespace of a session it creates
 
 
 @dataclass(frozen=True)
@@ -203,7 +205,15 @@ class _Admitted:
 def _requests(prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem]) -> list[_Request]:
     out = [
         _Request(
-            i, p.session_id, tuple(p.token_ids), p.start_position, p.last_chunk, p.sampling, p.generated_so_far, True
+            i,
+            p.session_id,
+            tuple(p.token_ids),
+            p.start_position,
+            p.last_chunk,
+            p.sampling,
+            p.generated_so_far,
+            True,
+            p.cache_salt,
         )
         for i, p in enumerate(prefill)
     ]
@@ -323,7 +333,7 @@ class Engine:
             return ItemStatus.CACHE_MISS
         try:
             if r.creates:  # a prompt chunk: its leading full blocks may already be cached
-                cached, slots = self.books.append_prefill(sid, r.tokens)
+                cached, slots = self.books.append_prefill(sid, r.tokens, r.salt)
             else:
                 cached, slots = 0, self.books.append(sid, len(r.tokens), r.tokens)
         except OutOfBlocks:  # the books are unchanged

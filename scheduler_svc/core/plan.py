@@ -19,6 +19,8 @@ class PrefillWork:
     last_chunk: bool  # the worker samples the next token after this chunk
     sampling: Sampling
     generated_so_far: int  # index of the token to sample
+    # Whose prefix cache it may share (the session's owner); the adapter sends a hash of it.
+    cache_owner: str = ""
 
 
 @dataclass(frozen=True)

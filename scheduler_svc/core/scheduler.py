@@ -391,6 +391,7 @@ class SchedulerCore:
             last_chunk=last,
             sampling=session.request.sampling,
             generated_so_far=len(session.generated),
+            cache_owner=session.request.owner,
         )
 
     @staticmethod

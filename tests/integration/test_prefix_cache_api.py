@@ -73,3 +73,24 @@ def test_shared_system_prompt_is_reused_and_tokens_match_caching_off(budget: int
     assert stats.prefix_cache_hits == sum(c for _, c in cached)
     assert stats.prefix_cache_queries >= sum(len(SYSTEM + t) for t in TURNS[1:])
     assert stats.cached_blocks > 0 and stats.used_blocks + stats.free_blocks == 1024
+
+
+def test_callers_share_the_prefix_cache_only_with_themselves() -> None:
+    """One caller's cached prompt is not a hit for another (so nobody can time whether someone
+    else sent it); the same caller, and anonymous callers among themselves, still reuse it."""
+    prompt = SYSTEM + TURNS[0]
+    full = (len(prompt) - 1) // BS * BS  # full blocks, leaving one token to compute
+    with _cluster(True) as c:
+
+        def cached(token: str | None) -> tuple[list[int], int]:
+            with SchedulerClient(c.address, token=token) as client:
+                events = list(client.stream(build_request(prompt, NEW)))
+            return [t for e in events for t in e.token_ids], events[-1].usage.cached_tokens
+
+        first, alice_first = cached("alice-token")
+        assert alice_first == 0
+        assert cached("bob-token") == (first, 0)  # same tokens, computed anew
+        assert cached("alice-token") == (first, full)
+        assert cached("") == (first, 0)  # anonymous: a namespace of its own ...
+        assert cached("") == (first, full)  # ... shared by anonymous callers
+    assert first == reference_generate(CFG, WEIGHTS, prompt, NEW)

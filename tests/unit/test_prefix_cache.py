@@ -142,6 +142,34 @@ def test_decode_tokens_fill_blocks_that_later_prompts_reuse() -> None:
     assert cached == 8  # both blocks, the second filled by decode tokens
 
 
+def test_a_cache_salt_shares_blocks_only_within_its_namespace() -> None:
+    books = KVBookkeeper(BS, BlockAllocator(32), prefix_caching=True)
+    prompt = _tokens(9, 5)  # two full blocks
+    books.append_prefill("a", prompt, salt=b"tenant-a")
+    books.publish("a")
+    assert books.append_prefill("b", prompt, salt=b"tenant-b")[0] == 0  # another tenant: computed
+    assert books.append_prefill("plain", prompt)[0] == 0  # the unsalted namespace is apart too
+    assert books.append_prefill("a2", prompt, salt=b"tenant-a")[0] == 8  # the same tenant reuses
+    # Decode tokens extend a salted chain in its namespace: a later prompt of the same tenant
+    # reuses the block they filled, another tenant's does not.
+    other = _tokens(5, 6)
+    books.append_prefill("d", other[:3], salt=b"tenant-a")
+    books.append("d", 1, [other[3]])
+    books.publish("d")
+    books.release("d")
+    assert books.append_prefill("d2", other, salt=b"tenant-a")[0] == 4
+    assert books.append_prefill("d3", other, salt=b"tenant-c")[0] == 0
+    assert books.append_prefill("d4", other)[0] == 0
+    for sid in books.session_ids():
+        books.release(sid)
+    _check_books(books)
+    # A salted first chunk that does not fit changes nothing, its salt included.
+    small = KVBookkeeper(BS, BlockAllocator(1), prefix_caching=True)
+    with pytest.raises(OutOfBlocks):
+        small.append_prefill("x", prompt, salt=b"tenant-a")
+    assert not small.has("x") and small._salt == {}
+
+
 def test_out_of_blocks_with_a_reused_prefix_leaves_the_books_unchanged() -> None:
     books = KVBookkeeper(BS, BlockAllocator(4), prefix_caching=True)
     prompt = _tokens(9, 3)
