@@ -235,6 +235,23 @@ def worker_secret_from_env(env: Mapping[str, str] | None = None) -> str:
     return value
 
 
+def telemetry_token_from_env(env: Mapping[str, str] | None = None) -> str:
+    """KVFLEET_TELEMETRY_TOKEN, or the contents of KVFLEET_TELEMETRY_TOKEN_FILE (compose hands it
+    over as a file of a volume, as it does the worker secret); "" when neither is set."""
+    env = os.environ if env is None else env
+    value, path = env.get("KVFLEET_TELEMETRY_TOKEN", ""), env.get("KVFLEET_TELEMETRY_TOKEN_FILE", "")
+    if value and path:
+        raise ValueError("set KVFLEET_TELEMETRY_TOKEN or KVFLEET_TELEMETRY_TOKEN_FILE, not both")
+    if path:
+        try:
+            value = Path(path).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read KVFLEET_TELEMETRY_TOKEN_FILE {path}: {exc.strerror}") from exc
+        if not value:
+            raise ValueError(f"KVFLEET_TELEMETRY_TOKEN_FILE {path} is empty")
+    return value
+
+
 def worker_secret_metadata(secret: str) -> list[tuple[str, str]]:
     return [(WORKER_SECRET_HEADER, secret)] if secret else []
 

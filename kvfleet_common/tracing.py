@@ -59,11 +59,23 @@ def setup_tracing(
     if not env.get("OTEL_SERVICE_NAME"):
         attrs[SERVICE_NAME] = service_name
     provider = TracerProvider(resource=Resource.create(attrs))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(headers=telemetry_headers(env))))
     if set_global:
         trace.set_tracer_provider(provider)
     logger.info("tracing on for %s", service_name)
     return provider
+
+
+def telemetry_headers(env: Mapping[str, str]) -> dict[str, str] | None:
+    """The exporter's headers: the standard OTEL_EXPORTER_OTLP_(TRACES_)HEADERS when set (None:
+    the exporter reads them), else a bearer token for kvfleet-telemetry from KVFLEET_TELEMETRY_TOKEN
+    or KVFLEET_TELEMETRY_TOKEN_FILE (the telemetry service then refuses writes without it)."""
+    if env.get("OTEL_EXPORTER_OTLP_HEADERS") or env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS"):
+        return None
+    from kvfleet_common.security import telemetry_token_from_env
+
+    token = telemetry_token_from_env(env)
+    return {"authorization": f"Bearer {token}"} if token else None
 
 
 def shutdown_tracing(provider: TracerProvider | None, timeout_ms: int = 5000) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 from kvfleet_common.flags import FlagParser
 from kvfleet_common.logs import LogSettings
@@ -38,10 +39,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[TelemetryConfig, LogSetti
                    help="Prometheus /metrics port (0 = off)")  # fmt: skip
     p.add_logging_flags()
     a = p.parse_args(argv)
-    from kvfleet_common.security import TlsConfig
+    from kvfleet_common.security import TlsConfig, telemetry_token_from_env
 
     tls = TlsConfig.from_env()
     try:
+        if not a.api_token:  # the flag's variable, else KVFLEET_TELEMETRY_TOKEN_FILE
+            a.api_token = telemetry_token_from_env(
+                {"KVFLEET_TELEMETRY_TOKEN_FILE": os.environ.get("KVFLEET_TELEMETRY_TOKEN_FILE", "")}
+            )
         config = TelemetryConfig(a.host, a.port, a.db, max_pending_spans=a.max_pending_spans, grace_s=a.grace, tls=tls,
                                  auth=AuthPolicy(a.api_token, frozenset(tls.allowed_clients or ()), a.protect_reads),
                                  retention=RetentionPolicy.from_flags(a.retention_hours, a.max_db_mb),

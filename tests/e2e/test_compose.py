@@ -188,6 +188,28 @@ def test_prometheus_metrics_serve_every_name_the_dashboard_uses(stack: Stack) ->
     assert "kvfleet:kv_cache_usage_perc" not in types
 
 
+def test_telemetry_writes_need_the_stacks_token(stack: Stack) -> None:
+    """The published telemetry port takes spans only with the write token that worker-secret made
+    for this volume (the services send it); reads stay open."""
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    res = stack.container("telemetry").exec_run(["cat", "/run/kvfleet-telemetry/telemetry-token"])
+    token = res.output.decode().strip()
+    assert res.exit_code == 0 and len(token) >= 32, res.output
+    export = trace_service_pb2.ExportTraceServiceRequest()
+    with grpc.insecure_channel(stack.telemetry_address) as ch:
+        stub = trace_service_pb2_grpc.TraceServiceStub(ch)
+        for md in ((), (("authorization", "Bearer not-the-token"),)):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Export(export, timeout=10, metadata=md)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value
+        stub.Export(export, timeout=10, metadata=(("authorization", f"Bearer {token}"),))
+    assert isinstance(_timings(stack), dict)  # reads need nothing
+    # the gateway never sees the worker secret
+    res = stack.container("gateway").exec_run(["sh", "-c", "ls /run/kvfleet 2>&1; ls /run/kvfleet-telemetry"])
+    assert b"worker-secret" not in res.output and b"telemetry-token" in res.output, res.output
+
+
 def test_telemetry_stored_spans_from_scheduler_and_workers(stack: Stack) -> None:
     # One lone session: its tick serves a single trace, so the workers' spans join its trace.
     _generate(stack, [5, 6, 7, 8], 4, ignore_eos=True)

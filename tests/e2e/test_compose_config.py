@@ -82,3 +82,26 @@ def test_tls_overlay_renders_and_says_what_it_needs(tmp_path) -> None:
     assert services["scheduler"]["environment"]["KVFLEET_API_TOKEN"] == "t"
     gateway = services["gateway"]["environment"]
     assert gateway["KVFLEET_GATEWAY_PASS_THROUGH_KEY"] == "true" and "KVFLEET_API_TOKEN" not in gateway
+
+
+def test_every_span_writer_gets_the_telemetry_token_and_only_the_scheduler_and_workers_the_secret() -> None:
+    plain = _config("-f", "docker-compose.yml", "--profile", "dashboards")
+    assert plain.returncode == 0, plain.stderr
+    services = yaml.safe_load(plain.stdout)["services"]
+    token_file = "/run/kvfleet-telemetry/telemetry-token"
+
+    def mounts(name: str) -> str:
+        return " ".join(str(v) for v in services[name].get("volumes", []))
+
+    for name in ("telemetry", "worker-0", "worker-1", "scheduler", "gateway"):
+        assert services[name]["environment"]["KVFLEET_TELEMETRY_TOKEN_FILE"] == token_file, name
+        assert "telemetry-token" in mounts(name) and "/run/kvfleet-telemetry" in mounts(name), name
+        secret_holder = name not in ("telemetry", "gateway")
+        assert ("worker-secret" in mounts(name)) == secret_holder, (name, mounts(name))
+        assert ("KVFLEET_WORKER_SECRET_FILE" in services[name]["environment"]) == secret_holder, name
+        if name != "gateway":  # (it starts after the scheduler, which waits for worker-secret)
+            assert "worker-secret" in services[name]["depends_on"], name
+    # The collector forwards to kvfleet-telemetry with the token, from the file worker-secret wrote.
+    collector = services["otel-collector"]
+    assert "--config=file:/run/kvfleet-telemetry/collector-auth.yaml" in collector["command"]
+    assert "telemetry-token" in " ".join(str(v) for v in collector["volumes"])

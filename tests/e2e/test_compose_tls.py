@@ -177,15 +177,22 @@ def test_spans_reach_telemetry_over_mutual_tls(tls_stack: Stack, certs: Path) ->
     with pytest.raises(grpc.RpcError) as no_cert:  # mutual TLS: a client without a certificate
         timings(_client_tls(certs))
     assert no_cert.value.code() == grpc.StatusCode.UNAVAILABLE, no_cert.value
-    # A certificate of the CA reads, but only the services' own certificates write.
+    # A certificate of the CA reads, but only the services' own certificates write, and only with
+    # the write token: without it UNAUTHENTICATED, with it but another certificate PERMISSION_DENIED.
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-    with channel(tls_stack.telemetry_address, _client_tls(certs, "client")) as ch:
-        with pytest.raises(grpc.RpcError) as forged:
-            trace_service_pb2_grpc.TraceServiceStub(ch).Export(
-                trace_service_pb2.ExportTraceServiceRequest(), timeout=10
-            )
-    assert forged.value.code() == grpc.StatusCode.PERMISSION_DENIED, forged.value
+    res = tls_stack.container("telemetry").exec_run(["cat", "/run/kvfleet-telemetry/telemetry-token"])
+    token = res.output.decode().strip()
+    assert res.exit_code == 0 and len(token) >= 32, res.output
+    codes = []
+    for md in ((), (("authorization", f"Bearer {token}"),)):
+        with channel(tls_stack.telemetry_address, _client_tls(certs, "client")) as ch:
+            with pytest.raises(grpc.RpcError) as forged:
+                trace_service_pb2_grpc.TraceServiceStub(ch).Export(
+                    trace_service_pb2.ExportTraceServiceRequest(), timeout=10, metadata=md
+                )
+        codes.append(forged.value.code())
+    assert codes == [grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED], codes
 
 
 def _gateway_completion(stack: Stack, key: str | None) -> tuple[int, dict]:

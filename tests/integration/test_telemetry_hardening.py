@@ -236,3 +236,25 @@ def test_retention_runs_in_the_background_and_is_exported_as_metrics(tmp_path: A
         assert "kvfleet:telemetry_store_bytes " in text and "kvfleet:telemetry_spans_accepted_total 5.0" in text
     finally:
         srv.stop()
+
+
+def test_kvfleet_services_send_the_token_from_a_file(
+    guarded: RunningServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """As compose hands it over: KVFLEET_TELEMETRY_TOKEN_FILE, read by the services' own tracing
+    setup (kvfleet_common.tracing) and sent as the bearer token; a wrong file's spans are refused."""
+    from kvfleet_common.tracing import setup_tracing, shutdown_tracing
+
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_HEADERS", raising=False)
+    monkeypatch.delenv("KVFLEET_TELEMETRY_TOKEN", raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{guarded.port}")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
+    for name, token in (("from-file", TOKEN), ("wrong-file", "not-the-token-at-all")):
+        path = tmp_path / name
+        path.write_text(token + "\n")
+        monkeypatch.setenv("KVFLEET_TELEMETRY_TOKEN_FILE", str(path))
+        provider = setup_tracing("kvfleet-worker", set_global=False)
+        assert provider is not None
+        provider.get_tracer("t").start_span(name).end()
+        shutdown_tracing(provider)
+    assert [r.name for r in guarded.server.store.spans()] == ["from-file"]

@@ -92,6 +92,42 @@ def test_worker_secret_from_env_or_file(tmp_path: Path) -> None:
         worker_secret_from_env({"KVFLEET_WORKER_SECRET_FILE": str(tmp_path / "empty")})
 
 
+def test_telemetry_token_from_env_or_file_and_the_exporter_header(tmp_path: Path) -> None:
+    from kvfleet_common.security import telemetry_token_from_env
+    from kvfleet_common.tracing import telemetry_headers
+
+    path = tmp_path / "token"
+    path.write_text("  tok-from-file\n")
+    assert telemetry_token_from_env({"KVFLEET_TELEMETRY_TOKEN": "tok"}) == "tok"
+    assert telemetry_token_from_env({"KVFLEET_TELEMETRY_TOKEN_FILE": str(path)}) == "tok-from-file"
+    assert telemetry_token_from_env({}) == ""
+    with pytest.raises(ValueError, match="not both"):
+        telemetry_token_from_env({"KVFLEET_TELEMETRY_TOKEN": "a", "KVFLEET_TELEMETRY_TOKEN_FILE": str(path)})
+    with pytest.raises(ValueError, match="cannot read"):
+        telemetry_token_from_env({"KVFLEET_TELEMETRY_TOKEN_FILE": str(tmp_path / "missing")})
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        telemetry_token_from_env({"KVFLEET_TELEMETRY_TOKEN_FILE": str(tmp_path / "empty")})
+    assert telemetry_headers({"KVFLEET_TELEMETRY_TOKEN_FILE": str(path)}) == {"authorization": "Bearer tok-from-file"}
+    assert telemetry_headers({}) is None
+    # The standard variable wins: the exporter reads it itself.
+    assert (
+        telemetry_headers({"OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer x", "KVFLEET_TELEMETRY_TOKEN": "y"})
+        is None
+    )
+
+
+def test_the_telemetry_service_takes_its_token_from_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from telemetry_svc.__main__ import parse_args
+
+    monkeypatch.delenv("KVFLEET_TELEMETRY_TOKEN", raising=False)
+    path = tmp_path / "token"
+    path.write_text("tok-from-file\n")
+    monkeypatch.setenv("KVFLEET_TELEMETRY_TOKEN_FILE", str(path))
+    config, _ = parse_args(["--db", str(tmp_path / "t.db")])
+    assert config.auth.token == "tok-from-file"
+
+
 def test_secrets_stay_out_of_config_reprs() -> None:
     assert SECRET not in repr(WorkerConfig(worker_secret=SECRET))
     assert SECRET not in repr(SchedulerConfig(workers=("w:1",), worker_secret=SECRET))
