@@ -90,12 +90,16 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         sys.exit(f"worker: {exc}")
     from kvfleet_models.errors import ModelLoadError
+    from worker_svc.platform import resolve_device
     from worker_svc.server import build_engine, serve_on_compute_thread
 
     try:
+        resolve_device(config.device)  # before the model loads: a device that is not there is a line
         loaded = build_engine(config)  # on this thread, which then runs every step
     except ModelLoadError as exc:
         sys.exit(f"worker: cannot load model: {exc}")
+    except ValueError as exc:
+        sys.exit(f"worker: {exc}")
     serve_on_compute_thread(config, loaded)
 
 

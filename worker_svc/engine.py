@@ -12,7 +12,6 @@ after freeing the step's sessions.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -27,13 +26,13 @@ from worker_svc.block_allocator import BlockAllocator, KVBookkeeper, OutOfBlocks
 from worker_svc.kv_cache import KVViews, PagedKVCache, make_views
 from worker_svc.kv_views_mode import KVViewsMode
 from worker_svc.model.cpu_backend import QUANT_MODES, use_cpu_threads
-from worker_svc.model.llama import LlamaModel, PhaseTimes, synchronize
+from worker_svc.model.llama import LlamaModel, PhaseTimes
+from worker_svc.platform import DEVICE_RE, resolve_device, synchronize
 from worker_svc.runner import RunItem, run_step
 from worker_svc.sampling import ConstraintFactory, ConstraintRefused, Sampled, SamplingSpec, SessionSampling
 from worker_svc.sampling import sample_token as sample_token  # re-exported for existing callers
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DEVICE_RE = re.compile(r"^(cpu|auto|xpu|cuda|cuda:\d+|xpu:\d+)$")
 
 
 @dataclass(frozen=True)
@@ -143,7 +142,7 @@ class EngineConfig:
     fused_ops: bool = True
 
     def __post_init__(self) -> None:
-        if not _DEVICE_RE.match(self.device):
+        if not DEVICE_RE.match(self.device):
             raise ValueError(f"device must be cpu, cuda, cuda:N, xpu, xpu:N or auto, got {self.device!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
@@ -162,17 +161,6 @@ class EngineConfig:
                 f"quant={self.quant} runs on the CPU with dtype float32 "
                 f"(activations); got device {self.device!r}, dtype {self.dtype!r}"
             )
-
-
-def resolve_device(name: str) -> torch.device:
-    xpu_ok = hasattr(torch, "xpu") and torch.xpu.is_available()
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "xpu" if xpu_ok else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but torch.cuda.is_available() is False")
-    if name.startswith("xpu") and not xpu_ok:
-        raise ValueError(f"device {name!r} requested but torch.xpu.is_available() is False")
-    return torch.device(name)
 
 
 _ENDS = (ItemStatus.REJECTED, ItemStatus.FAILED)  # statuses that end the session on this worker

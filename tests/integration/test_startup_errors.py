@@ -74,3 +74,20 @@ def test_bad_environment_value_names_the_variable():
     )
     assert proc.returncode == 2 and "KVFLEET_NUM_BLOCKS" in proc.stderr and "'lots'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("device", ["xpu", "cuda:7"])
+def test_a_device_that_is_not_there_is_one_line_naming_those_that_are(device: str):
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker_svc", "--model", "tiny", "--port", "0", "--device", device],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and device in lines[0] and "devices here: cpu" in lines[0], proc.stderr

@@ -56,6 +56,7 @@ from worker_svc.kv_cache import AttnGroup, KVViews, PagedKVCache
 from worker_svc.model import fused
 from worker_svc.model.cpu_backend import QUANT_MODES, Matrix, attention_core, matmul, matmul_add_, pack_bf16, torch_rows
 from worker_svc.model.int8 import quantize_model
+from worker_svc.platform import synchronize
 
 # Items in an attention group from which torch's bmm runs it where torch holds the threads
 # (``LlamaModel.use_threads``); NEVER: the host path keeps every group.
@@ -102,14 +103,6 @@ class StepTensors:
     slots: torch.Tensor  # [T] paged-cache slot each token's K/V goes to
     groups: tuple[GroupTensors, ...]
     sample_rows: torch.Tensor  # [N] packed index of the tokens whose logits are wanted
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued kernels (a no-op on cpu, where ops run eagerly)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "xpu":
-        torch.xpu.synchronize(device)
 
 
 @dataclass(frozen=True)
