@@ -46,7 +46,7 @@ def test_core_services_check_health_over_grpc_and_wait_for_healthy_dependencies(
             want = "service_completed_successfully" if dep == "worker-secret" else "service_healthy"
             assert cond == {"condition": want}, (name, dep)
     assert set(base["scheduler"]["depends_on"]) == {"worker-secret", "telemetry", "worker-0", "worker-1"}
-    assert base["telemetry"]["volumes"] == ["telemetry-data:/data"]
+    assert base["telemetry"]["volumes"] == ["telemetry-data:/data", "telemetry-token:/run/kvfleet-telemetry:ro"]
     for name in ("worker-0", "worker-1", "scheduler", "gateway"):
         assert base[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"].endswith("telemetry:4317}"), name
 
@@ -185,7 +185,8 @@ def test_workers_and_scheduler_share_a_generated_secret_and_nothing_else_reads_i
     """The scheduler<->worker secret: made once per volume by the one-shot worker-secret service,
     mounted read-only into the scheduler and the workers only, and read from the file."""
     init = base["worker-secret"]
-    assert init["restart"] == "no" and init["volumes"] == ["worker-secret:/run/kvfleet"]
+    assert init["restart"] == "no"
+    assert init["volumes"] == ["worker-secret:/run/kvfleet", "telemetry-token:/run/kvfleet-telemetry"]
     script = init["command"][-1]
     assert "secrets.token_urlsafe(32)" in script and "chmod 0400" in script and "umask 077" in script
     for name in ("worker-0", "worker-1", "scheduler"):
@@ -196,6 +197,12 @@ def test_workers_and_scheduler_share_a_generated_secret_and_nothing_else_reads_i
     for name in ("telemetry", "gateway", *DASHBOARDS):
         assert not any("worker-secret" in str(v) for v in base[name].get("volumes", [])), name
         assert "KVFLEET_WORKER_SECRET_FILE" not in base[name].get("environment", {}), name
+    # The telemetry write token: its own volume, into telemetry and every service exporting spans.
+    assert "test -s $$t/telemetry-token" in script and "collector-auth.yaml" in script
+    for name in ("telemetry", "worker-0", "worker-1", "scheduler", "gateway", "otel-collector"):
+        assert "telemetry-token:/run/kvfleet-telemetry:ro" in base[name]["volumes"], name
+    for name in ("telemetry", "worker-0", "worker-1", "scheduler", "gateway"):
+        assert base[name]["environment"]["KVFLEET_TELEMETRY_TOKEN_FILE"] == "/run/kvfleet-telemetry/telemetry-token"
 
 
 def test_every_published_port_binds_loopback_unless_the_operator_says_otherwise(base: dict) -> None:
@@ -204,7 +211,7 @@ def test_every_published_port_binds_loopback_unless_the_operator_says_otherwise(
     for name, ports in published.items():
         for port in ports:
             assert port.startswith(("127.0.0.1:", "${KVFLEET_BIND:-127.0.0.1}:")), (name, port)
-    assert base["telemetry"]["ports"][0].startswith("127.0.0.1:")  # its API has no token here: never opened
+    assert base["telemetry"]["ports"][0].startswith("127.0.0.1:")  # reads need no token: never opened
     # open only because the ports are loopback; the operator who widens them turns this off
     assert base["scheduler"]["environment"]["KVFLEET_SCHEDULER_ALLOW_ANONYMOUS"] == "${KVFLEET_ANONYMOUS:-true}"
     assert base["gateway"]["environment"]["KVFLEET_GATEWAY_ALLOW_ANONYMOUS"] == "${KVFLEET_ANONYMOUS:-true}"
