@@ -10,12 +10,14 @@ emitting a prefix of one that might still complete.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 from kvfleet_models.errors import ModelLoadError
 
@@ -37,6 +39,13 @@ _GPT2_REGEX = ("gpt2", "default", None)
 _LLAMA3_REGEX = ("llama-bpe", "llama3", "llama-v3", "falcon3", "smaug-bpe", "dbrx")
 
 _REPLACEMENT = "\ufffd"  # what a decoder emits for bytes that do not (yet) form a character
+# Ids the detokenizer holds back while its text ends in U+FFFD before it looks for a point
+# where that text is final: a partial UTF-8 character has at most 3 bytes, so once more than
+# 4 byte-carrying ids are held, the earlier ones can no longer be part of it.
+_MAX_HELD = 4
+# Where the stand-ins for control tokens typed into chat strings come from: private-use code
+# points (planes 15 and 16, then the BMP's area), which no template or tokenizer gives meaning.
+_PRIVATE_USE = (range(0xF0000, 0xFFFFE), range(0x100000, 0x10FFFE), range(0xE000, 0xF900))
 
 
 def _pre_tokenizer(pre: str | None) -> Any:
@@ -178,9 +187,69 @@ class Tokenizer:
         """Token ids of ``text``; special tokens written in it (``<|im_start|>``) become one id.
         With ``add_special_tokens`` the ids start with BOS when the model file asks for it."""
         ids: list[int] = self.backend.encode(text, add_special_tokens=False).ids
+        return self._with_bos(ids, add_special_tokens)
+
+    def _with_bos(self, ids: list[int], add_special_tokens: bool) -> list[int]:
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
-            ids = [self.bos_token_id, *ids]
+            return [self.bos_token_id, *ids]
         return ids
+
+    @functools.cached_property
+    def _plain_backend(self) -> Any:
+        """A copy of the backend that reads special tokens' text as ordinary text (a copy, not
+        a toggle on the shared one: prompts are encoded on several threads at once)."""
+        from tokenizers import Tokenizer as Backend
+
+        plain = Backend.from_str(self.backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` with no special token recognised: "<|im_start|>" in it is
+        spelt with ordinary tokens, as any other text."""
+        ids: list[int] = self._plain_backend.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        add_special_tokens: bool = True,
+    ) -> list[int]:
+        """Token ids of a conversation by the chat template. Only the template's own control
+        tokens become special ids; every string the caller sent (contents, tool calls, names,
+        tool definitions) is encoded as plain text, so a "<|im_start|>" typed into a message
+        cannot open a turn of another role. Equal to ``encode(render_chat(...))`` when no such
+        string holds a special token's text.
+
+        How: each special token's text in the caller's strings is swapped for a private-use
+        character before rendering, so the template sees (and may trim, split or quote) the
+        strings nearly as sent; the special tokens left in the rendered text are the
+        template's own. Between those, the text is encoded with the stand-ins swapped back and
+        no special token recognised. A special token spelt across two strings the template
+        joins with nothing between (a name then its arguments) is not caught."""
+        shield = _Shield.for_strings(self.special_tokens(), list(_strings([messages, tools])), self.chat_template or "")
+        text = self.render_chat(
+            shield.apply(messages), add_generation_prompt, None if tools is None else shield.apply(tools)
+        )
+        if not shield.marks:
+            return self.encode(text, add_special_tokens)
+        return self._with_bos(self._encode_with_template_specials(text, shield), add_special_tokens)
+
+    def _encode_with_template_specials(self, text: str, shield: _Shield) -> list[int]:
+        # The backend finds the template's special tokens (as encode() would: longest match,
+        # with the tokens' own strip rules), and their offsets cut the text into plain runs.
+        special_ids = set(self.special_tokens().values())
+        found = self.backend.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        start = 0
+        for token_id, (begin, end) in zip(found.ids, found.offsets):
+            if token_id in special_ids:
+                ids += self.encode_plain(shield.restore(text[start:begin]))
+                ids.append(token_id)
+                start = end
+        return ids + self.encode_plain(shield.restore(text[start:]))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -248,6 +317,68 @@ def template_reads_tools(source: str) -> bool:
     return "tools" in meta.find_undeclared_variables(_chat_environment().parse(source))
 
 
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON-like value, dict keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
+
+
+@dataclass(frozen=True)
+class _Shield:
+    """Special tokens' text in caller strings, swapped for characters nobody else uses."""
+
+    marks: dict[str, str]  # special token text -> its stand-in (one private-use character)
+
+    @classmethod
+    def for_strings(cls, specials: dict[str, int], texts: list[str], template: str) -> _Shield:
+        """Stand-ins for the special tokens written in ``texts``, none of them a character
+        that ``texts`` or the template holds."""
+        pattern = _specials_pattern(tuple(specials))
+        found = sorted({m for t in texts for m in pattern.findall(t)}) if pattern else []
+        if not found:
+            return cls({})
+        used = {c for t in [*texts, template] for c in t}
+        free = (chr(c) for c in itertools.chain(*_PRIVATE_USE) if chr(c) not in used)
+        marks = dict(zip(found, free))
+        if len(marks) < len(found):
+            raise ValueError("the messages use every private-use character; remove some")
+        return cls(marks)
+
+    def apply(self, value: Any) -> Any:
+        """``value`` with the special tokens' text in its strings replaced by stand-ins."""
+        if not self.marks:
+            return value
+        if isinstance(value, str):
+            pattern = _specials_pattern(tuple(self.marks))
+            assert pattern is not None
+            return pattern.sub(lambda m: self.marks[m.group()], value)
+        if isinstance(value, dict):
+            return {self.apply(k): self.apply(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.apply(v) for v in value]
+        return value
+
+    def restore(self, text: str) -> str:
+        for special, mark in self.marks.items():
+            text = text.replace(mark, special)
+        return text
+
+
+@functools.lru_cache(maxsize=16)
+def _specials_pattern(specials: tuple[str, ...]) -> re.Pattern[str] | None:
+    # Longest first: Python's alternation takes the first that matches, the tokenizer the longest.
+    if not specials:
+        return None
+    return re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -257,9 +388,19 @@ class IncrementalDetokenizer:
 
     A character can span several byte-level tokens (an emoji is often 2-4), and decoding a
     token on its own then gives U+FFFD. We therefore decode a short window of recent ids and
-    hold text back while it ends in U+FFFD. Invariant: "".join(pushes) + flush() equals
-    ``tokenizer.decode(all ids)``. The window starts at the last point where the text was known
-    to end on a character boundary, so every push decodes only a few ids.
+    hold text back while it ends in U+FFFD. Invariants: "".join(pushes) + flush() equals
+    ``tokenizer.decode(all ids)``, and no delta holds a U+FFFD that a later id could still
+    turn into a character.
+
+    The window starts at the last point known to be a character boundary, so every push
+    decodes only a few ids. Output that stays invalid UTF-8 (a run of lone or broken bytes)
+    would hold the window open for ever; after ``_MAX_HELD`` held ids we look among them for
+    a boundary where the text before is final and restart the window there. That test is
+    exact for decoders that read bytes as UTF-8 does (byte-level BPE: every GGUF model here);
+    a byte-fallback decoder, which voids a whole run of byte tokens for one bad byte, may then
+    show a character its full decode would void. Where no boundary shows within
+    ``2 * _MAX_HELD`` held ids (tokens that straddle broken characters; SmolLM2 has none) the
+    window stays open, as before.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
@@ -268,24 +409,49 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix = 0  # ids[prefix:read] decode to text already emitted, ending on a boundary
         self._read = 0
+        self._done = ""  # that text (decoded from prefix: the first id gives the rest context)
 
     def _decode(self, start: int, end: int | None = None) -> str:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
 
+    def _restart(self, prefix: int, read: int) -> None:
+        self._prefix, self._read = prefix, read
+        self._done = self._decode(prefix, read)
+
     def push(self, token_id: int) -> str:
         """The text that ``token_id`` completes ("" while a character is still partial)."""
         self._ids.append(token_id)
-        done = self._decode(self._prefix, self._read)
         text = self._decode(self._prefix)
-        if len(text) <= len(done) or text.endswith(_REPLACEMENT):
+        if len(text) > len(self._done) and not text.endswith(_REPLACEMENT):
+            delta = text[len(self._done) :]
+            self._restart(self._read, len(self._ids))
+            return delta
+        if text == self._done:  # nothing new (a skipped special token): no need to re-decode it
+            self._restart(self._read, len(self._ids))
             return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        return text[len(done) :]
+        if _MAX_HELD < len(self._ids) - self._read <= 2 * _MAX_HELD:
+            return self._emit_final_part(text)
+        return ""
+
+    def _emit_final_part(self, text: str) -> str:
+        """The text before the latest held boundary ``b`` that decoding from ``b`` on its own
+        reproduces (so the bytes before it are settled), with the window restarted at ``b``;
+        "" if there is none."""
+        ids = len(self._ids)
+        for b in range(ids - 1, self._read, -1):
+            head, tail = self._decode(self._prefix, b), self._decode(b)
+            # With the id at b in view, a U+FFFD at the end of head is final: had the id's
+            # first byte continued that character, head + tail would have more U+FFFD.
+            if tail and head + tail == text and head.startswith(self._done):
+                delta = head[len(self._done) :]
+                self._prefix, self._read, self._done = b, b, ""
+                return delta
+        return ""
 
     def flush(self) -> str:
         """Whatever is still held back (e.g. an incomplete character at the end of the stream)."""
-        rest = self._decode(self._prefix)[len(self._decode(self._prefix, self._read)) :]
-        self._prefix = self._read = len(self._ids)
+        rest = self._decode(self._prefix)[len(self._done) :]
+        self._restart(len(self._ids), len(self._ids))
         return rest
 
 

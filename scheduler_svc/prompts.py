@@ -5,8 +5,10 @@ before admission."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -213,8 +215,10 @@ class PromptResolver:
             raise PromptError("the request has no prompt; set prompt_ids, text or chat")
         tokenizer = self._need_tokenizer(f"send prompt_ids instead of {kind}")
         if kind == "text":
+            # A text prompt is the caller's whole prompt, markers and all (as vLLM reads one):
+            # control tokens written in it are special tokens. Chat content never is.
             return tuple(tokenizer.encode(req.text))
-        return tuple(tokenizer.encode(self.render_chat(req.chat, req.tools_json)))
+        return tuple(self.encode_chat(req.chat, req.tools_json))
 
     def _checked_ids(self, values: Any) -> tuple[int, ...]:
         """A token-id prompt as a tuple, every id inside the vocabulary (max() runs in C; the
@@ -233,8 +237,22 @@ class PromptResolver:
         tokenizer = self._need_tokenizer("send prompt_ids instead of chat")
         messages = chat_messages(chat, self.supports_tools, self.model_name)
         tools = parse_tools(tools_json, self.supports_tools, self.model_name)
-        try:
+        with self._template_errors():
             return str(tokenizer.render_chat(messages, tools=tools))
+
+    def encode_chat(self, chat: spb.ChatMessages, tools_json: str = "", add_special_tokens: bool = True) -> list[int]:
+        """The chat's token ids: the template's markers as special tokens, whatever the caller
+        wrote (contents, tool calls, tools) as plain text, so it cannot forge a turn."""
+        tokenizer = self._need_tokenizer("send prompt_ids instead of chat")
+        messages = chat_messages(chat, self.supports_tools, self.model_name)
+        tools = parse_tools(tools_json, self.supports_tools, self.model_name)
+        with self._template_errors():
+            return list(tokenizer.encode_chat(messages, tools=tools, add_special_tokens=add_special_tokens))
+
+    @contextlib.contextmanager
+    def _template_errors(self) -> Iterator[None]:
+        try:
+            yield
         except ModelLoadError as exc:  # no chat template at all
             raise PromptError(f"model {self.model_name!r}: {exc}") from None
         except (ValueError, TemplateError) as exc:  # raise_exception() in the template, or no tool support
@@ -270,8 +288,10 @@ class PromptResolver:
             raise PromptError(
                 f"the input is {size} bytes; the limit is {self.limits.max_prompt_bytes} (--max-prompt-bytes)"
             )
-        text = req.text if kind == "text" else self.render_chat(req.chat)
-        ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        if kind == "text":  # the same reading as a text prompt's: markers in it are special tokens
+            ids = tokenizer.encode(req.text, add_special_tokens=req.add_special_tokens)
+        else:
+            ids = self.encode_chat(req.chat, add_special_tokens=req.add_special_tokens)
         return ids, [tokenizer.token_text(i) or "" for i in ids]
 
     def detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:

@@ -47,6 +47,11 @@ class CountingTokenizer:
         self.threads.add(threading.get_ident())
         return "".join(m["content"] for m in messages)
 
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: Any = None, add_special_tokens: bool = True
+    ) -> list[int]:
+        return self.encode(self.render_chat(messages, tools), add_special_tokens)
+
     def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
         return ""
 
