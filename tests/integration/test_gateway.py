@@ -189,7 +189,7 @@ def test_client_errors(client, gateway):
     assert bad.value.status_code == 400 and bad.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError) as n17:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=17)
-    assert "at most 16" in n17.value.body["message"] and n17.value.body["param"] == "n"
+    assert "n must be in 1..16, got 17" in n17.value.body["message"] and n17.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as too_many:  # refused by the scheduler
         client.completions.create(model=MODEL, prompt="x", max_tokens=100000)
     assert too_many.value.body["code"] == "invalid_request" and "max_new_tokens" in too_many.value.body["message"]
