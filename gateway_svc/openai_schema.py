@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from kvfleet_common import sampling_rules
+from kvfleet_common.sampling_rules import MAX_LOGIT_BIAS, UINT32_MAX, SamplingRuleError
+
 
 class Endpoint(Enum):
     """The two generation endpoints; the value is the GenAI gen_ai.operation.name."""
@@ -196,17 +199,15 @@ def check_fields(endpoint: Endpoint, body: dict[str, Any]) -> None:
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id"}
 _UINT64 = 1 << 64
-UINT32_MAX = (1 << 32) - 1  # the widest integer most GenerateRequest fields hold
+# UINT32_MAX (from sampling_rules) is also the widest integer most GenerateRequest fields hold.
 MAX_N = 16  # the scheduler's limit on GenerateRequest.n
-MAX_TOP_LOGPROBS = 20  # the scheduler's limit on GenerateRequest.top_logprobs
 # Array and map sizes, checked before an element is read; each as the scheduler's own limit
-# (PromptLimits, admission.MAX_LOGIT_BIAS), or OpenAI's (128 tools), so none refuses what the
-# scheduler would serve. Token ids: PromptLimits.max_prompt_ids before the scheduler lowers it.
+# (PromptLimits, sampling_rules.MAX_LOGIT_BIAS), or OpenAI's (128 tools), so none refuses what
+# the scheduler would serve. Token ids: PromptLimits.max_prompt_ids before the scheduler lowers it.
 MAX_PROMPT_IDS = 64 * 1024
 MAX_MESSAGES = 1024
 MAX_CONTENT_PARTS = 1024
 MAX_STOP = 16
-MAX_LOGIT_BIAS = 300
 MAX_TOOLS = 128
 
 
@@ -348,17 +349,13 @@ def _get_int(
     return int(value)
 
 
-def _get_number(
-    body: dict[str, Any], name: str, default: float, low: float, high: float, low_open: bool = False
-) -> float:
+def _get_number(body: dict[str, Any], name: str, default: float) -> float:
+    """A number's type only: its range is sampling_rules', checked on the whole Sampling."""
     value = body.get(name)
     if value is None:
         return default
     if not _is_number(value):
         raise SchemaError(f"{name} must be a number, got {_type_name(value)}", name)
-    if not (low < value <= high if low_open else low <= value <= high):
-        interval = f"({low:g}, {high:g}]" if low_open else f"[{low:g}, {high:g}]"
-        raise SchemaError(f"{name} must be in {interval}, got {value}", name)
     return float(value)
 
 
@@ -513,7 +510,7 @@ def _parse_logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
     bias = _get_object(body, "logit_bias")
     if not bias:
         return ()
-    check_count(bias, MAX_LOGIT_BIAS, "logit_bias", "entries")
+    check_count(bias, MAX_LOGIT_BIAS, "logit_bias", "entries")  # before reading a key
     out = []
     for key, value in bias.items():
         # JSON object keys are strings: OpenAI sends token ids as "50256".
@@ -522,43 +519,74 @@ def _parse_logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
                 f"logit_bias keys must be token ids (decimal integers in 0..{UINT32_MAX}), got {_show(key)}",
                 "logit_bias",
             )
-        if not _is_number(value) or not -100 <= value <= 100:
-            raise SchemaError(f"logit_bias[{key!r}] must be a number in [-100, 100], got {_show(value)}", "logit_bias")
+        if not _is_number(value):
+            raise SchemaError(f"logit_bias[{key!r}] must be a number, got {_type_name(value)}", "logit_bias")
         out.append((int(key), float(value)))
     return tuple(sorted(out))
 
 
 def _parse_sampling(body: dict[str, Any]) -> Sampling:
-    # Any 64-bit seed, signed or not: a negative one is taken mod 2**64.
-    seed = _get_int(body, "seed", None, minimum=-(1 << 63), maximum=_UINT64 - 1)
-    top_k = _get_int(body, "top_k", 0, minimum=-1, maximum=UINT32_MAX)  # -1 = off, as vLLM has it
-    repetition = body.get("repetition_penalty")
-    if repetition is not None and (not _is_number(repetition) or not 0 < repetition < float("inf")):
-        raise SchemaError(f"repetition_penalty must be a number > 0, got {_show(repetition)}", "repetition_penalty")
+    """The sampling fields' types; their ranges are checked by `_check_sampling`.
+
+    Two inputs are wider than the rule, as OpenAI's and vLLM's servers take them: any 64-bit
+    seed, signed or not (a negative one is taken mod 2**64), and top_k -1 for "off".
+    """
+    seed = _get_int(body, "seed", None, minimum=-(1 << 63), maximum=sampling_rules.SEED.high)
+    top_k = _get_int(body, "top_k", 0, minimum=-1, maximum=sampling_rules.TOP_K.high)
     return Sampling(
-        temperature=_get_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_get_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        temperature=_get_number(body, "temperature", 1.0),
+        top_p=_get_number(body, "top_p", 1.0),
         top_k=max(top_k or 0, 0),
-        min_p=_get_number(body, "min_p", 0.0, 0.0, 1.0),
+        min_p=_get_number(body, "min_p", 0.0),
         seed=None if seed is None else seed % _UINT64,
-        presence_penalty=_get_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_get_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=1.0 if repetition is None else float(repetition),
+        presence_penalty=_get_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_get_number(body, "frequency_penalty", 0.0),
+        repetition_penalty=_get_number(body, "repetition_penalty", 1.0),
         logit_bias=_parse_logit_bias(body),
     )
 
 
 def _parse_logprobs(endpoint: Endpoint, body: dict[str, Any]) -> tuple[bool, int]:
-    """(logprobs wanted, how many alternatives per token)."""
+    """(logprobs wanted, how many alternatives per token); the count's range is the rule's."""
     if endpoint is Endpoint.COMPLETIONS:
         # completions: logprobs is the number of alternatives (0 = the sampled token's only)
-        top = _get_int(body, "logprobs", None, minimum=0, maximum=MAX_TOP_LOGPROBS)
+        top = _get_int(body, "logprobs", None)
         return top is not None, top or 0
     wanted = _get_bool(body, "logprobs", False)
-    top = _get_int(body, "top_logprobs", None, minimum=0, maximum=MAX_TOP_LOGPROBS)
+    top = _get_int(body, "top_logprobs", None)
     if top is not None and not wanted:
         raise SchemaError("top_logprobs needs logprobs: true", "top_logprobs")
     return wanted, top or 0
+
+
+def _check_sampling(
+    endpoint: Endpoint, s: Sampling, logprobs: bool, top_logprobs: int, response_format: tuple[str, str] | None
+) -> None:
+    """The sampling rules the scheduler and the workers apply too (kvfleet_common.sampling_rules)."""
+    kind, schema = response_format or ("", "")
+    values = sampling_rules.SamplingValues(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        seed=s.seed or 0,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        min_p=s.min_p,
+        logit_bias=s.logit_bias,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        constraint=kind,
+        constraint_schema=schema,
+    )
+    try:
+        sampling_rules.validate(values)
+    except SamplingRuleError as exc:
+        names = dict(sampling_rules.REQUEST_NAMES)
+        if endpoint is Endpoint.COMPLETIONS:
+            names["top_logprobs"] = "logprobs"  # the completions API's name for the count
+        param = names.get(exc.field, exc.field)
+        raise SchemaError(exc.named(names), param) from None
 
 
 def _parse_response_format(body: dict[str, Any]) -> tuple[str, str] | None:
@@ -649,7 +677,10 @@ def parse_request(endpoint: Endpoint, body: Any, *, chat_max_tokens: int = 256) 
         max_tokens = _get_int(body, name, chat_max_tokens, minimum=1, maximum=UINT32_MAX)
     assert max_tokens is not None
     stream = _get_bool(body, "stream", False)
+    sampling = _parse_sampling(body)
     logprobs, top_logprobs = _parse_logprobs(endpoint, body)
+    response_format = _parse_response_format(body)
+    _check_sampling(endpoint, sampling, logprobs, top_logprobs, response_format)
     echo = _get_bool(body, "echo", False)
     if echo and logprobs:
         raise SchemaError("echo with logprobs is not supported: the prompt tokens' logprobs are not computed", "echo")
@@ -663,7 +694,7 @@ def parse_request(endpoint: Endpoint, body: Any, *, chat_max_tokens: int = 256) 
         model=model,
         prompt=prompt,
         max_tokens=max_tokens,
-        sampling=_parse_sampling(body),
+        sampling=sampling,
         stop=_parse_stop(body),
         stream=stream,
         include_usage=_include_usage(body, stream),
@@ -672,7 +703,7 @@ def parse_request(endpoint: Endpoint, body: Any, *, chat_max_tokens: int = 256) 
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         echo=echo,
-        response_format=_parse_response_format(body),
+        response_format=response_format,
         tools_json=_parse_tools(body) if endpoint is Endpoint.CHAT else "",
         request_id=request_id or "",
     )

@@ -28,13 +28,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from kvfleet_common import sampling_rules
 from worker_svc import failpoints
-
-CONSTRAINTS = ("json_object", "json_schema")
-MAX_TOP_LOGPROBS = 20
-MAX_LOGIT_BIAS = 300
-MAX_PENALTY = 2.0  # presence and frequency, either sign
-MAX_BIAS = 100.0
 
 
 class TokenConstraint(Protocol):
@@ -67,38 +62,7 @@ class SamplingSpec:
     constraint_schema: str = ""
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -MAX_PENALTY <= value <= MAX_PENALTY:
-                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {value}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
-        ids = [t for t, _ in self.logit_bias]
-        if len(set(ids)) != len(ids):
-            raise ValueError("logit_bias names a token id twice")
-        for token, bias in self.logit_bias:
-            if token < 0:
-                raise ValueError(f"logit_bias token id {token} is negative")
-            if not -MAX_BIAS <= bias <= MAX_BIAS:
-                raise ValueError(f"logit_bias for token {token} must be in [-100, 100], got {bias}")
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs set")
-        if self.constraint not in ("", *CONSTRAINTS):
-            raise ValueError(f"constraint must be '', 'json_object' or 'json_schema', got {self.constraint!r}")
-        if self.constraint == "json_schema" and not self.constraint_schema:
-            raise ValueError("constraint json_schema needs constraint_schema (the schema as JSON text)")
+        sampling_rules.validate(self)  # ValueError naming the field and its range
 
     @property
     def penalises(self) -> bool:
@@ -110,9 +74,8 @@ class SamplingSpec:
         return bool(self.temperature > 0 or self.penalises or self.logit_bias or self.constraint or self.logprobs)
 
     def check_vocab(self, vocab_size: int) -> None:
-        bad = [t for t, _ in self.logit_bias if t >= vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary 0..{vocab_size - 1}")
+        if self.logit_bias:
+            sampling_rules.validate(self, vocab_size)
 
 
 @dataclass(frozen=True)

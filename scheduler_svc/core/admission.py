@@ -3,18 +3,15 @@ and what the caller should change. Nothing here mutates state; the core counts t
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
 
+from kvfleet_common import sampling_rules
+from kvfleet_common.sampling_rules import MAX_LOGIT_BIAS as MAX_LOGIT_BIAS  # the cheap checks' limit too
 from scheduler_svc.core.kv_reservations import KvReservations
 from scheduler_svc.core.limits import SchedulerLimits
 from scheduler_svc.core.types import AdmissionRejected, RejectReason, Sampling, SessionRequest, WorkloadPolicy
 
 _BAD = RejectReason.INVALID_REQUEST
-MAX_TOP_LOGPROBS = 20
-MAX_LOGIT_BIAS = 300
-CONSTRAINTS = ("json_object", "json_schema")
 
 
 @dataclass(frozen=True)
@@ -67,14 +64,7 @@ def check_request(req: SessionRequest, limits: SchedulerLimits, bounds: ModelBou
         raise _reject(_BAD, f"{where}max_new_tokens must be at least 1, got {req.max_new_tokens}")
     if req.max_new_tokens > limits.max_new_tokens:
         raise _reject(_BAD, f"{where}max_new_tokens {req.max_new_tokens} exceeds the limit {limits.max_new_tokens}")
-    s = req.sampling
-    if not math.isfinite(s.temperature) or s.temperature < 0:
-        raise _reject(_BAD, f"{where}temperature must be >= 0 (0 = greedy), got {s.temperature}")
-    if not math.isfinite(s.top_p) or not 0 < s.top_p <= 1:
-        raise _reject(_BAD, f"{where}top_p must be in (0, 1], got {s.top_p}")
-    if s.top_k < 0:
-        raise _reject(_BAD, f"{where}top_k must be >= 0 (0 = off), got {s.top_k}")
-    check_sampling(s, bounds, where)
+    check_sampling(req.sampling, bounds, where)
     if abs(req.priority) > limits.max_priority:
         raise _reject(
             _BAD,
@@ -101,41 +91,13 @@ def check_request(req: SessionRequest, limits: SchedulerLimits, bounds: ModelBou
 
 
 def check_sampling(s: Sampling, bounds: ModelBounds, where: str = "") -> None:
-    """Penalties, min_p, logit_bias, logprobs and the response format: every value a worker
-    would refuse is refused here, naming the field (a worker's refusal fails its whole step)."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(s, name)
-        if not (math.isfinite(value) and -2 <= value <= 2):
-            raise _reject(_BAD, f"{where}{name} must be in [-2, 2] (0 = off), got {value}")
-    if not (math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0):
-        raise _reject(_BAD, f"{where}repetition_penalty must be > 0 (1 or 0 = off), got {s.repetition_penalty}")
-    if not (math.isfinite(s.min_p) and 0 <= s.min_p <= 1):
-        raise _reject(_BAD, f"{where}min_p must be in [0, 1] (0 = off), got {s.min_p}")
-    if len(s.logit_bias) > MAX_LOGIT_BIAS:
-        raise _reject(_BAD, f"{where}logit_bias has {len(s.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
-    for token, bias in s.logit_bias:
-        if token < 0 or (bounds.vocab_size is not None and token >= bounds.vocab_size):
-            top = "" if bounds.vocab_size is None else f" 0..{bounds.vocab_size - 1}"
-            raise _reject(_BAD, f"{where}logit_bias token id {token} is outside the vocabulary{top}")
-        if not (math.isfinite(bias) and -100 <= bias <= 100):
-            raise _reject(_BAD, f"{where}logit_bias for token {token} must be in [-100, 100], got {bias}")
-    if s.top_logprobs > MAX_TOP_LOGPROBS:
-        raise _reject(_BAD, f"{where}top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {s.top_logprobs}")
-    if s.top_logprobs and not s.logprobs:
-        raise _reject(_BAD, f"{where}top_logprobs needs logprobs set to true")
-    if s.constraint and s.constraint not in CONSTRAINTS:
-        raise _reject(
-            _BAD, f"{where}response_format.type {s.constraint!r} is not one of 'text', 'json_object', 'json_schema'"
-        )
-    if s.constraint == "json_schema":
-        try:
-            schema = json.loads(s.constraint_schema)
-        except json.JSONDecodeError as exc:
-            raise _reject(_BAD, f"{where}response_format.json_schema is not valid JSON: {exc}") from None
-        if not isinstance(schema, dict):
-            raise _reject(_BAD, f"{where}response_format.json_schema must be a JSON object (a schema)")
-    elif s.constraint_schema:
-        raise _reject(_BAD, f"{where}response_format.json_schema is set; it needs response_format.type 'json_schema'")
+    """The sampling rules every layer applies (kvfleet_common.sampling_rules), with the live
+    vocabulary: every value a worker would refuse is refused here, naming the field as the
+    request does (a worker's refusal fails its whole step)."""
+    try:
+        sampling_rules.validate(s, bounds.vocab_size)
+    except sampling_rules.SamplingRuleError as exc:
+        raise _reject(_BAD, where + exc.named(sampling_rules.REQUEST_NAMES)) from None
 
 
 def check_capacity(req: SessionRequest, kv: KvReservations, where: str = "") -> None:

@@ -129,7 +129,7 @@ def _bias(n: int, token: int = 1) -> spb.GenerateRequest:
     [
         (_req(max_new_tokens=2**32 - 1), "max_new_tokens 4294967295 exceeds the limit"),
         (_req(n=2**32 - 1), "n is 4294967295"),
-        (_req(top_logprobs=2**32 - 1, logprobs=True), "top_logprobs must be at most"),
+        (_req(top_logprobs=2**32 - 1, logprobs=True), "top_logprobs must be in 0..20"),
         (_req(priority=-(2**31)), "priority must be in"),
         (_req(top_k=2**32 - 1, seed=2**64 - 1), None),  # in range for the worker: served
         (_bias(1, token=2**32 - 1), "logit_bias token id 4294967295 is outside the vocabulary"),

@@ -527,7 +527,7 @@ REJECTIONS = {
         MAX_POSITION,
         _bad(sampling=Sampling(temperature=-0.5)),
         RejectReason.INVALID_REQUEST,
-        ["temperature", ">= 0"],
+        ["temperature", "[0, 2]"],  # the range every layer applies (kvfleet_common.sampling_rules)
     ),
     "temperature_nan": (
         dict(),
@@ -559,7 +559,7 @@ REJECTIONS = {
         MAX_POSITION,
         _bad(sampling=Sampling(top_k=-1)),
         RejectReason.INVALID_REQUEST,
-        ["top_k", ">= 0"],
+        ["top_k", "0..4294967295"],
     ),
     "no_worker": (dict(), (), MAX_POSITION, req(4, 4), RejectReason.NO_WORKER, ["no live worker", "retry"]),
 }
