@@ -28,19 +28,22 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
-def _add_cluster_flags(p: argparse.ArgumentParser, model: str = "tiny") -> None:
-    p.add_argument("--model", default=model, help="tiny | smollm2-135m | a .gguf file | a HF directory")
-    p.add_argument("--workers", type=int, default=2, help="worker processes to start")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | xpu | auto")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None) -> None:
+    from kvfleet.local_cluster import ClusterSpec
+
+    d = ClusterSpec()  # every flag's default is the cluster's (which are the services')
+    p.add_argument("--model", default=model or d.model, help="tiny | smollm2-135m | a .gguf file | a HF directory")
+    p.add_argument("--workers", type=int, default=d.workers, help="worker processes to start")
+    p.add_argument("--device", default=d.device, help="cpu | cuda | cuda:N | xpu | auto")
+    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
     p.add_argument(
         "--quant",
-        default="none",
+        default=d.quant,
         choices=["none", "int8"],
         help="workers' weight quantization: int8 = dynamic int8 products (CPU, float32)",
     )
-    p.add_argument("--max-running", type=int, default=64)
-    p.add_argument("--prefill-token-budget", type=int, default=512)
+    p.add_argument("--max-running", type=int, default=d.max_running)
+    p.add_argument("--prefill-token-budget", type=int, default=d.prefill_token_budget)
 
 
 def _spec(a: argparse.Namespace, port: int = 0):
@@ -362,15 +365,23 @@ def build_parser() -> argparse.ArgumentParser:
     # Every subcommand takes --config FILE (keys: its flag names); see kvfleet_common/flags.py.
     sub = p.add_subparsers(dest="command", required=True, parser_class=FlagParser)
 
+    from gateway_svc.config import GatewayConfig
+    from kvfleet.local_cluster import ClusterSpec
+    from scheduler_svc.config import SchedulerConfig
+    from telemetry_svc.server import TelemetryConfig
+
     up = sub.add_parser("up", help="start a local cluster (scheduler + workers); Ctrl-C drains and stops")
     _add_cluster_flags(up)
     up.add_logging_flags()
-    up.add_argument("--port", type=int, default=50051, help="the scheduler's client port")
-    up.add_argument("--telemetry-port", type=int, default=4317, help="the telemetry service's OTLP port")
+    # `kvfleet up` serves on each service's own default port (a ClusterSpec takes free ones).
+    up.add_argument("--port", type=int, default=SchedulerConfig.port, help="the scheduler's client port")
+    up.add_argument(
+        "--telemetry-port", type=int, default=TelemetryConfig.port, help="the telemetry service's OTLP port"
+    )
     up.add_argument(
         "--gateway-port",
         type=int,
-        default=8000,
+        default=GatewayConfig.port,
         help="the OpenAI-compatible HTTP gateway's port (key: env KVFLEET_GATEWAY_API_KEY)",
     )
     up.add_argument("--no-gateway", action="store_true", help="start no HTTP gateway")
@@ -378,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--drain-grace",
         type=float,
         env="KVFLEET_DRAIN_GRACE_S",
-        default=10.0,
+        default=ClusterSpec.drain_grace_s,
         help="seconds the scheduler lets running sessions finish on Ctrl-C (each process is killed "
         "only after twice this plus a margin)",
     )

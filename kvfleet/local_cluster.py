@@ -25,6 +25,9 @@ from pathlib import Path
 
 from kvfleet_common.grpcutil import check_health
 from kvfleet_common.security import TlsConfig
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.core.limits import SchedulerLimits
+from worker_svc.config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -51,18 +54,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass(frozen=True)
 class ClusterSpec:
+    # The services' settings default to their configs' defaults (read from the dataclasses,
+    # which keep them as class attributes), so a cluster runs what `python -m ...` would.
     workers: int = 2
-    model: str = "tiny"
-    device: str = "cpu"
-    dtype: str = "float32"
-    quant: str = "none"  # workers' --quant: none | int8
-    host: str = "127.0.0.1"
+    model: str = WorkerConfig.model
+    device: str = WorkerConfig.device
+    dtype: str = WorkerConfig.dtype
+    quant: str = WorkerConfig.quant  # workers' --quant: none | int8
+    host: str = WorkerConfig.host
     scheduler_port: int = 0  # 0 = a free port
-    max_running: int = 64
-    prefill_token_budget: int = 512
-    num_blocks: int = 4096
-    block_size: int = 16
-    kv_views: str = "rebuild"
+    max_running: int = SchedulerLimits.max_running
+    prefill_token_budget: int = SchedulerLimits.prefill_token_budget
+    num_blocks: int = WorkerConfig.num_blocks
+    block_size: int = WorkerConfig.block_size
+    kv_views: str = WorkerConfig.kv_views.value
     telemetry: bool = True  # start a telemetry service and send traces to it
     telemetry_port: int = 0  # 0 = a free port
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -78,7 +83,7 @@ class ClusterSpec:
     # The scheduler<->worker secret, handed to those processes only through their environment
     # (never a flag: the process list shows flags); "" = none. `kvfleet up` makes one per run.
     worker_secret: str = field(default="", repr=False)
-    drain_grace_s: float = 10.0  # the scheduler's and gateway's --drain-grace
+    drain_grace_s: float = SchedulerConfig.drain_grace_s  # the scheduler's and gateway's --drain-grace
 
     def __post_init__(self) -> None:
         if self.workers < 1:

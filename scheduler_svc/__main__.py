@@ -16,15 +16,18 @@ from scheduler_svc.prompts import PromptLimits
 def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
     env = os.environ.get
     d = SchedulerLimits()
+    # Every flag's default is the config's. SchedulerConfig() itself cannot be built without a
+    # worker address, so its defaults are read from the class (a dataclass keeps them there).
+    c = SchedulerConfig
     p = FlagParser(prog="python -m scheduler_svc", description="kvfleet scheduler")
-    p.add_argument("--host", env="KVFLEET_SCHEDULER_HOST", default="127.0.0.1")
-    p.add_argument("--port", type=int, env="KVFLEET_SCHEDULER_PORT", default=50051)
+    p.add_argument("--host", env="KVFLEET_SCHEDULER_HOST", default=c.host)
+    p.add_argument("--port", type=int, env="KVFLEET_SCHEDULER_PORT", default=c.port)
     p.add_argument("--workers", env="KVFLEET_WORKERS", default="", help="comma-separated worker addresses host:port")
-    p.add_argument("--model", env="KVFLEET_MODEL", default=None, help="model name for the tokenizer")
+    p.add_argument("--model", env="KVFLEET_MODEL", default=c.model, help="model name for the tokenizer")
     p.add_argument(
         "--served-model-name",
         env="KVFLEET_SERVED_MODEL_NAME",
-        default="",
+        default=c.served_model_name,
         help="the model id clients see (GetModelInfo, spans, metrics); default: the workers' model name",
     )
     p.add_argument("--max-running", type=int, env="KVFLEET_MAX_RUNNING", default=d.max_running)
@@ -46,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
         "--max-prompt-bytes",
         type=int,
         env="KVFLEET_MAX_PROMPT_BYTES",
-        default=256 * 1024,
+        default=PromptLimits().max_prompt_bytes,
         help="text or chat prompt size limit in UTF-8 bytes, checked before tokenizing",
     )
     p.add_argument(
@@ -63,15 +66,15 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
         choices=["reserve", "preempt"],
         help="reserve worst-case KV at admission, or preempt under KV pressure",
     )
-    p.add_argument("--step-timeout", type=float, env="KVFLEET_STEP_TIMEOUT_S", default=30.0)
+    p.add_argument("--step-timeout", type=float, env="KVFLEET_STEP_TIMEOUT_S", default=c.step_timeout_s)
     p.add_argument(
         "--no-worker-wait",
         type=float,
         env="KVFLEET_NO_WORKER_WAIT_S",
-        default=30.0,
+        default=c.no_worker_wait_s,
         help="seconds sessions wait for a live worker before failing with UNAVAILABLE",
     )
-    p.add_argument("--drain-grace", type=float, env="KVFLEET_DRAIN_GRACE_S", default=10.0)
+    p.add_argument("--drain-grace", type=float, env="KVFLEET_DRAIN_GRACE_S", default=c.drain_grace_s)
     p.add_argument(
         "--allow-anonymous",
         action="store_true",
@@ -87,7 +90,11 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
         "(as may callers sending $KVFLEET_EXPERIMENT_TOKEN as x-kvfleet-experiment-token)",
     )
     p.add_argument(
-        "--metrics-port", type=int, env="KVFLEET_METRICS_PORT", default=9400, help="Prometheus /metrics port (0 = off)"
+        "--metrics-port",
+        type=int,
+        env="KVFLEET_METRICS_PORT",
+        default=c.metrics_port,
+        help="Prometheus /metrics port (0 = off)",
     )
     p.add_logging_flags()
     a = p.parse_args(argv)

@@ -11,38 +11,45 @@ from worker_svc.kv_views_mode import KVViewsMode
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
+    d = WorkerConfig()  # every flag's default is the config's
     p = FlagParser(prog="python -m worker_svc", description="kvfleet worker")
-    p.add_argument("--host", env="KVFLEET_WORKER_HOST", default="127.0.0.1")
-    p.add_argument("--port", type=int, env="KVFLEET_WORKER_PORT", default=50061)
-    p.add_argument("--worker-id", env="KVFLEET_WORKER_ID", default="worker-0")
-    p.add_argument("--model", env="KVFLEET_MODEL", default="tiny")
-    p.add_argument("--device", env="KVFLEET_DEVICE", default="cpu")
-    p.add_argument("--dtype", env="KVFLEET_DTYPE", default="float32")
+    p.add_argument("--host", env="KVFLEET_WORKER_HOST", default=d.host)
+    p.add_argument("--port", type=int, env="KVFLEET_WORKER_PORT", default=d.port)
+    p.add_argument("--worker-id", env="KVFLEET_WORKER_ID", default=d.worker_id)
+    p.add_argument("--model", env="KVFLEET_MODEL", default=d.model)
+    p.add_argument("--device", env="KVFLEET_DEVICE", default=d.device)
+    p.add_argument("--dtype", env="KVFLEET_DTYPE", default=d.dtype)
     p.add_argument(
         "--quant",
         env="KVFLEET_QUANT",
-        default="none",
+        default=d.quant,
         choices=["none", "int8"],
         help="weight quantization: int8 = dynamic int8 products (CPU, float32)",
     )
-    p.add_argument("--block-size", type=int, env="KVFLEET_BLOCK_SIZE", default=16)
-    p.add_argument("--num-blocks", type=int, env="KVFLEET_NUM_BLOCKS", default=4096)
-    p.add_argument("--kv-views", env="KVFLEET_KV_VIEWS", default="rebuild", choices=[m.value for m in KVViewsMode])
+    p.add_argument("--block-size", type=int, env="KVFLEET_BLOCK_SIZE", default=d.block_size)
+    p.add_argument("--num-blocks", type=int, env="KVFLEET_NUM_BLOCKS", default=d.num_blocks)
     p.add_argument(
-        "--metrics-port", type=int, env="KVFLEET_METRICS_PORT", default=9401, help="Prometheus /metrics port (0 = off)"
+        "--kv-views", env="KVFLEET_KV_VIEWS", default=d.kv_views.value, choices=[m.value for m in KVViewsMode]
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        env="KVFLEET_METRICS_PORT",
+        default=d.metrics_port,
+        help="Prometheus /metrics port (0 = off)",
     )
     p.add_argument(
         "--threads",
         type=int,
         env="KVFLEET_WORKER_THREADS",
-        default=0,
+        default=d.num_threads,
         help="CPU threads per step (0 = torch's setting, i.e. OMP_NUM_THREADS or the cores)",
     )
     p.add_argument(
         "--inline-step-ms",
         type=float,
         env="KVFLEET_INLINE_STEP_MS",
-        default=5.0,
+        default=d.inline_step_s * 1000,
         help=(
             "in-process servers only: steps expected under this many ms run on the event loop "
             "(0 = never); python -m worker_svc runs every step on its compute thread"
@@ -54,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         "--prefix-caching",
         dest="prefix_caching",
         action="store_true",
-        default=True,
+        default=d.prefix_caching,
         env="KVFLEET_PREFIX_CACHING",
         help="reuse the KV of prompt prefixes earlier sessions computed on this worker (default on)",
     )

@@ -1,0 +1,112 @@
+"""Each entry point's flag defaults are its config dataclass's: parsing no flags builds a config
+equal to the dataclass's defaults, field by field, except the differences listed with why."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import pytest
+
+import gateway_svc.__main__ as gateway_main
+import scheduler_svc.__main__ as scheduler_main
+import telemetry_svc.__main__ as telemetry_main
+import worker_svc.__main__ as worker_main
+from gateway_svc.config import GatewayConfig
+from kvfleet.cli import _spec, build_parser
+from kvfleet.local_cluster import ClusterSpec
+from kvfleet_common.security import TlsConfig
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.core.limits import SchedulerLimits
+from telemetry_svc.server import TelemetryConfig
+from worker_svc.config import WorkerConfig
+
+
+@pytest.fixture(autouse=True)
+def _no_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flags fall back on KVFLEET_* variables: none may be set, nor logging configured."""
+    for name in list(os.environ):
+        if name.startswith("KVFLEET_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setattr(worker_main, "setup_logging", lambda *a: None)
+    monkeypatch.setattr(scheduler_main, "setup_logging", lambda *a: None)
+
+
+def _differences(got: Any, want: Any) -> dict[str, tuple[Any, Any]]:
+    return {
+        f.name: (getattr(got, f.name), getattr(want, f.name))
+        for f in dataclasses.fields(want)
+        if getattr(got, f.name) != getattr(want, f.name)
+    }
+
+
+def test_worker_flags_default_to_worker_config() -> None:
+    assert _differences(worker_main.parse_args([]), WorkerConfig()) == {}
+
+
+def test_scheduler_flags_default_to_scheduler_config() -> None:
+    # Deliberate: the scheduler has no default worker address (SchedulerConfig refuses none), so
+    # both sides are given one; everything else is the defaults.
+    got = scheduler_main.parse_args(["--workers", "w:1"])
+    assert _differences(got, SchedulerConfig(workers=("w:1",))) == {}
+    assert _differences(got.limits, SchedulerLimits()) == {}
+
+
+def test_gateway_flags_default_to_gateway_config() -> None:
+    config, _ = gateway_main.parse_args([])
+    assert _differences(config, GatewayConfig()) == {}
+
+
+# Deliberate differences of `python -m telemetry_svc` from TelemetryConfig(), each with its reason.
+TELEMETRY_DIFFERENCES = {
+    # The service exports /metrics on 9402 (beside the scheduler's 9400 and the workers' 9401);
+    # a TelemetryConfig built in-process (tests, `kvfleet up`) opens no metrics port unless asked.
+    "metrics_port": (telemetry_main.DEFAULT_METRICS_PORT, 0),
+    # The entry point reads TLS from the environment (plain TCP without KVFLEET_TLS_*); the
+    # dataclass's None is plain TCP as well.
+    "tls": (TlsConfig(), None),
+}
+
+
+def test_telemetry_flags_default_to_telemetry_config() -> None:
+    config, _ = telemetry_main.parse_args([])
+    assert _differences(config, TelemetryConfig()) == TELEMETRY_DIFFERENCES
+    assert not config.tls.serves_tls
+
+
+# Deliberate differences of `kvfleet up` from ClusterSpec(), each with its reason.
+UP_DIFFERENCES = {
+    # `kvfleet up` serves the scheduler on its own default port, where a ClusterSpec (a library
+    # cluster, the tests') takes a free one.
+    "scheduler_port": (SchedulerConfig.port, 0),
+    # `kvfleet up` has logging flags of its own and hands their values to every process; a
+    # ClusterSpec's "" leaves each process its own default, which is the same (text, INFO).
+    "log_format": ("text", ""),
+    "log_level": ("INFO", ""),
+}
+
+
+def test_kvfleet_up_flags_default_to_cluster_spec() -> None:
+    a = build_parser().parse_args(["up"])
+    assert _differences(_spec(a, a.port), ClusterSpec()) == UP_DIFFERENCES
+    assert (a.telemetry_port, a.gateway_port, a.drain_grace) == (
+        TelemetryConfig.port,
+        GatewayConfig.port,
+        ClusterSpec().drain_grace_s,
+    )
+
+
+def test_cluster_spec_defaults_are_the_services() -> None:
+    spec, worker, limits = ClusterSpec(), WorkerConfig(), SchedulerLimits()
+    assert (spec.model, spec.device, spec.dtype, spec.quant, spec.num_blocks, spec.block_size, spec.kv_views) == (
+        worker.model,
+        worker.device,
+        worker.dtype,
+        worker.quant,
+        worker.num_blocks,
+        worker.block_size,
+        worker.kv_views.value,
+    )
+    assert (spec.max_running, spec.prefill_token_budget) == (limits.max_running, limits.prefill_token_budget)
+    assert spec.drain_grace_s == SchedulerConfig(workers=("w:1",)).drain_grace_s
