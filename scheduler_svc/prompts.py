@@ -136,7 +136,7 @@ class TextStream(Protocol):
     def flush(self) -> str: ...
 
 
-class _NoText:
+class NoText:
     """Token-id-only models stream no text."""
 
     def push(self, token: int) -> tuple[str, bool]:
@@ -339,6 +339,7 @@ class PromptResolver:
             max_new_tokens=req.max_new_tokens,
             sampling=convert.sampling_from_request(req),
             stop_token_ids=frozenset(req.stop_token_ids),
+            stop_strings=tuple(req.stop),
             eos_token_ids=frozenset() if req.ignore_eos else self.eos_token_ids,
             priority=req.priority,
             owner=owner,
@@ -358,10 +359,15 @@ class PromptResolver:
         except ValueError as exc:
             raise PromptError(f"response_format: {exc}") from None
 
-    def stream(self, sreq: SessionRequest, stop: list[str]) -> TextStream:
+    def stream(self, sreq: SessionRequest) -> TextStream:
+        """The session's text as it is generated, ending at its first stop string."""
         if self.tokenizer is None:
-            return _NoText()
-        return _DetokenizingStream(self.tokenizer, stop)
+            return NoText()
+        return _DetokenizingStream(self.tokenizer, list(sreq.stop_strings))
+
+    def token_text(self, token: int) -> str:
+        """One token's text, as logprobs show it ("" for a model without a tokenizer)."""
+        return str(self.tokenizer.decode([token])) if self.tokenizer is not None else ""
 
 
 def chat_bytes(chat: spb.ChatMessages) -> int:

@@ -1,5 +1,6 @@
 """The one owner of the scheduler core: it runs the ticks (schedule -> one Step RPC per worker ->
-update), feeds the streams, spans and metrics, and serves the servicer's calls.
+update), feeds the streams (through the output processor: text, stop strings, logprob text,
+usage), spans and metrics, and serves the servicer's calls.
 
 Every effect on a session (tokens, finishes, drops) leaves the core as a TickOutcome and enters
 one FIFO, the outbox; `_deliver` drains it into the streams and metrics. The tick loop calls it
@@ -10,6 +11,7 @@ out-of-band calls (cancel, finish) call it at once; the FIFO keeps every stream'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -22,6 +24,7 @@ from opentelemetry.trace import Span
 from scheduler_svc.core import (
     DropCause,
     FinishReason,
+    NotSessionOwner,
     SchedulerCore,
     SessionRequest,
     StepResult,
@@ -32,9 +35,11 @@ from scheduler_svc.core import (
 )
 from scheduler_svc.core.session import Phase
 from scheduler_svc.core.stats import TelemetrySnapshot, WorkloadStats
-from scheduler_svc.core.types import RejectReason, TokenLogprob
+from scheduler_svc.core.types import RejectReason
 from scheduler_svc.experiments import ExperimentArm, ExperimentArms
 from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.output import LogprobText, OutputProcessor, Usage
+from scheduler_svc.prompts import NoText
 from scheduler_svc.spans import SchedulerSpans
 from scheduler_svc.workers import WorkerCallFailed, WorkerClient
 
@@ -56,8 +61,10 @@ class RuntimeConfig:
 class SessionEvent:
     session_id: str
     token: int | None = None
-    logprob: TokenLogprob | None = None  # the token's, when the session asked for logprobs
+    text: str = ""  # the text the token (or, with finish, the end of the output) adds
+    logprob: LogprobText | None = None  # the token's, when the session asked for logprobs
     finish: FinishReason | None = None
+    usage: Usage | None = None  # with finish
     worker_id: str = ""
     dropped: str = ""  # the session was given up on, unfinished (the reason)
     drop_cause: DropCause = DropCause.UNAVAILABLE  # with dropped: what kind of error the caller gets
@@ -90,8 +97,11 @@ class SchedulerRuntime:
         spans: SchedulerSpans,
         metrics: SchedulerMetrics,
         config: RuntimeConfig = RuntimeConfig(),
+        output: OutputProcessor | None = None,
     ) -> None:
         self._core = core
+        # Without one (tests of the loop alone): no text, as for a model without a tokenizer.
+        self._output = output if output is not None else OutputProcessor(lambda request: NoText(), lambda token: "")
         self._clients = {c.worker_id: c for c in clients}
         self._spans = spans
         self._metrics = metrics
@@ -109,6 +119,8 @@ class SchedulerRuntime:
         self._no_worker_since: float | None = None
         # Sessions whose stream ended before they finished: forgotten when their finish is delivered.
         self._orphans: set[str] = set()
+        # The n sessions of one Generate call, by each of their ids: cancelling one cancels all.
+        self._choices: dict[str, tuple[str, ...]] = {}
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -135,6 +147,10 @@ class SchedulerRuntime:
     def metrics(self) -> SchedulerMetrics:
         return self._metrics
 
+    @property
+    def output(self) -> OutputProcessor:
+        return self._output
+
     # ---- the servicer's calls --------------------------------------------------------------
 
     def submit(
@@ -153,7 +169,11 @@ class SchedulerRuntime:
             workload_id, ids = self._core.submit_workload(requests, policy)
             self._arms.start(workload_id, arm)
             self._spans.start_workload(workload_id, len(ids), arm)
+        if policy is None and len(ids) > 1:
+            for sid in ids:
+                self._choices[sid] = tuple(ids)
         for sid, req, op in zip(ids, requests, operations):
+            self._output.open(sid, req)
             self._metrics.arrived(sid)
             self._spans.start_session(
                 sid, op, req.max_new_tokens, req.sampling, workload_id=workload_id, parent=parent, arm=arm
@@ -182,6 +202,8 @@ class SchedulerRuntime:
                 self.cancel(sid)  # the client went away: free its slot or KV
                 self._orphans.add(sid)  # forgotten once its cancel settles (_forget_orphan)
             self._subscribers.pop(sid, None)
+            self._choices.pop(sid, None)
+            self._output.close(sid)
             self._core.forget_session(sid)
         if submission.workload_id is not None:
             self._spans.end_workload(submission.workload_id)
@@ -194,19 +216,18 @@ class SchedulerRuntime:
             return True
 
     def cancel(self, session_id: str, caller: str | None = None) -> str:
-        """Cancel a session (by its owner when `caller` is given); returns the state it was in."""
+        """Cancel a session (by its owner when `caller` is given), and the other choices of its
+        Generate call; returns the state it was in."""
         state, out = self._core.cancel(session_id, caller)
         log.debug("session %s cancelled while %s", session_id, state, extra={"session_id": session_id})
         self._emit(out)
+        for other in self._choices.get(session_id, ()):
+            if other != session_id:
+                with contextlib.suppress(KeyError, NotSessionOwner):
+                    self._emit(self._core.cancel(other, caller)[1])
         self._deliver()
         self._wake.set()
         return state
-
-    def finish(self, session_id: str, reason: FinishReason) -> None:
-        """End a session now (a stop string); its KV is released with the next step."""
-        self._emit(self._core.finish(session_id, reason))
-        self._deliver()
-        self._wake.set()
 
     def record_rejection(self, reason: RejectReason) -> None:
         self._core.record_rejection(reason)
@@ -388,21 +409,29 @@ class SchedulerRuntime:
                 self._metrics.iteration(p, d)
             for sid, token in out.tokens:
                 self._metrics.token(sid)
+                produced = self._output.token(sid, token, out.logprobs.get(sid))
                 self._publish(
                     SessionEvent(
                         sid,
                         token=token,
-                        logprob=out.logprobs.get(sid),
+                        text=produced.text,
+                        logprob=produced.logprob,
                         worker_id=self._core.session(sid).worker_id or "",
                     )
                 )
+                if produced.stop_hit:
+                    # Its finish joins the outbox this loop drains; its KV goes with the next step.
+                    self._emit(self._core.finish(sid, FinishReason.STOP))
+                    self._wake.set()
             for sid, reason in out.finished:
                 self._ended(sid, reason.value)
-                self._publish(SessionEvent(sid, finish=reason))
+                usage = Usage(*self.usage(sid), self.cached_tokens(sid))
+                self._publish(SessionEvent(sid, text=self._output.finish(sid), finish=reason, usage=usage))
                 self._forget_orphan(sid)
             for sid, why, cause in out.dropped:
                 self._spans.failed(sid, why)
                 self._ended(sid, cause.value)
+                self._output.close(sid)
                 self._publish(SessionEvent(sid, dropped=why, drop_cause=cause))
                 self._forget_orphan(sid)
         self._metrics.tick(self._core.snapshot(), prefill, decode)

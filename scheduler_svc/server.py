@@ -24,16 +24,15 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core import (
     AdmissionRejected,
     DropCause,
-    FinishReason,
     NotSessionOwner,
     RejectReason,
     SchedulerCore,
     SessionRequest,
-    TokenLogprob,
 )
 from scheduler_svc.experiments import ExperimentArm, ExperimentWriters
 from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.prompts import NoTokenizer, PromptError, PromptRejected, PromptResolver, TextStream
+from scheduler_svc.output import LogprobText, OutputProcessor
+from scheduler_svc.prompts import NoTokenizer, PromptError, PromptRejected, PromptResolver
 from scheduler_svc.runtime import RuntimeConfig, SchedulerRuntime, SessionEvent, Submission
 from scheduler_svc.spans import SchedulerSpans
 from scheduler_svc.workers import WorkerClient
@@ -68,8 +67,6 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         self._prompts = prompts
         self._spans = spans
         self._served_model = served_model or prompts.model_name
-        # The n sessions of one Generate call, by each of their ids: cancelling one cancels all.
-        self._choices: dict[str, tuple[str, ...]] = {}
         self.draining = False
 
     # ---- helpers ------------------------------------------------------------------------
@@ -153,9 +150,6 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
             f", {n} choices" if n > 1 else "",
             extra={"request_id": rid} if rid else None,
         )
-        if n > 1:
-            for sid in sub.session_ids:
-                self._choices[sid] = sub.session_ids
         label = f"session {sub.session_ids[0]}" if n == 1 else f"sessions {', '.join(sub.session_ids)}"
         echoed: set[int] = set()
         try:
@@ -168,8 +162,6 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                         echoed.add(index)
                     yield msg
         finally:
-            for sid in sub.session_ids:
-                self._choices.pop(sid, None)
             if rid:
                 log.debug("request %s done", rid, extra={"request_id": rid})
 
@@ -239,7 +231,6 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         SubmitWorkload: the client's deadline, dropped sessions and a client that goes away
         are handled here, once."""
         index = {sid: i for i, sid in enumerate(sub.session_ids)}
-        texts = {sid: self._prompts.stream(sreqs[i], list(requests[i].stop)) for sid, i in index.items()}
         unseen = set(sub.session_ids) if echo_prompt else set()
         open_ids = set(sub.session_ids)
         try:
@@ -252,7 +243,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                     if sid in unseen:
                         msg.prompt_token_ids.extend(sreqs[index[sid]].prompt_ids)
                         unseen.discard(sid)
-                    if self._fill_event(msg, evs, texts[sid], sid):
+                    if _fill_event(msg, evs):
                         open_ids.discard(sid)
                     yield index[sid], msg
                 if not open_ids:
@@ -270,44 +261,6 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         finally:
             self._runtime.end_stream(sub)
 
-    def _fill_event(self, msg: spb.GenerateEvent, batch: list[SessionEvent], text: TextStream, sid: str) -> bool:
-        finished = False
-        for ev in batch:
-            if ev.token is not None:
-                msg.token_ids.append(ev.token)
-                if ev.logprob is not None:
-                    msg.logprobs.append(self._token_logprob(ev.logprob))
-                delta, stop_hit = text.push(ev.token)
-                msg.text += delta
-                if stop_hit and not finished:
-                    self._runtime.finish(sid, FinishReason.STOP)
-            if ev.finish is not None:
-                finished = True
-                msg.finished = True
-                msg.finish_reason = convert.FINISH_TO_PB[ev.finish]
-                msg.text += text.flush()
-        if ev.worker_id:
-            msg.worker_id = ev.worker_id
-        if finished:
-            msg.usage.input_tokens, msg.usage.output_tokens = self._runtime.usage(sid)
-            msg.usage.cached_tokens = self._runtime.cached_tokens(sid)
-        return finished
-
-    def _token_logprob(self, lp: TokenLogprob) -> spb.TokenLogprob:
-        """A token's logprob as the API shows it, each token with its text where the model
-        has a tokenizer ("" otherwise)."""
-        tokenizer = self._prompts.tokenizer
-
-        def text(token: int) -> str:
-            return str(tokenizer.decode([token])) if tokenizer is not None else ""
-
-        return spb.TokenLogprob(
-            token_id=lp.token_id,
-            logprob=lp.logprob,
-            text=text(lp.token_id),
-            top=[spb.TopLogprob(token_id=t, logprob=v, text=text(t)) for t, v in lp.top],
-        )
-
     async def Cancel(self, request, context):
         await authorize_token(context, self._api_token)
         if not request.session_id:
@@ -316,12 +269,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
             )
         caller = caller_identity(context)
         try:
-            state = self._runtime.cancel(request.session_id, caller)
-            # The other choices of the same Generate call (n > 1) go with it.
-            for sid in self._choices.get(request.session_id, ()):
-                if sid != request.session_id:
-                    with contextlib.suppress(KeyError, NotSessionOwner):
-                        self._runtime.cancel(sid, caller)
+            state = self._runtime.cancel(request.session_id, caller)  # with its other choices (n > 1)
         except KeyError:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no session {request.session_id!r}; it may have finished already"
@@ -494,6 +442,40 @@ async def _batches(events: asyncio.Queue, context) -> AsyncIterator[list[Session
         yield batch
 
 
+def _fill_event(msg: spb.GenerateEvent, batch: list[SessionEvent]) -> bool:
+    """One session's batch of events as one message; whether the session finished."""
+    finished = False
+    for ev in batch:
+        if ev.token is not None:
+            msg.token_ids.append(ev.token)
+            if ev.logprob is not None:
+                msg.logprobs.append(_logprob_pb(ev.logprob))
+        msg.text += ev.text
+        if ev.finish is not None:
+            finished = True
+            msg.finished = True
+            msg.finish_reason = convert.FINISH_TO_PB[ev.finish]
+            if ev.usage is not None:
+                u = ev.usage
+                msg.usage.input_tokens, msg.usage.output_tokens, msg.usage.cached_tokens = (
+                    u.input_tokens,
+                    u.output_tokens,
+                    u.cached_tokens,
+                )
+    if ev.worker_id:
+        msg.worker_id = ev.worker_id
+    return finished
+
+
+def _logprob_pb(lp: LogprobText) -> spb.TokenLogprob:
+    return spb.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        text=lp.text,
+        top=[spb.TopLogprob(token_id=t, logprob=v, text=text) for t, v, text in lp.top],
+    )
+
+
 class SessionDropped(Exception):
     """The scheduler gave up on a session (no live worker for too long, KV lost too often, moved
     too often), or a worker refused or failed it alone."""
@@ -550,6 +532,7 @@ async def create_server(config: SchedulerConfig):
             no_worker_wait_s=config.no_worker_wait_s,
             reconcile_interval_s=config.reconcile_interval_s,
         ),
+        OutputProcessor(prompts.stream, prompts.token_text),
     )
     servicer = SchedulerServicer(runtime, prompts, config.api_token, spans, served, config.experiments)
     server = grpc.aio.server(options=grpcutil.SERVER_OPTIONS)

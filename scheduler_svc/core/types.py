@@ -68,6 +68,9 @@ class SessionRequest:
     # it, the others are admitted once its prefill is done, on its worker, so they reuse its KV
     # blocks through the worker's prefix cache instead of computing the same prompt n times.
     prefix_group: str = ""
+    # Text that ends the session when the output contains it (the output processor watches;
+    # the core never reads text).
+    stop_strings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

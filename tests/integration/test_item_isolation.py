@@ -58,6 +58,7 @@ def test_a_sampling_fault_fails_its_session_alone(monkeypatch: pytest.MonkeyPatc
         assert _counter(c, "kvfleet:item_errors_total") == 1
         for address in c.worker_addresses:  # the books: nothing held once every stream is over
             wait_for_worker_stats(address, lambda s: s.active_sessions == 0 and s.used_blocks == 0, what="empty books")
+        assert c.scheduler.runtime.output.held() == 0  # nor output state, the failed session's included
         # The cluster keeps serving, token-exact.
         again = client.generate(build_request(prompts[0], NEW)).token_ids
         assert list(again) == got[0]
