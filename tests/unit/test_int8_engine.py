@@ -182,3 +182,23 @@ def test_quant_flag_and_environment(monkeypatch) -> None:
     assert parse_args([]).quant == "int8"
     with pytest.raises(SystemExit):
         parse_args(["--quant", "int4"])
+
+
+def test_int8_is_a_transform_of_the_weights_that_leaves_its_input_alone() -> None:
+    """int8.quantize takes the float weights the model would read and returns new ones (the
+    float model built from the same weights is untouched), and int8 does not import the model."""
+    import ast
+    from pathlib import Path
+
+    model = llama.LlamaModel(TIED, tiny_weights(TIED, seed=2), torch.device("cpu"), torch.float32, host_blas=False)
+    before = [m.nk.clone() for layer in model.layers for m in layer.matrices()]
+    weights = llama.ModelWeights(model.layers, model.norm, model.embed, model.lm_head, model.rotary)
+    quantized, level = int8.quantize(TIED, weights)
+    assert level in (*q8.LEVELS, "torch")
+    assert all(m.q8 is not None and m.nk is None for layer in quantized.layers for m in layer.matrices())
+    assert quantized.lm_head.q8 is not None and quantized.embed is not None  # tied: the float table stays
+    after = [m.nk for layer in model.layers for m in layer.matrices()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after)) and model.lm_head.q8 is None
+    tree = ast.parse(Path(int8.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "worker_svc.model.llama" not in imported, imported

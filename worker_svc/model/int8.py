@@ -26,17 +26,15 @@ With ``q8``'s blocks of 32 (weights and inputs), on the 2-core AMD EPYC (AVX2): 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvfleet_models.config import LlamaConfig
 from worker_svc.model.cpu_backend import Matrix
 from worker_svc.model.q8 import Q8Kernels, load_kernels, quantize_blocks
-
-if TYPE_CHECKING:
-    from worker_svc.model.llama import LlamaModel
+from worker_svc.model.weights import ModelWeights, rms_norm, rope_
 
 ALPHA = 0.5  # migration strength (SmoothQuant's default; 0.3, 0.4, 0.6, 0.7 measured worse)
 CALIBRATION_TOKENS = 512
@@ -48,22 +46,21 @@ def _nk(m: Matrix) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def input_ranges(model: LlamaModel, tokens: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-    """max |x_j| of each product's input over one causal float32 forward of ``tokens`` [T]:
-    per layer {"qkv", "o", "gate_up", "down"} and, in the last entry, {"head"}."""
-    cfg = model.cfg
+def input_ranges(cfg: LlamaConfig, weights: ModelWeights, tokens: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    """max |x_j| of each product's input over one causal float32 forward of ``tokens`` [T] on
+    torch's reference ops: per layer {"qkv", "o", "gate_up", "down"} and, in the last entry,
+    {"head"}."""
     t, hq, hkv, d = tokens.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q_width, inter = hq * d, cfg.intermediate_size
-    table = model.embed if model.embed is not None else _nk(model.lm_head)
-    h = table.index_select(0, tokens)  # [T, hidden]
-    rot = model.rotary[:t].unsqueeze(1)  # [T, 1, D/2]
+    q_width, inter, eps = hq * d, cfg.intermediate_size, cfg.rms_norm_eps
+    h = weights.lookup.index_select(0, tokens)  # [T, hidden]
+    rot = weights.rotary[:t].unsqueeze(1)  # [T, 1, D/2]
     out: list[dict[str, torch.Tensor]] = []
-    for w in model.layers:
+    for w in weights.layers:
         seen = {}
-        x = model._rms_norm(h, w.input_norm)
+        x = rms_norm(h, w.input_norm, eps)
         seen["qkv"] = x.abs().amax(0)
         qkv = x @ _nk(w.qkv).t()
-        model._rope_(qkv, rot)
+        rope_(qkv, rot, hq + hkv, d)
         q = qkv[:, :q_width].view(t, hq, d).transpose(0, 1)  # [Hq, T, D]
         k, v = qkv[:, q_width:].view(t, 2, hkv, d).permute(1, 2, 0, 3)  # [Hkv, T, D] each
         g = hq // hkv
@@ -73,14 +70,14 @@ def input_ranges(model: LlamaModel, tokens: torch.Tensor) -> list[dict[str, torc
         attn = attn.transpose(0, 1).reshape(t, q_width)
         seen["o"] = attn.abs().amax(0)
         h = h + attn @ _nk(w.o).t()
-        x = model._rms_norm(h, w.post_norm)
+        x = rms_norm(h, w.post_norm, eps)
         seen["gate_up"] = x.abs().amax(0)
         gate_up = x @ _nk(w.gate_up).t()
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         seen["down"] = act.abs().amax(0)
         h = h + act @ _nk(w.down).t()
         out.append(seen)
-    out.append({"head": model._rms_norm(h, model.norm).abs().amax(0)})
+    out.append({"head": rms_norm(h, weights.norm, eps).abs().amax(0)})
     return out
 
 
@@ -98,23 +95,25 @@ def _smoothing(x_max: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return s.clamp(1e-2, 1e2)
 
 
-def quantize_model(model: LlamaModel, seed: int = 0, kernels: Q8Kernels | None = None) -> str:
-    """Replace ``model``'s float products (torch layout, [out, in]) by smoothed int8 ones, in
-    place; the norms take the folded divisions. ``kernels``: the C products (default: the
-    best level this CPU runs, or torch's reference product where they cannot be built).
-    Returns the products' kernel level ("torch" for the reference)."""
-    cfg = model.cfg
+def quantize(
+    cfg: LlamaConfig, weights: ModelWeights, seed: int = 0, kernels: Q8Kernels | None = None
+) -> tuple[ModelWeights, str]:
+    """The weights with every float product (torch layout, [out, in]) replaced by a smoothed
+    int8 one, the norms taking the folded divisions: a transform applied before the model is
+    built. ``kernels``: the C products (default: the best level this CPU runs, or torch's
+    reference product where they cannot be built). Returns (weights, the products' kernel
+    level: "torch" for the reference)."""
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q_width, kv_width, inter = hq * d, hkv * d, cfg.intermediate_size
     n = min(CALIBRATION_TOKENS, cfg.max_position)
-    ranges = input_ranges(model, calibration_ids(cfg.vocab_size, n, seed))
+    ranges = input_ranges(cfg, weights, calibration_ids(cfg.vocab_size, n, seed))
     kernels = kernels or load_kernels()
 
     def q8(w: torch.Tensor) -> Matrix:
         return Matrix(kn=None, nk=None, q8=quantize_blocks(w, kernels), shape=(w.shape[0], w.shape[1]))
 
     layers = []
-    for w, seen in zip(model.layers, ranges):
+    for w, seen in zip(weights.layers, ranges):
         qkv, o, gate_up, down = (_nk(m).clone() for m in (w.qkv, w.o, w.gate_up, w.down))
         s_qkv = _smoothing(seen["qkv"], qkv)
         s_up = _smoothing(seen["gate_up"], gate_up)
@@ -137,10 +136,13 @@ def quantize_model(model: LlamaModel, seed: int = 0, kernels: Q8Kernels | None =
                 down=q8(down * s_down),
             )
         )
-    head = _nk(model.lm_head)
+    head = _nk(weights.lm_head)
     s_head = _smoothing(ranges[-1]["head"], head)
-    if model.embed is None:  # tied: the lookup keeps the float table
-        model.embed = head
-    model.layers, model.norm = layers, model.norm / s_head
-    model.lm_head = q8(head * s_head)
-    return kernels.level if kernels is not None else "torch"
+    quantized = ModelWeights(
+        layers=layers,
+        norm=weights.norm / s_head,
+        embed=weights.embed if weights.embed is not None else head,  # tied: the lookup keeps the float table
+        lm_head=q8(head * s_head),
+        rotary=weights.rotary,
+    )
+    return quantized, kernels.level if kernels is not None else "torch"

@@ -53,9 +53,9 @@ import torch.nn.functional as F
 
 from kvfleet_models.config import LlamaConfig
 from worker_svc.kv_cache import AttnGroup, KVViews, PagedKVCache
-from worker_svc.model import fused
+from worker_svc.model import fused, int8
 from worker_svc.model.cpu_backend import QUANT_MODES, Matrix, attention_core, matmul, matmul_add_, pack_bf16, torch_rows
-from worker_svc.model.int8 import quantize_model
+from worker_svc.model.weights import LayerWeights, ModelWeights, rms_norm, rope_
 from worker_svc.platform import synchronize
 
 # Items in an attention group from which torch's bmm runs it where torch holds the threads
@@ -103,22 +103,6 @@ class StepTensors:
     slots: torch.Tensor  # [T] paged-cache slot each token's K/V goes to
     groups: tuple[GroupTensors, ...]
     sample_rows: torch.Tensor  # [N] packed index of the tokens whose logits are wanted
-
-
-@dataclass(frozen=True)
-class LayerWeights:
-    input_norm: torch.Tensor  # [hidden]
-    qkv: Matrix  # hidden -> (Hq + 2 Hkv) * D, q/k pair-permuted, q pre-scaled
-    o: Matrix  # Hq * D -> hidden
-    post_norm: torch.Tensor  # [hidden]
-    gate_up: Matrix  # hidden -> 2 * intermediate
-    down: Matrix  # intermediate -> hidden
-
-    def matrices(self) -> list[Matrix]:
-        return [self.qkv, self.o, self.gate_up, self.down]
-
-    def vectors(self) -> list[torch.Tensor]:
-        return [self.input_norm, self.post_norm]
 
 
 def _pair_rows(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
@@ -193,12 +177,12 @@ class LlamaModel:
             return Matrix(kn=put(a.T) if self.host_blas else None, nk=nk, shape=a.shape)
 
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        self.layers: list[LayerWeights] = []
+        layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             q = _pair_rows(array(p + "self_attn.q_proj.weight"), hq, d) / math.sqrt(d)
             k = _pair_rows(array(p + "self_attn.k_proj.weight"), hkv, d)
-            self.layers.append(
+            layers.append(
                 LayerWeights(
                     input_norm=vec(array(p + "input_layernorm.weight")),
                     qkv=matrix(np.concatenate([q, k, array(p + "self_attn.v_proj.weight")])),
@@ -210,17 +194,16 @@ class LlamaModel:
                     down=matrix(array(p + "mlp.down_proj.weight")),
                 )
             )
-        self.norm = vec(array("model.norm.weight"))
         embed = array("model.embed_tokens.weight")  # [V, hidden]
         self.tied_head = "lm_head.weight" not in weights
         if "lm_head.weight" in weights:
-            self.embed: torch.Tensor | None = vec(embed)
-            self.lm_head = matrix(array("lm_head.weight"))
+            table: torch.Tensor | None = vec(embed)
+            lm_head = matrix(array("lm_head.weight"))
         elif cfg.tie_word_embeddings:
             # The head's copies are the embedding: the lookup reads a few of the [V, hidden] rows
-            # (an int8 head has no float copy to read: ``quantize_model`` keeps the table).
-            self.embed = None
-            self.lm_head = matrix(embed, lookup=True)
+            # (an int8 head has no float copy to read: ``int8.quantize`` keeps the table).
+            table = None
+            lm_head = matrix(embed, lookup=True)
         else:
             raise KeyError("lm_head.weight is missing and tie_word_embeddings is False")
         # e^(i * angle) for every position and pair, complex64 whatever the model dtype: RoPE
@@ -228,13 +211,16 @@ class LlamaModel:
         # positions.
         inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
         angles = torch.arange(cfg.max_position, dtype=torch.float64)[:, None] * inv_freq
-        self.rotary = torch.polar(torch.ones_like(angles), angles).to(device, torch.complex64)
-        self.fused: fused.FusedOps | None = None
+        rotary = torch.polar(torch.ones_like(angles), angles).to(device, torch.complex64)
+        prepared = ModelWeights(layers, vec(array("model.norm.weight")), table, lm_head, rotary)
         # The int8 products' kernel level ("" unless int8; "torch" where the C kernels could
         # not be built): reported in the worker's start line.
         self.int8_kernels = ""
-        if quant == "int8":  # calibrated on torch's ops, so both paths quantize alike
-            self.int8_kernels = quantize_model(self)  # float [out, in] -> smoothed int8, in place
+        if quant == "int8":  # a transform of the weights, calibrated on torch's reference ops
+            prepared, self.int8_kernels = int8.quantize(cfg, prepared)  # float -> smoothed int8
+        self.layers, self.norm, self.embed = prepared.layers, prepared.norm, prepared.embed
+        self.lm_head, self.rotary = prepared.lm_head, prepared.rotary
+        self.fused: fused.FusedOps | None = None
         # The C ops work on float32 CPU tensors: every CPU mode's activations are float32.
         if fused_ops is not False and device.type == "cpu":
             self.fused = fused.load()
@@ -277,10 +263,9 @@ class LlamaModel:
         return table.index_select(0, tokens).to(self.act_dtype)  # [T, hidden]
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # Computed in float32 (torch's kernel upcasts half types), as HF does.
         if self.fused is not None:
             return self.fused.rms_norm(x.contiguous(), w, self.cfg.rms_norm_eps)
-        return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
+        return rms_norm(x, w, self.cfg.rms_norm_eps)
 
     def _add_rms_norm_(self, h: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """h += y in place; returns rms_norm(h) * w."""
@@ -300,13 +285,7 @@ class LlamaModel:
         if self.fused is not None and qkv.stride(1) == 1:
             self.fused.rope_(qkv, rot, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim // 2)
             return
-        t, width = qkv.shape[0], (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
-        qk = qkv[:, :width].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim // 2, 2)
-        if qkv.dtype == torch.float32:
-            torch.view_as_complex(qk).mul_(rot)
-        else:
-            rotated = torch.view_as_complex(qk.float()) * rot
-            qk.copy_(torch.view_as_real(rotated))
+        rope_(qkv, rot, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
 
     def _attention(self, q: torch.Tensor, kv: torch.Tensor, gt: GroupTensors) -> torch.Tensor:
         """q: [T_g, Hq * D] the group's queries; kv: [2, N, S, D]. Returns [T_g, Hq * D]."""
