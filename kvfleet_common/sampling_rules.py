@@ -211,3 +211,10 @@ def schema_problem(schema: str) -> str:
     except RecursionError:
         return "is nested too deeply"
     return "" if isinstance(doc, dict) else "must be a JSON object (a schema)"
+
+
+def unset_to_off(top_p: float, repetition_penalty: float) -> tuple[float, float]:
+    """The wire's normalisation, in one place: proto3 cannot tell an unset float from 0, so a
+    top_p or repetition_penalty of exactly 0 arrives meaning "off", i.e. 1 (any other value,
+    out of range or not, is passed on for ``validate`` to judge)."""
+    return (1.0 if top_p == 0 else top_p), (1.0 if repetition_penalty == 0 else repetition_penalty)

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet.v1 import worker_pb2 as wpb
+from kvfleet_common.sampling_rules import unset_to_off
 from scheduler_svc.core import (
     DecodeWork,
     FinishReason,
@@ -36,15 +37,15 @@ _STATUS = {
 
 def sampling_from_pb(s: spb.SamplingParams) -> Sampling:
     """The SamplingParams alone (no logprobs, no constraint: see `sampling_from_request`)."""
-    # proto3 cannot tell unset from 0: top_p 0 and repetition_penalty 0 mean "off", i.e. 1.
+    top_p, repetition_penalty = unset_to_off(s.top_p, s.repetition_penalty)
     return Sampling(
         temperature=s.temperature,
         top_k=s.top_k,
-        top_p=1.0 if s.top_p == 0 else s.top_p,
+        top_p=top_p,
         seed=s.seed,
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
-        repetition_penalty=1.0 if s.repetition_penalty == 0 else s.repetition_penalty,
+        repetition_penalty=repetition_penalty,
         min_p=s.min_p,
         logit_bias=tuple(sorted(s.logit_bias.items())),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvfleet.v1 import worker_pb2 as pb
+from kvfleet_common.sampling_rules import unset_to_off
 from kvfleet_models.config import LlamaConfig
 from worker_svc.engine import (
     DecodeItem,
@@ -26,15 +27,15 @@ _STATUS = {
 
 
 def sampling_from_pb(s: pb.Sampling) -> SamplingSpec:
-    # proto3 cannot tell unset from 0: top_p 0 and repetition_penalty 0 mean "off", i.e. 1.
+    top_p, repetition_penalty = unset_to_off(s.top_p, s.repetition_penalty)
     return SamplingSpec(
         temperature=s.temperature,
         top_k=s.top_k,
-        top_p=s.top_p if s.top_p > 0 else 1.0,
+        top_p=top_p,
         seed=s.seed,
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty if s.repetition_penalty != 0 else 1.0,
+        repetition_penalty=repetition_penalty,
         min_p=s.min_p,
         logit_bias=tuple(sorted(s.logit_bias.items())),
         logprobs=s.logprobs,
@@ -44,32 +45,49 @@ def sampling_from_pb(s: pb.Sampling) -> SamplingSpec:
     )
 
 
+def _sampling(s: pb.Sampling) -> tuple[SamplingSpec, str]:
+    """The item's sampling, or (greedy, why) for one outside the rules: that item alone is then
+    REJECTED (see Engine), not the whole step."""
+    try:
+        return sampling_from_pb(s), ""
+    except ValueError as exc:
+        return SamplingSpec(), f"sampling: {exc}"
+
+
 def prefill_from_pb(items) -> list[PrefillItem]:
-    return [
-        PrefillItem(
-            session_id=i.session_id,
-            token_ids=tuple(i.token_ids),
-            start_position=i.start_position,
-            last_chunk=i.last_chunk,
-            sampling=sampling_from_pb(i.sampling),
-            generated_so_far=i.generated_so_far,
-            cache_salt=i.cache_salt,
+    out = []
+    for i in items:
+        sampling, invalid = _sampling(i.sampling)
+        out.append(
+            PrefillItem(
+                session_id=i.session_id,
+                token_ids=tuple(i.token_ids),
+                start_position=i.start_position,
+                last_chunk=i.last_chunk,
+                sampling=sampling,
+                generated_so_far=i.generated_so_far,
+                cache_salt=i.cache_salt,
+                invalid=invalid,
+            )
         )
-        for i in items
-    ]
+    return out
 
 
 def decode_from_pb(items) -> list[DecodeItem]:
-    return [
-        DecodeItem(
-            session_id=i.session_id,
-            token_id=i.token_id,
-            position=i.position,
-            sampling=sampling_from_pb(i.sampling),
-            generated_so_far=i.generated_so_far,
+    out = []
+    for i in items:
+        sampling, invalid = _sampling(i.sampling)
+        out.append(
+            DecodeItem(
+                session_id=i.session_id,
+                token_id=i.token_id,
+                position=i.position,
+                sampling=sampling,
+                generated_so_far=i.generated_so_far,
+                invalid=invalid,
+            )
         )
-        for i in items
-    ]
+    return out
 
 
 @dataclass(frozen=True)

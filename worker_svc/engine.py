@@ -44,6 +44,7 @@ class PrefillItem:
     sampling: SamplingSpec
     generated_so_far: int = 0  # index of the token to sample (for seeded sampling)
     cache_salt: bytes = b""  # prefix-cache namespace of the session (see block_allocator)
+    invalid: str = ""  # why the request cannot be run as sent (its sampling broke the rules)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class DecodeItem:
     position: int  # == tokens already held for this session
     sampling: SamplingSpec
     generated_so_far: int
+    invalid: str = ""  # why the request cannot be run as sent (its sampling broke the rules)
 
 
 class ItemStatus(Enum):
@@ -179,6 +181,7 @@ class _Request:
     index: int  # generated_so_far, for seeded draws
     creates: bool  # may create the session (a prefill item at position 0)
     salt: bytes = b""  # the prefix-cache namespace of a session it creates
+    invalid: str = ""  # a problem found before the engine (see convert): REJECTED with it
 
 
 @dataclass(frozen=True)
@@ -202,11 +205,22 @@ def _requests(prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem]) -> l
             p.generated_so_far,
             True,
             p.cache_salt,
+            p.invalid,
         )
         for i, p in enumerate(prefill)
     ]
     out += [
-        _Request(len(prefill) + i, d.session_id, (d.token_id,), d.position, True, d.sampling, d.generated_so_far, False)
+        _Request(
+            len(prefill) + i,
+            d.session_id,
+            (d.token_id,),
+            d.position,
+            True,
+            d.sampling,
+            d.generated_so_far,
+            False,
+            invalid=d.invalid,
+        )
         for i, d in enumerate(decode)
     ]
     return out
@@ -294,6 +308,8 @@ class Engine:
 
     def _problem(self, r: _Request) -> str:
         """Why this worker cannot run the item as sent ("" if it can)."""
+        if r.invalid:
+            return r.invalid
         tokens, start = r.tokens, r.start
         if not tokens:
             return "empty prefill chunk"

@@ -221,6 +221,19 @@ CASES = [
         "session_id",
     ),
     Case(
+        "sampling outside the rules (a temperature of -1)",
+        "worker",
+        _step(
+            prefill=[
+                wpb.PrefillItem(
+                    session_id="t", token_ids=[1, 2], last_chunk=True, sampling=wpb.Sampling(temperature=-1.0)
+                )
+            ]
+        ),
+        None,
+        check=_item_rejected("temperature must be in"),
+    ),
+    Case(
         "prefill token out of vocab",
         "worker",
         _step(prefill=[wpb.PrefillItem(session_id="b", token_ids=[999], last_chunk=True)]),

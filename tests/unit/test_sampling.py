@@ -385,3 +385,18 @@ def test_outcomes_carry_logprobs_cached_tokens_and_finish_on_constraint_done() -
     out = core.update(plan, _answer(plan, 4, logprob=-1.0, constraint_done=True))
     assert out.tokens == [(sid, 4)] and out.finished == [(sid, FinishReason.STOP)]
     assert out.logprobs[sid].logprob == -1.0
+
+
+def test_a_step_item_with_sampling_outside_the_rules_is_rejected_alone() -> None:
+    from kvfleet.v1 import worker_pb2 as wpb
+
+    req = wpb.StepRequest(
+        prefill=[
+            wpb.PrefillItem(session_id="bad", token_ids=[1, 2], last_chunk=True, sampling=wpb.Sampling(top_p=-0.5)),
+            wpb.PrefillItem(session_id="ok", token_ids=[1, 2], last_chunk=True),
+        ]
+    )
+    call = worker_convert.step_from_pb(req)  # not a ValueError for the whole step
+    bad, ok = _engine().step(call.prefill, call.decode).results
+    assert bad.status == ItemStatus.REJECTED and "top_p" in bad.error and bad.token_id is None
+    assert ok.status == ItemStatus.OK and ok.token_id is not None
