@@ -9,9 +9,10 @@ queue, prefill and decode time; e2e = arrival -> last token.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
+from opentelemetry.context import Context
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvfleet_common.metrics import (
@@ -26,6 +27,10 @@ from kvfleet_common.metrics import (
     token_buckets,
 )
 from scheduler_svc.core.stats import TelemetrySnapshot
+from scheduler_svc.core.types import SessionRequest
+from scheduler_svc.experiments import ExperimentArm
+from scheduler_svc.observers import SessionObserver
+from scheduler_svc.output import Usage
 
 
 @dataclass
@@ -38,7 +43,7 @@ class _Times:
     last_token: float | None = None
 
 
-class SchedulerMetrics:
+class SchedulerMetrics(SessionObserver):
     def __init__(self, model_name: str, max_model_len: int) -> None:
         self.registry = CollectorRegistry()
         self._model = model_name
@@ -112,7 +117,7 @@ class SchedulerMetrics:
             "kvfleet:step_failures",
             "Steps a worker answered as failed as a whole: its sessions recomputed, the worker kept",
         )
-        self.item_errors = counter(
+        self.item_error_count = counter(
             "kvfleet:item_errors",
             "Step items a worker rejected or failed alone: those sessions ended, the rest of the step ran",
         )
@@ -158,8 +163,48 @@ class SchedulerMetrics:
         self.request_generation_tokens.observe(generated_tokens)
         self._finished.labels(model_name=self._model, finished_reason=reason).inc()
 
-    def orphans_released(self, n: int) -> None:
-        self.orphans.inc(n)
+    # ---- the runtime's events (SessionObserver) ------------------------------------------------
+
+    def session_arrived(
+        self,
+        session_id: str,
+        request: SessionRequest,
+        operation: str,
+        workload_id: str | None,
+        parent: Context | None,
+        arm: ExperimentArm | None,
+    ) -> None:
+        self.arrived(session_id)
+
+    def session_admitted(self, session_id: str) -> None:
+        self.admitted(session_id)
+
+    def session_token(self, session_id: str) -> None:
+        self.token(session_id)
+
+    def session_ended(self, session_id: str, reason: str, usage: Usage) -> None:
+        self.finished_session(session_id, reason, usage.input_tokens, usage.output_tokens)
+
+    def rejections_changed(self, by_reason: Mapping[str, int]) -> None:
+        self.update_rejections(dict(by_reason))
+
+    def tick_answered(self, prefill_tokens: int, decode_tokens: int) -> None:
+        self.iteration(prefill_tokens, decode_tokens)
+
+    def outcomes_delivered(self, snapshot: TelemetrySnapshot, prefill_tokens: int, decode_tokens: int) -> None:
+        self.tick(snapshot, prefill_tokens, decode_tokens)
+
+    def worker_failed(self, worker_id: str) -> None:
+        self.worker_failures.inc()
+
+    def step_failed(self, worker_id: str) -> None:
+        self.step_failures.inc()
+
+    def item_errors(self, worker_id: str, count: int) -> None:
+        self.item_error_count.inc(count)
+
+    def orphans_released(self, worker_id: str, count: int) -> None:
+        self.orphans.inc(count)
 
     def stream_cut_off(self) -> None:
         self.cut_off.inc()

@@ -38,6 +38,7 @@ from scheduler_svc.core.stats import TelemetrySnapshot, WorkloadStats
 from scheduler_svc.core.types import RejectReason
 from scheduler_svc.experiments import ExperimentArm, ExperimentArms
 from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.observers import Observers, SessionObserver
 from scheduler_svc.output import LogprobText, OutputProcessor, Usage
 from scheduler_svc.prompts import NoText
 from scheduler_svc.spans import SchedulerSpans
@@ -98,13 +99,16 @@ class SchedulerRuntime:
         metrics: SchedulerMetrics,
         config: RuntimeConfig = RuntimeConfig(),
         output: OutputProcessor | None = None,
+        observers: Sequence[SessionObserver] = (),
     ) -> None:
         self._core = core
         # Without one (tests of the loop alone): no text, as for a model without a tokenizer.
         self._output = output if output is not None else OutputProcessor(lambda request: NoText(), lambda token: "")
         self._clients = {c.worker_id: c for c in clients}
-        self._spans = spans
+        self._spans = spans  # also for each tick's span, the trace context its steps carry
         self._metrics = metrics
+        # Every session and tick event goes to both through one interface.
+        self._observe = Observers([spans, metrics, *observers])
         self._config = config
         self._arms = ExperimentArms()
         self._subscribers: dict[str, asyncio.Queue[SessionEvent]] = {}
@@ -168,16 +172,13 @@ class SchedulerRuntime:
         else:
             workload_id, ids = self._core.submit_workload(requests, policy)
             self._arms.start(workload_id, arm)
-            self._spans.start_workload(workload_id, len(ids), arm)
+            self._observe.workload_started(workload_id, len(ids), arm)
         if policy is None and len(ids) > 1:
             for sid in ids:
                 self._choices[sid] = tuple(ids)
         for sid, req, op in zip(ids, requests, operations):
             self._output.open(sid, req)
-            self._metrics.arrived(sid)
-            self._spans.start_session(
-                sid, op, req.max_new_tokens, req.sampling, workload_id=workload_id, parent=parent, arm=arm
-            )
+            self._observe.session_arrived(sid, req, op, workload_id, parent, arm)
             log.debug(
                 "session %s queued (%s)",
                 sid,
@@ -206,7 +207,7 @@ class SchedulerRuntime:
             self._output.close(sid)
             self._core.forget_session(sid)
         if submission.workload_id is not None:
-            self._spans.end_workload(submission.workload_id)
+            self._observe.workload_ended(submission.workload_id)
             self._arms.end(submission.workload_id)
 
     def _finished(self, session_id: str) -> bool:
@@ -231,10 +232,10 @@ class SchedulerRuntime:
 
     def record_rejection(self, reason: RejectReason) -> None:
         self._core.record_rejection(reason)
-        self._metrics.update_rejections(dict(self._core.rejections))
+        self._observe.rejections_changed(self._core.rejections)
 
     def rejections_changed(self) -> None:
-        self._metrics.update_rejections(dict(self._core.rejections))
+        self._observe.rejections_changed(self._core.rejections)
 
     def usage(self, session_id: str) -> tuple[int, int]:
         """(prompt tokens, generated tokens) of a session."""
@@ -316,8 +317,7 @@ class SchedulerRuntime:
     async def _run_tick(self, plan: TickPlan) -> TickOutcome:
         for work in plan.prefill:
             if work.start_position == 0:
-                self._spans.admitted(work.session_id)
-                self._metrics.admitted(work.session_id)
+                self._observe.session_admitted(work.session_id)
         sessions = [w.session_id for w in plan.prefill + plan.decode]
         span = self._spans.start_tick(
             plan.tick, sessions, sum(len(w.token_ids) for w in plan.prefill), len(plan.decode), self._arm_of(sessions)
@@ -367,7 +367,7 @@ class SchedulerRuntime:
                     "worker %s failed its step (%s: %s); moving its sessions", worker_id, resp.code.name, resp.details
                 )
                 failed.add(worker_id)
-                self._metrics.worker_failures.inc()
+                self._observe.worker_failed(worker_id)
             elif isinstance(resp, WorkerCallFailed):
                 log.warning(
                     "worker %s answered that its step failed (%s: %s); recomputing the step's sessions",
@@ -376,7 +376,7 @@ class SchedulerRuntime:
                     resp.details,
                 )
                 failed_steps[worker_id] = f"{resp.code.name}: {resp.details}"
-                self._metrics.step_failures.inc()
+                self._observe.step_failed(worker_id)
             elif isinstance(resp, BaseException):
                 raise resp
             elif resp is not None:
@@ -384,7 +384,8 @@ class SchedulerRuntime:
                 errors = [r for r in resp.values() if r.status in (StepStatus.REJECTED, StepStatus.FAILED)]
                 for r in errors:
                     log.warning("worker %s: session %s %s: %s", worker_id, r.session_id, r.status.value, r.error)
-                self._metrics.item_errors.inc(len(errors))
+                if errors:
+                    self._observe.item_errors(worker_id, len(errors))
         return results, failed, failed_steps
 
     # ---- the outbox ---------------------------------------------------------------------------
@@ -406,9 +407,9 @@ class SchedulerRuntime:
             prefill += p
             decode += d
             if p or d:  # a tick's answers (settled-only outcomes carry no tokens)
-                self._metrics.iteration(p, d)
+                self._observe.tick_answered(p, d)
             for sid, token in out.tokens:
-                self._metrics.token(sid)
+                self._observe.session_token(sid)
                 produced = self._output.token(sid, token, out.logprobs.get(sid))
                 self._publish(
                     SessionEvent(
@@ -424,22 +425,21 @@ class SchedulerRuntime:
                     self._emit(self._core.finish(sid, FinishReason.STOP))
                     self._wake.set()
             for sid, reason in out.finished:
-                self._ended(sid, reason.value)
-                usage = Usage(*self.usage(sid), self.cached_tokens(sid))
+                usage = self._ended(sid, reason.value)
                 self._publish(SessionEvent(sid, text=self._output.finish(sid), finish=reason, usage=usage))
                 self._forget_orphan(sid)
             for sid, why, cause in out.dropped:
-                self._spans.failed(sid, why)
+                self._observe.session_failed(sid, why)
                 self._ended(sid, cause.value)
                 self._output.close(sid)
                 self._publish(SessionEvent(sid, dropped=why, drop_cause=cause))
                 self._forget_orphan(sid)
-        self._metrics.tick(self._core.snapshot(), prefill, decode)
+        self._observe.outcomes_delivered(self._core.snapshot(), prefill, decode)
 
-    def _ended(self, session_id: str, reason: str) -> None:
-        prompt, generated = self.usage(session_id)
-        self._spans.finished(session_id, reason, prompt, generated)
-        self._metrics.finished_session(session_id, reason, prompt, generated)
+    def _ended(self, session_id: str, reason: str) -> Usage:
+        usage = Usage(*self.usage(session_id), self.cached_tokens(session_id))
+        self._observe.session_ended(session_id, reason, usage)
+        return usage
 
     def _publish(self, event: SessionEvent) -> None:
         queue = self._subscribers.get(event.session_id)
@@ -464,7 +464,7 @@ class SchedulerRuntime:
             queue.get_nowait()
         waited = queue.maxsize
         log.warning("sessions %s cut off: their client left %d events unread", ", ".join(sids), waited)
-        self._metrics.stream_cut_off()
+        self._observe.stream_cut_off()
         queue.put_nowait(
             SessionEvent(
                 sids[0],
@@ -560,7 +560,7 @@ class SchedulerRuntime:
             log.warning(
                 "worker %s holds %d sessions the scheduler did not place there; freeing them", worker_id, len(strangers)
             )
-            self._metrics.orphans_released(len(strangers))
+            self._observe.orphans_released(worker_id, len(strangers))
             await self._release({worker_id: strangers})
 
 

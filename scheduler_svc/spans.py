@@ -20,8 +20,10 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 
-from scheduler_svc.core.types import Sampling
+from scheduler_svc.core.types import Sampling, SessionRequest
 from scheduler_svc.experiments import ExperimentArm
+from scheduler_svc.observers import SessionObserver
+from scheduler_svc.output import Usage
 
 PROVIDER = "kvfleet"  # gen_ai.provider.name
 SESSION_SPAN = "session"  # the value of kvfleet.span on a session's root span
@@ -34,7 +36,7 @@ class _SessionSpans:
     queue: Span | None
 
 
-class SchedulerSpans:
+class SchedulerSpans(SessionObserver):
     def __init__(self, model_name: str) -> None:
         self._tracer = trace.get_tracer("kvfleet.scheduler")
         self._model = model_name
@@ -135,6 +137,42 @@ class SchedulerSpans:
         spans = self._sessions.get(session_id)
         if spans is not None:
             spans.root.set_status(Status(StatusCode.ERROR, message))
+
+    # ---- the runtime's events (SessionObserver) ------------------------------------------------
+
+    def workload_started(self, workload_id: str, sessions: int, arm: ExperimentArm | None) -> None:
+        self.start_workload(workload_id, sessions, arm)
+
+    def workload_ended(self, workload_id: str) -> None:
+        self.end_workload(workload_id)
+
+    def session_arrived(
+        self,
+        session_id: str,
+        request: SessionRequest,
+        operation: str,
+        workload_id: str | None,
+        parent: Context | None,
+        arm: ExperimentArm | None,
+    ) -> None:
+        self.start_session(
+            session_id,
+            operation,
+            request.max_new_tokens,
+            request.sampling,
+            workload_id=workload_id,
+            parent=parent,
+            arm=arm,
+        )
+
+    def session_admitted(self, session_id: str) -> None:
+        self.admitted(session_id)
+
+    def session_ended(self, session_id: str, reason: str, usage: Usage) -> None:
+        self.finished(session_id, reason, usage.input_tokens, usage.output_tokens)
+
+    def session_failed(self, session_id: str, why: str) -> None:
+        self.failed(session_id, why)
 
     # ---- ticks --------------------------------------------------------------------------------
 

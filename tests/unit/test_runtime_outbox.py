@@ -11,6 +11,8 @@ from scheduler_svc.core.limits import SchedulerLimits
 from scheduler_svc.core.plan import DecodeWork, PrefillWork
 from scheduler_svc.core.types import StepStatus, WorkerSpec
 from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.observers import SessionObserver
+from scheduler_svc.output import Usage
 from scheduler_svc.runtime import SchedulerRuntime
 from scheduler_svc.spans import SchedulerSpans
 
@@ -60,5 +62,58 @@ def test_events_of_a_session_finished_as_its_stream_ended_are_delivered_not_lost
         assert [e.finish.value for e in events if e.finish is not None] == ["length"]
         assert all(e.session_id == sid for e in events)
         assert core.snapshot().active_sessions == 0
+
+    asyncio.run(scenario())
+
+
+class _Recorder(SessionObserver):
+    """An observer that keeps what it is told, in order."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple] = []
+
+    def session_arrived(self, session_id, request, operation, workload_id, parent, arm) -> None:  # type: ignore[no-untyped-def]
+        self.seen.append(("arrived", session_id, operation))
+
+    def session_admitted(self, session_id: str) -> None:
+        self.seen.append(("admitted", session_id))
+
+    def session_token(self, session_id: str) -> None:
+        self.seen.append(("token", session_id))
+
+    def session_ended(self, session_id: str, reason: str, usage: Usage) -> None:
+        self.seen.append(("ended", session_id, reason, usage))
+
+    def tick_answered(self, prefill_tokens: int, decode_tokens: int) -> None:
+        self.seen.append(("tick", prefill_tokens, decode_tokens))
+
+
+def test_observers_hear_each_event_once_in_order_with_the_usage_at_the_end():
+    async def scenario() -> None:
+        core = SchedulerCore(SchedulerLimits())
+        core.add_worker(WorkerSpec("w0", capacity_tokens=4096, block_size=16, kv_bytes_per_token=64), 48, 2048)
+        recorder = _Recorder()
+        rt = SchedulerRuntime(
+            core,
+            [_Worker()],  # type: ignore[list-item]
+            SchedulerSpans("tiny"),
+            SchedulerMetrics("tiny", 2048),
+            observers=[recorder],
+        )
+        sub = rt.submit([SessionRequest(prompt_ids=(1, 2, 3), max_new_tokens=2)], ["text_completion"])
+        sid = sub.session_ids[0]
+        for _ in range(2):
+            plan = core.schedule()
+            rt._emit(await rt._run_tick(plan), sum(len(w.token_ids) for w in plan.prefill), len(plan.decode))
+        rt._deliver()
+        assert recorder.seen == [
+            ("arrived", sid, "text_completion"),
+            ("admitted", sid),
+            ("tick", 3, 0),
+            ("token", sid),
+            ("tick", 0, 1),
+            ("token", sid),
+            ("ended", sid, "length", Usage(input_tokens=3, output_tokens=2, cached_tokens=0)),
+        ]
 
     asyncio.run(scenario())
