@@ -421,8 +421,8 @@ class SchedulerRuntime:
                     )
                 )
                 if produced.stop_hit:
-                    # Its finish joins the outbox this loop drains; its KV goes with the next step.
-                    self._emit(self._core.finish(sid, FinishReason.STOP))
+                    # An input to the next schedule(), which finishes the session and frees its KV.
+                    self._core.finish(sid, FinishReason.STOP)
                     self._wake.set()
             for sid, reason in out.finished:
                 usage = self._ended(sid, reason.value)

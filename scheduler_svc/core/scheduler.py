@@ -74,7 +74,9 @@ class SchedulerCore:
         self._groups: dict[str, list[str]] = {}  # prefix group -> its sessions (SessionRequest.prefix_group)
         self._running: list[str] = []  # admission order
         self._caps: dict[str, WorkloadCaps] = {}  # workloads not yet finished
-        self._cancel_requested: set[str] = set()
+        # Running sessions to finish at the next schedule(): cancelled by their client, or ended
+        # by a stop string the output processor found (first request wins).
+        self._finish_requested: dict[str, FinishReason] = {}
         self._seq = 0
         self._tick = 0
         self._tick_started = 0.0
@@ -203,7 +205,7 @@ class SchedulerCore:
             self._close(session, FinishReason.CANCELLED, out)
             self._close_workloads()
         elif session.running:
-            self._cancel_requested.add(session_id)
+            self._finish_requested.setdefault(session_id, FinishReason.CANCELLED)
         return state, out
 
     def drop_queued(self, why: str) -> TickOutcome:
@@ -220,7 +222,7 @@ class SchedulerCore:
     # ---- the tick: schedule ------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self._running or self._queue or self._cancel_requested)
+        return bool(self._running or self._queue or self._finish_requested)
 
     def schedule(self) -> TickPlan:
         """Decide this tick's work. Cancellations and preemptions are settled here and travel in
@@ -228,7 +230,7 @@ class SchedulerCore:
         tick = self._tick + 1
         self._tick_started = self._clock()
         settled = TickOutcome(tick=tick)
-        self._settle_cancellations(settled)
+        self._settle_finishes(settled)
         preempted: set[str] = set()
         if self.limits.kv_policy == "preempt":
             preempted = self._make_room_for_decodes(settled)
@@ -265,16 +267,17 @@ class SchedulerCore:
             release={w: tuple(s) for w, s in settled.release.items()},
         )
 
-    def _settle_cancellations(self, out: TickOutcome) -> None:
-        for sid in sorted(self._cancel_requested, key=lambda s: self._sessions[s].seq):
+    def _settle_finishes(self, out: TickOutcome) -> None:
+        """The finishes asked for since the last tick (cancels, stop strings), in arrival order."""
+        for sid, reason in sorted(self._finish_requested.items(), key=lambda kv: self._sessions[kv[0]].seq):
             session = self._sessions[sid]
             if session.running:
-                self._close(session, FinishReason.CANCELLED, out)
+                self._close(session, reason, out)
             elif session.phase == Phase.QUEUED:
-                # Requeued (worker fault, cache miss) after the cancel was asked for.
+                # Requeued (worker fault, cache miss) after the finish was asked for.
                 self._dequeue(session)
-                self._close(session, FinishReason.CANCELLED, out)
-        self._cancel_requested.clear()
+                self._close(session, reason, out)
+        self._finish_requested.clear()
 
     def _admit(self, tick: int, budget: PrefillBudget, preempted: Set[str]) -> list[PrefillWork]:
         """Admission, first come first served, within max_running, the budget and the KV."""
@@ -431,6 +434,8 @@ class SchedulerCore:
             session = self._sessions[work.session_id]
             if work.worker_id in failed_workers or session.phase == Phase.FINISHED:
                 continue
+            if self._finish_requested.get(session.session_id) == FinishReason.STOP:
+                continue  # ended by its text: settled (and freed) by the next schedule()
             if work.worker_id in failed_steps:
                 self._move(session, f"its step on worker {work.worker_id} failed: {failed_steps[work.worker_id]}", out)
                 if session.phase == Phase.QUEUED:  # (ended, _close freed it already)
@@ -551,16 +556,13 @@ class SchedulerCore:
         if reason is not None:
             self._close(session, reason, out)
 
-    def finish(self, session_id: str, reason: FinishReason) -> TickOutcome:
-        """End a session outside the tick rules (a stop string seen by the adapter)."""
+    def finish(self, session_id: str, reason: FinishReason) -> None:
+        """Ask for a session to end (a stop string the output processor found): an input to the
+        next schedule(), which finishes it as it does a cancelled one. Meanwhile a token of a
+        step already under way is not taken: the text had ended before it."""
         session = self._sessions[session_id]
-        out = TickOutcome(tick=self._tick)
-        if session.running:
-            self._close(session, reason, out)
-            self._close_workloads()  # its workload may be complete now
-        elif session.phase == Phase.QUEUED:
-            return self.cancel(session_id)[1]
-        return out
+        if session.running or session.phase == Phase.QUEUED:
+            self._finish_requested.setdefault(session_id, reason)
 
     # ---- state changes -----------------------------------------------------------------------
 

@@ -1275,12 +1275,17 @@ def test_strangers_are_sessions_a_worker_holds_that_the_scheduler_did_not_place_
     assert core.strangers("w1", on_w0) == on_w0
 
 
-def test_a_workload_whose_last_session_ends_on_a_stop_string_has_its_stats_at_once():
+def test_a_stop_string_finish_is_settled_by_the_next_schedule_and_closes_its_workload():
     core, fake = make_core(), FakeWorkers()
     wid, (sid,) = core.submit_workload([req(4, 8)])
     step(core, fake)
     step(core, fake)
-    out = core.finish(sid, FinishReason.STOP)  # the adapter saw a stop string
-    assert out.finished == [(sid, FinishReason.STOP)] and out.release == {"w0": [sid]}
+    in_flight, early = plan_tick(core)  # tick 3's decode is under way ...
+    core.finish(sid, FinishReason.STOP)  # ... when the output processor sees a stop string
+    out = complete_tick(core, in_flight, fake.run(in_flight), outcome=early)
+    assert out.tokens == [] and core.session(sid).generated == expected_tokens(sid, 2)  # its token is not taken
+    assert core.workload_stats(wid) is None and core.has_work()
+    plan = core.schedule()
+    assert plan.empty and plan.finished == ((sid, FinishReason.STOP),) and plan.release == {"w0": (sid,)}
     stats = core.workload_stats(wid)
-    assert stats is not None and stats.sessions == 1 and stats.decode_tokens == 1
+    assert stats is not None and stats.sessions == 1 and not core.has_work()
