@@ -67,7 +67,9 @@ def smollm2_services() -> Iterator:  # type: ignore[no-untyped-def]
     from kvfleet.local_cluster import ClusterSpec, LocalCluster
     from tests.helpers.gateway import GatewayProcess
 
-    with LocalCluster(ClusterSpec(workers=1, model=SMOLLM2)) as cluster:
+    # 256 blocks (4096 tokens, ~190 MB of KV) rather than the worker's default 4096 (~3 GB): more
+    # than the scheduler's KV budget lets it use, and a loaded machine keeps its memory.
+    with LocalCluster(ClusterSpec(workers=1, model=SMOLLM2, num_blocks=256)) as cluster:
         env = {
             "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{cluster.telemetry_address}",
             "OTEL_EXPORTER_OTLP_INSECURE": "true",
