@@ -88,6 +88,7 @@ class WorkerView:
     sessions: int
     kv_tokens: int
     reserved_tokens: int
+    rss_bytes: int = 0  # as the worker last reported it (0: not yet)
 
 
 class SchedulerRuntime:
@@ -123,6 +124,7 @@ class SchedulerRuntime:
         self._no_worker_since: float | None = None
         # Sessions whose stream ended before they finished: forgotten when their finish is delivered.
         self._orphans: set[str] = set()
+        self._rss_bytes: dict[str, int] = {}  # each worker's resident memory, from its GetStats
         # The n sessions of one Generate call, by each of their ids: cancelling one cancels all.
         self._choices: dict[str, tuple[str, ...]] = {}
 
@@ -275,7 +277,8 @@ class SchedulerRuntime:
                 views.append(WorkerView(client, False, 0, 0, 0))
                 continue
             held = sum(self._core.session(s).kv_tokens for s in slot.sessions)
-            views.append(WorkerView(client, slot.live, len(slot.sessions), held, slot.reserved_tokens))
+            rss = self._rss_bytes.get(wid, 0)
+            views.append(WorkerView(client, slot.live, len(slot.sessions), held, slot.reserved_tokens, rss))
         return views
 
     # ---- the loop -------------------------------------------------------------------------
@@ -555,6 +558,7 @@ class SchedulerRuntime:
         except WorkerCallFailed as exc:
             log.warning("could not read worker %s's sessions: %s", worker_id, exc)
             return
+        self._rss_bytes[worker_id] = held.rss_bytes
         strangers = self._core.strangers(worker_id, held.session_ids)
         if strangers:
             log.warning(

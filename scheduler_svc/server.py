@@ -324,6 +324,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                 vocab_size=info.model.vocab_size,
                 weight_bytes=info.weight_bytes,
                 kv_bytes_per_token=info.kv_bytes_per_token,
+                rss_bytes=view.rss_bytes,
             )
         return resp
 

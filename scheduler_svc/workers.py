@@ -61,6 +61,7 @@ class HeldSessions:
     session_ids: tuple[str, ...]
     used_blocks: int
     free_blocks: int
+    rss_bytes: int = 0  # the worker process's resident memory
 
 
 @dataclass
@@ -162,7 +163,7 @@ class WorkerClient:
             s = await self.stub.GetStats(wpb.GetStatsRequest(), timeout=timeout, metadata=self.auth)
         except grpc.aio.AioRpcError as exc:
             raise WorkerCallFailed(self.address, exc.code(), exc.details() or "") from exc
-        return HeldSessions(tuple(s.session_ids), s.used_blocks, s.free_blocks)
+        return HeldSessions(tuple(s.session_ids), s.used_blocks, s.free_blocks, s.rss_bytes)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -263,10 +263,17 @@ class Engine:
                 f"quant={config.quant} runs on the CPU; device {config.device!r} resolved to {self.device}"
             )
         self.quant = config.quant
-        self.model = LlamaModel(
-            cfg, weights, self.device, dtype, quant=config.quant, fused_ops=None if config.fused_ops else False
-        )
         self.num_threads = config.num_threads or torch.get_num_threads()
+        # The [out, in] copies only serve one-thread steps (cpu_backend.TORCH_ROWS).
+        self.model = LlamaModel(
+            cfg,
+            weights,
+            self.device,
+            dtype,
+            quant=config.quant,
+            fused_ops=None if config.fused_ops else False,
+            torch_copy=self.num_threads == 1,
+        )
         self.use_threads()
         kv_dtype = self.model.act_dtype  # float32 on a CPU whatever the weights
         self.cache = PagedKVCache(

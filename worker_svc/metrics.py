@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvfleet_common.metrics import ITL_BUCKETS, Kind, Reading, SnapshotCollector
+from kvfleet_common.procinfo import resident_bytes
 from worker_svc.engine import Engine
 
 
@@ -46,6 +47,9 @@ class WorkerMetrics:
             s.used_blocks / total if total else 0.0,
         )
         yield Reading("kvfleet:worker_sessions", "Sessions whose KV the worker holds", s.active_sessions)
+        yield Reading(
+            "kvfleet:worker_resident_memory_bytes", "The worker process's resident memory (RSS)", resident_bytes()
+        )
         # The engine's own cumulative counts: counters, mirrored at scrape time.
         yield Reading(
             "kvfleet:worker_cache_misses", "Items naming KV the worker did not hold", s.cache_misses, Kind.COUNTER

@@ -18,6 +18,7 @@ import numpy as np
 from kvfleet.v1 import worker_pb2 as pb
 from kvfleet.v1 import worker_pb2_grpc as pb_grpc
 from kvfleet_common import grpcutil
+from kvfleet_common.procinfo import resident_bytes
 from kvfleet_common.security import WorkerAuthInterceptor, authorize_peer
 from kvfleet_common.tracing import extract_context
 from kvfleet_models.config import LlamaConfig
@@ -199,6 +200,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             prefix_cache_hits=s.prefix_cache_hits,
             cached_blocks=s.cached_blocks,
             session_ids=held,
+            rss_bytes=resident_bytes(),
         )
 
 

@@ -124,9 +124,14 @@ class LlamaModel:
         host_blas: bool | None = None,
         quant: str = "none",
         fused_ops: bool | None = None,
+        torch_copy: bool = True,
     ) -> None:
         """host_blas: None = numpy's BLAS exactly when float32 on a CPU (False forces torch's
         path, which GPUs take, so that a CPU-only test can check it).
+        torch_copy: on the host BLAS path, also keep each matrix's [out, in] copy for the row
+        counts torch runs faster on one thread (``cpu_backend.TORCH_ROWS``); False: torch reads
+        the [in, out] copy transposed, and the weights live once (with more than one thread
+        every product goes to the host BLAS anyway).
         quant: "none" or "int8" (float32 on a CPU only: ``q8``'s int8 products).
         fused_ops: None = the hand-fused C ops (``fused``) on a CPU where they build; False =
         torch's ops only; True = required (an error where they cannot be built)."""
@@ -170,6 +175,9 @@ class LlamaModel:
 
         def matrix(a: np.ndarray, lookup: bool = False) -> Matrix:
             """a: [out, in] as in the checkpoint; lookup: also the embedding table (tied)."""
+            if self.host_blas and not torch_copy:
+                kn = put(a.T)
+                return Matrix(kn=kn, nk=kn.t(), shape=a.shape)  # one copy: torch reads it transposed
             nk = put(a)
             dnn = pack_bf16(nk) if cpu_bf16 else None
             if dnn is not None:  # oneDNN's copy replaces torch's, unless rows are looked up

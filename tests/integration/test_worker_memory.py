@@ -1,0 +1,61 @@
+"""A worker reports its resident memory (GetStats, the scheduler's ListWorkers, Prometheus), and
+on the host BLAS path with more than one thread its weights live once."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvfleet.client import SchedulerClient
+from kvfleet.local_cluster import ClusterSpec, LocalCluster
+from kvfleet_models.config import tiny_config
+from kvfleet_models.tiny import tiny_weights
+from tests.helpers.worker_stats import wait_for_worker_stats, worker_stats
+from worker_svc.model.llama import LlamaModel
+from worker_svc.runner import RunItem
+
+
+def test_resident_memory_is_reported_by_the_worker_and_the_scheduler() -> None:
+    with LocalCluster(ClusterSpec(workers=1, model="tiny", telemetry=False, num_blocks=64)) as cluster:
+        (address,) = cluster.worker_addresses
+        rss = worker_stats(address).rss_bytes
+        assert 50e6 < rss < 8e9, rss  # a Python process with torch loaded, nowhere near 8 GB
+        with SchedulerClient(cluster.scheduler_address) as client:
+            (w,) = client.list_workers()  # read by the scheduler's first reconcile, at start
+        assert 0.5 * rss < w.rss_bytes < 2 * rss, (w.rss_bytes, rss)
+        wait_for_worker_stats(address, lambda s: s.rss_bytes > 0, what="a second reading")
+
+
+def _logits(model: LlamaModel, threads: int) -> np.ndarray:
+    from worker_svc.kv_cache import PagedKVCache, make_views
+    from worker_svc.kv_views_mode import KVViewsMode
+    from worker_svc.model.llama import PhaseTimes
+    from worker_svc.runner import run_step
+
+    cfg = model.cfg
+    model.use_threads(threads)
+    cache = PagedKVCache(cfg.num_layers, 8, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
+    views = make_views(KVViewsMode.REBUILD, cache)
+    # Two items of 5 tokens: 10 rows a product, within cpu_backend.TORCH_ROWS.
+    items = [
+        RunItem(f"s{i}", tuple(range(1 + i, 6 + i)), 0, tuple(range(16 * i, 16 * i + 5)), (i,), True) for i in range(2)
+    ]
+    return run_step(model, cache, views, items, PhaseTimes()).numpy()
+
+
+def test_without_the_torch_copy_the_weights_live_once_and_the_products_agree() -> None:
+    cfg = tiny_config()
+    weights = tiny_weights(cfg, seed=0)
+    cpu = torch.device("cpu")
+    both = LlamaModel(cfg, weights, cpu, torch.float32, fused_ops=False)
+    once = LlamaModel(cfg, weights, cpu, torch.float32, fused_ops=False, torch_copy=False)
+    assert both.host_blas and once.host_blas
+    for m in (mat for layer in once.layers for mat in layer.matrices()):
+        assert m.nk.untyped_storage().data_ptr() == m.kn.untyped_storage().data_ptr()  # one copy
+    for m in (mat for layer in both.layers for mat in layer.matrices()):
+        assert m.nk.untyped_storage().data_ptr() != m.kn.untyped_storage().data_ptr()
+    # Two threads: every product on the host BLAS, the same bits either way. One thread: 2-12
+    # rows go to torch, which reads the one copy transposed: the same products, summed alike
+    # up to rounding.
+    assert np.array_equal(_logits(both, 2), _logits(once, 2))
+    np.testing.assert_allclose(_logits(both, 1), _logits(once, 1), rtol=1e-5, atol=1e-5)
