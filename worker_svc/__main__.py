@@ -29,6 +29,12 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--block-size", type=int, env="KVFLEET_BLOCK_SIZE", default=d.block_size)
     p.add_argument("--num-blocks", type=int, env="KVFLEET_NUM_BLOCKS", default=d.num_blocks)
     p.add_argument(
+        "--kv-cache-memory",
+        env="KVFLEET_KV_CACHE_MEMORY",
+        default=d.kv_cache_memory,
+        help="size the KV pool by memory instead of --num-blocks: 2GiB, 512MB, or 0.25 (of the available memory)",
+    )
+    p.add_argument(
         "--kv-views", env="KVFLEET_KV_VIEWS", default=d.kv_views.value, choices=[m.value for m in KVViewsMode]
     )
     p.add_argument(
@@ -83,6 +89,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         quant=a.quant,
         block_size=a.block_size,
         num_blocks=a.num_blocks,
+        kv_cache_memory=a.kv_cache_memory,
         kv_views=KVViewsMode.parse(a.kv_views),
         metrics_port=a.metrics_port,
         num_threads=a.threads,

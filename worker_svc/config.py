@@ -18,6 +18,9 @@ class WorkerConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16
     block_size: int = 16
     num_blocks: int = 4096
+    # Instead of num_blocks: as many blocks as fit in this much memory ("2GiB", "512MB", or a
+    # fraction of the available memory such as "0.25"); "" = num_blocks. See kv_memory.
+    kv_cache_memory: str = ""
     # REBUILD (control) | PERSISTENT (candidate); a string naming one is parsed on construction.
     kv_views: KVViewsMode = KVViewsMode.REBUILD
     drain_grace_s: float = 10.0
@@ -48,6 +51,10 @@ class WorkerConfig:
             raise ValueError(f"quant={self.quant} needs dtype float32 (the activations), got {self.dtype!r}")
         if self.inline_step_s < 0:
             raise ValueError(f"inline step time must be >= 0, got {self.inline_step_s}")
+        if self.kv_cache_memory:
+            from worker_svc.kv_memory import parse_memory
+
+            parse_memory(self.kv_cache_memory)  # a bad size is a start-up error, before any load
         check_worker_secret(self.worker_secret)
         if not is_loopback(self.host) and not self.worker_secret and not self.mutual_tls:
             raise ValueError(

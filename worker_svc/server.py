@@ -77,7 +77,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 grpc.StatusCode.UNAVAILABLE, "the worker is finishing a step whose deadline expired; retry shortly"
             )
         return convert.info_to_pb(
-            self._config.worker_id, self._cfg, self._engine, self._config.block_size, self._config.num_blocks
+            self._config.worker_id, self._cfg, self._engine, self._config.block_size, self._engine.config.num_blocks
         )
 
     async def Step(self, request, context):
@@ -212,6 +212,18 @@ def build_engine(
     from kvfleet_models.registry import load_model
 
     cfg, weights = model if model is not None else load_model(config.model)
+    num_blocks = config.num_blocks
+    if config.kv_cache_memory:
+        from worker_svc.kv_memory import blocks_for, parse_memory
+        from worker_svc.platform import resolve_device
+
+        # The cache holds float32 on a CPU whatever the weights (see model/llama.py).
+        on_cpu = resolve_device(config.device).type == "cpu"
+        elem = 4 if on_cpu else {"float32": 4, "bfloat16": 2, "float16": 2}[config.dtype]
+        memory = parse_memory(config.kv_cache_memory)
+        num_blocks = blocks_for(memory, config.block_size, cfg.kv_bytes_per_token(elem))
+        log.info("KV pool: %d blocks of %d tokens in --kv-cache-memory %s", num_blocks, config.block_size,
+                 config.kv_cache_memory)  # fmt: skip
     engine = Engine(
         cfg,
         weights,
@@ -219,7 +231,7 @@ def build_engine(
             device=config.device,
             dtype=config.dtype,
             block_size=config.block_size,
-            num_blocks=config.num_blocks,
+            num_blocks=num_blocks,
             kv_views=config.kv_views,
             num_threads=config.num_threads,
             quant=config.quant,
@@ -273,7 +285,7 @@ async def create_server(
         engine.quant,
         f" on {engine.model.int8_kernels} kernels" if engine.model.int8_kernels else "",
         "on" if engine.model.fused is not None else "off",
-        config.num_blocks,
+        engine.config.num_blocks,
         config.block_size,
     )
     return server, port, health

@@ -59,3 +59,19 @@ def test_without_the_torch_copy_the_weights_live_once_and_the_products_agree() -
     # up to rounding.
     assert np.array_equal(_logits(both, 2), _logits(once, 2))
     np.testing.assert_allclose(_logits(both, 1), _logits(once, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_the_kv_pool_sized_by_memory() -> None:
+    from kvfleet.v1 import worker_pb2 as wpb
+    from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
+
+    spec = ClusterSpec(workers=1, model="tiny", telemetry=False, extra_env={"KVFLEET_KV_CACHE_MEMORY": "8MiB"})
+    with LocalCluster(spec) as cluster:
+        import grpc
+
+        with grpc.insecure_channel(cluster.worker_addresses[0]) as ch:
+            info = wpb_grpc.WorkerStub(ch).GetInfo(wpb.GetInfoRequest(), timeout=10)
+        assert info.num_blocks == 8 * 2**20 // (info.block_size * info.kv_bytes_per_token), info
+        assert info.kv_capacity_tokens == info.num_blocks * info.block_size
+        with SchedulerClient(cluster.scheduler_address) as client:
+            assert client.list_workers()[0].kv_capacity_tokens == info.kv_capacity_tokens
