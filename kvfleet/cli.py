@@ -44,6 +44,12 @@ def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None) -> 
     )
     p.add_argument("--max-running", type=int, default=d.max_running)
     p.add_argument("--prefill-token-budget", type=int, default=d.prefill_token_budget)
+    p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV blocks per worker (of 16 tokens)")
+    p.add_argument(
+        "--kv-cache-memory",
+        default=d.kv_cache_memory,
+        help="each worker's KV pool by memory instead of --num-blocks: 2GiB, 512MB, or 0.25 (of the available memory)",
+    )
 
 
 def _spec(a: argparse.Namespace, port: int = 0):
@@ -58,6 +64,8 @@ def _spec(a: argparse.Namespace, port: int = 0):
         scheduler_port=port,
         max_running=a.max_running,
         prefill_token_budget=a.prefill_token_budget,
+        num_blocks=a.num_blocks,
+        kv_cache_memory=a.kv_cache_memory,
         log_format=getattr(a, "log_format", ""),
         log_level=getattr(a, "log_level", ""),
     )

@@ -66,6 +66,7 @@ class ClusterSpec:
     max_running: int = SchedulerLimits.max_running
     prefill_token_budget: int = SchedulerLimits.prefill_token_budget
     num_blocks: int = WorkerConfig.num_blocks
+    kv_cache_memory: str = WorkerConfig.kv_cache_memory  # each worker's KV pool by memory (wins)
     block_size: int = WorkerConfig.block_size
     kv_views: str = WorkerConfig.kv_views.value
     telemetry: bool = True  # start a telemetry service and send traces to it
@@ -310,6 +311,7 @@ class LocalCluster:
                 str(s.block_size),
                 "--kv-views",
                 s.kv_views,
+                *(["--kv-cache-memory", s.kv_cache_memory] if s.kv_cache_memory else []),
             ],
         )
 

@@ -65,7 +65,7 @@ def test_the_kv_pool_sized_by_memory() -> None:
     from kvfleet.v1 import worker_pb2 as wpb
     from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
 
-    spec = ClusterSpec(workers=1, model="tiny", telemetry=False, extra_env={"KVFLEET_KV_CACHE_MEMORY": "8MiB"})
+    spec = ClusterSpec(workers=1, model="tiny", telemetry=False, kv_cache_memory="8MiB")  # as kvfleet up passes it
     with LocalCluster(spec) as cluster:
         import grpc
 
