@@ -68,6 +68,10 @@ class SpanRecord:
     experiment_id: str = ""
     arm: str = ""
     attributes: Mapping[str, Any] = field(default_factory=dict)
+    # The rest of what OTLP sends, as JSON-friendly values (see otlp.detail):
+    # {"kind": "server", "status": {"code": "error", "message": ...}, "events": [...],
+    #  "links": [...], "resource": {...}, "dropped": {...}}; {} for a span stored before.
+    detail: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def duration_ns(self) -> int:

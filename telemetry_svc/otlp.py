@@ -25,6 +25,13 @@ EXPERIMENT_ARM_ATTR = "experiment.arm"
 SERVICE_NAME_ATTR = "service.name"
 _MAX_NS = 2**63 - 1  # SQLite INTEGER is signed 64-bit
 _MAX_PROBLEMS = 3  # problems named in error_message; the count covers all
+# What a span may keep of its events, links and its resource's attributes: the first of each,
+# the rest counted in detail["dropped"] (an exporter's spans stay bounded in the store).
+MAX_EVENTS = 128
+MAX_LINKS = 128
+MAX_RESOURCE_ATTRIBUTES = 128
+_KINDS = {1: "internal", 2: "server", 3: "client", 4: "producer", 5: "consumer"}
+_STATUS = {1: "ok", 2: "error"}
 _ARM_VALUES = tuple(a.value for a in ARMS)
 
 
@@ -84,6 +91,38 @@ def _problem(span: Span, experiment_id: str, arm: Any) -> str | None:
     return next((c for c in checks if c), None)
 
 
+def detail(span: Span, resource: dict[str, Any]) -> dict[str, Any]:
+    """Kind, status, events, links and the resource's attributes, bounded (see MAX_*)."""
+    out: dict[str, Any] = {}
+    if span.kind in _KINDS:
+        out["kind"] = _KINDS[span.kind]
+    if span.status.code in _STATUS:
+        out["status"] = {"code": _STATUS[span.status.code], "message": span.status.message}
+    events = [
+        {"time_ns": e.time_unix_nano, "name": e.name, "attributes": attributes(e.attributes)}
+        for e in span.events[:MAX_EVENTS]
+    ]
+    links = [
+        {"trace_id": link.trace_id.hex(), "span_id": link.span_id.hex(), "attributes": attributes(link.attributes)}
+        for link in span.links[:MAX_LINKS]
+    ]
+    if events:
+        out["events"] = events
+    if links:
+        out["links"] = links
+    if resource:
+        out["resource"] = dict(list(resource.items())[:MAX_RESOURCE_ATTRIBUTES])
+    dropped = {
+        "events": span.dropped_events_count + max(len(span.events) - MAX_EVENTS, 0),
+        "links": span.dropped_links_count + max(len(span.links) - MAX_LINKS, 0),
+        "attributes": span.dropped_attributes_count,
+        "resource_attributes": max(len(resource) - MAX_RESOURCE_ATTRIBUTES, 0),
+    }
+    if any(dropped.values()):
+        out["dropped"] = {k: v for k, v in dropped.items() if v}
+    return out
+
+
 def count_spans(request: ExportTraceServiceRequest) -> int:
     return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
 
@@ -118,6 +157,7 @@ def convert(request: ExportTraceServiceRequest) -> Conversion:
                         experiment_id=str(exp),
                         arm=str(arm),
                         attributes=attrs,
+                        detail=detail(span, res),
                     )
                 )
     return Conversion(tuple(rows), rejected, tuple(problems))

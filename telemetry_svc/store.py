@@ -48,6 +48,7 @@ CREATE TABLE IF NOT EXISTS spans (
     arm TEXT NOT NULL,
     attributes TEXT NOT NULL,
     received_ns INTEGER NOT NULL DEFAULT 0,
+    detail TEXT NOT NULL DEFAULT '{}',
     PRIMARY KEY (trace_id, span_id)
 );
 CREATE TABLE IF NOT EXISTS artifacts (
@@ -75,7 +76,8 @@ DROP INDEX IF EXISTS spans_name;
 """
 
 _SPAN_COLUMNS = (
-    "trace_id, span_id, parent_span_id, name, service, start_ns, end_ns, duration_ns, experiment_id, arm, attributes"
+    "trace_id, span_id, parent_span_id, name, service, start_ns, end_ns, duration_ns, experiment_id, arm, attributes, "
+    "detail"
 )
 _ARTIFACT_COLUMNS = "experiment_id, kind, arm, sha256, value, completion_tokens, cached_tokens"
 TIMING_QUANTILES = (0.5, 0.9, 0.99)
@@ -179,13 +181,16 @@ class SqliteSpanStore:
         self._conn.executescript(_INDEXES)
 
     def _migrate(self) -> None:
-        """Stores written before retention existed: their rows count as received now."""
+        """Stores written before retention existed: their rows count as received now; before
+        span detail was kept: their spans have none ({})."""
         db = self._db()
         now = time.time_ns()
         for table, column in (("spans", "received_ns"), ("artifacts", "recorded_ns")):
             have = {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
             if column not in have:
                 db.execute(f"ALTER TABLE {table} ADD COLUMN {column} INTEGER NOT NULL DEFAULT {int(now)}")
+        if "detail" not in {r[1] for r in db.execute("PRAGMA table_info(spans)")}:
+            db.execute("ALTER TABLE spans ADD COLUMN detail TEXT NOT NULL DEFAULT '{}'")
 
     @property
     def location(self) -> str:
@@ -215,7 +220,8 @@ class SqliteSpanStore:
         now = time.time_ns()
         values = [
             (r.trace_id, r.span_id, r.parent_span_id, r.name, r.service, r.start_ns, r.end_ns, r.duration_ns,
-             r.experiment_id, r.arm, json.dumps(dict(r.attributes), sort_keys=True), now)
+             r.experiment_id, r.arm, json.dumps(dict(r.attributes), sort_keys=True),
+             json.dumps(dict(r.detail), sort_keys=True), now)
             for r in rows
         ]  # fmt: skip
         with self._lock:
@@ -224,7 +230,7 @@ class SqliteSpanStore:
             db.execute("BEGIN")
             try:
                 db.executemany(
-                    f"INSERT OR IGNORE INTO spans ({_SPAN_COLUMNS}, received_ns) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                    f"INSERT OR IGNORE INTO spans ({_SPAN_COLUMNS}, received_ns) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     values,
                 )
             except BaseException:
@@ -260,8 +266,10 @@ class SqliteSpanStore:
         with self._reading() as db:
             rows = db.execute(f"SELECT {_SPAN_COLUMNS} FROM spans{where} ORDER BY start_ns", args).fetchall()
         return [
-            SpanRecord(t, s, p, n, svc, st, en, experiment_id=e, arm=arm, attributes=json.loads(attrs))
-            for (t, s, p, n, svc, st, en, _dur, e, arm, attrs) in rows
+            SpanRecord(
+                t, s, p, n, svc, st, en, experiment_id=e, arm=arm, attributes=json.loads(attrs), detail=json.loads(det)
+            )
+            for (t, s, p, n, svc, st, en, _dur, e, arm, attrs, det) in rows
         ]
 
     def durations(self, experiment_id: str | None, name: str | None) -> dict[tuple[str, str], list[int]]:

@@ -243,7 +243,7 @@ def test_one_request_is_one_trace(client, cluster, gateway):
     }
     rows = wait_for_rows(
         cluster.log_dir / "telemetry.db",
-        "SELECT trace_id, span_id, parent_span_id, name, service, attributes FROM spans "
+        "SELECT trace_id, span_id, parent_span_id, name, service, attributes, detail FROM spans "
         "WHERE trace_id IN (SELECT trace_id FROM spans WHERE service = 'kvfleet-gateway' "
         "AND attributes LIKE ?)",
         (f'%"{got.id}"%',),
@@ -257,6 +257,9 @@ def test_one_request_is_one_trace(client, cluster, gateway):
     assert session[0][2] == gw[0][1], "the scheduler's session span is a child of the gateway's"
     assert (session[0][3], session[0][4]) == (f"chat {MODEL}", "kvfleet-scheduler")
     assert ("worker_step", "kvfleet-worker") in names
+    # The store keeps what OTLP sent beyond attributes: the kind, and the resource.
+    sdetail = json.loads(session[0][6])
+    assert sdetail["kind"] == "server" and sdetail["resource"]["service.name"] == "kvfleet-scheduler", sdetail
     attrs = json.loads(gw[0][5])
     # GenAI conventions as current: gen_ai.provider.name, not the deprecated gen_ai.system
     assert attrs["gen_ai.provider.name"] == "kvfleet" and "gen_ai.system" not in attrs

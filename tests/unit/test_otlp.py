@@ -79,3 +79,34 @@ def test_error_message_names_the_first_problems_and_counts_the_rest() -> None:
     assert conv.rejected == 5 and len(conv.problems) == 3
     assert conv.error_message.startswith("rejected 5 span(s)") and conv.error_message.endswith("and 2 more")
     assert count_spans(_req([_span(), _span()])) == 2
+
+
+def test_kind_status_events_links_and_resource_are_kept_and_bounded() -> None:
+    from opentelemetry.proto.trace.v1.trace_pb2 import Status
+
+    from telemetry_svc.otlp import MAX_EVENTS, MAX_RESOURCE_ATTRIBUTES
+
+    events = [
+        Span.Event(time_unix_nano=120 + i, name=f"e{i}", attributes=[_kv("i", int_value=i)])
+        for i in range(MAX_EVENTS + 3)
+    ]
+    link = Span.Link(trace_id=b"\x05" * 16, span_id=b"\x06" * 8, attributes=[_kv("kvfleet.link", string_value="tick")])
+    span = _span(
+        kind=Span.SPAN_KIND_SERVER,
+        status=Status(code=Status.STATUS_CODE_ERROR, message="dropped: no worker"),
+        events=events,
+        links=[link],
+        dropped_attributes_count=2,
+    )
+    res = [_kv("service.name", string_value="kvfleet-scheduler")]
+    res += [_kv(f"r{i}", int_value=i) for i in range(MAX_RESOURCE_ATTRIBUTES + 1)]
+    (row,) = convert(_req([span], res)).rows
+    d = row.detail
+    assert d["kind"] == "server" and d["status"] == {"code": "error", "message": "dropped: no worker"}
+    assert len(d["events"]) == MAX_EVENTS and d["events"][1] == {"time_ns": 121, "name": "e1", "attributes": {"i": 1}}
+    assert d["links"] == [{"trace_id": "05" * 16, "span_id": "06" * 8, "attributes": {"kvfleet.link": "tick"}}]
+    assert d["resource"]["service.name"] == "kvfleet-scheduler" and len(d["resource"]) == MAX_RESOURCE_ATTRIBUTES
+    assert d["dropped"] == {"events": 3, "attributes": 2, "resource_attributes": 2}
+    # A plain span carries nothing it did not send.
+    (plain,) = convert(_req([_span()])).rows
+    assert plain.detail == {}

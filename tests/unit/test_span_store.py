@@ -177,3 +177,28 @@ def test_reads_do_not_wait_for_the_write_lock(store: SqliteSpanStore) -> None:
         threading.Thread(target=read, daemon=True).start()
         assert done.wait(timeout=10), "reads blocked on the write lock"
     assert len(result[0].timings) == 4
+
+
+def test_span_detail_round_trips_and_an_older_store_is_migrated(tmp_path: Any) -> None:
+    import dataclasses
+
+    detail = {"kind": "client", "status": {"code": "ok", "message": ""}, "events": [{"name": "x", "time_ns": 5}]}
+    path = str(tmp_path / "old.db")
+    # A store as written before span detail was kept: no detail column.
+    old = sqlite3.connect(path)
+    old.executescript(
+        "CREATE TABLE spans (trace_id TEXT NOT NULL, span_id TEXT NOT NULL, parent_span_id TEXT NOT NULL, "
+        "name TEXT NOT NULL, service TEXT NOT NULL, start_ns INTEGER NOT NULL, end_ns INTEGER NOT NULL, "
+        "duration_ns INTEGER NOT NULL, experiment_id TEXT NOT NULL, arm TEXT NOT NULL, attributes TEXT NOT NULL, "
+        "received_ns INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (trace_id, span_id));"
+        "INSERT INTO spans VALUES ('" + "a" * 32 + "', '" + "b" * 16 + "', '', 'old', 's', 1, 2, 1, '', '', '{}', 3);"
+    )
+    old.commit()
+    old.close()
+    store = SqliteSpanStore(path)
+    try:
+        store.add_spans([dataclasses.replace(_row(1), detail=detail)])
+        by_name = {r.name: r for r in store.spans()}
+        assert by_name["old"].detail == {} and by_name["attention"].detail == detail
+    finally:
+        store.close()
