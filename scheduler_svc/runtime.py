@@ -325,8 +325,10 @@ class SchedulerRuntime:
         span = self._spans.start_tick(
             plan.tick, sessions, sum(len(w.token_ids) for w in plan.prefill), len(plan.decode), self._arm_of(sessions)
         )
+        start_ns = time.time_ns()
         try:
             results, failed, failed_steps = await self._dispatch(plan, span)
+            self._spans.session_steps(span, plan, start_ns, time.time_ns())
             return self._core.update(plan, results, failed, failed_steps)
         finally:
             span.end()

@@ -20,6 +20,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 
+from scheduler_svc.core.plan import DecodeWork, PrefillWork, TickPlan
 from scheduler_svc.core.types import Sampling, SessionRequest
 from scheduler_svc.experiments import ExperimentArm
 from scheduler_svc.observers import SessionObserver
@@ -199,3 +200,30 @@ class SchedulerSpans(SessionObserver):
             return self._tracer.start_span("tick", context=parent, attributes=attrs)
         links = [Link(r.get_span_context()) for r in roots.values()]
         return self._tracer.start_span("tick", context=Context(), links=links, attributes=attrs)
+
+    def session_steps(self, tick: Span, plan: TickPlan, start_ns: int, end_ns: int) -> None:
+        """Each session's part of a tick, in the session's own trace: a `step_prefill` (a prompt
+        chunk) or `step_decode` child of its session span, over the tick's dispatch, linked to
+        the tick span (which, for a tick of several sessions, is a trace of its own)."""
+        link = [Link(tick.get_span_context())]
+        items: list[PrefillWork | DecodeWork] = [*plan.prefill, *plan.decode]
+        for work in items:
+            spans = self._sessions.get(work.session_id)
+            if spans is None:
+                continue
+            attrs: dict[str, int | str] = {"kvfleet.tick": plan.tick, "kvfleet.worker.id": work.worker_id}
+            if isinstance(work, PrefillWork):
+                name = "step_prefill"
+                attrs.update(
+                    {"kvfleet.step.tokens": len(work.token_ids), "kvfleet.step.start_position": work.start_position}
+                )
+            else:
+                name = "step_decode"
+                attrs["kvfleet.step.position"] = work.position
+            self._tracer.start_span(
+                name,
+                context=trace.set_span_in_context(spans.root),
+                links=link,
+                attributes=attrs,
+                start_time=start_ns,
+            ).end(end_time=end_ns)

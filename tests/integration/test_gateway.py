@@ -260,6 +260,26 @@ def test_one_request_is_one_trace(client, cluster, gateway):
     # The store keeps what OTLP sent beyond attributes: the kind, and the resource.
     sdetail = json.loads(session[0][6])
     assert sdetail["kind"] == "server" and sdetail["resource"]["service.name"] == "kvfleet-scheduler", sdetail
+    # The request's own trace shows its work: a step_prefill, then a step_decode per further token,
+    # each a child of the session span linked to its tick's span.
+    steps = wait_for_rows(
+        cluster.log_dir / "telemetry.db",
+        "SELECT name, parent_span_id, detail, attributes FROM spans WHERE trace_id = ? AND name LIKE 'step_%' "
+        "ORDER BY start_ns",
+        (session[0][0],),
+        until=lambda r: len(r) >= got.usage.completion_tokens,
+        what="the session's step spans",
+    )
+    assert [r[0] for r in steps] == ["step_prefill"] + ["step_decode"] * (got.usage.completion_tokens - 1)
+    assert all(r[1] == session[0][1] for r in steps), "step spans are children of the session span"
+    linked = {json.loads(r[2])["links"][0]["span_id"] for r in steps}
+    wait_for_rows(  # (a lone session's ticks are children of its span: in this trace)
+        cluster.log_dir / "telemetry.db",
+        "SELECT span_id FROM spans WHERE trace_id = ? AND name = 'tick'",
+        (session[0][0],),
+        until=lambda r: bool(linked) and linked <= {t for (t,) in r},
+        what=f"the tick spans {sorted(linked)} the step spans link to",
+    )
     attrs = json.loads(gw[0][5])
     # GenAI conventions as current: gen_ai.provider.name, not the deprecated gen_ai.system
     assert attrs["gen_ai.provider.name"] == "kvfleet" and "gen_ai.system" not in attrs
