@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import sys
 import time
@@ -93,6 +94,20 @@ def _scheduler(a: argparse.Namespace) -> Iterator[str]:
         yield scheduler
 
 
+def _forward_endpoint() -> str:
+    """The user's own OTLP endpoint, if the environment names one: `kvfleet up`'s services export
+    to its telemetry service, which passes everything on there (OTLP/gRPC only)."""
+    env = os.environ
+    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    if endpoint and protocol != "grpc":
+        print(
+            f"not forwarding traces to {endpoint}: only OTLP/gRPC is forwarded (protocol {protocol})", file=sys.stderr
+        )
+        return ""
+    return endpoint
+
+
 def cmd_up(a: argparse.Namespace) -> int:
     """Start the cluster and keep it up: a process that dies is restarted (with backoff, logged);
     Ctrl-C or SIGTERM drains and stops everything, and so does a scheduler that keeps crashing.
@@ -112,6 +127,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         telemetry_port=a.telemetry_port,
         worker_secret=secrets.token_urlsafe(32),
         drain_grace_s=a.drain_grace,
+        forward_otlp=_forward_endpoint(),
     )
     cluster = LocalCluster(spec)
     print(
@@ -127,6 +143,8 @@ def cmd_up(a: argparse.Namespace) -> int:
         f"metrics ports {cluster.metrics_ports}; logs in {cluster.log_dir}). Ctrl-C drains and stops.",
         flush=True,
     )
+    if spec.forward_otlp:
+        print(f"traces also go to {spec.forward_otlp} (OTEL_EXPORTER_OTLP_ENDPOINT), through kvfleet's telemetry")
     print("pids: " + ", ".join(f"{n}={p.pid}" for n, p in cluster.procs.items()), flush=True)
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))

@@ -85,6 +85,8 @@ class ClusterSpec:
     # (never a flag: the process list shows flags); "" = none. `kvfleet up` makes one per run.
     worker_secret: str = field(default="", repr=False)
     drain_grace_s: float = SchedulerConfig.drain_grace_s  # the scheduler's and gateway's --drain-grace
+    # The telemetry service also passes every export on to this OTLP/gRPC endpoint ("" = none).
+    forward_otlp: str = ""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -178,6 +180,15 @@ class LocalCluster:
         if self.spec.worker_secret or not (name == "scheduler" or name.startswith("worker-")):
             for var in _SECRET_VARS:
                 env.pop(var, None)
+        if self.telemetry_address:
+            # The services export to this cluster's telemetry (which forwards where the user's
+            # OTEL_EXPORTER_OTLP_ENDPOINT says: spec.forward_otlp), not past it.
+            for var in (
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+                "OTEL_EXPORTER_OTLP_PROTOCOL",
+            ):
+                env.pop(var, None)
         env.update(self._env(name))
         proc = subprocess.Popen(
             [sys.executable, *args, *self._log_args()],
@@ -216,6 +227,7 @@ class LocalCluster:
                         str(port),
                         "--db",
                         str(self.log_dir / "telemetry.db"),
+                        *(["--forward-otlp", s.forward_otlp] if s.forward_otlp else []),
                     ],
                 )
                 self._wait_healthy([self.telemetry_address])

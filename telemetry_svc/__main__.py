@@ -35,6 +35,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[TelemetryConfig, LogSetti
     p.add_argument("--max-artifact-kb", type=int, env="KVFLEET_TELEMETRY_MAX_ARTIFACT_KB",
                    default=d.max_artifact_bytes // 1024,
                    help="largest RecordArtifact request accepted (tokens_json included); larger: RESOURCE_EXHAUSTED")  # fmt: skip
+    p.add_argument("--forward-otlp", env="KVFLEET_TELEMETRY_FORWARD_OTLP", default=d.forward_otlp,
+                   help="also pass every OTLP export received on to this endpoint (a collector, Tempo, "
+                        "Jaeger): host:port, http://host:port or https://host:port")  # fmt: skip
     p.add_argument("--metrics-port", type=int, env="KVFLEET_METRICS_PORT", default=DEFAULT_METRICS_PORT,
                    help="Prometheus /metrics port (0 = off)")  # fmt: skip
     p.add_logging_flags()
@@ -50,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TelemetryConfig, LogSetti
         config = TelemetryConfig(a.host, a.port, a.db, max_pending_spans=a.max_pending_spans, grace_s=a.grace, tls=tls,
                                  auth=AuthPolicy(a.api_token, frozenset(tls.allowed_clients or ()), a.protect_reads),
                                  retention=RetentionPolicy.from_flags(a.retention_hours, a.max_db_mb),
-                                 metrics_port=a.metrics_port, max_artifact_bytes=a.max_artifact_kb * 1024)  # fmt: skip
+                                 metrics_port=a.metrics_port, max_artifact_bytes=a.max_artifact_kb * 1024,
+                                 forward_otlp=a.forward_otlp)  # fmt: skip
     except ValueError as exc:
         p.error(str(exc))
     return config, LogSettings(a.log_level, a.log_format)

@@ -25,6 +25,11 @@ class TelemetryMetrics:
         self.unauthorized = Counter("kvfleet:telemetry_unauthorized_requests",
                                     "Calls refused for a missing/wrong token or client certificate", ["method"],
                                     registry=r)  # fmt: skip
+        self.forward_dropped = Counter("kvfleet:telemetry_forward_dropped_spans",
+                                       "Spans not passed on to --forward-otlp (queue full, or it refused or "
+                                       "did not answer)", registry=r)  # fmt: skip
+        self.forwarded = Counter("kvfleet:telemetry_forwarded_spans", "Spans passed on to --forward-otlp",
+                                 registry=r)  # fmt: skip
         self._policy = policy
         self._last: RetentionResult | None = None
         r.register(GaugeCollector(self._gauges))

@@ -27,6 +27,7 @@ from kvfleet_common import grpcutil
 from kvfleet_common.metrics import serve_metrics
 from kvfleet_common.security import TlsConfig
 from telemetry_svc.auth import AuthInterceptor, AuthPolicy
+from telemetry_svc.forward import OtlpForwarder
 from telemetry_svc.gates import GateSpec, InvalidGateSpec, load_default_spec, parse_gate_spec
 from telemetry_svc.metrics import TelemetryMetrics
 from telemetry_svc.model import (
@@ -81,6 +82,8 @@ class TelemetryConfig:
     metrics_port: int = 0  # Prometheus /metrics; 0 = off (the entry point defaults to 9402)
     max_receive_bytes: int = MAX_EXPORT_BYTES
     max_artifact_bytes: int = DEFAULT_MAX_ARTIFACT_BYTES  # a RecordArtifact request, serialized
+    # Pass every Export received on to this OTLP/gRPC endpoint too ("" = none): see forward.py.
+    forward_otlp: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
@@ -93,6 +96,10 @@ class TelemetryConfig:
             raise ValueError("db_path must not be empty")
         if self.max_receive_bytes < 4 * 1024 * 1024:
             raise ValueError("max_receive_bytes below gRPC's own 4 MiB default makes no sense")
+        if self.forward_otlp:
+            from telemetry_svc.forward import parse_endpoint
+
+            parse_endpoint(self.forward_otlp)  # a bad endpoint is a start-up error
         if not 1024 <= self.max_artifact_bytes <= self.max_receive_bytes:
             raise ValueError(
                 f"max_artifact_bytes must be in 1 KiB..max_receive_bytes ({self.max_receive_bytes}), "
@@ -164,10 +171,13 @@ class Admission:
 class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     """OTLP/gRPC TraceService. Registered with raw-bytes deserialization (see export_bytes)."""
 
-    def __init__(self, store: SpanStore, admission: Admission, metrics: TelemetryMetrics) -> None:
+    def __init__(
+        self, store: SpanStore, admission: Admission, metrics: TelemetryMetrics, forwarder: OtlpForwarder | None = None
+    ) -> None:
         self._store = store
         self._admission = admission
         self._metrics = metrics
+        self._forwarder = forwarder
 
     async def export_bytes(self, raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         # grpc's own deserializer turns a bad payload into INTERNAL; parsing here lets us answer
@@ -176,7 +186,10 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
             request = trace_service_pb2.ExportTraceServiceRequest.FromString(raw)
         except DecodeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not an ExportTraceServiceRequest: {exc}")
-        return await self.Export(request, context)
+        response = await self.Export(request, context)
+        if self._forwarder is not None:  # what was accepted here goes on as received
+            self._forwarder.offer(raw, count_spans(request))
+        return response
 
     @mapped_errors
     async def Export(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -306,8 +319,10 @@ class TelemetryServer:
     """The grpc.aio server, its health servicer, store and retention task; stop() drains all."""
 
     def __init__(self, server: grpc.aio.Server, health_servicer: Any, store: SpanStore, admission: Admission,
-                 config: TelemetryConfig, metrics: TelemetryMetrics) -> None:  # fmt: skip
+                 config: TelemetryConfig, metrics: TelemetryMetrics,
+                 forwarder: OtlpForwarder | None = None) -> None:  # fmt: skip
         self.grpc_server = server
+        self.forwarder = forwarder
         self.health = health_servicer
         self.store = store
         self.metrics = metrics
@@ -319,6 +334,9 @@ class TelemetryServer:
 
     async def start(self) -> None:
         await self.grpc_server.start()
+        if self.forwarder is not None:
+            self.forwarder.start()
+            logger.info("forwarding every OTLP export to %s", self.forwarder.endpoint)
         self._retention = asyncio.create_task(self._retention_loop(), name="telemetry-retention")
         try:
             self.metrics_port = serve_metrics(self.metrics.registry, self._config.host, self._config.metrics_port)
@@ -361,6 +379,8 @@ class TelemetryServer:
         await grpcutil.drain(self.grpc_server, self.health, SERVICE_NAMES, grace)
         if self._retention is not None:
             await self._retention  # ends after its current pass: never closes the store under it
+        if self.forwarder is not None:
+            await self.forwarder.close(min(grace or 0.0, 2.0))
         await asyncio.to_thread(self.store.close)
 
     async def wait_for_termination(self) -> None:
@@ -376,7 +396,12 @@ def create_server(config: TelemetryConfig, store: SpanStore | None = None) -> tu
     metrics = TelemetryMetrics(config.retention)
     auth = AuthInterceptor(config.auth, lambda method: metrics.unauthorized.labels(method=method).inc())
     server = grpc.aio.server(options=grpcutil.server_options(config.max_receive_bytes), interceptors=[auth])
-    receiver = TraceReceiver(store, admission, metrics)
+    forwarder = None
+    if config.forward_otlp:
+        forwarder = OtlpForwarder(
+            config.forward_otlp, on_drop=metrics.forward_dropped.inc, on_sent=metrics.forwarded.inc
+        )
+    receiver = TraceReceiver(store, admission, metrics, forwarder)
     export = grpc.unary_unary_rpc_method_handler(
         receiver.export_bytes,
         request_deserializer=None,
@@ -388,7 +413,7 @@ def create_server(config: TelemetryConfig, store: SpanStore | None = None) -> tu
     )
     health_servicer = grpcutil.add_health_and_reflection(server, SERVICE_NAMES)
     port = grpcutil.bind(server, config.host, config.port, config.tls or TlsConfig())
-    return TelemetryServer(server, health_servicer, store, admission, config, metrics), port
+    return TelemetryServer(server, health_servicer, store, admission, config, metrics, forwarder), port
 
 
 async def serve(config: TelemetryConfig) -> None:

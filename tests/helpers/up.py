@@ -17,7 +17,7 @@ from kvfleet.client import SchedulerClient
 class Up:
     """A `kvfleet up` process: its scheduler address and its children's pids, read from its banner."""
 
-    def __init__(self, args: list[str], log: Path, start_timeout_s: float) -> None:
+    def __init__(self, args: list[str], log: Path, start_timeout_s: float, env: dict[str, str] | None = None) -> None:
         self.stderr_path = log
         self.proc = subprocess.Popen(
             [
@@ -35,8 +35,10 @@ class Up:
             ],
             stdout=subprocess.PIPE,
             stderr=open(log, "wb"),
+            env=None if env is None else {**os.environ, **env},
         )
         banner = self._read_until("pids: ", start_timeout_s)
+        self.banner = banner
         self.scheduler = re.search(r"scheduler at (\S+?)[,\s]", banner).group(1)
         self.pids = {n: int(p) for n, p in re.findall(r"([\w-]+)=(\d+)", banner.split("pids: ")[1])}
 
