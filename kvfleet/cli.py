@@ -324,6 +324,20 @@ def cmd_soak(a: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_traces(a: argparse.Namespace) -> int:
+    from kvfleet import traces
+
+    db = Path(a.db)
+    if a.trace or a.session:
+        trace_id = a.trace or traces.trace_of_session(db, a.session)
+        print(traces.waterfall(traces.spans_of(db, trace_id)))
+        return 0
+    for trace_id, root, count, start_ns, duration_ns in traces.recent(db, a.limit):
+        stamp = time.strftime("%H:%M:%S", time.localtime(start_ns / 1e9))
+        print(f"{stamp}  {trace_id}  {duration_ns / 1e6:10.2f} ms  {count:5d} spans  {root}")
+    return 0
+
+
 def cmd_telemetry(a: argparse.Namespace) -> int:
     from kvfleet.client import SchedulerClient
     from kvfleet.sweep import snapshot_dict
@@ -488,6 +502,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--restart-after", type=float, default=3.0, help="seconds between killing a worker and restarting it"
     )
     so.set_defaults(fn=cmd_soak)
+
+    tr = sub.add_parser("traces", help="recent traces, or one as a waterfall, from a telemetry store")
+    tr.add_argument("--db", required=True, help="the telemetry store (kvfleet up: telemetry.db in its logs folder)")
+    tr.add_argument("--trace", default="", help="show this trace (its id, 32 hex digits)")
+    tr.add_argument("--session", default="", help="show the trace of this session (its id, s-...)")
+    tr.add_argument("--limit", type=int, default=20, help="traces to list")
+    tr.set_defaults(fn=cmd_traces)
 
     te = sub.add_parser("telemetry", help="print the scheduler's live telemetry snapshot")
     te.add_argument("--scheduler", default=DEFAULT_SCHEDULER)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import signal
+import subprocess
+import sys
 import time
 
 import openai
@@ -280,6 +282,14 @@ def test_one_request_is_one_trace(client, cluster, gateway):
         until=lambda r: bool(linked) and linked <= {t for (t,) in r},
         what=f"the tick spans {sorted(linked)} the step spans link to",
     )
+    # ... which `kvfleet traces` shows as a waterfall, found by the session's id.
+    sid = json.loads(session[0][5])["kvfleet.session.id"]
+    shown = subprocess.run(
+        [sys.executable, "-m", "kvfleet.cli", "traces", "--db", str(cluster.log_dir / "telemetry.db"), "--session", sid],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert shown.startswith(f"trace {session[0][0]}:") and f"chat {MODEL} (kvfleet-scheduler)" in shown, shown
+    assert shown.count("  step_decode (kvfleet-scheduler)") == got.usage.completion_tokens - 1, shown
     attrs = json.loads(gw[0][5])
     # GenAI conventions as current: gen_ai.provider.name, not the deprecated gen_ai.system
     assert attrs["gen_ai.provider.name"] == "kvfleet" and "gen_ai.system" not in attrs

@@ -1,0 +1,60 @@
+"""`kvfleet traces` (kvfleet/traces.py) on a telemetry store written by the real store class."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvfleet.cli import main
+from kvfleet.traces import recent, spans_of, trace_of_session, waterfall
+from telemetry_svc.model import SpanRecord
+from telemetry_svc.store import SqliteSpanStore
+
+T1, T2 = "a" * 32, "b" * 32
+
+
+def _store(path: Path) -> Path:
+    store = SqliteSpanStore(str(path))
+    ms = 1_000_000
+    store.add_spans(
+        [
+            SpanRecord(
+                T1, "1" * 16, "", "chat m", "kvfleet-scheduler", 0, 10 * ms, attributes={"kvfleet.session.id": "s-x"}
+            ),
+            SpanRecord(T1, "2" * 16, "1" * 16, "queue", "kvfleet-scheduler", 0, 2 * ms),
+            SpanRecord(T1, "3" * 16, "1" * 16, "step_prefill", "kvfleet-scheduler", 2 * ms, 6 * ms),
+            SpanRecord(T1, "4" * 16, "3" * 16, "worker_step", "kvfleet-worker", 3 * ms, 5 * ms),
+            SpanRecord(T1, "5" * 16, "1" * 16, "step_decode", "kvfleet-scheduler", 6 * ms, 10 * ms),
+            SpanRecord(T2, "6" * 16, "", "tick", "kvfleet-scheduler", 20 * ms, 21 * ms),
+        ]
+    )
+    store.close()
+    return path
+
+
+def test_recent_traces_newest_first_with_their_root(tmp_path: Path) -> None:
+    db = _store(tmp_path / "t.db")
+    assert [(t, root, n) for t, root, n, _, _ in recent(db)] == [(T2, "tick", 1), (T1, "chat m", 5)]
+
+
+def test_a_sessions_trace_as_an_indented_waterfall(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db = _store(tmp_path / "t.db")
+    assert trace_of_session(db, "s-x") == T1
+    lines = waterfall(spans_of(db, T1)).splitlines()
+    assert lines[0] == f"trace {T1}: 5 spans, 10.00 ms"
+    names = [ln.split(" (")[0] for ln in lines[1:]]
+    assert names == ["chat m", "  queue", "  step_prefill", "    worker_step", "  step_decode"]
+    assert "    4.00 ms |" in lines[3] and lines[3].endswith("|      #############             |")
+    assert main(["traces", "--db", str(db), "--session", "s-x"]) == 0
+    assert capsys.readouterr().out.strip().splitlines() == lines
+
+
+def test_missing_store_session_or_trace_say_what_is_wrong(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no telemetry store"):
+        recent(tmp_path / "none.db")
+    db = _store(tmp_path / "t.db")
+    with pytest.raises(ValueError, match="no span of session s-y"):
+        trace_of_session(db, "s-y")
+    with pytest.raises(ValueError, match="no trace"):
+        spans_of(db, "c" * 32)
