@@ -94,9 +94,12 @@ def _scheduler(a: argparse.Namespace) -> Iterator[str]:
         yield scheduler
 
 
-def _forward_endpoint() -> str:
+def _forward_endpoint(telemetry_port: int) -> str:
     """The user's own OTLP endpoint, if the environment names one: `kvfleet up`'s services export
-    to its telemetry service, which passes everything on there (OTLP/gRPC only)."""
+    to its telemetry service, which passes everything on there (OTLP/gRPC only; not when it is
+    that telemetry service's own address, a habit with localhost:4317)."""
+    from telemetry_svc.forward import names_itself
+
     env = os.environ
     endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
     protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
@@ -104,6 +107,12 @@ def _forward_endpoint() -> str:
         print(
             f"not forwarding traces to {endpoint}: only OTLP/gRPC is forwarded (protocol {protocol})", file=sys.stderr
         )
+        return ""
+    try:
+        if endpoint and telemetry_port and names_itself(endpoint, "127.0.0.1", telemetry_port):
+            return ""  # the user's endpoint is kvfleet up's own telemetry: nothing to forward
+    except ValueError as exc:  # not an address kvfleet can forward to: it starts without
+        print(f"not forwarding traces to {endpoint}: {exc}", file=sys.stderr)
         return ""
     return endpoint
 
@@ -127,7 +136,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         telemetry_port=a.telemetry_port,
         worker_secret=secrets.token_urlsafe(32),
         drain_grace_s=a.drain_grace,
-        forward_otlp=_forward_endpoint(),
+        forward_otlp=_forward_endpoint(a.telemetry_port),
     )
     cluster = LocalCluster(spec)
     print(

@@ -33,6 +33,17 @@ def parse_endpoint(endpoint: str) -> tuple[bool, str]:
     return bool(sep) and scheme == "https", target
 
 
+_LOCAL = {"localhost", "127.0.0.1", "::1", "[::1]", "0.0.0.0", ""}
+
+
+def names_itself(endpoint: str, host: str, port: int) -> bool:
+    """Whether ``endpoint`` is this service's own address (host, port): forwarding there would
+    send every export back to itself, for ever."""
+    _, target = parse_endpoint(endpoint)
+    ep_host, _, ep_port = target.rpartition(":")
+    return int(ep_port) == port and (ep_host == host or (ep_host in _LOCAL and host in _LOCAL))
+
+
 def channel_for(endpoint: str) -> grpc.aio.Channel:
     tls, target = parse_endpoint(endpoint)
     if tls:

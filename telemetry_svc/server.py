@@ -27,7 +27,7 @@ from kvfleet_common import grpcutil
 from kvfleet_common.metrics import serve_metrics
 from kvfleet_common.security import TlsConfig
 from telemetry_svc.auth import AuthInterceptor, AuthPolicy
-from telemetry_svc.forward import OtlpForwarder
+from telemetry_svc.forward import OtlpForwarder, names_itself
 from telemetry_svc.gates import GateSpec, InvalidGateSpec, load_default_spec, parse_gate_spec
 from telemetry_svc.metrics import TelemetryMetrics
 from telemetry_svc.model import (
@@ -413,6 +413,11 @@ def create_server(config: TelemetryConfig, store: SpanStore | None = None) -> tu
     )
     health_servicer = grpcutil.add_health_and_reflection(server, SERVICE_NAMES)
     port = grpcutil.bind(server, config.host, config.port, config.tls or TlsConfig())
+    if forwarder is not None and names_itself(config.forward_otlp, config.host, port):
+        raise ValueError(
+            f"--forward-otlp {config.forward_otlp} is this telemetry service's own address ({config.host}:{port}): "
+            "every export would come back for ever; name another collector, or none"
+        )
     return TelemetryServer(server, health_servicer, store, admission, config, metrics, forwarder), port
 
 

@@ -91,3 +91,46 @@ def test_kvfleet_up_forwards_to_the_users_otlp_endpoint(tmp_path: Path) -> None:
     finally:
         assert up.stop() == 0, up.stderr()
         collector.stop()
+
+
+def test_forwarding_to_itself_is_refused_and_kvfleet_up_skips_its_own_address(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvfleet.cli import _forward_endpoint
+    from telemetry_svc.forward import names_itself
+    from telemetry_svc.server import create_server
+
+    assert names_itself("http://localhost:4317", "127.0.0.1", 4317)
+    assert names_itself("127.0.0.1:4317", "0.0.0.0", 4317)
+    assert not names_itself("http://localhost:4318", "127.0.0.1", 4317)
+    assert not names_itself("collector:4317", "127.0.0.1", 4317)
+
+    import socket
+
+    with socket.socket() as s:  # a free port to bind to and to name
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = TelemetryConfig(host="127.0.0.1", port=port, db_path=str(tmp_path / "t.db"),
+                             forward_otlp=f"http://127.0.0.1:{port}")  # fmt: skip
+
+    import asyncio
+
+    async def build() -> None:
+        create_server(config)
+
+    with pytest.raises(ValueError, match="own address"):
+        asyncio.run(build())
+    for var in (
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+    ):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4317")
+    assert _forward_endpoint(4317) == ""  # kvfleet up's own telemetry: nothing to forward
+    assert _forward_endpoint(0) == "http://localhost:4317"  # (a free port was asked for)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4318/v1/traces")
+    assert _forward_endpoint(4317) == ""  # not an OTLP/gRPC address: kvfleet up starts without
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
+    assert _forward_endpoint(4317) == ""
