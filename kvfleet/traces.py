@@ -6,22 +6,11 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from dataclasses import dataclass
 from pathlib import Path
 
+from telemetry_svc.model import SpanRecord
+
 BAR = 32  # characters of the waterfall's timeline
-
-
-@dataclass(frozen=True)
-class SpanRow:
-    trace_id: str
-    span_id: str
-    parent_span_id: str
-    name: str
-    service: str
-    start_ns: int
-    end_ns: int
-    attributes: dict
 
 
 def _connect(db: Path) -> sqlite3.Connection:
@@ -59,7 +48,7 @@ def trace_of_session(db: Path, session_id: str) -> str:
     return str(row[0])
 
 
-def spans_of(db: Path, trace_id: str) -> list[SpanRow]:
+def spans_of(db: Path, trace_id: str) -> list[SpanRecord]:
     with _connect(db) as conn:
         rows = conn.execute(
             "SELECT trace_id, span_id, parent_span_id, name, service, start_ns, end_ns, attributes FROM spans "
@@ -68,14 +57,17 @@ def spans_of(db: Path, trace_id: str) -> list[SpanRow]:
         ).fetchall()
     if not rows:
         raise ValueError(f"no trace {trace_id} in the store")
-    return [SpanRow(r[0], r[1], r[2], r[3], r[4], int(r[5]), int(r[6]), json.loads(r[7])) for r in rows]
+    return [
+        SpanRecord(t, s, p, name, svc, int(start), int(end), attributes=json.loads(attrs))
+        for (t, s, p, name, svc, start, end, attrs) in rows
+    ]
 
 
-def waterfall(spans: list[SpanRow]) -> str:
+def waterfall(spans: list[SpanRecord]) -> str:
     """Each span under its parent (in start order), with its duration and a bar on the trace's
     timeline; a span whose parent is not in the trace is shown at the top level."""
     ids = {s.span_id for s in spans}
-    children: dict[str, list[SpanRow]] = {}
+    children: dict[str, list[SpanRecord]] = {}
     for s in spans:
         children.setdefault(s.parent_span_id if s.parent_span_id in ids else "", []).append(s)
     t0 = min(s.start_ns for s in spans)

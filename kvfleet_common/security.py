@@ -217,39 +217,35 @@ def check_worker_secret(secret: str) -> None:
         )
 
 
-def worker_secret_from_env(env: Mapping[str, str] | None = None) -> str:
-    """KVFLEET_WORKER_SECRET, or the contents of KVFLEET_WORKER_SECRET_FILE (surrounding
-    whitespace dropped: files end in a newline); "" when neither is set."""
+def secret_from_env(name: str, env: Mapping[str, str] | None = None) -> str:
+    """The variable ``name``, or the contents of ``name``_FILE (surrounding whitespace dropped:
+    files end in a newline; compose hands secrets over as files of a volume); "" when neither
+    is set. ValueError when both are, or the file cannot be read or is empty."""
     env = os.environ if env is None else env
-    value, path = env.get("KVFLEET_WORKER_SECRET", ""), env.get("KVFLEET_WORKER_SECRET_FILE", "")
+    file_var = f"{name}_FILE"
+    value, path = env.get(name, ""), env.get(file_var, "")
     if value and path:
-        raise ValueError("set KVFLEET_WORKER_SECRET or KVFLEET_WORKER_SECRET_FILE, not both")
+        raise ValueError(f"set {name} or {file_var}, not both")
     if path:
         try:
             value = Path(path).read_text().strip()
         except OSError as exc:
-            raise ValueError(f"cannot read KVFLEET_WORKER_SECRET_FILE {path}: {exc.strerror}") from exc
+            raise ValueError(f"cannot read {file_var} {path}: {exc.strerror}") from exc
         if not value:
-            raise ValueError(f"KVFLEET_WORKER_SECRET_FILE {path} is empty")
+            raise ValueError(f"{file_var} {path} is empty")
+    return value
+
+
+def worker_secret_from_env(env: Mapping[str, str] | None = None) -> str:
+    """KVFLEET_WORKER_SECRET or KVFLEET_WORKER_SECRET_FILE (see secret_from_env), checked."""
+    value = secret_from_env("KVFLEET_WORKER_SECRET", env)
     check_worker_secret(value)
     return value
 
 
 def telemetry_token_from_env(env: Mapping[str, str] | None = None) -> str:
-    """KVFLEET_TELEMETRY_TOKEN, or the contents of KVFLEET_TELEMETRY_TOKEN_FILE (compose hands it
-    over as a file of a volume, as it does the worker secret); "" when neither is set."""
-    env = os.environ if env is None else env
-    value, path = env.get("KVFLEET_TELEMETRY_TOKEN", ""), env.get("KVFLEET_TELEMETRY_TOKEN_FILE", "")
-    if value and path:
-        raise ValueError("set KVFLEET_TELEMETRY_TOKEN or KVFLEET_TELEMETRY_TOKEN_FILE, not both")
-    if path:
-        try:
-            value = Path(path).read_text().strip()
-        except OSError as exc:
-            raise ValueError(f"cannot read KVFLEET_TELEMETRY_TOKEN_FILE {path}: {exc.strerror}") from exc
-        if not value:
-            raise ValueError(f"KVFLEET_TELEMETRY_TOKEN_FILE {path} is empty")
-    return value
+    """KVFLEET_TELEMETRY_TOKEN or KVFLEET_TELEMETRY_TOKEN_FILE (see secret_from_env)."""
+    return secret_from_env("KVFLEET_TELEMETRY_TOKEN", env)
 
 
 def worker_secret_metadata(secret: str) -> list[tuple[str, str]]:
