@@ -18,6 +18,7 @@ import torch
 from kvfleet_models.config import LlamaConfig
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
 from worker_svc.kv_views_mode import KVViewsMode
+from worker_svc.local import LocalSteps
 from worker_svc.model.cpu_backend import use_cpu_threads
 
 
@@ -40,27 +41,30 @@ def batch1_decode(
         weights,
         EngineConfig(device=device, dtype=dtype, quant=quant, num_blocks=64, kv_views=KVViewsMode.parse(kv_views)),
     )
+    # The blocks, chosen here as the scheduler would; no prefix cache: every thread count's
+    # prefill runs the same prompt, which must be computed each time, not found cached.
+    driver = LocalSteps(engine, prefix_caching=False)
     greedy = SamplingSpec()
     prompt = tuple(int(t) for t in np.random.default_rng(1).integers(100, cfg.vocab_size, prompt_len))
     saved = torch.get_num_threads()
     out: dict[str, float] = {}
     prefill: dict[str, float] = {}
-    engine.step([PrefillItem("warm", prompt[:16], 0, True, greedy)], [])  # first-call costs
-    engine.release(["warm"])
+    driver.step([PrefillItem("warm", prompt[:16], 0, True, greedy)], [])  # first-call costs
+    driver.release(["warm"])
     try:
         for n in threads if engine.device.type == "cpu" else [saved]:
             if engine.device.type == "cpu":
                 use_cpu_threads(n, engine.model.host_blas, engine.model)
-            engine.release(["probe"])
+            driver.release(["probe"])
             t0 = time.perf_counter()
-            token = engine.step([PrefillItem("probe", prompt, 0, True, greedy)], []).results[0].token_id
+            token = driver.step([PrefillItem("probe", prompt, 0, True, greedy)], []).results[0].token_id
             assert token is not None, "a last prefill chunk returns a token"
             prefill[str(n)] = round(prompt_len / (time.perf_counter() - t0), 1)
             times: list[float] = []
             end = time.perf_counter() + budget_s  # a thread count that stalls is cut short
             for k in range(steps):
                 t0 = time.perf_counter()
-                res = engine.step([], [DecodeItem("probe", int(token), prompt_len + k, greedy, k + 1)])
+                res = driver.step([], [DecodeItem("probe", int(token), prompt_len + k, greedy, k + 1)])
                 times.append(time.perf_counter() - t0)
                 token = res.results[0].token_id
                 assert token is not None, "a decode step returns a token"

@@ -24,6 +24,7 @@ import numpy as np
 
 from kvfleet_models.registry import load_model
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
+from worker_svc.local import LocalSteps
 
 MODES: dict[str, dict[str, Any]] = {
     "float32": {},
@@ -39,15 +40,16 @@ GREEDY = SamplingSpec()
 
 
 class Sessions:
-    """``batch`` decoding sessions on one engine; each ``step`` decodes all of them once."""
+    """``batch`` decoding sessions on one engine, through its driver (which keeps the block
+    tables of all its sessions); each ``step`` decodes all of them once."""
 
-    def __init__(self, engine: Engine, batch: int, context: int, tag: str) -> None:
+    def __init__(self, driver: LocalSteps, batch: int, context: int, tag: str) -> None:
         rng = np.random.default_rng(batch)
-        self.engine, self.ids = engine, [f"{tag}-{batch}-{i}" for i in range(batch)]
+        self.driver, self.ids = driver, [f"{tag}-{batch}-{i}" for i in range(batch)]
         self.tokens, self.positions = [], []
         for sid in self.ids:
             prompt = tuple(int(t) for t in rng.integers(100, 10000, context))
-            out = engine.step([PrefillItem(sid, prompt, 0, True, GREEDY)], [])
+            out = driver.step([PrefillItem(sid, prompt, 0, True, GREEDY)], [])
             token = out.results[0].token_id
             assert token is not None
             self.tokens.append(token)
@@ -56,7 +58,7 @@ class Sessions:
     def step(self) -> float:
         decode = [DecodeItem(s, t, p, GREEDY, 1) for s, t, p in zip(self.ids, self.tokens, self.positions)]
         t0 = time.perf_counter()
-        out = self.engine.step([], decode)
+        out = self.driver.step([], decode)
         dt = time.perf_counter() - t0
         self.tokens = [r.token_id if r.token_id is not None else 0 for r in out.results]
         self.positions = [p + 1 for p in self.positions]
@@ -82,20 +84,23 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown modes {unknown}; choose from {sorted(MODES)}")
     cfg, weights = load_model(a.model)
     blocks = (sum(batches) * (a.context + (a.steps + 1) * a.repeats + 16) + a.prefill) // 16 + 8
-    engines, sessions = {}, {}
+    drivers, sessions = {}, {}
     for m in modes:
         t0 = time.perf_counter()
-        engines[m] = Engine(
+        engine = Engine(
             cfg,
             weights,
             EngineConfig(num_blocks=blocks, kv_views=a.kv_views, num_threads=a.threads, device=a.device, **MODES[m]),
         )
-        engines[m].use_threads()
+        engine.use_threads()
+        # The block tables, kept as the scheduler would; no prefix cache, since every round
+        # prefills the same prompt, which must be computed each time, not found cached.
+        drivers[m] = LocalSteps(engine, prefix_caching=False)
         for b in batches:
-            sessions[m, b] = Sessions(engines[m], b, a.context, m)
+            sessions[m, b] = Sessions(drivers[m], b, a.context, m)
         print(
             f"{m}: built and prefilled in {time.perf_counter() - t0:.1f} s, weights "
-            f"{engines[m].weight_bytes / 1e6:.0f} MB",
+            f"{drivers[m].engine.weight_bytes / 1e6:.0f} MB",
             flush=True,
         )
     times: dict[tuple[str, int], list[float]] = {k: [] for k in sessions}
@@ -108,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         for b in batches:
             medians = {}
             for m in modes:
-                engines[m].use_threads()
+                drivers[m].engine.use_threads()
                 sessions[m, b].step()  # first step after a switch: warm-up
                 steps = [sessions[m, b].step() for _ in range(a.steps)]
                 times[m, b] += steps
@@ -116,11 +121,11 @@ def main(argv: list[str] | None = None) -> int:
                 ratios[m, b].append(medians[m] / medians[modes[0]])
             line.append(f"b{b} " + " ".join(f"{m} {v * 1e3:.1f}" for m, v in medians.items()))
         for m in modes:
-            engines[m].use_threads()
+            drivers[m].engine.use_threads()
             t0 = time.perf_counter()
-            engines[m].step([PrefillItem("prefill", prompt, 0, True, GREEDY)], [])
+            drivers[m].step([PrefillItem("prefill", prompt, 0, True, GREEDY)], [])
             prefill[m].append(time.perf_counter() - t0)
-            engines[m].release(["prefill"])
+            drivers[m].release(["prefill"])
         print(f"round {r + 1} (load {load:.2f}): " + " | ".join(line) + " ms", flush=True)
     print(
         f"\nmedian decode step, {a.threads} threads, {a.context}-token contexts, "

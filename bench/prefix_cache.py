@@ -9,6 +9,13 @@ reported apart; each of ``--rounds`` rounds uses its own system prompt, so each 
 The row gives median TTFT off and on over the other sessions, and the median of the paired
 ratios (off / on of one session, measured back to back: robust to a machine whose load drifts).
 Greedy tokens of both engines are compared: the row says whether they are equal.
+
+``--routing``: cache-aware routing through a real cluster of two workers (separate processes),
+against placement by load alone, both in this run. Two system prompts; each wave sends one
+session of each, in alternating order, so that a placement blind to the caches puts every other
+wave's sessions on the worker that does not hold their prompt. The row gives the hit rate
+(cached / prompt tokens, over the sessions after each prompt's first), the median TTFT through
+the cluster, and whether both runs' tokens are equal.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch  # noqa: E402
 
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec  # noqa: E402
 from worker_svc.kv_views_mode import KVViewsMode  # noqa: E402
+from worker_svc.local import LocalSteps  # noqa: E402
 
 GREEDY = SamplingSpec()
 SYSTEM_TEXT = (
@@ -76,9 +84,10 @@ def prompts(model: str, system_tokens: int, sessions: int, vocab: int, round_no:
     return [system + tok.encode(f"\nUser: {t}\nAssistant:", add_special_tokens=False) for t in turns]
 
 
-def run_session(engine: Engine, sid: str, prompt: Sequence[int], new_tokens: int) -> tuple[float, int, list[int]]:
-    """(prefill seconds, cached tokens, greedy tokens); the session is released after."""
-    engine.use_threads()
+def run_session(engine: LocalSteps, sid: str, prompt: Sequence[int], new_tokens: int) -> tuple[float, int, list[int]]:
+    """(prefill seconds, cached tokens, greedy tokens); the session is released after. The
+    driver keeps the block tables and finds the cached prefix, as the scheduler does."""
+    engine.engine.use_threads()
     t0 = time.perf_counter()
     (r,) = engine.step([PrefillItem(sid, tuple(prompt), 0, True, GREEDY)], []).results
     ttft = time.perf_counter() - t0
@@ -109,16 +118,18 @@ def measure(
     # thread split has already changed, and the two would then run on different threads.
     threads = threads or torch.get_num_threads()
     engines = {
-        on: Engine(
-            cfg,
-            weights,
-            EngineConfig(
-                device=device,
-                num_blocks=512,
-                num_threads=threads,
-                kv_views=KVViewsMode.parse(kv_views),
-                prefix_caching=on,
-            ),
+        on: LocalSteps(
+            Engine(
+                cfg,
+                weights,
+                EngineConfig(
+                    device=device,
+                    num_blocks=512,
+                    num_threads=threads,
+                    kv_views=KVViewsMode.parse(kv_views),
+                    prefix_caching=on,
+                ),
+            )
         )
         for on in (True, False)
     }
@@ -145,11 +156,11 @@ def measure(
             cached.append(hit)
             for on in (True, False):
                 ttft[on].append(took[on])
-    s = engines[True].stats()
+    s = engines[True].engine.stats()
     ms = 1e3
     return {
         "model": model,
-        "device": str(engines[True].device),
+        "device": str(engines[True].engine.device),
         "kv_views": kv_views,
         "sessions": sessions,
         "rounds": rounds,
@@ -168,6 +179,64 @@ def measure(
     }
 
 
+def _route_one(model: str, cache_aware: bool, waves: int, system_tokens: int, new_tokens: int) -> dict:
+    from kvfleet.client import SchedulerClient, build_request
+    from kvfleet.local_cluster import ClusterSpec, LocalCluster
+
+    args = () if cache_aware else ("--no-cache-aware-routing",)
+    spec = ClusterSpec(workers=2, model=model, telemetry=False, num_blocks=512, scheduler_args=args)
+    vocab = 48 if model == "tiny" else None
+    cached = prompt_tokens = 0
+    ttft: list[float] = []
+    tokens: list[list[int]] = []
+    placed: list[tuple[int, str]] = []  # (system prompt, worker) of each session
+    with LocalCluster(spec) as cluster, SchedulerClient(cluster.scheduler_address) as client:
+        if vocab is None:
+            vocab = client.model_info().vocab_size
+        groups = [prompts(model, system_tokens, 2 * waves, vocab, round_no=g) for g in range(2)]
+        for wave in range(waves):
+            order = (0, 1) if wave % 2 == 0 else (1, 0)
+            t0 = time.perf_counter()
+            streams = {g: client.stream(build_request(groups[g][wave], new_tokens, ignore_eos=True)) for g in order}
+            firsts = {g: next(s) for g, s in streams.items()}
+            took = time.perf_counter() - t0
+            for g in (0, 1):
+                events = [firsts[g], *streams[g]]
+                tokens.append([t for e in events for t in e.token_ids])
+                placed.append((g, firsts[g].worker_id))
+                if wave:  # the first wave fills the caches
+                    cached += events[-1].usage.cached_tokens
+                    prompt_tokens += len(groups[g][wave])
+                    ttft.append(took)
+    return {
+        "hit_rate": round(cached / prompt_tokens, 3) if prompt_tokens else 0.0,
+        "ttft_ms_median": round(statistics.median(ttft) * 1e3, 2) if ttft else 0.0,
+        "prompt_on_its_worker": round(
+            sum(1 for g, w in placed[2:] if w == dict(placed[:2]).get(g)) / max(len(placed) - 2, 1), 3
+        ),
+        "tokens": tokens,
+    }
+
+
+def measure_routing(model: str, waves: int, system_tokens: int, new_tokens: int) -> dict:
+    runs = {on: _route_one(model, on, waves, system_tokens, new_tokens) for on in (True, False)}
+    on, off = runs[True], runs[False]
+    return {
+        "model": model,
+        "workers": 2,
+        "waves": waves,
+        "system_tokens": system_tokens,
+        "hit_rate_cache_aware": on["hit_rate"],
+        "hit_rate_by_load": off["hit_rate"],
+        "on_prompt_worker_cache_aware": on["prompt_on_its_worker"],
+        "on_prompt_worker_by_load": off["prompt_on_its_worker"],
+        "ttft_ms_cache_aware": on["ttft_ms_median"],
+        "ttft_ms_by_load": off["ttft_ms_median"],
+        "tokens_equal": on["tokens"] == off["tokens"],
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.prefix_cache", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -178,8 +247,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch's setting)")
     p.add_argument("--kv-views", default="rebuild", choices=["rebuild", "persistent"])
+    p.add_argument(
+        "--routing",
+        action="store_true",
+        help="cache-aware routing over two workers (a real cluster) against placement by load alone",
+    )
+    p.add_argument("--waves", type=int, default=6, help="--routing: waves of two sessions")
     p.add_argument("--json", metavar="FILE", help="also write the row as JSON to FILE")
     a = p.parse_args(argv)
+    if a.routing:
+        row = measure_routing(a.model, max(a.waves, 2), a.system_tokens, a.new_tokens)
+        print(" | ".join(row))
+        print(" | ".join(str(v) for v in row.values()))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(row, f, indent=2)
+                f.write("\n")
+        return 0 if row["tokens_equal"] else 1
     if a.sessions < 2 or min(a.system_tokens, a.new_tokens, a.rounds) < 1:
         p.error("--sessions must be at least 2; --system-tokens, --new-tokens and --rounds at least 1")
     row = measure(a.model, a.sessions, a.system_tokens, a.new_tokens, a.device, a.threads, a.kv_views, a.rounds)

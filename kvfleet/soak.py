@@ -219,9 +219,10 @@ def engine_reference(model: str) -> Callable[[_Plan], list[int]]:
     """Each session run alone (batch of one) on a local engine: the solo reference."""
     from kvfleet_models.registry import load_model
     from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
+    from worker_svc.local import LocalSteps
 
     cfg, weights = load_model(model)
-    engine = Engine(cfg, weights, EngineConfig(num_blocks=256, block_size=16))
+    driver = LocalSteps(Engine(cfg, weights, EngineConfig(num_blocks=256, block_size=16)))  # it keeps the blocks
 
     def _token(out) -> int:
         token = out.results[0].token_id
@@ -230,13 +231,13 @@ def engine_reference(model: str) -> Callable[[_Plan], list[int]]:
 
     def run(p: _Plan) -> list[int]:
         sampling = SamplingSpec(temperature=p.temperature, seed=p.seed)
-        out = engine.step([PrefillItem("ref", tuple(p.prompt), 0, True, sampling, 0)], [])
+        out = driver.step([PrefillItem("ref", tuple(p.prompt), 0, True, sampling, 0)], [])
         tokens = [_token(out)]
         while len(tokens) < p.new_tokens:
             pos = len(p.prompt) + len(tokens) - 1
-            out = engine.step([], [DecodeItem("ref", tokens[-1], pos, sampling, len(tokens))])
+            out = driver.step([], [DecodeItem("ref", tokens[-1], pos, sampling, len(tokens))])
             tokens.append(_token(out))
-        engine.release(["ref"])
+        driver.release(["ref"])
         return tokens
 
     return run

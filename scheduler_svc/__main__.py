@@ -66,6 +66,21 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
         choices=["reserve", "preempt"],
         help="reserve worst-case KV at admission, or preempt under KV pressure",
     )
+    # Two switches on one dest (see worker_svc/__main__.py's --prefix-caching for why).
+    p.add_argument(
+        "--cache-aware-routing",
+        dest="cache_aware_routing",
+        action="store_true",
+        env="KVFLEET_CACHE_AWARE_ROUTING",
+        default=d.cache_aware_routing,
+        help="place a session on the worker holding the longest cached prefix of its prompt (default on)",
+    )
+    p.add_argument(
+        "--no-cache-aware-routing",
+        dest="cache_aware_routing",
+        action="store_false",
+        help="place sessions on the least loaded worker only",
+    )
     p.add_argument("--step-timeout", type=float, env="KVFLEET_STEP_TIMEOUT_S", default=c.step_timeout_s)
     p.add_argument(
         "--no-worker-wait",
@@ -109,6 +124,7 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
         max_new_tokens=a.max_new_tokens,
         kv_policy=a.kv_policy,
         max_priority=a.max_priority,
+        cache_aware_routing=a.cache_aware_routing,
     )
     workers = tuple(w.strip() for w in a.workers.split(",") if w.strip())
     from kvfleet_common.security import TlsConfig, worker_secret_from_env

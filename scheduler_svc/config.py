@@ -23,7 +23,7 @@ class SchedulerConfig:
     worker_connect_timeout_s: float = 60.0  # how long start-up waits for the workers
     health_interval_s: float = 1.0  # how often dead workers are probed
     no_worker_wait_s: float = 30.0  # sessions wait this long for a live worker, then UNAVAILABLE
-    reconcile_interval_s: float = 10.0  # how often workers' held sessions are checked for orphans
+    stats_interval_s: float = 10.0  # how often workers' memory (GetStats) is read for ListWorkers
     drain_grace_s: float = 10.0
     metrics_port: int = 9400  # Prometheus /metrics; 0 = off
     tls: TlsConfig = field(default_factory=TlsConfig)  # serving, and dialling the workers

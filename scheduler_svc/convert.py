@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -29,7 +28,6 @@ FINISH_TO_PB = {
 _STATUS = {
     wpb.ITEM_OK: StepStatus.OK,
     wpb.ITEM_CACHE_MISS: StepStatus.CACHE_MISS,
-    wpb.ITEM_OUT_OF_BLOCKS: StepStatus.OUT_OF_BLOCKS,
     wpb.ITEM_REJECTED: StepStatus.REJECTED,
     wpb.ITEM_FAILED: StepStatus.FAILED,
 }
@@ -100,7 +98,8 @@ def step_request(prefill: Sequence[PrefillWork], decode: Sequence[DecodeWork]) -
             last_chunk=p.last_chunk,
             sampling=_sampling_to_wpb(p.sampling),
             generated_so_far=p.generated_so_far,
-            cache_salt=cache_salt(p.cache_owner),
+            block_ids=p.block_ids,
+            cached_tokens=p.cached_tokens,
         )
     for d in decode:
         req.decode.add(
@@ -109,14 +108,9 @@ def step_request(prefill: Sequence[PrefillWork], decode: Sequence[DecodeWork]) -
             position=d.position,
             sampling=_sampling_to_wpb(d.sampling),
             generated_so_far=d.generated_so_far,
+            block_ids=d.block_ids,
         )
     return req
-
-
-def cache_salt(owner: str) -> bytes:
-    """A caller's prefix-cache namespace on the workers: a hash of its identity, so workers never
-    see identities; anonymous callers ("") share one namespace, being one identity."""
-    return hashlib.blake2b(owner.encode(), digest_size=16, person=b"kvfleet-salt").digest() if owner else b""
 
 
 def step_results(resp: wpb.StepResponse) -> dict[str, StepResult]:
@@ -128,7 +122,6 @@ def step_results(resp: wpb.StepResponse) -> dict[str, StepResult]:
             kv_tokens=r.kv_tokens,
             logprob=r.logprob if r.has_logprob else None,
             top_logprobs=tuple((t.token_id, t.logprob) for t in r.top_logprobs),
-            cached_tokens=r.cached_tokens,
             constraint_done=r.constraint_done,
             error=r.error,
         )

@@ -101,10 +101,6 @@ class SchedulerMetrics(SessionObserver):
             ["model_name", "finished_reason"],
             registry=r,
         )
-        self.orphans = counter(
-            "kvfleet:orphan_sessions_released",
-            "Sessions a worker held that the scheduler had not placed there, freed by reconciliation",
-        )
         self.cut_off = counter(
             "kvfleet:streams_cut_off",
             "Streams ended with RESOURCE_EXHAUSTED because their client stopped reading (max_stream_backlog)",
@@ -202,9 +198,6 @@ class SchedulerMetrics(SessionObserver):
 
     def item_errors(self, worker_id: str, count: int) -> None:
         self.item_error_count.inc(count)
-
-    def orphans_released(self, worker_id: str, count: int) -> None:
-        self.orphans.inc(count)
 
     def stream_cut_off(self) -> None:
         self.cut_off.inc()

@@ -67,9 +67,6 @@ class SessionObserver:
     def item_errors(self, worker_id: str, count: int) -> None:
         """Items of a step the worker rejected or failed alone."""
 
-    def orphans_released(self, worker_id: str, count: int) -> None:
-        pass
-
 
 class Observers(SessionObserver):
     """Several observers as one, each told every event in order."""
@@ -140,7 +137,3 @@ class Observers(SessionObserver):
     def item_errors(self, worker_id: str, count: int) -> None:
         for m in self.members:
             m.item_errors(worker_id, count)
-
-    def orphans_released(self, worker_id: str, count: int) -> None:
-        for m in self.members:
-            m.orphans_released(worker_id, count)

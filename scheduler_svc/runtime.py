@@ -55,7 +55,7 @@ class RuntimeConfig:
     step_timeout_s: float = 30.0
     health_interval_s: float = 1.0
     no_worker_wait_s: float = 30.0
-    reconcile_interval_s: float = 10.0  # how often live workers' held sessions are checked
+    stats_interval_s: float = 10.0  # how often live workers' memory (GetStats) is read
 
 
 @dataclass(frozen=True)
@@ -114,8 +114,9 @@ class SchedulerRuntime:
         self._arms = ExperimentArms()
         self._subscribers: dict[str, asyncio.Queue[SessionEvent]] = {}
         self._outbox: deque[tuple[TickOutcome, int, int]] = deque()  # (outcome, prefill, decode tokens)
-        # Sessions to free on each worker: sent with that worker's next step (or a Release
-        # alongside the next tick's steps), so freeing costs no round trip of its own.
+        # Sessions for each worker to forget: sent with that worker's next step (or an empty step
+        # alongside the next tick's steps), so forgetting costs no round trip of its own. Their
+        # blocks are free at once: the core owns them.
         self._pending_release: dict[str, list[str]] = {}
         self._wake = asyncio.Event()
         self._tick_done = asyncio.Event()
@@ -521,8 +522,9 @@ class SchedulerRuntime:
             await self._release(pending)
 
     async def _release(self, release: Mapping[str, Sequence[str]]) -> None:
+        """Tell workers with no step this tick which sessions to forget (a step with no items)."""
         calls = [
-            self._clients[w].release(sids, self._config.step_timeout_s)
+            self._clients[w].step((), (), sids, None, None, self._config.step_timeout_s)
             for w, sids in release.items()
             if w in self._clients and self._core.workers.get(w).live
         ]
@@ -531,43 +533,40 @@ class SchedulerRuntime:
                 log.warning("release failed: %s", res)
 
     async def _probe_dead_workers(self) -> None:
-        """A worker marked dead is used again once it answers GetInfo; live workers are checked
-        for KV the scheduler does not know of (at start, then every reconcile_interval_s)."""
+        """A worker marked dead is used again once it answers GetInfo, with fresh books (its
+        first step tells it to forget every session); live workers' memory is read every
+        stats_interval_s for ListWorkers."""
         interval = self._config.health_interval_s
-        next_reconcile = 0.0
+        next_stats = 0.0
         while not self._stopping:
-            if time.monotonic() >= next_reconcile:
-                next_reconcile = time.monotonic() + self._config.reconcile_interval_s
-                await asyncio.gather(*(self._reconcile(w) for w in self._clients if self._core.workers.get(w).live))
+            if time.monotonic() >= next_stats:
+                next_stats = time.monotonic() + self._config.stats_interval_s
+                await asyncio.gather(*(self._read_rss(w) for w in self._clients if self._core.workers.get(w).live))
             await asyncio.sleep(interval)
             for worker_id, client in self._clients.items():
                 if self._core.workers.get(worker_id).live:
                     continue
                 if not await client.answers(timeout=min(interval, 2.0)):
                     continue
-                self._core.worker_recovered(worker_id)
-                await self._reconcile(worker_id)  # what it still holds of sessions moved elsewhere
-                log.info("worker %s is back", worker_id)
+                # Whatever it still holds is stale now (its sessions moved): it forgets it all
+                # at once, before it is used again, so that nothing waits on a next step there.
+                client.reset_pending = True
+                try:
+                    await client.step((), (), (), None, None, self._config.step_timeout_s)
+                except WorkerCallFailed as exc:
+                    log.warning("worker %s answers again but its reset failed: %s", worker_id, exc)
+                    continue
+                self._core.worker_recovered(client.spec())
+                log.info("worker %s is back (instance %s)", worker_id, client.info.instance_id if client.info else "?")
                 self._wake.set()
 
-    async def _reconcile(self, worker_id: str) -> None:
-        """Free the sessions a worker holds that the scheduler has not placed there (left by a
-        drain timeout, a scheduler restart or a lost Release): otherwise their blocks are lost
-        to placement for ever and sessions bounce off a full worker."""
-        client = self._clients[worker_id]
+    async def _read_rss(self, worker_id: str) -> None:
         try:
-            held = await client.held(timeout=self._config.step_timeout_s)
+            held = await self._clients[worker_id].held(timeout=self._config.step_timeout_s)
         except WorkerCallFailed as exc:
-            log.warning("could not read worker %s's sessions: %s", worker_id, exc)
+            log.warning("could not read worker %s's stats: %s", worker_id, exc)
             return
         self._rss_bytes[worker_id] = held.rss_bytes
-        strangers = self._core.strangers(worker_id, held.session_ids)
-        if strangers:
-            log.warning(
-                "worker %s holds %d sessions the scheduler did not place there; freeing them", worker_id, len(strangers)
-            )
-            self._observe.orphans_released(worker_id, len(strangers))
-            await self._release({worker_id: strangers})
 
 
 def _settled(plan: TickPlan) -> TickOutcome:

@@ -531,7 +531,7 @@ async def create_server(config: SchedulerConfig):
             step_timeout_s=config.step_timeout_s,
             health_interval_s=config.health_interval_s,
             no_worker_wait_s=config.no_worker_wait_s,
-            reconcile_interval_s=config.reconcile_interval_s,
+            stats_interval_s=config.stats_interval_s,
         ),
         OutputProcessor(prompts.stream, prompts.token_text),
     )

@@ -36,6 +36,8 @@ UNREACHABLE = frozenset(
         grpc.StatusCode.UNAUTHENTICATED,
         grpc.StatusCode.PERMISSION_DENIED,
         grpc.StatusCode.UNIMPLEMENTED,
+        # The worker restarted (a new instance id): the KV the books place there is gone.
+        grpc.StatusCode.FAILED_PRECONDITION,
     }
 )
 
@@ -58,7 +60,7 @@ class WorkerCallFailed(Exception):
 class HeldSessions:
     """What a worker says it holds (GetStats)."""
 
-    session_ids: tuple[str, ...]
+    sessions: int
     used_blocks: int
     free_blocks: int
     rss_bytes: int = 0  # the worker process's resident memory
@@ -72,6 +74,9 @@ class WorkerClient:
     info: wpb.WorkerInfo | None = None
     # The scheduler<->worker secret (KVFLEET_WORKER_SECRET) as metadata, sent on every call.
     auth: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    # The next step tells the worker to forget every session: the scheduler's books for it
+    # start empty (at start-up, and when a worker marked dead is taken back).
+    reset_pending: bool = True
 
     @classmethod
     def open(cls, address: str, tls: TlsConfig | None = None, secret: str = "") -> "WorkerClient":
@@ -97,6 +102,7 @@ class WorkerClient:
             block_size=i.block_size,
             kv_bytes_per_token=i.kv_bytes_per_token,
             weight_bytes=i.weight_bytes,
+            prefix_caching=i.prefix_caching,
         )
 
     async def fetch_info(self, timeout: float = 5.0) -> wpb.WorkerInfo:
@@ -136,9 +142,12 @@ class WorkerClient:
         span: Span | None,
         timeout: float,
     ) -> Mapping[str, StepResult]:
-        """One tick's work on this worker (releases first), in one round trip."""
+        """One tick's work on this worker (a reset and releases first), in one round trip."""
         request = convert.step_request(prefill, decode)
         request.release_session_ids.extend(release)
+        request.reset = self.reset_pending
+        if self.info is not None:
+            request.instance_id = self.info.instance_id
         if arm is not None:
             request.kv_views = arm.kv_views
             request.experiment_id = arm.experiment_id
@@ -148,22 +157,16 @@ class WorkerClient:
             resp = await self.stub.Step(request, timeout=timeout, metadata=(*self.auth, *trace_md))
         except grpc.aio.AioRpcError as exc:
             raise WorkerCallFailed(self.address, exc.code(), exc.details() or "") from exc
+        if request.reset:
+            self.reset_pending = False
         return convert.step_results(resp)
-
-    async def release(self, session_ids: Sequence[str], timeout: float) -> None:
-        try:
-            await self.stub.Release(
-                wpb.ReleaseRequest(session_ids=list(session_ids)), timeout=timeout, metadata=self.auth
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise WorkerCallFailed(self.address, exc.code(), exc.details() or "") from exc
 
     async def held(self, timeout: float) -> HeldSessions:
         try:
             s = await self.stub.GetStats(wpb.GetStatsRequest(), timeout=timeout, metadata=self.auth)
         except grpc.aio.AioRpcError as exc:
             raise WorkerCallFailed(self.address, exc.code(), exc.details() or "") from exc
-        return HeldSessions(tuple(s.session_ids), s.used_blocks, s.free_blocks, s.rss_bytes)
+        return HeldSessions(s.active_sessions, s.used_blocks, s.free_blocks, s.rss_bytes)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         action="store_true",
         default=d.prefix_caching,
         env="KVFLEET_PREFIX_CACHING",
-        help="reuse the KV of prompt prefixes earlier sessions computed on this worker (default on)",
+        help="let the scheduler reuse the KV of prompt prefixes earlier sessions computed on this worker (default on)",
     )
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", help="turn prefix caching off")
     p.add_logging_flags()

@@ -20,7 +20,6 @@ from worker_svc.kv_views_mode import KVViewsMode
 _STATUS = {
     ItemStatus.OK: pb.ITEM_OK,
     ItemStatus.CACHE_MISS: pb.ITEM_CACHE_MISS,
-    ItemStatus.OUT_OF_BLOCKS: pb.ITEM_OUT_OF_BLOCKS,
     ItemStatus.REJECTED: pb.ITEM_REJECTED,
     ItemStatus.FAILED: pb.ITEM_FAILED,
 }
@@ -66,7 +65,8 @@ def prefill_from_pb(items) -> list[PrefillItem]:
                 last_chunk=i.last_chunk,
                 sampling=sampling,
                 generated_so_far=i.generated_so_far,
-                cache_salt=i.cache_salt,
+                block_ids=tuple(i.block_ids),
+                cached_tokens=i.cached_tokens,
                 invalid=invalid,
             )
         )
@@ -84,6 +84,7 @@ def decode_from_pb(items) -> list[DecodeItem]:
                 position=i.position,
                 sampling=sampling,
                 generated_so_far=i.generated_so_far,
+                block_ids=tuple(i.block_ids),
                 invalid=invalid,
             )
         )
@@ -100,6 +101,8 @@ class StepCall:
     release_session_ids: tuple[str, ...]  # freed before the step runs
     experiment_id: str
     experiment_arm: str
+    instance_id: str = ""  # the worker instance the scheduler's books are for ("" = any)
+    reset: bool = False  # forget every session first
 
     @property
     def tokens(self) -> int:
@@ -116,7 +119,14 @@ def step_from_pb(request: pb.StepRequest) -> StepCall:
         raise ValueError("every item needs a session_id")
     kv_views = KVViewsMode.parse(request.kv_views) if request.kv_views else None
     return StepCall(
-        prefill, decode, kv_views, tuple(request.release_session_ids), request.experiment_id, request.experiment_arm
+        prefill,
+        decode,
+        kv_views,
+        tuple(request.release_session_ids),
+        request.experiment_id,
+        request.experiment_arm,
+        request.instance_id,
+        request.reset,
     )
 
 
@@ -129,7 +139,6 @@ def step_to_pb(out: StepOutput, step_ns: int) -> pb.StepResponse:
             has_token=r.token_id is not None,
             token_id=r.token_id if r.token_id is not None else 0,
             kv_tokens=r.kv_tokens,
-            cached_tokens=r.cached_tokens,
             has_logprob=r.logprob is not None,
             logprob=r.logprob if r.logprob is not None else 0.0,
             top_logprobs=[pb.TopToken(token_id=t, logprob=lp) for t, lp in r.top_logprobs],
@@ -139,7 +148,9 @@ def step_to_pb(out: StepOutput, step_ns: int) -> pb.StepResponse:
     return resp
 
 
-def info_to_pb(worker_id: str, cfg: LlamaConfig, engine: Engine, block_size: int, num_blocks: int) -> pb.WorkerInfo:
+def info_to_pb(
+    worker_id: str, cfg: LlamaConfig, engine: Engine, block_size: int, num_blocks: int, instance_id: str
+) -> pb.WorkerInfo:
     model = pb.ModelConfig(
         name=cfg.name,
         vocab_size=cfg.vocab_size,
@@ -164,4 +175,6 @@ def info_to_pb(worker_id: str, cfg: LlamaConfig, engine: Engine, block_size: int
         weight_bytes=engine.weight_bytes,
         parameter_count=engine.parameter_count,
         quant=engine.quant,
+        instance_id=instance_id,
+        prefix_caching=engine.config.prefix_caching,
     )

@@ -1,13 +1,18 @@
-"""The worker's engine: admits a step's items against the KV books, runs them as one batched
-forward, samples, and reports per item. Synchronous and gRPC-free; the servicer wraps it.
+"""The worker's engine: checks a step's items, runs them as one batched forward, samples, and
+reports per item. Synchronous and gRPC-free; the servicer wraps it.
 
-Per-item failures are results, not exceptions: the rest of the batch proceeds. CACHE_MISS and
-OUT_OF_BLOCKS leave the session as it was; an item that could never run as sent (a token id
-outside the vocabulary, a position past ``max_position``, sampling this worker cannot serve) is
-REJECTED and one whose sampling faults is FAILED, and both free the session here (it ends), so
-the books stay right whatever the scheduler does next. Only a malformed step (a session twice)
-raises ``ValueError``, before anything changes; a fault of the batched forward itself raises
-after freeing the step's sessions.
+The scheduler owns the block tables (``kvfleet_common.kv_blocks``): each item brings the blocks
+added to its session's table since the last step, and for a prompt's first chunk how many of its
+leading tokens those blocks already hold (a prefix-cache hit); the engine keeps each session's
+table as told and writes where it says. Nothing is allocated here.
+
+Per-item failures are results, not exceptions: the rest of the batch proceeds. CACHE_MISS (the
+engine does not hold the session at the stated position) leaves the session as it was; an item
+that could never run as sent (a token id outside the vocabulary, a position past
+``max_position``, sampling this worker cannot serve) is REJECTED and one whose sampling faults,
+or whose blocks do not cover its tokens, is FAILED, and both free the session here (it ends).
+Only a malformed step (a session twice) raises ``ValueError``, before anything changes; a fault
+of the batched forward itself raises after freeing the step's sessions.
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ import torch
 
 from kvfleet_models.config import LlamaConfig
 from worker_svc import failpoints
-from worker_svc.block_allocator import BlockAllocator, KVBookkeeper, OutOfBlocks
 from worker_svc.kv_cache import KVViews, PagedKVCache, make_views
 from worker_svc.kv_views_mode import KVViewsMode
 from worker_svc.model.cpu_backend import QUANT_MODES, use_cpu_threads
@@ -43,7 +47,10 @@ class PrefillItem:
     last_chunk: bool  # sample the first new token after this chunk
     sampling: SamplingSpec
     generated_so_far: int = 0  # index of the token to sample (for seeded sampling)
-    cache_salt: bytes = b""  # prefix-cache namespace of the session (see block_allocator)
+    block_ids: tuple[int, ...] = ()  # blocks added to the session's table (the scheduler's)
+    # Leading tokens of the chunk whose K/V the session's blocks already hold (shared from the
+    # prefix cache): not computed, only fed to the sampling history.
+    cached_tokens: int = 0
     invalid: str = ""  # why the request cannot be run as sent (its sampling broke the rules)
 
 
@@ -54,13 +61,13 @@ class DecodeItem:
     position: int  # == tokens already held for this session
     sampling: SamplingSpec
     generated_so_far: int
+    block_ids: tuple[int, ...] = ()  # blocks added to the session's table (the scheduler's)
     invalid: str = ""  # why the request cannot be run as sent (its sampling broke the rules)
 
 
 class ItemStatus(Enum):
     OK = "ok"
     CACHE_MISS = "cache_miss"  # unknown session or position != tokens held
-    OUT_OF_BLOCKS = "out_of_blocks"  # not enough free KV blocks for this item
     REJECTED = "rejected"  # cannot run as sent (see ItemResult.error); the session was freed
     FAILED = "failed"  # its sampling faulted (see ItemResult.error); the session was freed
 
@@ -110,13 +117,11 @@ class EngineStats:
     decode_tokens: int
     cache_misses: int
     active_sessions: int
-    used_blocks: int
+    used_blocks: int  # blocks in the tables of the sessions held (the scheduler's books)
     free_blocks: int
-    out_of_blocks: int = 0
     item_errors: int = 0  # items REJECTED or FAILED (their sessions freed)
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of which found there (their KV reused, not computed)
-    cached_blocks: int = 0  # free blocks still holding a reusable prefix
+    prefix_cache_queries: int = 0  # tokens of prompt chunks (with prefix caching on)
+    prefix_cache_hits: int = 0  # of which the scheduler found cached (their KV reused, not computed)
 
 
 @dataclass(frozen=True)
@@ -135,8 +140,8 @@ class EngineConfig:
     # input quantized alike, integer products: worker_svc/model/q8.py; CPU and float32 only).
     # Quality: tests/unit/test_quant_quality.py.
     quant: str = "none"
-    # Reuse the KV of full blocks whose token prefix an earlier session computed (see
-    # block_allocator). Off = no hashing or lookup at all, the behaviour before it existed.
+    # Whether the scheduler may share this worker's full blocks between sessions of one prefix
+    # (it keeps the hashes: kvfleet_common.kv_blocks); reported in GetInfo. Off = no sharing.
     prefix_caching: bool = True
     # The hand-fused C ops of worker_svc/model/fused.py on a CPU (norms, RoPE, a decode
     # group's attention); False = torch's ops only (an A/B lever; KVFLEET_FUSED_OPS=0 also
@@ -180,7 +185,8 @@ class _Request:
     sampling: SamplingSpec
     index: int  # generated_so_far, for seeded draws
     creates: bool  # may create the session (a prefill item at position 0)
-    salt: bytes = b""  # the prefix-cache namespace of a session it creates
+    block_ids: tuple[int, ...] = ()
+    cached: int = 0  # leading tokens already in the KV (prefix cache): not computed
     invalid: str = ""  # a problem found before the engine (see convert): REJECTED with it
 
 
@@ -204,7 +210,8 @@ def _requests(prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem]) -> l
             p.sampling,
             p.generated_so_far,
             True,
-            p.cache_salt,
+            tuple(p.block_ids),
+            p.cached_tokens,
             p.invalid,
         )
         for i, p in enumerate(prefill)
@@ -219,6 +226,7 @@ def _requests(prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem]) -> l
             d.sampling,
             d.generated_so_far,
             False,
+            tuple(d.block_ids),
             invalid=d.invalid,
         )
         for i, d in enumerate(decode)
@@ -282,7 +290,9 @@ class Engine:
         # Both modes stay available so an experiment can switch the lever per step.
         self._views: dict[KVViewsMode, KVViews] = {mode: make_views(mode, self.cache) for mode in KVViewsMode}
         self.views = self._views[config.kv_views]
-        self.books = KVBookkeeper(config.block_size, BlockAllocator(config.num_blocks), config.prefix_caching)
+        # Each held session's block table (as the scheduler sent it) and tokens in the KV.
+        self._tables: dict[str, list[int]] = {}
+        self._held: dict[str, int] = {}
         elem = torch.empty((), dtype=kv_dtype).element_size()
         self.kv_bytes_per_token = cfg.kv_bytes_per_token(elem)
         self.capacity_tokens = config.num_blocks * config.block_size
@@ -292,8 +302,9 @@ class Engine:
             "prefill_tokens": 0,
             "decode_tokens": 0,
             "cache_misses": 0,
-            "out_of_blocks": 0,
             "item_errors": 0,
+            "prefix_cache_queries": 0,
+            "prefix_cache_hits": 0,
         }
 
     def use_threads(self, n: int = 0) -> None:
@@ -333,27 +344,44 @@ class Engine:
             return str(exc)
         return ""
 
-    def _admit(self, r: _Request) -> _Admitted | ItemStatus:
+    def _blocks_problem(self, r: _Request, table: Sequence[int]) -> str:
+        """Why the blocks the scheduler sent cannot hold the item ("" if they can)."""
+        bad = [b for b in r.block_ids if not 0 <= b < self.config.num_blocks][:8]
+        if bad:
+            return f"block ids {bad} outside the cache's {self.config.num_blocks} blocks"
+        if len(set(table)) != len(table):
+            return "the session's block table names a block twice"
+        need = r.start + len(r.tokens)
+        if len(table) * self.config.block_size < need:
+            return (
+                f"the session's {len(table)} blocks of {self.config.block_size} cannot hold "
+                f"{need} tokens: the scheduler's block table is behind"
+            )
+        if not 0 <= r.cached < len(r.tokens):
+            return f"cached_tokens {r.cached} must leave at least one of the chunk's {len(r.tokens)} tokens to compute"
+        return ""
+
+    def _admit(self, r: _Request) -> _Admitted | tuple[ItemStatus, str]:
         sid = r.session_id
-        if self.books.has(sid):
-            miss = self.books.num_tokens(sid) != r.start  # also a second "first chunk"
+        if sid in self._held:
+            miss = self._held[sid] != r.start  # also a second "first chunk"
         else:
             miss = not (r.creates and r.start == 0)  # only a first prefill chunk creates
         if miss:
             self._counts["cache_misses"] += 1
-            return ItemStatus.CACHE_MISS
-        try:
-            if r.creates:  # a prompt chunk: its leading full blocks may already be cached
-                cached, slots = self.books.append_prefill(sid, r.tokens, r.salt)
-            else:
-                cached, slots = 0, self.books.append(sid, len(r.tokens), r.tokens)
-        except OutOfBlocks:  # the books are unchanged
-            self._counts["out_of_blocks"] += 1
-            return ItemStatus.OUT_OF_BLOCKS
-        # Each session is in a step once, so its block table is final after its own append.
-        blocks = tuple(self.books.blocks(sid))
-        run = RunItem(sid, r.tokens[cached:], r.start + cached, tuple(slots), blocks, r.sample)
-        return _Admitted(r, run, cached)
+            return ItemStatus.CACHE_MISS, ""
+        table = self._tables.get(sid, []) + list(r.block_ids)
+        problem = self._blocks_problem(r, table)
+        if problem:
+            return ItemStatus.FAILED, problem
+        self._tables[sid] = table
+        self._held[sid] = r.start + len(r.tokens)
+        bs, first = self.config.block_size, r.start + r.cached
+        slots = tuple(table[p // bs] * bs + p % bs for p in range(first, r.start + len(r.tokens)))
+        # Attention reads only the blocks written so far (a table may reserve more ahead).
+        blocks = tuple(table[: -(-self._held[sid] // bs)])
+        run = RunItem(sid, r.tokens[r.cached :], first, slots, blocks, r.sample)
+        return _Admitted(r, run, r.cached)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -378,11 +406,11 @@ class Engine:
         failed: dict[int, tuple[ItemStatus, str]] = {}  # by output index: (status, error)
         for r in requests:
             problem = self._problem(r)
-            got = ItemStatus.REJECTED if problem else self._admit(r)
+            got = (ItemStatus.REJECTED, problem) if problem else self._admit(r)
             if isinstance(got, _Admitted):
                 admitted.append(got)
             else:
-                failed[r.out_index] = (got, problem)
+                failed[r.out_index] = got
 
         times = PhaseTimes()
         tokens: dict[int, Sampled] = {}
@@ -400,13 +428,15 @@ class Engine:
                 # so that their next request is a clean CACHE_MISS, not silently wrong KV.
                 self.release(a.run.session_id for a in admitted)
                 raise
-            for a in admitted:  # their new full blocks hold K/V now: offer them to others
-                self.books.publish(a.run.session_id)
             for a in admitted:
                 self.sampling.feed(a.request.session_id, a.request.tokens, a.request.start)
             sampled = [a.request for a in admitted if a.run.sample]
             sync_ns = self._sample(sampled, logits, tokens, logits_out, failed)
-            self._counts["prefill_tokens"] += sum(len(a.request.tokens) for a in admitted if a.request.creates)
+            chunks = sum(len(a.request.tokens) for a in admitted if a.request.creates)
+            self._counts["prefill_tokens"] += chunks
+            if self.config.prefix_caching:
+                self._counts["prefix_cache_queries"] += chunks
+                self._counts["prefix_cache_hits"] += sum(a.cached for a in admitted)
             self._counts["decode_tokens"] += sum(1 for a in admitted if not a.request.creates)
         self._counts["steps"] += 1
         # A rejected or failed item ends its session: free it now, so that nothing here waits
@@ -422,7 +452,7 @@ class Engine:
                 r.session_id,
                 failed.get(r.out_index, (ItemStatus.OK, ""))[0],
                 None if r.out_index in failed else tokens.get(r.out_index),
-                self.books.num_tokens(r.session_id),
+                self._held.get(r.session_id, 0),
                 cached.get(r.out_index, 0),
                 failed.get(r.out_index, (ItemStatus.OK, ""))[1],
             )
@@ -481,29 +511,38 @@ class Engine:
     # -- lifetime ----------------------------------------------------------------------------
 
     def release(self, session_ids: Iterable[str]) -> int:
-        """Drop sessions' KV (blocks and persistent views); unknown ids are ignored."""
+        """Drop sessions (their tables, sampling state and persistent views); unknown ids are
+        ignored. Their blocks are the scheduler's to hand out again."""
         held = 0
         for sid in session_ids:
-            if self.books.release(sid):
+            if self._held.pop(sid, None) is not None:
                 held += 1
+            self._tables.pop(sid, None)
             self.sampling.forget(sid)
             for views in self._views.values():
                 views.release(sid)
         return held
 
+    def reset(self) -> int:
+        """Drop every session: the scheduler's books for this worker start empty (it started, or
+        took this worker back after losing it). Returns how many were held."""
+        return self.release(list(self._held))
+
+    def session_ids(self) -> list[str]:
+        return list(self._held)
+
     def stats(self) -> EngineStats:
         c = self._counts
+        used = len({b for table in self._tables.values() for b in table})
         return EngineStats(
             steps=c["steps"],
             prefill_tokens=c["prefill_tokens"],
             decode_tokens=c["decode_tokens"],
             cache_misses=c["cache_misses"],
-            active_sessions=len(self.books.session_ids()),
-            used_blocks=self.books.allocator.num_used,
-            free_blocks=self.books.allocator.num_free,
-            out_of_blocks=c["out_of_blocks"],
+            active_sessions=len(self._held),
+            used_blocks=used,
+            free_blocks=self.config.num_blocks - used,
             item_errors=c["item_errors"],
-            prefix_cache_queries=self.books.prefix_queries,
-            prefix_cache_hits=self.books.prefix_hits,
-            cached_blocks=self.books.allocator.num_cached,
+            prefix_cache_queries=c["prefix_cache_queries"],
+            prefix_cache_hits=c["prefix_cache_hits"],
         )

@@ -1,7 +1,7 @@
 """Device memory of the paged KV cache, and the two ways of handing attention contiguous K/V.
 
 The paged cache is the source of truth: every new token's K/V is written to its slot (the
-block/offset pair chosen by ``block_allocator.KVBookkeeper``). Attention wants, per session,
+block/offset pair the scheduler's block tables chose: ``kvfleet_common.kv_blocks``). Attention wants, per session,
 K/V as one contiguous run of positions, padded to a common length across a batch; a *views*
 object produces that, in one of two ways (``kv_views``):
 

@@ -61,19 +61,17 @@ class WorkerMetrics:
             s.item_errors,
             Kind.COUNTER,
         )
-        # Prefix caching: hit rate = hits / queries; cached blocks are free yet still reusable.
+        # Prefix caching (the scheduler finds the hits; the worker skips computing them):
+        # hit rate = hits / queries.
         yield Reading(
             "kvfleet:worker_prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache",
+            "Prompt tokens of prefill chunks, with prefix caching on",
             s.prefix_cache_queries,
             Kind.COUNTER,
         )
         yield Reading(
             "kvfleet:worker_prefix_cache_hits",
-            "Prompt tokens found in the prefix cache (their KV reused, not computed)",
+            "Prompt tokens whose KV came from the prefix cache (reused, not computed)",
             s.prefix_cache_hits,
             Kind.COUNTER,
-        )
-        yield Reading(
-            "kvfleet:worker_prefix_cache_blocks", "Free KV blocks still holding a reusable prefix", s.cached_blocks
         )

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from kvfleet_common.kv_blocks import BlockTables, OutOfBlocks
 from worker_svc.engine import Engine
 from worker_svc.kv_cache import BatchLayout
 from worker_svc.model.llama import PhaseTimes
@@ -48,18 +49,23 @@ def teacher_forced(
     top1: list[np.ndarray] = []
     nll: list[np.ndarray] = []
     engine.release([session_id])
+    # The blocks of one session over the whole pool (the engine must hold no other session).
+    tables = BlockTables(engine.config.num_blocks, engine.config.block_size, prefix_caching=False)
+    try:
+        tables.place(session_id, (), len(ids))
+    except OutOfBlocks:
+        raise ValueError(f"{len(ids)} tokens do not fit the engine's KV cache") from None
+    table, bs = tuple(tables.blocks(session_id)), engine.config.block_size
     try:
         for start in range(0, len(ids) - 1, chunk):
             tokens = ids[start : start + chunk]
             n = len(tokens)
-            if not engine.books.can_append(session_id, n):
-                raise ValueError(f"{len(ids)} tokens do not fit the engine's KV cache")
-            slots = list(engine.books.append(session_id, n, tokens))
+            slots = [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             layout = BatchLayout(
                 session_ids=(session_id,),
                 starts=(start,),
                 lengths=(n,),
-                block_tables=(tuple(engine.books.blocks(session_id)),),
+                block_tables=(table[: -(-(start + n) // bs)],),
                 num_multi=int(n > 1),
             )
             groups = engine.views.begin_step(layout)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import secrets
 import signal
 import threading
 import time
@@ -69,6 +70,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         # The last step's seconds and tokens: a step expected to be short runs on the event
         # loop itself, since handing it to a thread and back costs as much as a tiny step.
         self._last_step = (float("inf"), 0)
+        # Changes at each start of the process: the scheduler's books are for one instance.
+        self.instance_id = secrets.token_hex(8)
 
     async def GetInfo(self, request, context):
         await authorize_peer(context, self._config.tls)
@@ -77,7 +80,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 grpc.StatusCode.UNAVAILABLE, "the worker is finishing a step whose deadline expired; retry shortly"
             )
         return convert.info_to_pb(
-            self._config.worker_id, self._cfg, self._engine, self._config.block_size, self._engine.config.num_blocks
+            self._config.worker_id,
+            self._cfg,
+            self._engine,
+            self._config.block_size,
+            self._engine.config.num_blocks,
+            self.instance_id,
         )
 
     async def Step(self, request, context):
@@ -86,6 +94,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             call = convert.step_from_pb(request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if call.instance_id and call.instance_id != self.instance_id:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this worker restarted (instance {self.instance_id}; the step is for {call.instance_id}): "
+                "the KV it held is gone; read GetInfo again and recompute its sessions",
+            )
         wall_start = time.time_ns()
         try:
             out, step_ns = await self._locked_step(call)
@@ -125,9 +139,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             # up to 2x slower from then on (see ``compute``).
             inline = self._executor is None and runs_inline(*self._last_step, call.tokens, self._config.inline_step_s)
             if inline:
-                if call.release_session_ids:
-                    self._engine.release(call.release_session_ids)
-                out = self._engine.step(call.prefill, call.decode, kv_views=call.kv_views)
+                out = self._apply(call)
             else:
                 thread = self._run_step(call)
                 try:
@@ -148,12 +160,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def _run_step(self, call: convert.StepCall) -> asyncio.Future[StepOutput]:
         """The step (after its releases) off the event loop."""
 
-        def work() -> StepOutput:
-            if call.release_session_ids:
-                self._engine.release(call.release_session_ids)
-            return self._engine.step(call.prefill, call.decode, kv_views=call.kv_views)
+        return self._off_loop(functools.partial(self._apply, call))
 
-        return self._off_loop(work)
+    def _apply(self, call: convert.StepCall) -> StepOutput:
+        """Reset and releases, then the step itself."""
+        if call.reset:
+            dropped = self._engine.reset()
+            if dropped:
+                log.info("reset by the scheduler: forgot %d sessions", dropped)
+        if call.release_session_ids:
+            self._engine.release(call.release_session_ids)
+        return self._engine.step(call.prefill, call.decode, kv_views=call.kv_views)
 
     def _off_loop(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
         if self._executor is None:
@@ -175,19 +192,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
         thread.add_done_callback(done)
 
-    async def Release(self, request, context):
-        await authorize_peer(context, self._config.tls)
-        async with self._lock:
-            # Releasing moves rows of the persistent views (torch copies): on the compute thread.
-            released = await self._off_loop(functools.partial(self._engine.release, request.session_ids))
-            self.metrics.refresh()
-        return pb.ReleaseResponse(released=released)
-
     async def GetStats(self, request, context):
         await authorize_peer(context, self._config.tls)
         async with self._lock:
             s = self._engine.stats()
-            held = sorted(self._engine.books.session_ids())
         return pb.WorkerStats(
             steps=s.steps,
             prefill_tokens=s.prefill_tokens,
@@ -198,8 +206,6 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             free_blocks=s.free_blocks,
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
-            cached_blocks=s.cached_blocks,
-            session_ids=held,
             rss_bytes=resident_bytes(),
         )
 

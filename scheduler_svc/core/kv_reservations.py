@@ -1,12 +1,15 @@
-"""The KV books: which worker holds which session's KV, how much each session has reserved, and
-who gives way when a worker is full. Placement, the byte budget and preemption victims live here;
-the tick rules (scheduler.py) decide when to ask."""
+"""The KV books: per worker, the block tables of its sessions and the hashes of its reusable
+prefix blocks (``kvfleet_common.kv_blocks.BlockTables``); where a new session goes, within a byte
+budget over all workers, and who gives way when a worker is full. What a session reserves is the
+blocks it holds: blocks shared through the prefix cache count once. The tick rules
+(scheduler.py) decide when to ask."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from kvfleet_common.kv_blocks import BlockTables, OutOfBlocks, TokenRange
 from scheduler_svc.core.types import WorkerSpec
 
 
@@ -18,8 +21,16 @@ def round_up(tokens: int, block_size: int) -> int:
 class WorkerSlot:
     spec: WorkerSpec
     live: bool = True
-    reserved_tokens: int = 0  # sum of its sessions' reservations (block-rounded)
+    tables: BlockTables = field(init=False)
     sessions: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.tables = BlockTables(self.spec.num_blocks, self.spec.block_size, self.spec.prefix_caching)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Tokens of the blocks its sessions hold (a shared block once)."""
+        return self.tables.allocator.num_used * self.spec.block_size
 
     @property
     def free_tokens(self) -> int:
@@ -31,9 +42,9 @@ class WorkerSlot:
 
 
 @dataclass(frozen=True)
-class Reservation:
+class Placement:
     worker_id: str
-    tokens: int  # block-rounded
+    cached_tokens: int  # leading prompt tokens whose KV the worker's prefix cache holds
 
 
 @dataclass(frozen=True)
@@ -49,13 +60,16 @@ def choose_victim(candidates: Sequence[VictimCandidate]) -> str:
 
 
 class KvReservations:
-    """Places sessions on the least KV-loaded live worker that can hold what they need, within a
-    byte budget over all workers, and keeps each session's reservation."""
+    """Places sessions on the live worker that holds the longest cached prefix of their prompt
+    (then the least KV-loaded) and has room for what they need, within a byte budget over all
+    workers, and keeps each worker's block tables."""
 
-    def __init__(self, kv_budget_bytes: int) -> None:
+    def __init__(self, kv_budget_bytes: int, cache_aware: bool = True) -> None:
         self.kv_budget_bytes = kv_budget_bytes
+        self.cache_aware = cache_aware  # False: the least loaded worker only (a session still
+        # reuses what it finds cached where it lands)
         self._workers: dict[str, WorkerSlot] = {}
-        self._by_session: dict[str, Reservation] = {}
+        self._by_session: dict[str, str] = {}  # session -> its worker
 
     # ---- workers ---------------------------------------------------------------------------
 
@@ -65,6 +79,7 @@ class KvReservations:
         old = self._workers.get(spec.worker_id)
         if old is not None and old.sessions:
             raise ValueError(f"worker {spec.worker_id} re-added while it still holds sessions")
+        # Fresh books (a worker taken back may have restarted: its cached prefixes are gone).
         self._workers[spec.worker_id] = WorkerSlot(spec=spec)
 
     def get(self, worker_id: str) -> WorkerSlot:
@@ -103,54 +118,71 @@ class KvReservations:
         return sum(w.reserved_tokens * w.spec.kv_bytes_per_token for w in self._workers.values())
 
     def reserved(self, session_id: str) -> int:
-        r = self._by_session.get(session_id)
-        return r.tokens if r is not None else 0
+        """Tokens of the blocks the session holds (shared ones included)."""
+        wid = self._by_session.get(session_id)
+        return self._workers[wid].tables.room(session_id) if wid is not None else 0
 
     def worker_of(self, session_id: str) -> str | None:
-        r = self._by_session.get(session_id)
-        return r.worker_id if r is not None else None
+        return self._by_session.get(session_id)
 
-    def _fits_budget(self, extra_tokens: int, worker_id: str) -> bool:
-        extra = extra_tokens * self.bytes_per_token(worker_id)
-        return self.reserved_bytes() + extra <= self.kv_budget_bytes
+    def tables(self, session_id: str) -> BlockTables:
+        return self._workers[self._by_session[session_id]].tables
 
-    def reserve(self, session_id: str, tokens: int, prefer: str | None = None) -> str | None:
-        """Reserve `tokens` for a session on the least loaded live worker with room (`prefer`,
-        when it has room); None when no worker has room or the byte budget would be exceeded."""
+    def _fits_budget(self, blocks: int, worker_id: str) -> bool:
+        spec = self._workers[worker_id].spec
+        return self.reserved_bytes() + blocks * spec.block_size * spec.kv_bytes_per_token <= self.kv_budget_bytes
+
+    def reserve(self, session_id: str, tokens: int, prompt: Sequence[int] = (), salt: bytes = b"") -> Placement | None:
+        """Place a session that needs room for `tokens` and starts with `prompt`: on the live
+        worker with room whose prefix cache holds the longest part of the prompt, then the least
+        loaded. None when no worker has room or the byte budget would be exceeded."""
         assert session_id not in self._by_session, f"{session_id} already holds a reservation"
-        candidates = [w for w in self.live if round_up(tokens, w.spec.block_size) <= w.free_tokens]
-        if not candidates:
+        best: tuple[tuple[int, float, str], WorkerSlot] | None = None
+        for w in self.live:
+            cached, taken = w.tables.placement_cost(prompt, tokens, salt)
+            if taken > w.tables.allocator.num_free or not self._fits_budget(taken, w.spec.worker_id):
+                continue
+            key = (-cached if self.cache_aware else 0, w.load, w.spec.worker_id)
+            if best is None or key < best[0]:
+                best = (key, w)
+        if best is None:
             return None
-        preferred = [w for w in candidates if w.spec.worker_id == prefer]
-        slot = preferred[0] if preferred else min(candidates, key=lambda w: (w.load, w.spec.worker_id))
+        slot = best[1]
         worker_id = slot.spec.worker_id
-        footprint = round_up(tokens, slot.spec.block_size)
-        if not self._fits_budget(footprint, worker_id):
-            return None
-        slot.reserved_tokens += footprint
+        cached = slot.tables.place(session_id, prompt, tokens, salt)
         slot.sessions.add(session_id)
-        self._by_session[session_id] = Reservation(worker_id, footprint)
-        return worker_id
+        self._by_session[session_id] = worker_id
+        return Placement(worker_id, cached)
 
     def grow(self, session_id: str, tokens: int) -> bool:
-        """Make a placed session's reservation cover `tokens`, if its worker and the budget have
-        room; False (and nothing changed) otherwise."""
-        r = self._by_session[session_id]
-        extra = self.footprint(r.worker_id, tokens) - r.tokens
-        if extra <= 0:
+        """Make a placed session's blocks hold `tokens`, if its worker and the budget have room;
+        False (and nothing changed) otherwise."""
+        worker_id = self._by_session[session_id]
+        tables = self._workers[worker_id].tables
+        need = tables.blocks_to_grow(session_id, tokens)
+        if need == 0:
             return True
-        slot = self._workers[r.worker_id]
-        if extra > slot.free_tokens or not self._fits_budget(extra, r.worker_id):
+        if need > tables.allocator.num_free or not self._fits_budget(need, worker_id):
             return False
-        slot.reserved_tokens += extra
-        self._by_session[session_id] = Reservation(r.worker_id, r.tokens + extra)
+        try:
+            tables.grow(session_id, tokens)
+        except OutOfBlocks:  # (checked above)
+            return False
         return True
 
+    def new_blocks(self, session_id: str) -> tuple[int, ...]:
+        """Blocks of the session its worker has not been told of; told of from now on."""
+        return self.tables(session_id).unsent(session_id)
+
+    def written(self, session_id: str, upto: int, tokens: TokenRange) -> None:
+        """The session's first `upto` tokens are in its worker's KV: its full blocks among them
+        may be shared from now on."""
+        self.tables(session_id).written(session_id, upto, tokens)
+
     def release(self, session_id: str) -> None:
-        r = self._by_session.pop(session_id, None)
-        if r is None:
+        worker_id = self._by_session.pop(session_id, None)
+        if worker_id is None:
             return
-        slot = self._workers[r.worker_id]
-        slot.reserved_tokens -= r.tokens
+        slot = self._workers[worker_id]
+        slot.tables.free(session_id)
         slot.sessions.discard(session_id)
-        assert slot.reserved_tokens >= 0, "reservation accounting went negative"

@@ -28,15 +28,14 @@ class SchedulerLimits:
     kv_policy: str = "reserve"
     # Priorities run from -max_priority (most urgent) to +max_priority; 0 is the default.
     max_priority: int = 10
-    # A session whose worker loses or cannot hold its KV (cache miss, out of blocks) is recomputed
-    # at most this many times: at once, then after kv_retry_backoff_s x 1, 2, 4, ...; then it fails
-    # with a message that says so.
-    max_kv_retries: int = 4
-    kv_retry_backoff_s: float = 0.05
-    # A session whose worker fails (a transport error or timeout: it moves to another worker) or
-    # whose whole step fails (the worker stays in use) is recomputed at most this many times;
+    # A session whose worker fails (a transport error, a timeout or a restart: it moves to another
+    # worker), whose whole step fails (the worker stays in use), or that its worker did not hold
+    # as the books say, is recomputed at most this many times;
     # then it ends with UNAVAILABLE and a message that says so, rather than bounce for ever.
     max_moves: int = 3
+    # Place a session on the worker whose prefix cache holds the longest part of its prompt
+    # (then the least loaded); False = the least loaded only (the A/B peer of bench.prefix_cache).
+    cache_aware_routing: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_policy not in ("reserve", "preempt"):
@@ -51,11 +50,8 @@ class SchedulerLimits:
             "max_prompt_tokens",
             "max_new_tokens",
             "max_priority",
-            "max_kv_retries",
             "max_moves",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not self.kv_retry_backoff_s > 0:
-            raise ValueError(f"kv_retry_backoff_s must be positive, got {self.kv_retry_backoff_s!r}")

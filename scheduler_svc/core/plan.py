@@ -19,8 +19,8 @@ class PrefillWork:
     last_chunk: bool  # the worker samples the next token after this chunk
     sampling: Sampling
     generated_so_far: int  # index of the token to sample
-    # Whose prefix cache it may share (the session's owner); the adapter sends a hash of it.
-    cache_owner: str = ""
+    block_ids: tuple[int, ...] = ()  # blocks added to the session's table since its last step
+    cached_tokens: int = 0  # leading tokens of the chunk whose KV those blocks hold already
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class DecodeWork:
     position: int
     sampling: Sampling
     generated_so_far: int
+    block_ids: tuple[int, ...] = ()  # blocks added to the session's table since its last step
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ One tick (see the README's scheduling rules):
   5. a session that reaches max_new_tokens (or a stop/EOS token) finishes in the tick and its KV
      is freed in the tick. KV is counted at the tick's end, after frees.
 
-Admission checks live in admission.py, the KV books and preemption victims in kv_reservations.py,
+Admission checks live in admission.py, the KV books (each worker's block tables and prefix
+hashes: the workers write where the plan says) and preemption victims in kv_reservations.py,
 and every figure the scheduler reports in accounting.py, which only observes.
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 import bisect
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import TypeVar
 
 from scheduler_svc.core import admission
@@ -66,7 +67,7 @@ class SchedulerCore:
         self.limits = limits
         self._clock = clock
         self._new_id = new_id
-        self.kv = KvReservations(limits.kv_budget_bytes)
+        self.kv = KvReservations(limits.kv_budget_bytes, limits.cache_aware_routing)
         self.accounting = Accounting(limits.kv_budget_bytes, limits.max_running)
         self._bounds = ModelBounds()
         self._sessions: dict[str, Session] = {}
@@ -120,13 +121,10 @@ class SchedulerCore:
         out.requeued.append(session.session_id)
         self._requeue(session)
 
-    def worker_recovered(self, worker_id: str) -> None:
-        self.kv.get(worker_id).live = True
-
-    def strangers(self, worker_id: str, held: Iterable[str]) -> list[str]:
-        """Sessions a worker says it holds that the scheduler has not placed there (orphans of a
-        drain timeout, a scheduler restart or a lost release): the worker should free them."""
-        return sorted(s for s in held if self.kv.worker_of(s) != worker_id)
+    def worker_recovered(self, spec: WorkerSpec) -> None:
+        """A worker marked dead answers again (as `spec` says now): it is used with fresh books,
+        since it may have restarted; the adapter has told it to forget every session."""
+        self.kv.add(spec)
 
     # ---- admission -----------------------------------------------------------------------
 
@@ -294,8 +292,8 @@ class SchedulerCore:
                 and (running_by_wl.get(wid, 0) >= self._caps[wid].max_running or budget.room(wid) <= 0)
             ):
                 continue  # this workload is at its own cap; it does not block others
-            if sid in preempted or session.retry_not_before > self._tick_started:
-                continue  # not back in the tick that preempted it, nor before its retry backoff
+            if sid in preempted:
+                continue  # not back in the tick that preempted it
             if self._sibling_computes_the_prompt(session):
                 continue  # it follows once the shared prompt's KV exists (the prefix cache)
             if not self._try_place(session, tick):
@@ -337,14 +335,13 @@ class SchedulerCore:
         if self.limits.kv_policy == "preempt":
             # The prompt (plus what it generated before a preemption) and the first decode.
             need = min(need, session.prompt_len + len(session.generated) + 1)
-        # A prefix group's sessions go where a sibling's KV is, when it has room.
-        prefer = next((s.worker_id for s in self._siblings(session) if s.running and s.worker_id), None)
-        worker_id = self.kv.reserve(session.session_id, need, prefer)
-        if worker_id is None:
+        # Where the longest prefix of it is cached (a prefix group's sibling's, say), if it has room.
+        placed = self.kv.reserve(session.session_id, need, session.next_prefill(), session.salt)
+        if placed is None:
             return False
-        session.worker_id = worker_id
+        session.worker_id = placed.worker_id
         session.admitted_tick = tick
-        session.start_prefill()
+        session.start_prefill(placed.cached_tokens)
         self._running.append(session.session_id)
         return True
 
@@ -383,8 +380,11 @@ class SchedulerCore:
         if room <= 0:
             return None
         start = session.kv_tokens
-        chunk = session.prefill_target[start : start + room]
-        budget.spend(session.workload_id, len(chunk))
+        # The first chunk carries the cached prefix too (the worker's sampling history wants
+        # every prompt token); only the tokens to compute spend the budget.
+        cached = session.cached_tokens if start == 0 else 0
+        chunk = session.prefill_target[start : start + cached + room]
+        budget.spend(session.workload_id, len(chunk) - cached)
         last = start + len(chunk) == len(session.prefill_target)
         return PrefillWork(
             session_id=session.session_id,
@@ -394,11 +394,11 @@ class SchedulerCore:
             last_chunk=last,
             sampling=session.request.sampling,
             generated_so_far=len(session.generated),
-            cache_owner=session.request.owner,
+            block_ids=self.kv.new_blocks(session.session_id),
+            cached_tokens=cached,
         )
 
-    @staticmethod
-    def _decode_work(session: Session) -> DecodeWork:
+    def _decode_work(self, session: Session) -> DecodeWork:
         return DecodeWork(
             session_id=session.session_id,
             worker_id=session.worker_id or "",
@@ -406,6 +406,7 @@ class SchedulerCore:
             position=session.kv_tokens,
             sampling=session.request.sampling,
             generated_so_far=len(session.generated),
+            block_ids=self.kv.new_blocks(session.session_id),
         )
 
     # ---- the tick: update --------------------------------------------------------------------
@@ -447,15 +448,21 @@ class SchedulerCore:
                 self._end_on_item_error(session, result, out)
                 continue
             if result is None or result.status != StepStatus.OK:
-                # The worker did not hold what we thought: recompute the session elsewhere.
+                # The worker did not hold the session as the books say (a bug, or a restart not
+                # yet seen): recompute it, as after a failed step.
                 total.misses += 1
                 if wl is not None:
                     wl.misses += 1
-                self._retry_after_kv_loss(session, result, out)
+                status = result.status.value if result is not None else "no result"
+                self._move(
+                    session, f"worker {work.worker_id} did not hold its KV as the scheduler's books say ({status})", out
+                )
+                if session.phase == Phase.QUEUED:
+                    out.free(work.worker_id, session.session_id)
                 continue
             session.kv_tokens = result.kv_tokens
+            self.kv.written(session.session_id, result.kv_tokens, session.tokens)
             if isinstance(work, PrefillWork):
-                session.cached_tokens += result.cached_tokens
                 total.prefill += len(work.token_ids)
                 if wl is not None:
                     wl.prefill += len(work.token_ids)
@@ -492,33 +499,6 @@ class SchedulerCore:
         self.accounting.record_tick(tally, self._gauges)
         self._close_workloads()
         return out
-
-    def _retry_after_kv_loss(self, session: Session, result: StepResult | None, out: TickOutcome) -> None:
-        """Recompute a session whose KV its worker lost or could not grow, with a growing wait,
-        at most max_kv_retries times; then give up with a message that says why."""
-        session.kv_retries += 1
-        if session.kv_retries > self.limits.max_kv_retries:
-            status = result.status.value if result is not None else "no answer"
-            worker = session.worker_id
-            self._close(session, None, out)
-            out.dropped.append(
-                Dropped(
-                    session.session_id,
-                    f"worker {worker} could not hold the session's KV ({status}) "
-                    f"{session.kv_retries} times; the session was stopped unfinished. "
-                    f"Retry it; if this persists the cluster's KV bookkeeping needs "
-                    f"attention (see the scheduler's log)",
-                )
-            )
-            return
-        assert session.worker_id is not None
-        out.free(session.worker_id, session.session_id)
-        # The first retry is at once (a restarted worker is the usual cause); then it backs off.
-        n = session.kv_retries
-        backoff = 0.0 if n == 1 else self.limits.kv_retry_backoff_s * 2 ** (n - 2)
-        session.retry_not_before = self._clock() + backoff
-        out.requeued.append(session.session_id)
-        self._requeue(session)
 
     def _end_on_item_error(self, session: Session, result: StepResult, out: TickOutcome) -> None:
         """The worker refused or failed this session's item alone (it freed the session there):

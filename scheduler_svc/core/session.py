@@ -25,13 +25,11 @@ class Session:
     worker_id: str | None = None  # where its KV is reserved while it runs
     generated: list[int] = field(default_factory=list)
     kv_tokens: int = 0  # tokens held on the worker, as it reported
-    cached_tokens: int = 0  # of the current prefill, tokens whose KV came from a prefix cache
+    cached_tokens: int = 0  # of the current prefill, tokens whose KV was found in a prefix cache
     prefill_target: tuple[int, ...] = ()  # what the current prefill puts into the KV
     finish_reason: FinishReason | None = None
     admitted_tick: int = 0
-    kv_retries: int = 0  # recomputes after its worker lost its KV
     moves: int = 0  # recomputes after its worker or its step failed (capped: max_moves)
-    retry_not_before: float = 0.0  # not admitted again before this time (the core's clock)
 
     @property
     def prompt_len(self) -> int:
@@ -50,10 +48,28 @@ class Session:
     def done_generating(self) -> bool:
         return len(self.generated) >= self.request.max_new_tokens
 
-    def start_prefill(self) -> None:
+    @property
+    def salt(self) -> bytes:
+        """Its prefix-cache namespace: blocks are shared only between sessions of one caller,
+        so that one tenant cannot time another's prompts (anonymous callers are one)."""
+        return self.request.owner.encode()
+
+    def next_prefill(self) -> tuple[int, ...]:
         # A fresh session prefills its prompt; a recomputed one its prompt plus what it generated,
         # so its next token is sampled exactly where it left off.
-        self.prefill_target = self.request.prompt_ids + tuple(self.generated)
+        return self.request.prompt_ids + tuple(self.generated)
+
+    def start_prefill(self, cached_tokens: int = 0) -> None:
+        """Admitted: its prefill begins; `cached_tokens` of it were found in a prefix cache."""
+        self.prefill_target = self.next_prefill()
         self.kv_tokens = 0
-        self.cached_tokens = 0  # a recompute is a new prefill: count its own cache hits
+        self.cached_tokens = cached_tokens  # a recompute is a new prefill: its own cache hits
         self.phase = Phase.PREFILL
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end) of its sequence: the prompt, then what it generated."""
+        prompt = self.request.prompt_ids
+        out = list(prompt[start:end])
+        if end > len(prompt):
+            out += self.generated[max(start - len(prompt), 0) : end - len(prompt)]
+        return out

@@ -65,8 +65,8 @@ class SessionRequest:
     priority: int = 0
     owner: str = ""  # who may cancel it: the caller's identity, as the adapter saw it
     # Sessions of one group share their prompt (the n choices of a Generate): the first computes
-    # it, the others are admitted once its prefill is done, on its worker, so they reuse its KV
-    # blocks through the worker's prefix cache instead of computing the same prompt n times.
+    # it, the others are admitted once its prefill is done, and placement sends them where its
+    # blocks are (the prefix cache) instead of computing the same prompt n times.
     prefix_group: str = ""
     # Text that ends the session when the output contains it (the output processor watches;
     # the core never reads text).
@@ -89,12 +89,16 @@ class WorkerSpec:
     block_size: int
     kv_bytes_per_token: int
     weight_bytes: int = 0
+    prefix_caching: bool = True  # whether full blocks of equal prefixes may be shared there
+
+    @property
+    def num_blocks(self) -> int:
+        return self.capacity_tokens // self.block_size
 
 
 class StepStatus(str, Enum):
     OK = "ok"
-    CACHE_MISS = "cache_miss"
-    OUT_OF_BLOCKS = "out_of_blocks"
+    CACHE_MISS = "cache_miss"  # the worker did not hold the session as the books say (a bug)
     REJECTED = "rejected"  # the worker will not run this session as sent (error says why)
     FAILED = "failed"  # the session's sampling faulted on the worker (error says how)
 
@@ -117,7 +121,6 @@ class StepResult:
     kv_tokens: int
     logprob: float | None = None  # when the session asked for logprobs
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
-    cached_tokens: int = 0  # prompt tokens of a prefill chunk whose KV came from a prefix cache
     constraint_done: bool = False  # the constraint allows nothing more: finish with STOP
     error: str = ""  # why, for REJECTED and FAILED
 

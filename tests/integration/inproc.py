@@ -23,7 +23,7 @@ class InProcessCluster:
         kv_views: str = "rebuild",
         step_timeout_s: float = 30.0,
         no_worker_wait_s: float = 30.0,
-        reconcile_interval_s: float = 10.0,
+        stats_interval_s: float = 10.0,
         loaded_model: tuple | None = None,
         device: str | None = None,
     ) -> None:
@@ -31,7 +31,7 @@ class InProcessCluster:
         device: the workers' torch device; default KVFLEET_TEST_WORKER_DEVICE, else cpu (the GPU
         check, bench/gpu_session.sh, runs the cluster tests with cuda)."""
         self.loaded_model = loaded_model
-        self.reconcile_interval_s = reconcile_interval_s
+        self.stats_interval_s = stats_interval_s
         self.no_worker_wait_s = no_worker_wait_s
         self.n_workers = workers
         self.model = model
@@ -82,7 +82,7 @@ class InProcessCluster:
             worker_connect_timeout_s=10,
             metrics_port=0,
             no_worker_wait_s=self.no_worker_wait_s,
-            reconcile_interval_s=self.reconcile_interval_s,
+            stats_interval_s=self.stats_interval_s,
         )
         _, port, self.scheduler = self.run(create_scheduler(config))
         self.address = f"127.0.0.1:{port}"

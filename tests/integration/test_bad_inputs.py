@@ -85,6 +85,16 @@ def _item_rejected(says: str) -> Callable:
     return check
 
 
+def _item_failed(says: str) -> Callable:
+    """The step ran; its one item failed alone (its blocks cannot hold it), saying why."""
+
+    def check(resp) -> bool:
+        (r,) = resp.results
+        return r.status == wpb.ITEM_FAILED and says in r.error and not r.has_token and r.kv_tokens == 0
+
+    return check
+
+
 def _miss(resp):
     return resp.results[0].status == wpb.ITEM_CACHE_MISS
 
@@ -267,6 +277,29 @@ CASES = [
         _step(decode=[wpb.DecodeItem(session_id="ghost", token_id=1, position=5)]),
         None,
         check=_miss,
+    ),
+    Case(
+        "block ids outside the worker's cache",
+        "worker",
+        _step(prefill=[wpb.PrefillItem(session_id="f", token_ids=[1, 2], last_chunk=True, block_ids=[10**6])]),
+        None,
+        check=_item_failed("outside the cache"),
+    ),
+    Case(
+        "too few blocks for the chunk",
+        "worker",
+        _step(prefill=[wpb.PrefillItem(session_id="g", token_ids=[1] * 17, last_chunk=True, block_ids=[0])]),
+        None,
+        check=_item_failed("cannot hold 17 tokens"),
+    ),
+    Case(
+        "a step for another instance of the worker (it restarted)",
+        "worker",
+        _step(
+            prefill=[wpb.PrefillItem(session_id="h", token_ids=[1], last_chunk=True, block_ids=[0])], instance_id="x"
+        ),
+        C.FAILED_PRECONDITION,
+        "this worker restarted",
     ),
     # ---- the OTLP receiver and telemetry API ----------------------------------------------
     Case("span without ids", "telemetry", _export(_span(trace_id=b"", span_id=b"")), None, check=_rejected(1)),

@@ -31,7 +31,7 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 @pytest.fixture(scope="module")
 def cluster():
     limits = SchedulerLimits(max_stream_backlog=BACKLOG, max_running=64)
-    with InProcessCluster(workers=1, limits=limits, reconcile_interval_s=3600) as c:
+    with InProcessCluster(workers=1, limits=limits, stats_interval_s=3600) as c:
         yield c
 
 

@@ -19,7 +19,7 @@ TOKEN = "experiment-writer-token-0123456789"
 
 @pytest.fixture(scope="module")
 def cluster():
-    with InProcessCluster(workers=1, reconcile_interval_s=3600) as c:
+    with InProcessCluster(workers=1, stats_interval_s=3600) as c:
         yield c
 
 
@@ -33,7 +33,7 @@ def guarded(cluster):
         model="tiny",
         metrics_port=0,
         health_interval_s=0.2,
-        reconcile_interval_s=3600,
+        stats_interval_s=3600,
         experiment_token=TOKEN,
     )
     _, port, running = cluster.run(create_server(config))

@@ -10,6 +10,7 @@ import torch
 
 from kvfleet.client import SchedulerClient, build_request
 from worker_svc.engine import Engine, EngineConfig, PrefillItem, SamplingSpec
+from worker_svc.local import LocalSteps
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 32
@@ -51,9 +52,9 @@ def test_greedy_tokens_equal_transformers_for_concurrent_prompts(smollm2_cluster
 def test_logits_of_one_forward_agree(smollm2_model, hf_smollm2, smollm2_tokenizer):
     """Tolerance: max |diff| <= 1e-3 x the largest |logit| (float32; logits reach ~30)."""
     cfg, weights = smollm2_model
-    engine = Engine(cfg, weights, EngineConfig(block_size=16, num_blocks=64))
+    steps = LocalSteps(Engine(cfg, weights, EngineConfig(block_size=16, num_blocks=64)))
     ids = smollm2_tokenizer.encode(PROMPTS[2])
-    out = engine.step([PrefillItem("x", tuple(ids), 0, True, SamplingSpec())], [], return_logits=True)
+    out = steps.step([PrefillItem("x", tuple(ids), 0, True, SamplingSpec())], [], return_logits=True)
     with torch.no_grad():
         ref = hf_smollm2(torch.tensor([ids])).logits[0, -1].numpy()
     got = out.logits[0]

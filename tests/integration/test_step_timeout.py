@@ -30,6 +30,7 @@ from kvfleet_models.config import tiny_config
 from kvfleet_models.reference import reference_generate
 from kvfleet_models.tiny import tiny_weights
 from tests.helpers.worker_stats import worker_stats
+from tests.helpers.worker_steps import prefill_item
 from tests.integration.inproc import InProcessCluster
 from worker_svc.config import WorkerConfig
 from worker_svc.engine import Engine
@@ -46,8 +47,8 @@ class MutationWatch:
     in-process workers share one event loop thread, so engines are told apart.)
 
     ``order`` lists, as they happen: "forward in" / "forward out" around each slow forward,
-    "release" when an engine's release starts and "Release RPC" when the worker's Release
-    handler is entered."""
+    "release" when an engine's release starts and "release step" when the worker's Step handler
+    is entered for a step that only releases."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.overlaps = 0
@@ -61,7 +62,7 @@ class MutationWatch:
         self._guard = threading.Lock()
         watch = self
         step, release, forward = Engine.step, Engine.release, LlamaModel.forward
-        release_rpc = WorkerServicer.Release
+        step_rpc = WorkerServicer.Step
 
         def watched(fn, name: str = ""):
             def call(self, *args, **kwargs):
@@ -89,14 +90,15 @@ class MutationWatch:
                     watch.order.append("forward out")
             return forward(self, st, *args, **kwargs)
 
-        async def counted_release_rpc(self, request, context):
-            watch.order.append("Release RPC")
-            return await release_rpc(self, request, context)
+        async def counted_step_rpc(self, request, context):
+            if not request.prefill and not request.decode:
+                watch.order.append("release step")
+            return await step_rpc(self, request, context)
 
         monkeypatch.setattr(Engine, "step", watched(step))
         monkeypatch.setattr(Engine, "release", watched(release, "release"))
         monkeypatch.setattr(LlamaModel, "forward", slow_forward)
-        monkeypatch.setattr(WorkerServicer, "Release", counted_release_rpc)
+        monkeypatch.setattr(WorkerServicer, "Step", counted_step_rpc)
 
     def gate_forward(self) -> None:
         """The next forward waits until ``open`` instead of sleeping."""
@@ -184,7 +186,8 @@ async def _with_worker(body, watch: MutationWatch, inline_step_s: float = 0.0):
 
 
 def _prefill(sid: str, n: int) -> wpb.StepRequest:
-    return wpb.StepRequest(prefill=[wpb.PrefillItem(session_id=sid, token_ids=_prompt(n, 1), last_chunk=True)])
+    first = {"a": 0, "b": 16}.get(sid, 32)  # blocks of their own, as the scheduler would give
+    return wpb.StepRequest(prefill=[prefill_item(sid, _prompt(n, 1), first_block=first)])
 
 
 ABANDONED = "a step's RPC was cancelled while it ran"  # worker_svc.server's warning
@@ -218,26 +221,27 @@ async def _step_abandoned_at_its_deadline(
 
 
 def test_release_after_a_cancelled_step_waits_for_it(watch: MutationWatch, caplog) -> None:
-    """The Step's deadline expires mid-forward; a Release that reaches the worker while that
-    step's thread still runs does not run until the thread has returned, and then frees what
-    the step admitted. (The forward waits at a gate, so the order is the same on any machine.)"""
+    """The Step's deadline expires mid-forward; a release (a step with no items) that reaches the
+    worker while that step's thread still runs does not run until the thread has returned, and
+    then frees what the step admitted. (The forward waits at a gate, so the order is the same on
+    any machine.)"""
 
     async def body(stub: wpb_grpc.WorkerStub) -> None:
         await _step_abandoned_at_its_deadline(stub, watch, caplog, "a")
-        release = asyncio.ensure_future(stub.Release(wpb.ReleaseRequest(session_ids=["a"]), timeout=60))
-        await _until(lambda: "Release RPC" in watch.order, "the Release reaching the worker")
+        release = asyncio.ensure_future(stub.Step(wpb.StepRequest(release_session_ids=["a"]), timeout=60))
+        await _until(lambda: "release step" in watch.order, "the release reaching the worker")
         # Deterministic while the gate is shut: the abandoned step holds the worker's lock.
         done, _ = await asyncio.wait({release}, timeout=0.5)
-        assert not done, "a Release ran while an abandoned step still ran"
+        assert not done, "a release ran while an abandoned step still ran"
         watch.open()
-        released = await release
-        assert released.released == 1  # the step had admitted "a" before it was freed
+        await release
         stats = await stub.GetStats(wpb.GetStatsRequest(), timeout=10)
+        # The step had admitted "a" (its 3 blocks) before the release forgot it.
         assert (stats.used_blocks, stats.free_blocks, stats.active_sessions) == (0, 64, 0)
 
     with caplog.at_level(logging.WARNING, logger="worker_svc.server"):
         asyncio.run(_with_worker(body, watch))
-    assert watch.order == ["forward in", "Release RPC", "forward out", "release"], watch.order
+    assert watch.order == ["forward in", "release step", "forward out", "release"], watch.order
     assert watch.overlaps == 0
 
 

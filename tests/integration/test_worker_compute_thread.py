@@ -18,6 +18,7 @@ import pytest
 from kvfleet.local_cluster import free_port
 from kvfleet.v1 import worker_pb2 as wpb
 from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
+from tests.helpers.worker_steps import prefill_item
 from worker_svc.compute import HostThreadExecutor
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,21 +100,20 @@ def test_steps_and_releases_run_on_the_main_thread_and_sigterm_drains(tmp_path: 
             vocab = stub.GetInfo(wpb.GetInfoRequest(), timeout=30).model.vocab_size
             prompt = [(7 * i + 3) % vocab for i in range(20)]
             got = []
-            for sid in ("a", "b"):
-                r = stub.Step(
-                    wpb.StepRequest(prefill=[wpb.PrefillItem(session_id=sid, token_ids=prompt, last_chunk=True)]),
-                    timeout=30,
-                )
+            for sid, first in (("a", 0), ("b", 2)):
+                r = stub.Step(wpb.StepRequest(prefill=[prefill_item(sid, prompt, first_block=first)]), timeout=30)
                 got.append(r.results[0].token_id)
             r = stub.Step(
                 wpb.StepRequest(
+                    # position 20 is in b's second block (2, 3), which it has already
                     decode=[wpb.DecodeItem(session_id="b", token_id=got[1], position=20, generated_so_far=1)],
                     release_session_ids=["a"],
                 ),
                 timeout=30,
             )
             results["decoded"] = r.results[0].status == wpb.ITEM_OK
-            results["released"] = stub.Release(wpb.ReleaseRequest(session_ids=["b"]), timeout=30).released
+            stub.Step(wpb.StepRequest(release_session_ids=["b"]), timeout=30)
+            results["released"] = stub.GetStats(wpb.GetStatsRequest(), timeout=30).active_sessions == 0
             results["same_token"] = got[0] == got[1]
         proc.send_signal(signal.SIGTERM)  # the worker's drain, as a supervisor sends it
         out, err = proc.communicate(timeout=60)
@@ -122,12 +122,12 @@ def test_steps_and_releases_run_on_the_main_thread_and_sigterm_drains(tmp_path: 
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, err
-    assert results == {"decoded": True, "released": 1, "same_token": True}
+    assert results == {"decoded": True, "released": True, "same_token": True}
     seen = json.loads(out.strip().splitlines()[-1])
     assert seen["vocab_size"] == vocab
-    # 3 steps, a release in one of them, a Release: all on the process's initial thread
+    # 4 steps, a release in one of them, a step that only releases: all on the initial thread
     assert seen["threads"] and set(seen["threads"]) == {seen["main"]}, seen
-    assert len(seen["threads"]) == 5, seen
+    assert len(seen["threads"]) == 6, seen
     assert seen["handlers_back"], "serve_on_compute_thread did not give the signal handlers back"
     # The start line says which ops the CPU forward uses (README: "Faster CPU modes").
     assert f"fused CPU ops {'on' if seen['fused'] else 'off'}" in err, err

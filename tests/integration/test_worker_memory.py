@@ -21,7 +21,7 @@ def test_resident_memory_is_reported_by_the_worker_and_the_scheduler() -> None:
         rss = worker_stats(address).rss_bytes
         assert 50e6 < rss < 8e9, rss  # a Python process with torch loaded, nowhere near 8 GB
         with SchedulerClient(cluster.scheduler_address) as client:
-            (w,) = client.list_workers()  # read by the scheduler's first reconcile, at start
+            (w,) = client.list_workers()  # read by the scheduler's first stats poll, at start
         assert 0.5 * rss < w.rss_bytes < 2 * rss, (w.rss_bytes, rss)
         wait_for_worker_stats(address, lambda s: s.rss_bytes > 0, what="a second reading")
 

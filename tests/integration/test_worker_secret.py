@@ -25,7 +25,7 @@ def _probe(address: str, session_ids: list[str], metadata: tuple = ()) -> list[g
         calls = [
             lambda: stub.GetInfo(wpb.GetInfoRequest(), timeout=10, metadata=metadata),
             lambda: stub.GetStats(wpb.GetStatsRequest(), timeout=10, metadata=metadata),
-            lambda: stub.Release(wpb.ReleaseRequest(session_ids=session_ids), timeout=10, metadata=metadata),
+            lambda: stub.Step(wpb.StepRequest(release_session_ids=session_ids), timeout=10, metadata=metadata),
             lambda: stub.Step(wpb.StepRequest(decode=decode), timeout=10, metadata=metadata),
         ]
         errors = []

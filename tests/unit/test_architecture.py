@@ -25,7 +25,7 @@ ALLOWED: dict[str, set[str]] = {
 # Pure cores: no gRPC, no protobuf, no sockets, no generated code.
 CORES = [
     "scheduler_svc/core",
-    "worker_svc/block_allocator.py",
+    "kvfleet_common/kv_blocks.py",
     "worker_svc/kv_views_mode.py",
     "telemetry_svc/stats.py",
     "telemetry_svc/gates.py",

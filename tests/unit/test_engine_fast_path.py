@@ -16,6 +16,7 @@ from kvfleet_models.config import LlamaConfig
 from kvfleet_models.reference import reference_generate, reference_logits
 from kvfleet_models.tiny import tiny_weights
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, ItemStatus, PrefillItem, SamplingSpec
+from worker_svc.local import LocalSteps
 from worker_svc.model.cpu_backend import use_cpu_threads
 from worker_svc.model.llama import LlamaModel
 
@@ -53,12 +54,12 @@ def test_tied_head_has_no_second_copy() -> None:
 def test_mixed_step_of_both_groups_matches_reference(kv_views: str) -> None:
     """One step holding a long chunk, a one-token prefill chunk and decodes: the one-token items
     share the decode group, the chunk its own group, and every logit matches the reference."""
-    engine = _engine(kv_views)
+    steps = LocalSteps(_engine(kv_views))
     a, b, c = _prompt(9, 1), _prompt(5, 2), _prompt(1, 3)
-    first = engine.step([PrefillItem("a", a, 0, True, GREEDY), PrefillItem("b", b, 0, True, GREEDY)], [])
+    first = steps.step([PrefillItem("a", a, 0, True, GREEDY), PrefillItem("b", b, 0, True, GREEDY)], [])
     ta, tb = (r.token_id for r in first.results)
     d = _prompt(13, 4)
-    out = engine.step(
+    out = steps.step(
         [
             PrefillItem("d", d[:7], 0, False, GREEDY),  # multi-token, not sampled
             PrefillItem("c", c, 0, True, GREEDY),
@@ -75,16 +76,16 @@ def test_mixed_step_of_both_groups_matches_reference(kv_views: str) -> None:
         np.testing.assert_allclose(out.logits[row], ref, atol=1e-4, rtol=0)
     assert out.results[3].token_id == reference_generate(TIED, TIED_WEIGHTS, list(a), 2)[1]
     # d's second chunk continues from the cache and samples d's first token.
-    out = engine.step([PrefillItem("d", d[7:], 7, True, GREEDY)], [])
+    out = steps.step([PrefillItem("d", d[7:], 7, True, GREEDY)], [])
     assert out.results[0].token_id == reference_generate(TIED, TIED_WEIGHTS, list(d), 1)[0]
 
 
 def test_bfloat16_tied_gqa_decodes_close_to_reference() -> None:
-    engine = _engine(dtype="bfloat16")
+    steps = LocalSteps(_engine(dtype="bfloat16"))
     prompt = _prompt(6, 5)
-    out = engine.step([PrefillItem("s", prompt, 0, True, GREEDY)], [], return_logits=True)
+    out = steps.step([PrefillItem("s", prompt, 0, True, GREEDY)], [], return_logits=True)
     tok = out.results[0].token_id
-    out = engine.step([], [DecodeItem("s", tok, len(prompt), GREEDY, 1)], return_logits=True)
+    out = steps.step([], [DecodeItem("s", tok, len(prompt), GREEDY, 1)], return_logits=True)
     ref = reference_logits(TIED, TIED_WEIGHTS, list(prompt) + [tok])[-1]
     assert out.logits is not None and np.abs(out.logits[0] - ref).max() < 0.25
 
@@ -109,8 +110,8 @@ def test_untied_and_tied_layouts_agree_when_head_equals_embedding() -> None:
     prompt = _prompt(7, 6)
     outs = []
     for cfg, weights in ((TIED, TIED_WEIGHTS), (untied_cfg, untied)):
-        engine = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=16))
-        outs.append(engine.step([PrefillItem("s", prompt, 0, True, GREEDY)], [], return_logits=True).logits)
+        steps = LocalSteps(Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=16)))
+        outs.append(steps.step([PrefillItem("s", prompt, 0, True, GREEDY)], [], return_logits=True).logits)
     np.testing.assert_allclose(outs[0], outs[1], atol=1e-6, rtol=0)
 
 
@@ -130,12 +131,13 @@ def test_torch_matmul_path_matches_host_blas_path(kv_views: str) -> None:
             host_blas=host_blas,
             fused_ops=None if host_blas else False,
         )
+        steps = LocalSteps(engine)
         a, b = _prompt(9, 1), _prompt(3, 2)
-        first = engine.step(
+        first = steps.step(
             [PrefillItem("a", a, 0, True, GREEDY), PrefillItem("b", b, 0, True, GREEDY)], [], return_logits=True
         )
         ta, tb = (r.token_id for r in first.results)
-        second = engine.step(
+        second = steps.step(
             [PrefillItem("c", _prompt(6, 3), 0, True, GREEDY)],
             [DecodeItem("a", ta, len(a), GREEDY, 1), DecodeItem("b", tb, len(b), GREEDY, 1)],
             return_logits=True,
@@ -153,11 +155,11 @@ def test_torch_matmul_path_matches_host_blas_path(kv_views: str) -> None:
     [("rebuild", "float32", 1e-4), ("persistent", "float32", 1e-4), ("persistent", "bfloat16", 0.25)],
 )
 def test_cuda_mixed_groups_match_reference(kv_views: str, dtype: str, atol: float) -> None:
-    engine = _engine(kv_views, dtype=dtype, device="cuda")
+    steps = LocalSteps(_engine(kv_views, dtype=dtype, device="cuda"))
     a, b = _prompt(9, 1), _prompt(4, 2)
-    first = engine.step([PrefillItem("a", a, 0, True, GREEDY), PrefillItem("b", b, 0, True, GREEDY)], [])
+    first = steps.step([PrefillItem("a", a, 0, True, GREEDY), PrefillItem("b", b, 0, True, GREEDY)], [])
     ta, tb = (r.token_id for r in first.results)
-    out = engine.step(
+    out = steps.step(
         [PrefillItem("c", _prompt(5, 3), 0, True, GREEDY)],
         [DecodeItem("a", ta, len(a), GREEDY, 1), DecodeItem("b", tb, len(b), GREEDY, 1)],
         return_logits=True,

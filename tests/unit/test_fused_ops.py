@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from kvfleet_models.tiny import tiny_weights
 from tests.unit.model_configs import GQA_CFG
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
+from worker_svc.local import LocalSteps
 from worker_svc.model import fused
 from worker_svc.model.llama import LlamaModel
 
@@ -110,16 +111,17 @@ def test_decode_attention_matches_masked_softmax(ops: fused.FusedOps, order: str
 
 def _mixed_steps(engine: Engine) -> np.ndarray:
     """Prefill chunks, then a step mixing a chunk with decodes of different lengths (a masked
-    decode group), then plain decodes; every step's logits."""
+    decode group), then plain decodes on a fresh engine; every step's logits."""
+    steps = LocalSteps(engine)
     prompts = {n: tuple((7 * i + 3 * n) % CFG.vocab_size for i in range(n)) for n in (9, 3, 14)}
     out = []
-    first = engine.step([PrefillItem(f"s{n}", p, 0, True, GREEDY) for n, p in prompts.items() if n != 14], [])
+    first = steps.step([PrefillItem(f"s{n}", p, 0, True, GREEDY) for n, p in prompts.items() if n != 14], [])
     tokens = {r.session_id: r.token_id for r in first.results}
     pos = {"s9": 9, "s3": 3}
     for k in range(3):
         prefill = [PrefillItem("s14", prompts[14], 0, True, GREEDY)] if k == 0 else []
         decode = [DecodeItem(sid, tokens[sid], pos[sid], GREEDY, k + 1) for sid in pos]
-        res = engine.step(prefill, decode, return_logits=True)
+        res = steps.step(prefill, decode, return_logits=True)
         out.append(res.logits)
         for r in res.results:
             tokens[r.session_id] = r.token_id

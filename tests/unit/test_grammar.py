@@ -345,6 +345,7 @@ def test_real_model_greedy_under_the_mask_validates(tok, smollm2_model) -> None:
     """SmolLM2 decoding greedily with the mask applied to its logits (the engine's rule:
     logits[~mask] = -inf) produces JSON that validates."""
     from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
+    from worker_svc.local import LocalSteps
 
     schema: dict[str, Any] = {
         "type": "object",
@@ -353,13 +354,13 @@ def test_real_model_greedy_under_the_mask_validates(tok, smollm2_model) -> None:
         "additionalProperties": False,
     }
     cfg, weights = smollm2_model
-    engine = Engine(cfg, weights, EngineConfig(block_size=16, num_blocks=32))
+    steps = LocalSteps(Engine(cfg, weights, EngineConfig(block_size=16, num_blocks=32)))
     messages = [{"role": "user", "content": "Give the largest city of France and its population as JSON."}]
     prompt = tuple(tok.encode(tok.render_chat(messages)))
     make = constraint_factory(tok, cfg.vocab_size, tok.eos_token_ids)  # the mask spans the logits
     c = make("json_schema", json.dumps({"name": "city", "schema": schema}))
     greedy = SamplingSpec()
-    out = engine.step([PrefillItem("s", prompt, 0, True, greedy)], [], return_logits=True)
+    out = steps.step([PrefillItem("s", prompt, 0, True, greedy)], [], return_logits=True)
     tokens: list[int] = []
     for k in range(80):
         assert out.logits is not None
@@ -370,7 +371,7 @@ def test_real_model_greedy_under_the_mask_validates(tok, smollm2_model) -> None:
         tokens.append(token)
         if c.is_done():
             break
-        out = engine.step([], [DecodeItem("s", token, len(prompt) + k, greedy, k + 1)], return_logits=True)
+        out = steps.step([], [DecodeItem("s", token, len(prompt) + k, greedy, k + 1)], return_logits=True)
     assert c.is_done(), f"not done after {len(tokens)} tokens: {_text(tok, tokens)!r}"
     value = json.loads(_text(tok, tokens))
     jsonschema.validate(value, schema)

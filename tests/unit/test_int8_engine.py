@@ -20,6 +20,7 @@ from worker_svc.__main__ import parse_args
 from worker_svc.config import WorkerConfig
 from worker_svc.convert import info_to_pb
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
+from worker_svc.local import LocalSteps
 from worker_svc.model import q8
 
 GREEDY = SamplingSpec()
@@ -50,11 +51,13 @@ def _prompt(n: int, vocab: int, salt: int = 0) -> tuple[int, ...]:
 
 
 def _logits(engine: Engine, prompt: tuple[int, ...], steps: int = 3) -> tuple[np.ndarray, list[int]]:
-    """Prefill then greedy decodes (feeding back the engine's own tokens): logits [steps + 1, V]."""
-    out = engine.step([PrefillItem("s", prompt, 0, True, GREEDY)], [], return_logits=True)
+    """Prefill then greedy decodes (feeding back the engine's own tokens) on a fresh engine:
+    logits [steps + 1, V]."""
+    driver = LocalSteps(engine)
+    out = driver.step([PrefillItem("s", prompt, 0, True, GREEDY)], [], return_logits=True)
     rows, tokens = [out.logits[0]], [out.results[0].token_id]
     for k in range(steps):
-        out = engine.step([], [DecodeItem("s", tokens[-1], len(prompt) + k, GREEDY, k + 1)], return_logits=True)
+        out = driver.step([], [DecodeItem("s", tokens[-1], len(prompt) + k, GREEDY, k + 1)], return_logits=True)
         rows.append(out.logits[0])
         tokens.append(out.results[0].token_id)
     return np.stack(rows), tokens
@@ -124,9 +127,9 @@ def test_int8_sizes_threads_and_info() -> None:
     padded = [m.shape[0] * -(-m.shape[1] // 32) * 32 for m in matrices]
     assert q.weight_bytes == sum(n + 4 * n // 32 for n in padded) + 4 * (vectors + embed)
     assert q.kv_bytes_per_token == f32.kv_bytes_per_token
-    info = info_to_pb("w", cfg, q, 4, 16)
+    info = info_to_pb("w", cfg, q, 4, 16, "i0")
     assert isinstance(info, pb.WorkerInfo) and info.quant == "int8" and info.dtype == "float32"
-    assert info_to_pb("w", cfg, f32, 4, 16).quant == "none"
+    assert info_to_pb("w", cfg, f32, 4, 16, "i0").quant == "none"
 
 
 def _onednn_bf16() -> bool:

@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 import torch
 
+from kvfleet_common.kv_blocks import OutOfBlocks
 from kvfleet_models.config import LlamaConfig, tiny_config
 from kvfleet_models.reference import reference_generate, reference_logits
 from kvfleet_models.tiny import tiny_weights
 from tests.unit.model_configs import GQA_CFG
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, ItemStatus, PrefillItem, SamplingSpec, sample_token
+from worker_svc.local import LocalSteps
 
 ATOL = 1e-4
 GREEDY = SamplingSpec()
@@ -56,7 +58,9 @@ def _plans(new_tokens: int = 9) -> dict[str, Plan]:
 
 
 def drive(engine: Engine, plans: dict[str, Plan], release_done: bool = False, mode_of_step=lambda step: None) -> None:
-    """A minimal scheduler: every step, the next chunk or one decode for each live session."""
+    """A minimal scheduler: every step, the next chunk or one decode for each live session
+    (the blocks chosen by a ``LocalSteps``, as the scheduler would)."""
+    steps = LocalSteps(engine)
     for step in range(100):
         prefill, decode = [], []
         for sid, p in plans.items():
@@ -73,7 +77,7 @@ def drive(engine: Engine, plans: dict[str, Plan], release_done: bool = False, mo
                 )
         if not prefill and not decode:
             return
-        out = engine.step(prefill, decode, return_logits=True, kv_views=mode_of_step(step))
+        out = steps.step(prefill, decode, return_logits=True, kv_views=mode_of_step(step))
         assert out.logits is not None
         for row, r in enumerate(out.results):
             assert r.status is ItemStatus.OK, r
@@ -81,7 +85,7 @@ def drive(engine: Engine, plans: dict[str, Plan], release_done: bool = False, mo
                 plans[r.session_id].tokens.append(r.token_id)
                 plans[r.session_id].logits.append(out.logits[row])
         if release_done:
-            engine.release(s for s, p in plans.items() if len(p.tokens) == p.new_tokens)
+            steps.release(s for s, p in plans.items() if len(p.tokens) == p.new_tokens)
     raise AssertionError("the schedule did not finish")
 
 
@@ -150,11 +154,12 @@ def test_kv_views_modes_give_identical_tokens() -> None:
 @pytest.mark.parametrize("kv_views", ["rebuild", "persistent"])
 def test_cache_miss_is_per_item_and_changes_nothing(kv_views: str) -> None:
     engine = _engine(kv_views)
+    steps = LocalSteps(engine)
     pa, pb = _prompt(5, 1), _prompt(3, 2)
-    out = engine.step([PrefillItem("a", tuple(pa), 0, True, GREEDY), PrefillItem("b", tuple(pb), 0, True, GREEDY)], [])
+    out = steps.step([PrefillItem("a", tuple(pa), 0, True, GREEDY), PrefillItem("b", tuple(pb), 0, True, GREEDY)], [])
     ta, tb = (r.token_id for r in out.results)
     used = engine.stats().used_blocks
-    out = engine.step(
+    out = steps.step(
         [
             PrefillItem("a", (1, 2), 0, True, GREEDY),  # a exists: start 0 is a miss
             PrefillItem("zz", (1, 2), 4, True, GREEDY),
@@ -172,7 +177,7 @@ def test_cache_miss_is_per_item_and_changes_nothing(kv_views: str) -> None:
     ]
     assert out.results[0].kv_tokens == len(pa) and out.results[0].token_id is None
     assert out.results[2].token_id == reference_generate(CFG, WEIGHTS, pb, 2)[1]
-    out = engine.step(
+    out = steps.step(
         [],
         [
             DecodeItem("a", ta, len(pa) + 1, GREEDY, 1),  # wrong position
@@ -182,54 +187,72 @@ def test_cache_miss_is_per_item_and_changes_nothing(kv_views: str) -> None:
     assert [r.status for r in out.results] == [ItemStatus.CACHE_MISS, ItemStatus.OK]
     assert engine.stats().cache_misses == 4
     assert engine.stats().used_blocks == used + 1 and not engine.views.holds("zz")
+    assert steps.tables.allocator.num_used == used + 1 and sorted(engine.session_ids()) == ["a", "b"]
     # a was untouched by its misses: it continues exactly as the reference.
-    out = engine.step([], [DecodeItem("a", ta, len(pa), GREEDY, 1)])
+    out = steps.step([], [DecodeItem("a", ta, len(pa), GREEDY, 1)])
     assert out.results[0].token_id == reference_generate(CFG, WEIGHTS, pa, 2)[1]
 
 
 @pytest.mark.parametrize("kv_views", ["rebuild", "persistent"])
-def test_out_of_blocks_is_per_item_without_partial_state(kv_views: str) -> None:
+def test_out_of_blocks_refuses_the_step_without_partial_state(kv_views: str) -> None:
+    # The block books are the driver's (the scheduler's): a step whose blocks do not fit is
+    # refused before the engine sees it, and neither the books nor the engine change.
     engine = _engine(kv_views, num_blocks=4)  # 16 tokens of cache
-    out = engine.step(
+    steps = LocalSteps(engine)
+    out = steps.step(
         [
             PrefillItem("a", tuple(_prompt(6, 0)), 0, True, GREEDY),
-            PrefillItem("big", tuple(_prompt(11, 1)), 0, True, GREEDY),
             PrefillItem("c", tuple(_prompt(4, 2)), 0, True, GREEDY),
         ],
         [],
     )
-    assert [r.status for r in out.results] == [ItemStatus.OK, ItemStatus.OUT_OF_BLOCKS, ItemStatus.OK]
-    assert out.results[1].kv_tokens == 0 and out.results[1].token_id is None
-    stats = engine.stats()
-    assert (stats.active_sessions, stats.used_blocks, stats.free_blocks) == (2, 3, 1)
-    assert stats.out_of_blocks == 1
-    ta = out.results[0].token_id
+    assert [r.status for r in out.results] == [ItemStatus.OK, ItemStatus.OK]
+    ta, tc = (r.token_id for r in out.results)
     assert ta == reference_generate(CFG, WEIGHTS, _prompt(6, 0), 1)[0]
-    # a second chunk that does not fit leaves the session as it was and usable
-    out = engine.step([PrefillItem("c", tuple(_prompt(9, 3)), 4, False, GREEDY)], [DecodeItem("a", ta, 6, GREEDY, 1)])
-    assert [r.status for r in out.results] == [ItemStatus.OUT_OF_BLOCKS, ItemStatus.OK]
-    assert out.results[0].kv_tokens == 4 and engine.stats().used_blocks == 3
-    assert out.results[1].token_id == reference_generate(CFG, WEIGHTS, _prompt(6, 0), 2)[1]
+    before = engine.stats()
+    assert (before.active_sessions, before.used_blocks, before.free_blocks) == (2, 3, 1)
+
+    def unchanged() -> None:
+        assert engine.stats() == before and sorted(engine.session_ids()) == ["a", "c"]
+        assert (steps.tables.allocator.num_used, steps.tables.allocator.num_free) == (3, 1)
+        assert sorted(steps.tables.session_ids()) == ["a", "c"]
+        assert [len(steps.tables.blocks(s)) for s in ("a", "c")] == [2, 1]
+
+    with pytest.raises(OutOfBlocks):  # a first chunk that does not fit: 3 blocks, 1 free
+        steps.step([PrefillItem("big", tuple(_prompt(11, 1)), 0, True, GREEDY)], [])
+    unchanged()
+    assert not steps.tables.has("big") and not engine.views.holds("big")
+    # a second chunk that does not fit leaves the sessions as they were and usable
+    with pytest.raises(OutOfBlocks):
+        steps.step([PrefillItem("c", tuple(_prompt(9, 3)), 4, False, GREEDY)], [DecodeItem("a", ta, 6, GREEDY, 1)])
+    unchanged()
+    out = steps.step([], [DecodeItem("a", ta, 6, GREEDY, 1), DecodeItem("c", tc, 4, GREEDY, 1)])
+    assert [r.status for r in out.results] == [ItemStatus.OK, ItemStatus.OK]
+    assert out.results[0].token_id == reference_generate(CFG, WEIGHTS, _prompt(6, 0), 2)[1]
+    assert out.results[1].token_id == reference_generate(CFG, WEIGHTS, _prompt(4, 2), 2)[1]
+    assert engine.stats().used_blocks == steps.tables.allocator.num_used == 4
 
 
 @pytest.mark.parametrize("kv_views", ["rebuild", "persistent"])
 def test_release_frees_blocks_and_session(kv_views: str) -> None:
     engine = _engine(kv_views)
+    steps = LocalSteps(engine)
     total = engine.stats().free_blocks
-    out = engine.step(
+    out = steps.step(
         [
             PrefillItem(s, tuple(_prompt(n, i)), 0, True, GREEDY)
             for i, (s, n) in enumerate([("a", 9), ("b", 2), ("c", 5)])
         ],
         [],
     )
-    assert engine.stats().used_blocks == 3 + 1 + 2
-    assert engine.release(["a", "nope", "a"]) == 1
-    assert engine.release(["a"]) == 0
-    assert engine.stats().used_blocks == 3 and engine.stats().active_sessions == 2
+    assert engine.stats().used_blocks == steps.tables.allocator.num_used == 3 + 1 + 2
+    assert steps.release(["a", "nope", "a"]) == 1
+    assert steps.release(["a"]) == 0
+    assert engine.stats().used_blocks == steps.tables.allocator.num_used == 3
+    assert engine.stats().active_sessions == 2
     assert not engine.views.holds("a")
     tb, tc = out.results[1].token_id, out.results[2].token_id
-    out = engine.step(
+    out = steps.step(
         [PrefillItem("a", tuple(_prompt(4, 7)), 0, True, GREEDY)],
         [DecodeItem("b", tb, 2, GREEDY, 1), DecodeItem("c", tc, 5, GREEDY, 1)],
     )
@@ -238,8 +261,8 @@ def test_release_frees_blocks_and_session(kv_views: str) -> None:
         reference_generate(CFG, WEIGHTS, _prompt(2, 1), 2)[1],
         reference_generate(CFG, WEIGHTS, _prompt(5, 2), 2)[1],
     ]
-    assert engine.release(["a", "b", "c"]) == 3
-    assert engine.stats().free_blocks == total
+    assert steps.release(["a", "b", "c"]) == 3
+    assert engine.stats().free_blocks == steps.tables.allocator.num_free == total
 
 
 def test_seeded_sampling_is_a_function_of_seed_and_index() -> None:
@@ -276,10 +299,13 @@ def test_sample_token_filters() -> None:
 
 
 def test_items_the_worker_cannot_run_are_rejected_alone_and_change_nothing() -> None:
-    engine = _engine()
+    # Blocks enough to reach max_position: the driver hands out the blocks, and the engine
+    # must be the one to refuse the decode past it.
+    engine = _engine(num_blocks=CFG.max_position // 4 + 1)
+    steps = LocalSteps(engine)
     ok = _prompt(3, 6)
-    alone = engine.step([PrefillItem("ok", tuple(ok), 0, True, GREEDY)], []).results[0].token_id
-    engine.release(["ok"])
+    alone = steps.step([PrefillItem("ok", tuple(ok), 0, True, GREEDY)], []).results[0].token_id
+    steps.release(["ok"])
     bad = [
         (PrefillItem("pos", (1,) * 3, CFG.max_position - 2, True, GREEDY), "max_position"),
         (PrefillItem("vocab", (1, CFG.vocab_size), 0, True, GREEDY), "outside vocab_size"),
@@ -287,19 +313,22 @@ def test_items_the_worker_cannot_run_are_rejected_alone_and_change_nothing() -> 
         (PrefillItem("bias", (1, 2), 0, True, SamplingSpec(logit_bias=((CFG.vocab_size, 5.0),))), "logit_bias"),
         (PrefillItem("grammar", (1, 2), 0, True, SamplingSpec(constraint="json_object")), "no grammar support"),
     ]
-    out = engine.step([PrefillItem("ok", tuple(ok), 0, True, GREEDY)] + [item for item, _ in bad], [])
+    out = steps.step([PrefillItem("ok", tuple(ok), 0, True, GREEDY)] + [item for item, _ in bad], [])
     good, *rejected = out.results
     assert good.status == ItemStatus.OK and good.token_id == alone  # the batch ran without them
     for r, (item, says) in zip(rejected, bad):
         assert (r.session_id, r.status, r.token_id, r.kv_tokens) == (item.session_id, ItemStatus.REJECTED, None, 0)
         assert says in r.error
     assert engine.stats().active_sessions == 1 and engine.stats().item_errors == len(bad)
+    assert steps.tables.session_ids() == ["ok"] and steps.tables.allocator.num_used == 1
     # A decode past max_position is rejected too, and ends that session here (its KV freed).
-    last = engine.step([], [DecodeItem("ok", good.token_id, CFG.max_position, GREEDY, 1)]).results[0]
+    last = steps.step([], [DecodeItem("ok", good.token_id, CFG.max_position, GREEDY, 1)]).results[0]
     assert last.status == ItemStatus.REJECTED and "max_position" in last.error
     assert engine.stats().active_sessions == 0 and engine.stats().used_blocks == 0
+    assert steps.tables.allocator.num_used == 0
     with pytest.raises(ValueError, match="more than once"):  # a malformed step is refused whole
-        engine.step([PrefillItem("a", (1,), 0, True, GREEDY)], [DecodeItem("a", 1, 1, GREEDY, 0)])
+        steps.step([PrefillItem("a", (1,), 0, True, GREEDY)], [DecodeItem("a", 1, 1, GREEDY, 0)])
+    assert steps.tables.allocator.num_used == 0 and engine.session_ids() == []
 
 
 @pytest.mark.parametrize(
@@ -322,9 +351,9 @@ def test_engine_sizes() -> None:
 
 
 def test_bfloat16_runs_close_to_reference() -> None:
-    engine = _engine(dtype="bfloat16")
+    steps = LocalSteps(_engine(dtype="bfloat16"))
     prompt = _prompt(7, 5)
-    out = engine.step([PrefillItem("a", tuple(prompt), 0, True, GREEDY)], [], return_logits=True)
+    out = steps.step([PrefillItem("a", tuple(prompt), 0, True, GREEDY)], [], return_logits=True)
     assert out.logits is not None
     ref = reference_logits(CFG, WEIGHTS, prompt)[-1]
     assert np.abs(out.logits[0] - ref).max() < 0.25  # bf16 keeps ~3 significant digits
@@ -349,4 +378,4 @@ def test_switching_kv_views_per_step_keeps_tokens_exact() -> None:
 
 def test_unknown_kv_views_override_is_rejected() -> None:
     with pytest.raises(ValueError, match="kv_views"):
-        _engine().step([PrefillItem("x", (1,), 0, True, GREEDY)], [], kv_views="sideways")
+        LocalSteps(_engine()).step([PrefillItem("x", (1,), 0, True, GREEDY)], [], kv_views="sideways")

@@ -33,9 +33,6 @@ class _Worker:
             out[d.session_id] = StepResult(d.session_id, StepStatus.OK, 7, d.position + 1)
         return out
 
-    async def release(self, session_ids, timeout) -> None:
-        return None
-
     async def close(self) -> None:
         return None
 

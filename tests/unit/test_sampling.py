@@ -29,6 +29,7 @@ from scheduler_svc.core import (
 from tests.unit.sim import tiny_worker
 from worker_svc import convert as worker_convert
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, ItemResult, ItemStatus, PrefillItem, SamplingSpec
+from worker_svc.local import LocalSteps
 from worker_svc.sampling import draw, logprobs_of, process_logits, sample_token
 
 CFG = tiny_config()
@@ -36,8 +37,9 @@ WEIGHTS = tiny_weights(CFG)
 V = CFG.vocab_size
 
 
-def _engine(**kw: object) -> Engine:
-    return Engine(CFG, WEIGHTS, EngineConfig(block_size=4, num_blocks=128), **kw)  # type: ignore[arg-type]
+def _steps(**kw: object) -> LocalSteps:
+    """An engine on the tiny model, driven with its blocks chosen as the scheduler would."""
+    return LocalSteps(Engine(CFG, WEIGHTS, EngineConfig(block_size=4, num_blocks=128), **kw))  # type: ignore[arg-type]
 
 
 def _row(seed: int = 0, n: int = V) -> torch.Tensor:
@@ -163,9 +165,10 @@ def test_a_grammar_refusal_or_a_sampling_fault_fails_its_item_alone(monkeypatch:
         raise ValueError("schema nests too deep")
 
     engine = Engine(CFG, WEIGHTS, EngineConfig(block_size=4, num_blocks=64), constraint_factory=refuse)
+    steps = LocalSteps(engine)
     prompt = (1, 2, 3, 4, 5)
-    alone = engine.step([PrefillItem("ok", prompt, 0, True, SamplingSpec())], []).results[0].token_id
-    engine.release(["ok"])
+    alone = steps.step([PrefillItem("ok", prompt, 0, True, SamplingSpec())], []).results[0].token_id
+    steps.release(["ok"])
     monkeypatch.setenv("KVFLEET_FAILPOINTS", "worker.sample:seed=666")
     items = [
         PrefillItem("ok", prompt, 0, True, SamplingSpec()),
@@ -173,17 +176,17 @@ def test_a_grammar_refusal_or_a_sampling_fault_fails_its_item_alone(monkeypatch:
         PrefillItem("fault", prompt, 0, True, SamplingSpec(temperature=0.8, seed=666)),
         PrefillItem("other-seed", prompt, 0, True, SamplingSpec(temperature=0.8, seed=665)),
     ]
-    ok, refused, fault, other = engine.step(items, []).results
+    ok, refused, fault, other = steps.step(items, []).results
     assert ok.status == ItemStatus.OK and ok.token_id == alone
     assert other.status == ItemStatus.OK and other.token_id is not None
     assert refused.status == ItemStatus.REJECTED and "schema nests too deep" in refused.error
     assert fault.status == ItemStatus.FAILED and "FailpointHit" in fault.error
     assert (refused.token_id, refused.kv_tokens, fault.token_id, fault.kv_tokens) == (None, 0, None, 0)
     # Their sessions are freed here; the two that ran hold their prompts.
-    assert sorted(engine.books.session_ids()) == ["ok", "other-seed"]
+    assert sorted(engine.session_ids()) == sorted(steps.tables.session_ids()) == ["ok", "other-seed"]
     assert engine.stats().item_errors == 2
-    held = set(engine.books.blocks("ok")) | set(engine.books.blocks("other-seed"))  # the full block is shared
-    assert engine.stats().used_blocks == len(held)
+    held = set(steps.tables.blocks("ok")) | set(steps.tables.blocks("other-seed"))  # the full block is shared
+    assert engine.stats().used_blocks == steps.tables.allocator.num_used == len(held)
 
 
 # ---- through the engine ------------------------------------------------------------------------
@@ -195,11 +198,11 @@ def _token(r: ItemResult) -> int:
 
 
 def _generate(
-    engine: Engine, sid: str, prompt: list[int], n: int, spec: SamplingSpec, company: int = 0
+    steps: LocalSteps, sid: str, prompt: list[int], n: int, spec: SamplingSpec, company: int = 0
 ) -> tuple[list[int], list[ItemResult]]:
     """Greedy-loop one session for n tokens, with `company` other sessions in every step.
     Returns its tokens and its ItemResults."""
-    out = engine.step(
+    out = steps.step(
         [PrefillItem(sid, tuple(prompt), 0, True, spec)]
         + [
             PrefillItem(f"{sid}-o{i}", tuple((3 * i + j) % V for j in range(2 + i)), 0, True, SamplingSpec())
@@ -213,21 +216,21 @@ def _generate(
     while len(tokens) < n:
         decode = [DecodeItem(sid, tokens[-1], len(prompt) + len(tokens) - 1, spec, len(tokens))]
         decode += [DecodeItem(o, t, kv, SamplingSpec(1.0, seed=7), kv) for o, (t, kv) in others.items()]
-        out = engine.step([], decode)
+        out = steps.step([], decode)
         results.append(out.results[0])
         tokens.append(_token(out.results[0]))
         others = {r.session_id: (_token(r), r.kv_tokens) for r in out.results[1:]}
-    engine.release([sid, *others])
+    steps.release([sid, *others])
     return tokens, results
 
 
 def test_engine_applies_penalties_over_its_own_history() -> None:
     """Every token equals the argmax of the raw logits processed with the history the test keeps."""
-    engine = _engine()
+    steps = _steps()
     prompt = [3, 4, 5, 3]
     spec = SamplingSpec(repetition_penalty=1.3, presence_penalty=0.8, frequency_penalty=0.6)
     tokens: list[int] = []
-    out = engine.step([PrefillItem("s", tuple(prompt), 0, True, spec)], [], return_logits=True)
+    out = steps.step([PrefillItem("s", tuple(prompt), 0, True, spec)], [], return_logits=True)
     while True:
         token = _token(out.results[0])
         assert out.logits is not None
@@ -239,29 +242,29 @@ def test_engine_applies_penalties_over_its_own_history() -> None:
         if len(tokens) == 12:
             break
         decode = DecodeItem("s", token, len(prompt) + len(tokens) - 1, spec, len(tokens))
-        out = engine.step([], [decode], return_logits=True)
-    plain, _ = _generate(_engine(), "p", prompt, 12, SamplingSpec())
+        out = steps.step([], [decode], return_logits=True)
+    plain, _ = _generate(_steps(), "p", prompt, 12, SamplingSpec())
     assert tokens != plain, "the penalties should change the tiny model's greedy output"
 
 
 def test_seeded_sampling_with_penalties_ignores_batch_and_moves() -> None:
     spec = SamplingSpec(1.2, top_k=30, seed=5, presence_penalty=1.0, repetition_penalty=1.2, min_p=0.05)
-    alone, _ = _generate(_engine(), "s", [1, 2, 3], 10, spec)
-    crowded, _ = _generate(_engine(), "s", [1, 2, 3], 10, spec, company=3)
+    alone, _ = _generate(_steps(), "s", [1, 2, 3], 10, spec)
+    crowded, _ = _generate(_steps(), "s", [1, 2, 3], 10, spec, company=3)
     assert alone == crowded
     # A move: another engine recomputes prompt + the first 6 tokens and samples token 6.
-    other = _engine()
+    other = _steps()
     out = other.step([PrefillItem("s", (1, 2, 3, *alone[:6]), 0, True, spec, generated_so_far=6)], [])
     assert out.results[0].token_id == alone[6]
 
 
 def test_engine_reports_logprobs_only_when_asked() -> None:
-    engine = _engine()
-    _, results = _generate(engine, "a", [1, 2], 4, SamplingSpec(logprobs=True, top_logprobs=3))
+    steps = _steps()
+    _, results = _generate(steps, "a", [1, 2], 4, SamplingSpec(logprobs=True, top_logprobs=3))
     for r in results:
         assert r.logprob is not None and r.logprob <= 0
         assert len(r.top_logprobs) == 3 and r.top_logprobs[0] == (r.token_id, pytest.approx(r.logprob))
-    _, results = _generate(engine, "b", [1, 2], 2, SamplingSpec())
+    _, results = _generate(steps, "b", [1, 2], 2, SamplingSpec())
     assert all(r.logprob is None and r.top_logprobs == () for r in results)
 
 
@@ -295,16 +298,16 @@ class SequenceConstraint:
 def test_constraint_masks_accepts_and_reports_done() -> None:
     SequenceConstraint.made.clear()
     sequence = (11, 7, 30, 7)
-    engine = _engine(constraint_factory=lambda kind, schema: SequenceConstraint(kind, schema, sequence))
+    steps = _steps(constraint_factory=lambda kind, schema: SequenceConstraint(kind, schema, sequence))
     spec = SamplingSpec(temperature=1.0, seed=3, constraint="json_schema", constraint_schema='{"type": "object"}')
-    tokens, results = _generate(engine, "c", [1, 2, 3], 4, spec, company=2)
+    tokens, results = _generate(steps, "c", [1, 2, 3], 4, spec, company=2)
     assert tokens == list(sequence)
     assert [r.constraint_done for r in results] == [False, False, False, True]
     assert len(SequenceConstraint.made) == 1
     assert (SequenceConstraint.made[0].kind, SequenceConstraint.made[0].schema) == ("json_schema", '{"type": "object"}')
 
     # A recompute after a move: the new session's constraint is fed the generated tokens again.
-    out = engine.step([PrefillItem("m", (1, 2, 3, 11, 7), 0, True, spec, generated_so_far=2)], [])
+    out = steps.step([PrefillItem("m", (1, 2, 3, 11, 7), 0, True, spec, generated_so_far=2)], [])
     assert out.results[0].token_id == 30
     assert SequenceConstraint.made[-1].accepted == [11, 7, 30]
 
@@ -375,12 +378,18 @@ def test_admission_rejects_bad_sampling_naming_the_field(sampling: Sampling, fie
 
 def test_outcomes_carry_logprobs_cached_tokens_and_finish_on_constraint_done() -> None:
     core = _core()
-    sid = core.submit(SessionRequest((1, 2, 3), 10, Sampling(logprobs=True, top_logprobs=1)))
+    prompt = tuple(range(1, 18))  # one full block of 16, and one token more
+    # A first session writes the prompt's full block; the scheduler's books then hold it cached.
+    first = core.submit(SessionRequest(prompt, 1))
     plan = core.schedule()
-    out = core.update(plan, _answer(plan, 9, logprob=-0.25, top_logprobs=((9, -0.25),), cached_tokens=2))
+    assert core.update(plan, _answer(plan, 5)).finished == [(first, FinishReason.LENGTH)]
+    sid = core.submit(SessionRequest(prompt, 10, Sampling(logprobs=True, top_logprobs=1)))
+    plan = core.schedule()
+    assert [(p.session_id, p.cached_tokens) for p in plan.prefill] == [(sid, 16)]
+    out = core.update(plan, _answer(plan, 9, logprob=-0.25, top_logprobs=((9, -0.25),)))
     assert out.tokens == [(sid, 9)]
     assert out.logprobs[sid] == TokenLogprob(9, -0.25, ((9, -0.25),))
-    assert core.session(sid).cached_tokens == 2
+    assert core.session(sid).cached_tokens == 16
     plan = core.schedule()
     out = core.update(plan, _answer(plan, 4, logprob=-1.0, constraint_done=True))
     assert out.tokens == [(sid, 4)] and out.finished == [(sid, FinishReason.STOP)]
@@ -397,6 +406,6 @@ def test_a_step_item_with_sampling_outside_the_rules_is_rejected_alone() -> None
         ]
     )
     call = worker_convert.step_from_pb(req)  # not a ValueError for the whole step
-    bad, ok = _engine().step(call.prefill, call.decode).results
+    bad, ok = _steps().step(call.prefill, call.decode).results
     assert bad.status == ItemStatus.REJECTED and "top_p" in bad.error and bad.token_id is None
     assert ok.status == ItemStatus.OK and ok.token_id is not None

@@ -1,0 +1,166 @@
+"""The scheduler core owns each worker's block tables: the plan carries every item's new block
+ids, a prefix-cache hit is found (and reserved once) at placement, placement prefers the worker
+holding the longest cached prefix, and a block is offered for sharing only once a step that
+wrote it came back."""
+
+from __future__ import annotations
+
+from scheduler_svc.core import SchedulerCore, SchedulerLimits, SessionRequest, StepResult, StepStatus
+from tests.unit.sim import FakeWorkers, complete_tick, plan_tick, sequential_ids, tiny_worker
+
+BS = 4
+SHARED = tuple(range(1, 13))  # three full blocks
+
+
+def _core(workers=("w0",), blocks: int = 64, **limits) -> SchedulerCore:
+    core = SchedulerCore(SchedulerLimits(**{"prefill_token_budget": 64, **limits}), new_id=sequential_ids())
+    for w in workers:
+        core.add_worker(tiny_worker(w, blocks=blocks, block_size=BS), vocab_size=48, max_position=512)
+    return core
+
+
+def _req(prompt, new: int = 3, owner: str = "") -> SessionRequest:
+    return SessionRequest(prompt_ids=tuple(prompt), max_new_tokens=new, owner=owner)
+
+
+class TablesSeen:
+    """What a worker would build from the plans' deltas; checks every item fits its blocks."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, list[int]] = {}
+
+    def apply(self, plan) -> None:
+        for p in plan.prefill:
+            if p.start_position == 0:
+                self.tables[p.session_id] = []
+            self.tables[p.session_id] += p.block_ids
+            assert len(self.tables[p.session_id]) * BS >= p.start_position + len(p.token_ids)
+        for d in plan.decode:
+            self.tables[d.session_id] += d.block_ids
+            assert len(self.tables[d.session_id]) * BS >= d.position + 1
+
+
+def _run(core: SchedulerCore, fake: FakeWorkers, seen: TablesSeen | None = None) -> list:
+    plans = []
+    while core.has_work():
+        plan, early = plan_tick(core)
+        fake.release(early)
+        if plan.empty:
+            continue
+        if seen is not None:
+            seen.apply(plan)
+        plans.append(plan)
+        fake.release(complete_tick(core, plan, fake.run(plan), outcome=early))
+    return plans
+
+
+def test_items_carry_their_new_blocks_once_and_tables_cover_every_token() -> None:
+    core, fake, seen = _core(), FakeWorkers(), TablesSeen()
+    a = core.submit(_req(range(1, 11), new=8))  # 10 + 8 - 1 = 17 tokens at most: 5 blocks
+    plans = _run(core, fake, seen)
+    first = plans[0].prefill[0]
+    assert first.session_id == a and len(first.block_ids) == 5  # reserve policy: the worst case at once
+    assert all(d.block_ids == () for p in plans[1:] for d in p.decode)  # nothing more to send
+    assert len(set(seen.tables[a])) == 5
+
+
+def test_preempt_policy_grows_block_by_block_and_sends_each_new_block_with_its_decode() -> None:
+    core, fake, seen = _core(kv_policy="preempt"), FakeWorkers(), TablesSeen()
+    a = core.submit(_req(range(1, 4), new=12))  # prompt 3 + first decode: 1 block at admission
+    plans = _run(core, fake, seen)
+    assert len(plans[0].prefill[0].block_ids) == 1
+    grown = [(d.position, len(d.block_ids)) for p in plans[1:] for d in p.decode if d.block_ids]
+    # A new block whenever the decode's position starts one: 4, 8, 12.
+    assert grown == [(4, 1), (8, 1), (12, 1)]
+    assert len(seen.tables[a]) == 4
+
+
+def test_a_cached_prefix_is_found_at_placement_reserved_once_and_not_recomputed() -> None:
+    core, fake = _core(), FakeWorkers()
+    first = core.submit(_req(SHARED + (20, 21)))
+    _run(core, fake)  # computed and finished: its full blocks stay cached (and free)
+    reserved_free = core.snapshot().kv_reserved_bytes
+    assert reserved_free == 0
+    a = core.submit(_req(SHARED + (30, 31)))
+    b = core.submit(_req(SHARED + (40,)))
+    plan, early = plan_tick(core)
+    chunks = {p.session_id: p for p in plan.prefill}
+    assert chunks[a].cached_tokens == chunks[b].cached_tokens == 12
+    # Both hold the same three prefix blocks: reserved once.
+    ta, tb = core.workers.tables(a).blocks(a), core.workers.tables(b).blocks(b)
+    assert ta[:3] == tb[:3] and not set(ta[3:]) & set(tb[3:])
+    distinct = len(set(ta) | set(tb))
+    assert core.snapshot().kv_reserved_bytes == distinct * BS * 1536 < (len(ta) + len(tb)) * BS * 1536
+    complete_tick(core, plan, fake.run(plan), outcome=early)
+    assert core.session(a).cached_tokens == 12 and core.session(first).cached_tokens == 0
+
+
+def test_the_prefill_budget_is_spent_on_computed_tokens_only() -> None:
+    core, fake = _core(prefill_token_budget=4), FakeWorkers()
+    core.submit(_req(SHARED + (20,)))
+    _run(core, fake)
+    sid = core.submit(_req(SHARED + (30, 31, 32, 33, 34)))  # 12 cached + 5 to compute
+    plan, _ = plan_tick(core)
+    (chunk,) = plan.prefill
+    assert (chunk.start_position, len(chunk.token_ids), chunk.cached_tokens) == (0, 16, 12)
+    assert not chunk.last_chunk and chunk.session_id == sid
+
+
+def test_blocks_are_shared_only_after_the_step_that_wrote_them_came_back() -> None:
+    core, fake = _core(), FakeWorkers()
+    a = core.submit(_req(SHARED + (20,)))
+    b = core.submit(_req(SHARED + (30,)))
+    plan, early = plan_tick(core)  # one step computes both: neither finds the other's blocks
+    assert {p.session_id: p.cached_tokens for p in plan.prefill} == {a: 0, b: 0}
+    complete_tick(core, plan, fake.run(plan), outcome=early)
+    c = core.submit(_req(SHARED + (40,)))
+    plan, early = plan_tick(core)
+    assert {p.session_id: p.cached_tokens for p in plan.prefill} == {c: 12}  # now published
+    # A step that failed names nothing: d's blocks are never offered.
+    d = core.submit(_req((7,) * 12 + (1,)))
+    complete_tick(core, plan, fake.run(plan), outcome=early)
+    plan, early = plan_tick(core)
+    results = fake.run(plan)
+    results[d] = StepResult(d, StepStatus.CACHE_MISS, None, 0)
+    complete_tick(core, plan, results, outcome=early)
+    assert core.workers.get("w0").tables.cached_prefix((7,) * 12 + (2,)) == 0
+
+
+def test_placement_prefers_the_worker_holding_the_longest_cached_prefix() -> None:
+    core, fake = _core(("w0", "w1")), FakeWorkers()
+    warm = core.submit(_req(SHARED + (20,), new=2))
+    _run(core, fake)
+    assert core.workers.get("w0").tables.cached_prefix(SHARED + (1,)) == 12  # (w0: ties go by id)
+    busy = core.submit(_req(range(1, 40), new=20))  # both empty again: w0 by id, and now loaded
+    plan, early = plan_tick(core)
+    fake.release(complete_tick(core, plan, fake.run(plan), outcome=early))
+    assert core.session(busy).worker_id == "w0" and core.workers.get("w0").load > core.workers.get("w1").load
+    hit = core.submit(_req(SHARED + (30,)))
+    miss = core.submit(_req((9,) * 13))
+    plan, early = plan_tick(core)
+    placed = {p.session_id: (p.worker_id, p.cached_tokens) for p in plan.prefill}
+    # Least loaded alone would send both to w1; the cached prefix keeps `hit` on w0.
+    assert placed == {hit: ("w0", 12), miss: ("w1", 0)}
+    assert core.session(warm).cached_tokens == 0
+
+
+def test_callers_share_cached_blocks_only_with_themselves() -> None:
+    core, fake = _core(), FakeWorkers()
+    core.submit(_req(SHARED + (20,), owner="alice"))
+    _run(core, fake)
+    mine = core.submit(_req(SHARED + (30,), owner="alice"))
+    theirs = core.submit(_req(SHARED + (30,), owner="bob"))
+    anon = core.submit(_req(SHARED + (30,)))
+    plan, _ = plan_tick(core)
+    assert {p.session_id: p.cached_tokens for p in plan.prefill} == {mine: 12, theirs: 0, anon: 0}
+
+
+def test_a_worker_taken_back_starts_with_empty_books() -> None:
+    core, fake = _core(), FakeWorkers()
+    core.submit(_req(SHARED + (20,)))
+    _run(core, fake)
+    assert core.workers.get("w0").tables.cached_prefix(SHARED + (1,)) == 12
+    core.worker_failed("w0", "test")
+    core.worker_recovered(core.workers.get("w0").spec)  # it may have restarted: its KV is gone
+    slot = core.workers.get("w0")
+    assert slot.live and slot.tables.cached_prefix(SHARED + (1,)) == 0 and slot.reserved_tokens == 0
