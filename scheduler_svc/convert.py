@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -62,6 +63,7 @@ def sampling_from_request(req: spb.GenerateRequest) -> Sampling:
     )
 
 
+@functools.lru_cache(maxsize=4096)  # per distinct sampling, not per item per tick (read-only)
 def _sampling_to_wpb(s: Sampling) -> wpb.Sampling:
     return wpb.Sampling(
         temperature=s.temperature,

@@ -44,13 +44,30 @@ def sampling_from_pb(s: pb.Sampling) -> SamplingSpec:
     )
 
 
-def _sampling(s: pb.Sampling) -> tuple[SamplingSpec, str]:
-    """The item's sampling, or (greedy, why) for one outside the rules: that item alone is then
-    REJECTED (see Engine), not the whole step."""
+def _convert_sampling(s: pb.Sampling) -> tuple[SamplingSpec, str]:
     try:
         return sampling_from_pb(s), ""
     except ValueError as exc:
         return SamplingSpec(), f"sampling: {exc}"
+
+
+# Every decode item of every step carries its session's sampling, and most sessions send the
+# same few: converted (and validated) once per distinct message, not once per item per step.
+_SAMPLING_CACHE: dict[bytes, tuple[SamplingSpec, str]] = {}
+_SAMPLING_CACHE_MAX = 4096
+
+
+def _sampling(s: pb.Sampling) -> tuple[SamplingSpec, str]:
+    """The item's sampling, or (greedy, why) for one outside the rules: that item alone is then
+    REJECTED (see Engine), not the whole step."""
+    key = s.SerializeToString(deterministic=True)
+    got = _SAMPLING_CACHE.get(key)
+    if got is None:
+        got = _convert_sampling(s)
+        if len(_SAMPLING_CACHE) >= _SAMPLING_CACHE_MAX:
+            _SAMPLING_CACHE.clear()  # rare (that many distinct samplings): start over
+        _SAMPLING_CACHE[key] = got
+    return got
 
 
 def prefill_from_pb(items) -> list[PrefillItem]:

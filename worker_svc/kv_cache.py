@@ -1,8 +1,9 @@
 """Device memory of the paged KV cache, and the two ways of handing attention contiguous K/V.
 
 The paged cache is the source of truth: every new token's K/V is written to its slot (the
-block/offset pair the scheduler's block tables chose: ``kvfleet_common.kv_blocks``). Attention wants, per session,
-K/V as one contiguous run of positions, padded to a common length across a batch; a *views*
+block/offset pair the scheduler's block tables chose: ``kvfleet_common.kv_blocks``). Attention
+wants, per session, K/V as one contiguous run of positions, padded to a common length across a
+batch; a *views*
 object produces that, in one of two ways (``kv_views``):
 
 - ``RebuildViews`` ("rebuild", the control): every layer of every step gathers each session's
@@ -23,6 +24,7 @@ so that attention is a plain ``bmm`` with no copy of K/V.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,8 +46,9 @@ class BatchLayout:
     block_tables: tuple[tuple[int, ...], ...]  # blocks per item after this step's append
     num_multi: int = 0  # items [0, num_multi) have lengths > 1
 
-    @property
+    @functools.cached_property
     def totals(self) -> tuple[int, ...]:
+        # Cached: per-item loops read it once per item (it was O(items^2) at large batches).
         return tuple(s + n for s, n in zip(self.starts, self.lengths))
 
     @property
