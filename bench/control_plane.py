@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 
@@ -56,7 +57,7 @@ def worker_gaps(db: Path, start_ns: int, end_ns: int) -> dict:
     }
 
 
-def cluster_run(client: SchedulerClient, db: Path, c: int, new_tokens: int, vocab: int) -> dict:
+def cluster_run(client: SchedulerClient, db: Path, c: int, new_tokens: int, vocab: int) -> dict[str, Any]:
     req = spb.WorkloadRequest(policy=spb.WorkloadPolicy(max_running=c, prefill_token_budget=4 * c))
     for p in _prompts(c, vocab):
         req.sessions.add(prompt_ids=spb.TokenIds(ids=p), max_new_tokens=new_tokens, ignore_eos=True)
@@ -70,13 +71,19 @@ def cluster_run(client: SchedulerClient, db: Path, c: int, new_tokens: int, voca
     if stats is None:
         raise RuntimeError("the workload ended without its stats")
     wait_for_spans(db)
-    row = {"ticks": stats.ticks, "ticks_per_s": round(stats.ticks / wall, 1)}
+    row: dict[str, Any] = {"ticks": stats.ticks, "ticks_per_s": round(stats.ticks / wall, 1)}
     row.update(worker_gaps(db, start_ns, end_ns))
     brk = tick_breakdown(db, start_ns, end_ns)
     row["worker_step_ms"] = brk.get("worker_step_ms")
     row["scheduler_rpc_ms"] = brk.get("scheduler_rpc_ms")
     row["scheduler_rpc_share"] = brk.get("scheduler_rpc_share")
     return row
+
+
+def _token(token_id: int | None) -> int:
+    if token_id is None:
+        raise RuntimeError("the engine sampled no token for a decode")
+    return token_id
 
 
 def engine_steps_per_s(model: str, c: int, new_tokens: int, threads: int) -> float:
@@ -92,11 +99,11 @@ def engine_steps_per_s(model: str, c: int, new_tokens: int, threads: int) -> flo
     prompts = _prompts(c, cfg.vocab_size)
     t0 = time.perf_counter()
     out = steps.step([PrefillItem(f"s{k}", tuple(p), 0, True, greedy) for k, p in enumerate(prompts)], [])
-    last = [r.token_id for r in out.results]
+    last = [_token(r.token_id) for r in out.results]
     n = 1
     for i in range(1, new_tokens):
         decode = [DecodeItem(f"s{k}", last[k], len(p) + i - 1, greedy, i) for k, p in enumerate(prompts)]
-        last = [r.token_id for r in steps.step([], decode).results]
+        last = [_token(r.token_id) for r in steps.step([], decode).results]
         n += 1
     return n / (time.perf_counter() - t0)
 
