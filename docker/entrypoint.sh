@@ -2,7 +2,7 @@
 # kvfleet image entry point: the first argument picks the service, the rest are its flags.
 #   scheduler [flags]   python -m scheduler_svc   (listens on 0.0.0.0:50051)
 #   worker [flags]      python -m worker_svc      (listens on 0.0.0.0:50061)
-#   telemetry [flags]   python -m telemetry_svc   (listens on 0.0.0.0:4317, SQLite in /data)
+#   telemetry [flags]   python -m telemetry_svc   (listens on 0.0.0.0:4317 and :16686, SQLite in /data)
 #   gateway [flags]     python -m gateway_svc     (OpenAI-compatible HTTP on 0.0.0.0:8000)
 #   healthcheck H:P|URL python -m kvfleet.healthcheck (gRPC health, or HTTP 200)
 #   kvfleet ...         the CLI (python -m kvfleet.cli), e.g. `kvfleet workers --scheduler scheduler:50051`

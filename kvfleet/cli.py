@@ -134,6 +134,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     spec = dataclasses.replace(
         spec,
         telemetry_port=a.telemetry_port,
+        trace_api_port=a.trace_api_port,
         worker_secret=secrets.token_urlsafe(32),
         drain_grace_s=a.drain_grace,
         forward_otlp=_forward_endpoint(a.telemetry_port),
@@ -146,9 +147,10 @@ def cmd_up(a: argparse.Namespace) -> int:
     )
     cluster.start()
     gateway = f", OpenAI API at {cluster.gateway_url}/v1" if cluster.gateway_url else ""
+    traces = f", trace API at {cluster.trace_api_url}" if cluster.trace_api_url else ""
     print(
         f"kvfleet is up: scheduler at {cluster.scheduler_address}{gateway}, telemetry (OTLP) at "
-        f"{cluster.telemetry_address} (workers {', '.join(cluster.worker_addresses)}; "
+        f"{cluster.telemetry_address}{traces} (workers {', '.join(cluster.worker_addresses)}; "
         f"metrics ports {cluster.metrics_ports}; logs in {cluster.log_dir}). Ctrl-C drains and stops.",
         flush=True,
     )
@@ -417,6 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     from gateway_svc.config import GatewayConfig
     from kvfleet.local_cluster import ClusterSpec
     from scheduler_svc.config import SchedulerConfig
+    from telemetry_svc.http_api import JAEGER_QUERY_PORT
     from telemetry_svc.server import TelemetryConfig
 
     up = sub.add_parser("up", help="start a local cluster (scheduler + workers); Ctrl-C drains and stops")
@@ -426,6 +429,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=SchedulerConfig.port, help="the scheduler's client port")
     up.add_argument(
         "--telemetry-port", type=int, default=TelemetryConfig.port, help="the telemetry service's OTLP port"
+    )
+    up.add_argument(
+        "--trace-api-port",
+        type=int,
+        default=JAEGER_QUERY_PORT,
+        help="telemetry's Jaeger query HTTP API, which Grafana's Jaeger data source reads",
     )
     up.add_argument(
         "--gateway-port",

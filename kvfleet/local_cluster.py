@@ -71,6 +71,7 @@ class ClusterSpec:
     kv_views: str = WorkerConfig.kv_views.value
     telemetry: bool = True  # start a telemetry service and send traces to it
     telemetry_port: int = 0  # 0 = a free port
+    trace_api_port: int = 0  # telemetry's Jaeger query HTTP API; 0 = a free port
     extra_env: dict[str, str] = field(default_factory=dict)
     scheduler_args: tuple[str, ...] = ()  # more flags for python -m scheduler_svc
     tls_dir: str = ""  # certificates from deploy/tls/make_dev_certs.sh: TLS everywhere,
@@ -120,6 +121,7 @@ class LocalCluster:
         self.worker_addresses: list[str] = []
         self.scheduler_address = ""
         self.telemetry_address = ""
+        self.trace_api_url = ""  # telemetry's Jaeger query API (Grafana's Jaeger data source URL)
         self.metrics_ports: dict[str, int] = {}
         self.gateway_url = ""
 
@@ -216,6 +218,8 @@ class LocalCluster:
             if s.telemetry:
                 port = s.telemetry_port or free_port(s.host)
                 self.telemetry_address = f"{s.host}:{port}"
+                http_port = s.trace_api_port or free_port(s.host)
+                self.trace_api_url = f"{'https' if s.tls_dir else 'http'}://{s.host}:{http_port}"
                 self._spawn(
                     "telemetry",
                     [
@@ -227,6 +231,8 @@ class LocalCluster:
                         str(port),
                         "--db",
                         str(self.log_dir / "telemetry.db"),
+                        "--http-port",
+                        str(http_port),
                         *(["--forward-otlp", s.forward_otlp] if s.forward_otlp else []),
                     ],
                 )

@@ -8,6 +8,7 @@ import os
 from kvfleet_common.flags import FlagParser
 from kvfleet_common.logs import LogSettings
 from telemetry_svc.auth import AuthPolicy
+from telemetry_svc.http_api import JAEGER_QUERY_PORT
 from telemetry_svc.retention import DEFAULT_MAX_DB_MB, DEFAULT_RETENTION_HOURS, RetentionPolicy
 from telemetry_svc.server import TelemetryConfig, serve
 
@@ -27,7 +28,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TelemetryConfig, LogSetti
                    help="bearer token writes must carry (prefer the variable: a flag "
                         "shows in ps). Mutual TLS: $KVFLEET_TLS_ALLOWED_CLIENTS")  # fmt: skip
     p.add_argument("--protect-reads", action="store_true", env="KVFLEET_TELEMETRY_PROTECT_READS",
-                   help="reads (summaries, reports, timings, experiments) need the token/certificate too")  # fmt: skip
+                   help="reads (summaries, reports, timings, experiments, the trace API) need the token/certificate too")  # fmt: skip
     p.add_argument("--retention-hours", type=float, default=DEFAULT_RETENTION_HOURS,
                    help="delete spans and artifacts received longer ago than this")  # fmt: skip
     p.add_argument("--max-db-mb", type=float, default=DEFAULT_MAX_DB_MB,
@@ -40,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TelemetryConfig, LogSetti
                         "Jaeger): host:port, http://host:port or https://host:port")  # fmt: skip
     p.add_argument("--metrics-port", type=int, env="KVFLEET_METRICS_PORT", default=DEFAULT_METRICS_PORT,
                    help="Prometheus /metrics port (0 = off)")  # fmt: skip
+    p.add_argument("--http-port", type=int, env="KVFLEET_TELEMETRY_HTTP_PORT", default=JAEGER_QUERY_PORT,
+                   help="Jaeger's query HTTP API over the store, for Grafana's Jaeger data source (0 = off)")  # fmt: skip
     p.add_logging_flags()
     a = p.parse_args(argv)
     from kvfleet_common.security import TlsConfig, telemetry_token_from_env
@@ -54,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TelemetryConfig, LogSetti
                                  auth=AuthPolicy(a.api_token, frozenset(tls.allowed_clients or ()), a.protect_reads),
                                  retention=RetentionPolicy.from_flags(a.retention_hours, a.max_db_mb),
                                  metrics_port=a.metrics_port, max_artifact_bytes=a.max_artifact_kb * 1024,
-                                 forward_otlp=a.forward_otlp)  # fmt: skip
+                                 forward_otlp=a.forward_otlp, http_port=a.http_port or None)  # fmt: skip
     except ValueError as exc:
         p.error(str(exc))
     return config, LogSettings(a.log_level, a.log_format)

@@ -23,6 +23,10 @@ WRITE_METHODS = frozenset({
     "/kvfleet.v1.Telemetry/RecordArtifact",
 })  # fmt: skip
 READ_PREFIX = "/kvfleet.v1.Telemetry/"
+GRPC_TOKEN_HINT = (
+    "send metadata 'authorization: Bearer <token>' "
+    "(OTLP exporters: OTEL_EXPORTER_OTLP_HEADERS=authorization=Bearer <token>)"
+)
 
 
 @dataclass(frozen=True)
@@ -44,8 +48,11 @@ class AuthPolicy:
             return False
         return method in WRITE_METHODS or (self.protect_reads and method.startswith(READ_PREFIX))
 
-    def refusal(self, metadata: Any, peer_names: set[str]) -> tuple[grpc.StatusCode, str] | None:
-        """None when the caller passes every configured check, else the status to answer."""
+    def refusal(
+        self, metadata: Any, peer_names: set[str], token_hint: str = GRPC_TOKEN_HINT, action: str = "write"
+    ) -> tuple[grpc.StatusCode, str] | None:
+        """None when the caller passes every configured check, else the status to answer (the
+        HTTP API maps it to 401 / 403, with its own hint on how to send the token)."""
         if self.token:
             try:
                 sent = single_metadata(metadata, "authorization") or ""
@@ -56,13 +63,10 @@ class AuthPolicy:
             # Constant-time compare: the check must not leak how much of a guess was right.
             if not same_secret(sent, f"Bearer {self.token}"):
                 why = "wrong bearer token" if sent else "no bearer token"
-                return grpc.StatusCode.UNAUTHENTICATED, (
-                    f"{why}; send metadata 'authorization: Bearer <token>' "
-                    "(OTLP exporters: OTEL_EXPORTER_OTLP_HEADERS=authorization=Bearer <token>)"
-                )
+                return grpc.StatusCode.UNAUTHENTICATED, f"{why}; {token_hint}"
         if self.allowed_clients and not (peer_names & self.allowed_clients):
             return grpc.StatusCode.PERMISSION_DENIED, (
-                f"client certificate {sorted(peer_names) or 'none'} may not write here; "
+                f"client certificate {sorted(peer_names) or 'none'} may not {action} here; "
                 f"allowed: {sorted(self.allowed_clients)}"
             )
         return None
@@ -84,9 +88,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not self._policy.guards(details.method) or handler.unary_unary is None:
             return handler
         inner, policy, method, on_refused = handler.unary_unary, self._policy, details.method, self._on_refused
+        action = "write" if method in WRITE_METHODS else "read"
 
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            refusal = policy.refusal(context.invocation_metadata(), peer_common_names(context))
+            refusal = policy.refusal(context.invocation_metadata(), peer_common_names(context), action=action)
             if refusal is not None:
                 on_refused(method)
                 await context.abort(*refusal)

@@ -79,6 +79,32 @@ class SpanRecord:
 
 
 @dataclass(frozen=True)
+class TraceSpans:
+    """A trace's first spans by start time, and how many it has in all (>= len(spans))."""
+
+    spans: tuple[SpanRecord, ...]
+    total: int
+
+
+@dataclass(frozen=True)
+class TraceSearch:
+    """Trace ids a search found, newest match first; scan_limited: it stopped at its bound on the
+    spans it reads before finding `limit` traces, so older matches may exist."""
+
+    trace_ids: tuple[str, ...]
+    scan_limited: bool = False
+
+
+@dataclass(frozen=True)
+class ServiceCall:
+    """Spans of `child` whose parent span is of `parent`, counted."""
+
+    parent: str
+    child: str
+    count: int
+
+
+@dataclass(frozen=True)
 class Artifact:
     """One registered artifact of an experiment (see ArtifactKind for which fields apply)."""
 

@@ -1,6 +1,7 @@
 """The telemetry gRPC server: OTLP trace receiver + Telemetry service, on the shared scaffold
 (kvfleet_common.grpcutil: health, reflection, drain, error mapping), with write authorization
-(telemetry_svc.auth) and store retention (telemetry_svc.retention) running beside it.
+(telemetry_svc.auth) and store retention (telemetry_svc.retention) running beside it, and
+Jaeger's query API over the same store on an HTTP port (telemetry_svc.http_api).
 
 Thin adapters only: protobuf in, domain objects to the pure core (otlp conversion, store,
 summary, report), protobuf out. Store and CPU-heavy work run in worker threads
@@ -26,6 +27,7 @@ from kvfleet.v1 import telemetry_pb2, telemetry_pb2_grpc
 from kvfleet_common import grpcutil
 from kvfleet_common.metrics import serve_metrics
 from kvfleet_common.security import TlsConfig
+from telemetry_svc import http_api
 from telemetry_svc.auth import AuthInterceptor, AuthPolicy
 from telemetry_svc.forward import OtlpForwarder, names_itself
 from telemetry_svc.gates import GateSpec, InvalidGateSpec, load_default_spec, parse_gate_spec
@@ -84,10 +86,18 @@ class TelemetryConfig:
     max_artifact_bytes: int = DEFAULT_MAX_ARTIFACT_BYTES  # a RecordArtifact request, serialized
     # Pass every Export received on to this OTLP/gRPC endpoint too ("" = none): see forward.py.
     forward_otlp: str = ""
+    # Jaeger's query API over the store (http_api.py): None = off, 0 = any free port (the entry
+    # point defaults to 16686, Jaeger's query port).
+    http_port: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"ports must be in [0, 65535], got {self.port} and {self.metrics_port}")
+        if self.http_port is not None:
+            if not 0 <= self.http_port <= 65535:
+                raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+            if self.http_port and self.http_port in (self.port, self.metrics_port):
+                raise ValueError(f"http_port {self.http_port} is also the gRPC or the metrics port")
         if self.max_pending_spans < 1:
             raise ValueError("max_pending_spans must be >= 1")
         if self.retry_after_s <= 0 or self.grace_s < 0:
@@ -327,6 +337,8 @@ class TelemetryServer:
         self.store = store
         self.metrics = metrics
         self.metrics_port: int | None = None
+        self.http_port: int | None = None  # the Jaeger query API's, once started
+        self._http: Any = None  # its aiohttp AppRunner
         self._admission = admission
         self._config = config
         self._stopping = asyncio.Event()
@@ -345,6 +357,19 @@ class TelemetryServer:
             logger.error(
                 "telemetry metrics port %d unavailable (%s); running without /metrics", self._config.metrics_port, exc
             )
+        if self._config.http_port is not None:
+            await self._start_http_api(self._config.http_port)
+
+    async def _start_http_api(self, port: int) -> None:
+        app = http_api.create_app(
+            self.store, self._config.auth, lambda route: self.metrics.unauthorized.labels(method=route).inc()
+        )
+        try:
+            self._http, self.http_port = await http_api.start(app, self._config.host, port, self._config.tls,
+                                                              self._config.grace_s)  # fmt: skip
+        except OSError as exc:
+            # Like /metrics: a taken port must not stop the cluster's traces from being received.
+            logger.error("telemetry trace API port %d unavailable (%s); running without it", port, exc)
 
     async def enforce_retention(self) -> None:
         """One retention pass in a worker thread (the store batches its deletes)."""
@@ -381,6 +406,8 @@ class TelemetryServer:
             await self._retention  # ends after its current pass: never closes the store under it
         if self.forwarder is not None:
             await self.forwarder.close(min(grace or 0.0, 2.0))
+        if self._http is not None:  # its reads in flight finish (within the grace) before the store closes
+            await self._http.cleanup()
         await asyncio.to_thread(self.store.close)
 
     async def wait_for_termination(self) -> None:
@@ -425,8 +452,8 @@ async def serve(config: TelemetryConfig) -> None:
     """Run until SIGTERM or SIGINT, then drain (see TelemetryServer.stop)."""
     srv, port = create_server(config)
     await srv.start()
-    logger.info("telemetry listening on %s:%d (store %s, metrics port %s)", config.host, port,
-                srv.store.location, srv.metrics_port)  # fmt: skip
+    logger.info("telemetry listening on %s:%d (store %s, metrics port %s, Jaeger query API port %s)", config.host,
+                port, srv.store.location, srv.metrics_port, srv.http_port)  # fmt: skip
     if not config.auth.configured:
         logger.warning(
             "telemetry is OPEN: anyone who can reach port %d may export spans and record artifacts; "

@@ -19,7 +19,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from telemetry_svc.model import (
     ARMS,
@@ -29,7 +29,10 @@ from telemetry_svc.model import (
     ArtifactKind,
     ExperimentData,
     InvalidPageToken,  # fmt: skip
+    ServiceCall,
     SpanRecord,
+    TraceSearch,
+    TraceSpans,
     UnknownExperiment,
 )
 from telemetry_svc.stats import quantile
@@ -67,11 +70,15 @@ CREATE TABLE IF NOT EXISTS artifacts (
 # anywhere, but what we must bound is how long we have been holding the data.
 # (name, duration_ns) and (experiment_id, name, arm, duration_ns) let GetTimings read counts and
 # quantiles straight off an index (ORDER BY duration_ns LIMIT 2 OFFSET k) without loading spans.
+# (service, start_ns) and (service, name, start_ns) serve the Jaeger API (telemetry_svc/jaeger.py):
+# a service's or an operation's latest spans first, its services and operations by seeks.
 _INDEXES = """
 CREATE INDEX IF NOT EXISTS spans_experiment_arm_name ON spans (experiment_id, arm, name);
 CREATE INDEX IF NOT EXISTS spans_experiment_name_arm_duration ON spans (experiment_id, name, arm, duration_ns);
 CREATE INDEX IF NOT EXISTS spans_name_duration ON spans (name, duration_ns);
 CREATE INDEX IF NOT EXISTS spans_received ON spans (received_ns);
+CREATE INDEX IF NOT EXISTS spans_service_start ON spans (service, start_ns);
+CREATE INDEX IF NOT EXISTS spans_service_name_start ON spans (service, name, start_ns);
 DROP INDEX IF EXISTS spans_name;
 """
 
@@ -81,6 +88,9 @@ _SPAN_COLUMNS = (
 )
 _ARTIFACT_COLUMNS = "experiment_id, kind, arm, sha256, value, completion_tokens, cached_tokens"
 TIMING_QUANTILES = (0.5, 0.9, 0.99)
+# Spans one trace search reads at most (~a second of SQLite and JSON): a tag filter that matches
+# nothing must not read a whole store.
+MAX_SEARCH_SCAN = 200_000
 
 
 @dataclass(frozen=True)
@@ -113,6 +123,15 @@ class SpanStore(Protocol):
     def timings(self, experiment_id: str | None, name: str | None, page_size: int, page_token: str) -> TimingsPage: ...
     def experiment_data(self, experiment_id: str) -> ExperimentData: ...
     def experiments(self) -> list[ExperimentInfo]: ...
+    def services(self) -> list[str]: ...
+    def operations(self, service: str) -> list[str]: ...
+    def search_traces(self, service: str, *, operation: str = "", start_min_ns: int | None = None,
+                      start_max_ns: int | None = None, min_duration_ns: int | None = None,
+                      max_duration_ns: int | None = None, limit: int = 100,
+                      matches: Callable[[SpanRecord], bool] | None = None,
+                      max_scanned: int = MAX_SEARCH_SCAN) -> TraceSearch: ...  # fmt: skip
+    def trace(self, trace_id: str, max_spans: int) -> TraceSpans: ...
+    def service_calls(self, start_ns: int, end_ns: int) -> list[ServiceCall]: ...
     def delete_received_before(self, cutoff_ns: int) -> int: ...
     def delete_oldest_spans(self, n: int) -> int: ...
     def delete_oldest_artifacts(self, n: int, not_after_ns: int | None = None) -> int: ...
@@ -135,6 +154,17 @@ def _where(experiment_id: str | None, name: str | None) -> tuple[str, list[str]]
     return (" WHERE " + " AND ".join(clauses)) if clauses else "", args
 
 
+def _distinct(db: sqlite3.Connection, column: str, where: str, args: list[Any]) -> list[str]:
+    """The distinct values of an indexed column, sorted, by one MIN() seek each: O(values x log n)
+    however many spans hold them."""
+    out: list[str] = []
+    (value,) = db.execute(f"SELECT MIN({column}) FROM spans WHERE 1{where}", args).fetchone()
+    while value is not None:
+        out.append(value)
+        (value,) = db.execute(f"SELECT MIN({column}) FROM spans WHERE {column} > ?{where}", [value, *args]).fetchone()
+    return out
+
+
 def encode_page_token(after_name: str) -> str:
     return base64.urlsafe_b64encode(json.dumps({"after": after_name}).encode()).decode()
 
@@ -150,6 +180,13 @@ def decode_page_token(token: str) -> str:
     if not isinstance(after, str):
         raise InvalidPageToken("page_token is not one this service issued; start again without it")
     return after
+
+
+def _record(row: Sequence[Any]) -> SpanRecord:
+    """A row of _SPAN_COLUMNS as a SpanRecord."""
+    t, s, p, n, svc, st, en, _dur, e, arm, attrs, det = row
+    return SpanRecord(t, s, p, n, svc, st, en, experiment_id=e, arm=arm, attributes=json.loads(attrs),
+                      detail=json.loads(det))  # fmt: skip
 
 
 def _quantile_at(db: sqlite3.Connection, where: str, args: Sequence[object], n: int, q: float) -> float:
@@ -265,12 +302,7 @@ class SqliteSpanStore:
         where, args = _where(experiment_id, name)
         with self._reading() as db:
             rows = db.execute(f"SELECT {_SPAN_COLUMNS} FROM spans{where} ORDER BY start_ns", args).fetchall()
-        return [
-            SpanRecord(
-                t, s, p, n, svc, st, en, experiment_id=e, arm=arm, attributes=json.loads(attrs), detail=json.loads(det)
-            )
-            for (t, s, p, n, svc, st, en, _dur, e, arm, attrs, det) in rows
-        ]
+        return [_record(r) for r in rows]
 
     def durations(self, experiment_id: str | None, name: str | None) -> dict[tuple[str, str], list[int]]:
         """(span name, arm) -> durations in start order."""
@@ -350,6 +382,74 @@ class SqliteSpanStore:
             art[e].append(f"{kind}/{arm}" if arm else kind)
         ids = sorted(set(per_arm) | set(art))
         return [ExperimentInfo(e, dict(per_arm.get(e, {})), tuple(sorted(art.get(e, [])))) for e in ids]
+
+    # --- traces (the Jaeger API: telemetry_svc/jaeger.py, http_api.py) ------------------------
+
+    def services(self) -> list[str]:
+        """Every service with a span, sorted ("" for spans whose resource named none)."""
+        with self._reading() as db:
+            return _distinct(db, "service", "", [])
+
+    def operations(self, service: str) -> list[str]:
+        """The span names of one service, sorted."""
+        with self._reading() as db:
+            return _distinct(db, "name", " AND service = ?", [service])
+
+    def search_traces(self, service: str, *, operation: str = "", start_min_ns: int | None = None,
+                      start_max_ns: int | None = None, min_duration_ns: int | None = None,
+                      max_duration_ns: int | None = None, limit: int = 100,
+                      matches: Callable[[SpanRecord], bool] | None = None,
+                      max_scanned: int = MAX_SEARCH_SCAN) -> TraceSearch:  # fmt: skip
+        """The traces of the latest spans of `service` (and `operation`) that pass the bounds and
+        `matches`, newest span first, at most `limit` traces. Reads at most `max_scanned` spans,
+        off the (service[, name], start_ns) index, so a filter that matches nothing stays bounded."""
+        clauses: list[str] = ["service = ?"]
+        args: list[object] = [service]
+        for clause, value in (("name = ?", operation or None), ("start_ns >= ?", start_min_ns),
+                              ("start_ns <= ?", start_max_ns), ("duration_ns >= ?", min_duration_ns),
+                              ("duration_ns <= ?", max_duration_ns)):  # fmt: skip
+            if value is not None:
+                clauses.append(clause)
+                args.append(value)
+        columns = _SPAN_COLUMNS if matches is not None else "trace_id"  # no JSON decoded without a filter
+        sql = f"SELECT {columns} FROM spans WHERE {' AND '.join(clauses)} ORDER BY start_ns DESC"
+        found: dict[str, None] = {}  # insertion-ordered set
+        scanned = 0
+        with self._reading() as db:
+            for row in db.execute(sql, args):
+                scanned += 1
+                if row[0] not in found and (matches is None or matches(_record(row))):
+                    found[row[0]] = None
+                    if len(found) >= limit:
+                        break
+                if scanned >= max_scanned:
+                    return TraceSearch(tuple(found), scan_limited=True)
+        return TraceSearch(tuple(found))
+
+    def trace(self, trace_id: str, max_spans: int) -> TraceSpans:
+        """A trace's first max_spans spans by start time (none: no such trace) and its span count."""
+        with self._reading() as db:
+            rows = db.execute(f"SELECT {_SPAN_COLUMNS} FROM spans WHERE trace_id = ? ORDER BY start_ns, span_id"
+                              " LIMIT ?", (trace_id, max_spans)).fetchall()  # fmt: skip
+            total = len(rows)
+            if total == max_spans:
+                (total,) = db.execute("SELECT COUNT(*) FROM spans WHERE trace_id = ?", (trace_id,)).fetchone()
+        return TraceSpans(tuple(_record(r) for r in rows), int(total))
+
+    def service_calls(self, start_ns: int, end_ns: int) -> list[ServiceCall]:
+        """Per (parent's service, child's service): child spans that started in [start_ns, end_ns]
+        and whose parent span is stored. One indexed range per child service."""
+        out = []
+        with self._reading() as db:
+            for child in _distinct(db, "service", "", []):
+                rows = db.execute(
+                    "SELECT p.service, COUNT(*) FROM spans AS c JOIN spans AS p ON p.trace_id = c.trace_id"
+                    " AND p.span_id = c.parent_span_id WHERE c.service = ? AND c.start_ns >= ? AND c.start_ns <= ?"
+                    " AND c.parent_span_id != '' GROUP BY p.service ORDER BY p.service",
+                    (child, start_ns, end_ns),
+                ).fetchall()
+                out += [ServiceCall(parent, child, int(n)) for parent, n in rows]
+        return out
 
     # --- retention (see telemetry_svc/retention.py for the policy) ---------------------------
 

@@ -29,6 +29,8 @@ class Up:
                 "0",
                 "--telemetry-port",
                 "0",
+                "--trace-api-port",
+                "0",
                 "--gateway-port",
                 "0",
                 *args,

@@ -315,6 +315,8 @@ def test_entry_point_serves_and_stops_cleanly_on_sigterm(tmp_path: Any) -> None:
         str(db),
         "--metrics-port",
         "0",
+        "--http-port",
+        "0",
     ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:

@@ -31,6 +31,7 @@ CORES = [
     "telemetry_svc/gates.py",
     "telemetry_svc/summary.py",
     "telemetry_svc/retention.py",
+    "telemetry_svc/jaeger.py",
     "gateway_svc/openai_schema.py",
     "gateway_svc/openai_responses.py",
     "gateway_svc/tool_calls.py",

@@ -18,7 +18,7 @@ from worker_svc.config import WorkerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 CORE = ("telemetry", "worker-0", "worker-1", "scheduler", "gateway")
-DASHBOARDS = ("otel-collector", "jaeger", "prometheus", "grafana")
+DASHBOARDS = ("otel-collector", "prometheus", "grafana")
 
 
 def _load(name: str) -> dict:
@@ -61,7 +61,7 @@ def test_dashboards_profile_fans_traces_out_and_scrapes_every_metrics_port(base:
     collector = yaml.safe_load((REPO / "deploy/otel-collector/config.yaml").read_text())
     exporters = collector["service"]["pipelines"]["traces"]["exporters"]
     endpoints = {collector["exporters"][e]["endpoint"] for e in exporters if e in collector["exporters"]}
-    assert {"telemetry:4317", "jaeger:4317"} <= endpoints
+    assert endpoints == {"telemetry:4317"}  # Grafana reads the traces from telemetry: no Jaeger to feed
     # session spans are named `{operation} {model}`: span metrics find them by this attribute
     dimensions = {d["name"] for d in collector["connectors"]["spanmetrics"]["dimensions"]}
     assert "kvfleet.span" in dimensions
@@ -113,6 +113,26 @@ def test_grafana_dashboard_shows_what_operators_need() -> None:
     assert used <= uids
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_grafanas_jaeger_data_source_reads_telemetrys_own_trace_api(
+    base: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No Jaeger: Grafana's Jaeger data source points at the telemetry service's Jaeger query API,
+    on the port the telemetry entry point serves it by default and compose publishes."""
+    import telemetry_svc.__main__ as telemetry_main
+    from telemetry_svc.http_api import JAEGER_QUERY_PORT
+
+    sources = yaml.safe_load((REPO / "deploy/grafana/provisioning/datasources/datasources.yaml").read_text())
+    (source,) = [d for d in sources["datasources"] if d["type"] == "jaeger"]
+    assert source["url"] == f"http://telemetry:{JAEGER_QUERY_PORT}" and source["access"] == "proxy"
+    assert "telemetry" in base["grafana"]["depends_on"]
+    assert not any("jaeger" in str(svc.get("image", "")) for svc in base.values())
+    assert [p for p in base["telemetry"]["ports"] if p.endswith(f":{JAEGER_QUERY_PORT}")]
+    for k in [k for k in os.environ if k.startswith("KVFLEET_")]:
+        monkeypatch.delenv(k)
+    config, _ = telemetry_main.parse_args(["--host", "0.0.0.0", "--db", "/data/telemetry.db"])  # the container's
+    assert config.http_port == JAEGER_QUERY_PORT and config.host == "0.0.0.0"
 
 
 def _tls_mounts(svc: dict) -> list[str]:
@@ -207,11 +227,13 @@ def test_workers_and_scheduler_share_a_generated_secret_and_nothing_else_reads_i
 
 def test_every_published_port_binds_loopback_unless_the_operator_says_otherwise(base: dict) -> None:
     published = {name: svc["ports"] for name, svc in base.items() if "ports" in svc}
-    assert set(published) == {"telemetry", "scheduler", "gateway", "jaeger", "prometheus", "grafana"}
+    assert set(published) == {"telemetry", "scheduler", "gateway", "prometheus", "grafana"}
     for name, ports in published.items():
         for port in ports:
             assert port.startswith(("127.0.0.1:", "${KVFLEET_BIND:-127.0.0.1}:")), (name, port)
-    assert base["telemetry"]["ports"][0].startswith("127.0.0.1:")  # reads need no token: never opened
+    # reads need no token (the Telemetry API's, the trace API's): never opened
+    assert len(base["telemetry"]["ports"]) == 2
+    assert all(p.startswith("127.0.0.1:") for p in base["telemetry"]["ports"])
     # open only because the ports are loopback; the operator who widens them turns this off
     assert base["scheduler"]["environment"]["KVFLEET_SCHEDULER_ALLOW_ANONYMOUS"] == "${KVFLEET_ANONYMOUS:-true}"
     assert base["gateway"]["environment"]["KVFLEET_GATEWAY_ALLOW_ANONYMOUS"] == "${KVFLEET_ANONYMOUS:-true}"

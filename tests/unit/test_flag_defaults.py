@@ -19,6 +19,7 @@ from kvfleet.local_cluster import ClusterSpec
 from kvfleet_common.security import TlsConfig
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.limits import SchedulerLimits
+from telemetry_svc.http_api import JAEGER_QUERY_PORT
 from telemetry_svc.server import TelemetryConfig
 from worker_svc.config import WorkerConfig
 
@@ -63,6 +64,9 @@ TELEMETRY_DIFFERENCES = {
     # The service exports /metrics on 9402 (beside the scheduler's 9400 and the workers' 9401);
     # a TelemetryConfig built in-process (tests, `kvfleet up`) opens no metrics port unless asked.
     "metrics_port": (telemetry_main.DEFAULT_METRICS_PORT, 0),
+    # Likewise Jaeger's query API on 16686 (Jaeger's own query port, where Grafana's Jaeger data
+    # source looks); a TelemetryConfig opens no HTTP port unless asked.
+    "http_port": (JAEGER_QUERY_PORT, None),
     # The entry point reads TLS from the environment (plain TCP without KVFLEET_TLS_*); the
     # dataclass's None is plain TCP as well.
     "tls": (TlsConfig(), None),
@@ -90,8 +94,9 @@ UP_DIFFERENCES = {
 def test_kvfleet_up_flags_default_to_cluster_spec() -> None:
     a = build_parser().parse_args(["up"])
     assert _differences(_spec(a, a.port), ClusterSpec()) == UP_DIFFERENCES
-    assert (a.telemetry_port, a.gateway_port, a.drain_grace) == (
+    assert (a.telemetry_port, a.trace_api_port, a.gateway_port, a.drain_grace) == (
         TelemetryConfig.port,
+        JAEGER_QUERY_PORT,  # what `python -m telemetry_svc` serves it on
         GatewayConfig.port,
         ClusterSpec().drain_grace_s,
     )

@@ -225,6 +225,18 @@ def test_telemetry_keeps_its_store_on_the_claim() -> None:
     assert "/data/telemetry.db" in c["args"]
 
 
+def test_telemetry_serves_the_jaeger_query_api_on_its_service() -> None:
+    """Grafana's Jaeger data source reads http://kvfleet-telemetry.kvfleet:16686: the entry point's
+    --http-port default, declared on the container and exposed by the Service."""
+    from telemetry_svc.http_api import JAEGER_QUERY_PORT
+
+    (c,) = list(_containers(_one("Deployment", "kvfleet-telemetry")))
+    assert {p["name"]: p["containerPort"] for p in c["ports"]}["http"] == JAEGER_QUERY_PORT
+    assert "--http-port" not in c["args"]  # the default, then
+    svc_ports = {p["name"]: p for p in _one("Service", "kvfleet-telemetry")["spec"]["ports"]}
+    assert svc_ports["http"]["port"] == JAEGER_QUERY_PORT and svc_ports["http"]["targetPort"] == "http"
+
+
 def test_kustomize_build_renders_valid_manifests_when_kustomize_is_installed() -> None:
     """The rendered output (namespace, labels, generated ConfigMap, image) against the schemas;
     runs where `kustomize` or `kubectl` is on PATH (both work offline), skipped elsewhere."""
@@ -350,8 +362,14 @@ def test_only_kvfleets_exporters_reach_telemetrys_grpc_port() -> None:
     telemetry = _one("Deployment", "kvfleet-telemetry")
     assert policy["podSelector"]["matchLabels"].items() <= telemetry["spec"]["template"]["metadata"]["labels"].items()
     assert policy["policyTypes"] == ["Ingress"]
-    (rule,) = policy["ingress"]
+    (rule,) = [r for r in policy["ingress"] if {"port": "grpc", "protocol": "TCP"} in r["ports"]]
     assert rule["ports"] == [{"port": "grpc", "protocol": "TCP"}]
+    # the other rule opens the trace API (reads only) to Grafana, and nothing more
+    (other,) = [r for r in policy["ingress"] if r is not rule]
+    assert other["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert other["from"] == [
+        {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "grafana"}}}
+    ]
     declared = {p["name"] for c in _containers(telemetry) for p in c["ports"]}
     assert "grpc" in declared
     components = set()

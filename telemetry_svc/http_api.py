@@ -1,0 +1,202 @@
+"""Jaeger's query HTTP API over the telemetry store, on the telemetry service's --http-port
+(aiohttp), so that Grafana's Jaeger data source (or anything else that reads Jaeger's /api/*)
+reads kvfleet's traces without a Jaeger:
+
+  GET /api/services                          service names
+  GET /api/services/{service}/operations     a service's span names
+  GET /api/traces?service=&operation=&tags=&start=&end=&minDuration=&maxDuration=&limit=
+  GET /api/traces?traceID=ID&traceID=ID      those traces
+  GET /api/traces/{traceID}                  one trace (404: none)
+  GET /api/dependencies?endTs=&lookback=     service -> service call counts
+
+Thin: parameters parsed and rows shaped by telemetry_svc.jaeger, store reads in a worker thread,
+Jaeger's envelope out, errors as Jaeger's error envelope (400 naming the parameter, 404, 401/403).
+With --protect-reads the API asks what the gRPC reads ask (telemetry_svc.auth): the bearer token
+as `Authorization: Bearer <token>` and/or, under TLS, an allowed client certificate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import ssl
+import time
+from typing import Any, Awaitable, Callable
+
+import grpc
+from aiohttp import web
+
+from telemetry_svc import jaeger
+from telemetry_svc.auth import AuthPolicy
+from telemetry_svc.store import SpanStore
+
+logger = logging.getLogger(__name__)
+
+JAEGER_QUERY_PORT = 16686  # Jaeger's own query port, so a data source's usual URL fits
+_HTTP_TOKEN_HINT = "send the header 'Authorization: Bearer <token>' (Grafana: a custom HTTP header on the data source)"
+_STATUS = {grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403}
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Refused = Callable[[str], None]
+
+
+def _json(payload: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    body = json.dumps(payload, allow_nan=False).encode()  # jaeger.py turns NaN / inf into strings
+    return web.Response(body=body, status=status, headers=headers, content_type="application/json")
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return _json(jaeger.error_envelope(status, message), status, headers)
+
+
+def _params(request: web.Request) -> dict[str, list[str]]:
+    return {k: request.query.getall(k) for k in request.query.keys()}
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves in Jaeger's error envelope; a bug is a 500 with its traceback logged."""
+    try:
+        return await handler(request)
+    except jaeger.InvalidQuery as exc:
+        return _error(400, str(exc))
+    except jaeger.TraceNotFound as exc:
+        return _error(404, str(exc))
+    except web.HTTPException as exc:  # an unknown route, a wrong method
+        if exc.status < 400:
+            raise
+        return _error(exc.status, exc.reason)
+    except Exception:
+        logger.exception("trace API %s %s failed", request.method, request.path_qs)
+        return _error(500, "internal error; the telemetry service's log has the details")
+
+
+def _peer_names(request: web.Request) -> set[str]:
+    """Common names of the client certificate TLS verified (none over plain HTTP)."""
+    cert = request.transport.get_extra_info("peercert") if request.transport is not None else None
+    return {v for rdn in (cert or {}).get("subject", ()) for k, v in rdn if k == "commonName"}
+
+
+def _guard(policy: AuthPolicy, on_refused: Refused) -> Any:
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        metadata = [("authorization", v) for v in request.headers.getall("Authorization", [])]
+        refusal = policy.refusal(metadata, _peer_names(request), token_hint=_HTTP_TOKEN_HINT, action="read")
+        if refusal is None:
+            return await handler(request)
+        code, message = refusal
+        route = request.match_info.route.resource
+        on_refused(f"{request.method} {route.canonical if route is not None else request.path}")
+        status = _STATUS.get(code, 403)
+        return _error(status, message, {"WWW-Authenticate": "Bearer"} if status == 401 else None)
+
+    return check
+
+
+class JaegerApi:
+    """The handlers: each parses with jaeger.py, reads the store in a thread, answers its JSON."""
+
+    def __init__(self, store: SpanStore, now_ns: Callable[[], int] = time.time_ns) -> None:
+        self._store = store
+        self._now_ns = now_ns
+
+    async def services(self, request: web.Request) -> web.Response:
+        names = sorted(jaeger.service_name(s) for s in await asyncio.to_thread(self._store.services))
+        return _json(jaeger.envelope(names, total=len(names)))
+
+    async def operations(self, request: web.Request) -> web.Response:
+        service = jaeger.stored_service(request.match_info["service"])
+        names = await asyncio.to_thread(self._store.operations, service)
+        return _json(jaeger.envelope(names, total=len(names)))
+
+    async def traces(self, request: web.Request) -> web.Response:
+        query = jaeger.parse_trace_query(_params(request))
+        traces, errors = await asyncio.to_thread(self._search, query)
+        return _json(jaeger.envelope(traces, errors=errors or None))
+
+    def _search(self, q: jaeger.TraceQuery) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        errors = []
+        if q.trace_ids:
+            ids = q.trace_ids
+        else:
+            found = self._store.search_traces(
+                jaeger.stored_service(q.service),
+                operation=q.operation,
+                start_min_ns=q.start_min_ns,
+                start_max_ns=q.start_max_ns,
+                min_duration_ns=q.min_duration_ns,
+                max_duration_ns=q.max_duration_ns,
+                limit=q.limit,
+                matches=(lambda span: jaeger.span_matches(span, q.tags)) if q.tags else None,
+            )
+            ids = found.trace_ids
+            if found.scan_limited:
+                errors.append({"msg": "the search read its most spans before finding 'limit' traces; "
+                                      "older matches may exist: narrow 'start' and 'end'"})  # fmt: skip
+        traces, budget = [], jaeger.MAX_RESPONSE_SPANS
+        for i, trace_id in enumerate(ids):
+            if budget <= 0:
+                errors.append({"msg": f"{len(ids) - i} more traces left out: the response holds at most "
+                                      f"{jaeger.MAX_RESPONSE_SPANS} spans; lower 'limit'"})  # fmt: skip
+                break
+            got = self._store.trace(trace_id, min(jaeger.MAX_TRACE_SPANS, budget))
+            if got.spans:
+                traces.append(jaeger.trace_json(got.spans, got.total))
+                budget -= len(got.spans)
+            else:  # a traceID asked for and not stored (or gone to retention since the search)
+                errors.append({"msg": "trace not found", "traceID": trace_id})
+        return traces, errors
+
+    async def trace(self, request: web.Request) -> web.Response:
+        trace_id = jaeger.parse_trace_id(request.match_info["traceID"])
+        got = await asyncio.to_thread(self._store.trace, trace_id, jaeger.MAX_TRACE_SPANS)
+        if not got.spans:
+            raise jaeger.TraceNotFound(f"trace not found: no span of trace {trace_id} in the store")
+        return _json(jaeger.envelope([jaeger.trace_json(got.spans, got.total)]))
+
+    async def dependencies(self, request: web.Request) -> web.Response:
+        q = jaeger.parse_dependency_query(_params(request), self._now_ns())
+        calls = await asyncio.to_thread(self._store.service_calls, q.start_ns, q.end_ns)
+        return _json(jaeger.envelope(jaeger.dependency_links(calls, q.service)))
+
+
+def create_app(store: SpanStore, policy: AuthPolicy, on_refused: Refused = lambda route: None,
+               now_ns: Callable[[], int] = time.time_ns) -> web.Application:  # fmt: skip
+    middlewares = [_errors]
+    if policy.protect_reads:  # (AuthPolicy refuses protect_reads without a token or a client list)
+        middlewares.append(_guard(policy, on_refused))
+    app = web.Application(middlewares=middlewares)
+    api = JaegerApi(store, now_ns)
+    app.router.add_get("/api/services", api.services)
+    app.router.add_get("/api/services/{service}/operations", api.operations)
+    app.router.add_get("/api/traces", api.traces)
+    app.router.add_get("/api/traces/{traceID}", api.trace)
+    app.router.add_get("/api/dependencies", api.dependencies)
+    return app
+
+
+def server_ssl(tls: Any) -> ssl.SSLContext | None:
+    """The gRPC port's TLS for this port too (kvfleet_common.security.TlsConfig): its certificate,
+    and client certificates checked against its CA (required under KVFLEET_TLS_CLIENT_AUTH)."""
+    if tls is None or not tls.serves_tls:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(tls.cert, tls.key)
+    if tls.ca:
+        ctx.load_verify_locations(tls.ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED if tls.client_auth else ssl.CERT_OPTIONAL
+    return ctx
+
+
+async def start(app: web.Application, host: str, port: int, tls: Any = None,
+                grace_s: float = 5.0) -> tuple[web.AppRunner, int]:  # fmt: skip
+    """Serve `app` on host:port (0: any free port); returns the runner (cleanup() stops it,
+    letting requests in flight finish within grace_s) and the bound port. OSError: cannot bind."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=grace_s)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, ssl_context=server_ssl(tls)).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, runner.addresses[0][1]
