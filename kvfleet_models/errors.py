@@ -16,9 +16,10 @@ class ModelLoadError(Exception):
 
 
 def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight a Llama with this config needs, HF-named, with its [out, in] shape."""
-    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    q_dim = cfg.num_heads * cfg.head_dim
+    """Every weight a model with this config needs (its family options' too), HF-named, with
+    its [out, in] shape."""
+    h, i, v, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    q_dim = cfg.q_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     for n in range(cfg.num_layers):
         p = f"model.layers.{n}."
@@ -35,6 +36,16 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
                 p + "mlp.down_proj.weight": (h, i),
             }
         )
+        if cfg.qkv_bias:
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.bias": (q_dim,),
+                    p + "self_attn.k_proj.bias": (cfg.kv_dim,),
+                    p + "self_attn.v_proj.bias": (cfg.kv_dim,),
+                }
+            )
+        if cfg.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)
     return shapes
@@ -52,7 +63,7 @@ def check_weights(cfg: LlamaConfig, weights: dict[str, np.ndarray], source: obje
         raise ModelLoadError(f"{source}: {len(missing)} weight(s) missing, e.g. {missing[:3]}")
     extra = sorted(set(weights) - set(expected))
     if extra:
-        raise ModelLoadError(f"{source}: unexpected weight(s) for a Llama model: {extra[:3]}")
+        raise ModelLoadError(f"{source}: unexpected weight(s) for a {cfg.family} model: {extra[:3]}")
     for name, shape in expected.items():
         got = weights[name]
         if got.shape != shape:

@@ -1,7 +1,10 @@
-"""The test oracle: a plain numpy Llama, one sequence at a time, no batching, no paging.
+"""The test oracle: a plain numpy decoder, one sequence at a time, no batching, no paging.
 
 Written for obviousness, not speed; everything is computed in float64 so that the torch
-model (float32) is compared against something strictly more accurate than itself.
+model (float32) is compared against something strictly more accurate than itself. It reads
+the same family options as the torch model (``LlamaConfig``), each applied where the family's
+own Hugging Face model applies it; ``tests/unit/test_families.py`` keeps it equal to
+transformers for every family.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvfleet_models.config import LlamaConfig
+from kvfleet_models.rope import rope_frequencies
 
 
 def _w(weights: dict[str, np.ndarray], name: str) -> np.ndarray:
@@ -27,13 +31,12 @@ def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def _rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
-    """HF "rotate_half" RoPE: dims i and i + D/2 form a pair. x: [T, H, D]."""
+def _rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, scale: float) -> np.ndarray:
+    """HF "rotate_half" RoPE: dims i and i + D/2 form a pair. x: [T, H, D]; inv_freq: [D/2]."""
     d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)  # [D/2]
     angles = positions[:, None].astype(np.float64) * inv_freq[None, :]  # [T, D/2]
-    cos = np.concatenate([np.cos(angles)] * 2, axis=-1)[:, None, :]  # [T, 1, D]
-    sin = np.concatenate([np.sin(angles)] * 2, axis=-1)[:, None, :]
+    cos = scale * np.concatenate([np.cos(angles)] * 2, axis=-1)[:, None, :]  # [T, 1, D]
+    sin = scale * np.concatenate([np.sin(angles)] * 2, axis=-1)[:, None, :]
     rotated = np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], axis=-1)
     return x * cos + rotated * sin
 
@@ -43,6 +46,12 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
+def _project(weights: dict[str, np.ndarray], name: str, h: np.ndarray, bias: bool = False) -> np.ndarray:
+    """h @ W^T (+ b)."""
+    y = h @ _w(weights, name + ".weight").T
+    return y + _w(weights, name + ".bias") if bias else y
+
+
 def _forward(
     cfg: LlamaConfig, weights: dict[str, np.ndarray], token_ids: list[int], cache: list[tuple[np.ndarray, np.ndarray]]
 ) -> np.ndarray:
@@ -50,18 +59,22 @@ def _forward(
 
     ``cache[i]`` is layer i's (K, V), each [S, num_kv_heads, D] after RoPE. Returns [T, vocab].
     """
-    d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    d, hq, hkv, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
     start = cache[0][0].shape[0] if cache else 0
     t = len(token_ids)
     positions = np.arange(start, start + t)
+    inv_freq, rope_scale = rope_frequencies(cfg)
     x = _w(weights, "model.embed_tokens.weight")[np.asarray(token_ids)]  # [T, hidden]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        h = _rms_norm(x, _w(weights, p + "input_layernorm.weight"), cfg.rms_norm_eps)
-        q = (h @ _w(weights, p + "self_attn.q_proj.weight").T).reshape(t, hq, d)
-        k = (h @ _w(weights, p + "self_attn.k_proj.weight").T).reshape(t, hkv, d)
-        v = (h @ _w(weights, p + "self_attn.v_proj.weight").T).reshape(t, hkv, d)
-        q, k = _rope(q, positions, cfg.rope_theta), _rope(k, positions, cfg.rope_theta)
+        h = _rms_norm(x, _w(weights, p + "input_layernorm.weight"), eps)
+        q = _project(weights, p + "self_attn.q_proj", h, cfg.qkv_bias).reshape(t, hq, d)
+        k = _project(weights, p + "self_attn.k_proj", h, cfg.qkv_bias).reshape(t, hkv, d)
+        v = _project(weights, p + "self_attn.v_proj", h, cfg.qkv_bias).reshape(t, hkv, d)
+        if cfg.qk_norm:  # per head, over its D dims
+            q = _rms_norm(q, _w(weights, p + "self_attn.q_norm.weight"), eps)
+            k = _rms_norm(k, _w(weights, p + "self_attn.k_norm.weight"), eps)
+        q, k = _rope(q, positions, inv_freq, rope_scale), _rope(k, positions, inv_freq, rope_scale)
         if len(cache) <= i:
             cache.append((np.zeros((0, hkv, d)), np.zeros((0, hkv, d))))
         k_all = np.concatenate([cache[i][0], k])  # [S, Hkv, D]
@@ -71,16 +84,19 @@ def _forward(
         k_rep = np.repeat(k_all, hq // hkv, axis=1)  # [S, Hq, D]
         v_rep = np.repeat(v_all, hq // hkv, axis=1)
         scores = np.einsum("thd,shd->hts", q, k_rep) / np.sqrt(d)  # [Hq, T, S]
-        causal = np.arange(k_all.shape[0])[None, :] <= positions[:, None]  # [T, S]
-        scores = np.where(causal[None], scores, -np.inf)
+        keys = np.arange(k_all.shape[0])[None, :]
+        visible = keys <= positions[:, None]  # [T, S]
+        if cfg.window(i):
+            visible &= keys > positions[:, None] - cfg.window(i)
+        scores = np.where(visible[None], scores, -np.inf)
         attn = np.einsum("hts,shd->thd", _softmax(scores), v_rep).reshape(t, hq * d)
         x = x + attn @ _w(weights, p + "self_attn.o_proj.weight").T
-        h = _rms_norm(x, _w(weights, p + "post_attention_layernorm.weight"), cfg.rms_norm_eps)
+        h = _rms_norm(x, _w(weights, p + "post_attention_layernorm.weight"), eps)
         gate = h @ _w(weights, p + "mlp.gate_proj.weight").T
         up = h @ _w(weights, p + "mlp.up_proj.weight").T
         silu = gate / (1.0 + np.exp(-gate))
         x = x + (silu * up) @ _w(weights, p + "mlp.down_proj.weight").T
-    x = _rms_norm(x, _w(weights, "model.norm.weight"), cfg.rms_norm_eps)
+    x = _rms_norm(x, _w(weights, "model.norm.weight"), eps)
     return x @ _lm_head(cfg, weights).T
 
 

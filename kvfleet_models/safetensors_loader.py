@@ -1,70 +1,188 @@
-"""Llama weights from a Hugging Face-style directory: config.json plus *.safetensors shards."""
+"""Weights of a Hugging Face model directory: config.json plus *.safetensors shards, for the
+families in ``FAMILIES`` (the config says which; ``config_from_json`` reads its options)."""
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvfleet_models.config import LlamaConfig
+from kvfleet_models.config import ROPE_KINDS, LlamaConfig, RopeScaling
 from kvfleet_models.errors import ModelLoadError, check_weights
 
-# Features of HF's LlamaConfig that our model does not implement; loading such a checkpoint
-# would run but give wrong logits, so it is refused instead.
-_UNSUPPORTED_FLAGS = ("attention_bias", "mlp_bias")
+log = logging.getLogger(__name__)
+
+# The families this engine runs (HF model_type), and the architecture names that imply them
+# for a config whose model_type is none of those.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+}
+_MAX_POSITION = 2048  # a config without max_position_embeddings
+# Families whose window (if any) is on every layer.
+_ALL_LAYER_WINDOWS = ("mistral", "phi3")
+# Families with windowed layers named by use_sliding_window / max_window_layers / layer_types.
+_LAYER_TYPED_WINDOWS = ("qwen2", "qwen3")
 
 
-def _rope_theta(raw: dict[str, Any], path: Path) -> float:
-    # transformers 5 nests RoPE settings under rope_parameters; 4.x wrote rope_theta/rope_scaling.
-    params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type != "default":
-        raise ModelLoadError(f"{path}: RoPE scaling {rope_type!r} is not supported")
-    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+def _family(raw: dict[str, Any], path: Path) -> str:
+    model_type = raw.get("model_type")
+    if model_type in FAMILIES:
+        return str(model_type)
+    for arch in raw.get("architectures") or []:  # a fine-tune's own model_type, say
+        if arch in _ARCHITECTURES:
+            return _ARCHITECTURES[arch]
+    raise ModelLoadError(
+        f"{path}: model_type {model_type!r} is not a family this engine runs (it runs: {', '.join(FAMILIES)})"
+    )
+
+
+def _rope(family: str, raw: dict[str, Any], path: Path) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from transformers 5's rope_parameters or 4.x's rope_theta/rope_scaling."""
+    params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    if float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ModelLoadError(f"{path}: partial rotary embeddings (partial_rotary_factor) are not supported")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if family == "phi3" and kind in ("su", "yarn"):  # Phi-3's older names for its longrope
+        kind = "longrope"
+    if kind == "default":
+        return theta, None
+    if kind not in ROPE_KINDS:
+        raise ModelLoadError(
+            f"{path}: RoPE scaling {kind!r} is not supported (supported: default, {', '.join(ROPE_KINDS)})"
+        )
+    original = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    if kind == "longrope":  # Phi-3 keeps it beside rope_parameters, and it takes precedence
+        original = raw.get("original_max_position_embeddings", original)
+    original = original or raw.get("max_position_embeddings", _MAX_POSITION)  # transformers' default
+    factor = params.get("factor")
+    if factor is None and kind in ("yarn", "longrope") and original:  # transformers' rule without one
+        factor = raw.get("max_position_embeddings", _MAX_POSITION) / original
+    attention_factor = params.get("attention_factor")
+    if kind == "longrope" and attention_factor is None:
+        f = float(factor or 1.0)
+        attention_factor = math.sqrt(1 + math.log(f) / math.log(original)) if f > 1 else 1.0
+    mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+    if kind == "yarn" and attention_factor is None and mscale and mscale_all:
+        f = float(factor or 1.0)
+        attention_factor = (0.1 * mscale * math.log(f) + 1) / (0.1 * mscale_all * math.log(f) + 1) if f > 1 else 1.0
+    try:
+        return theta, RopeScaling(
+            kind=kind,
+            factor=float(factor if factor is not None else 1.0),
+            original_max_position=int(original or 0),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            attention_factor=None if attention_factor is None else float(attention_factor),
+            truncate=bool(params.get("truncate", True)),
+            short_factor=tuple(float(x) for x in params.get("short_factor") or ()),
+        )
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{path}: bad RoPE scaling {kind!r}: {e}") from None
+
+
+def _windows(family: str, raw: dict[str, Any], layers: int, max_position: int) -> tuple[int, tuple[int, ...] | None]:
+    """(sliding_window, sliding_layers) as the family's HF model reads its config."""
+    window = raw.get("sliding_window")
+    if family in _LAYER_TYPED_WINDOWS:
+        if not raw.get("use_sliding_window"):
+            return 0, None  # transformers drops the window then, whatever layer_types says
+        types = raw.get("layer_types") or [
+            "sliding_attention" if i >= int(raw.get("max_window_layers", layers)) else "full_attention"
+            for i in range(layers)
+        ]
+        sliding: tuple[int, ...] | None = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    elif family in _ALL_LAYER_WINDOWS:
+        sliding = None
+    else:
+        return 0, None
+    # A window as long as the context hides nothing: every key is within it.
+    if not window or int(window) >= max_position or sliding == ():
+        return 0, None
+    return int(window), sliding
+
+
+def _refuse_unsupported(family: str, raw: dict[str, Any], path: Path) -> None:
+    """Features the families' configs can switch on that our model does not implement: such a
+    checkpoint would run but give wrong logits, so it is refused instead."""
+    if raw.get("attention_bias") and family != "qwen2":  # qwen2's q/k/v biases are the family's
+        raise ModelLoadError(f"{path}: attention_bias=true (a bias on every attention projection) is not supported")
+    if raw.get("mlp_bias"):
+        raise ModelLoadError(f"{path}: mlp_bias=true is not supported")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{path}: activation {raw['hidden_act']!r} is not supported (only silu)")
+
+
+def _served_positions(raw: dict[str, Any], scaling: RopeScaling | None, path: Path) -> int:
+    """The context the engine serves: the config's, or longrope's original one (see
+    ``RopeScaling``), said in the log when that is shorter."""
+    max_position = int(raw.get("max_position_embeddings", _MAX_POSITION))
+    if scaling is None or scaling.kind != "longrope" or scaling.original_max_position >= max_position:
+        return max_position
+    log.warning(
+        "%s: longrope RoPE switches to its long factors past %d positions, which this engine does not run: "
+        "serving up to %d tokens (of %d)",
+        path, scaling.original_max_position, scaling.original_max_position, max_position,
+    )  # fmt: skip
+    return scaling.original_max_position
 
 
 def config_from_json(path: Path) -> LlamaConfig:
-    """The LlamaConfig for a directory's config.json (``path`` is the file)."""
+    """The LlamaConfig for a directory's config.json (``path`` is the file): its family's
+    options as the family's Hugging Face model reads them; a family or feature the engine
+    does not run is a ModelLoadError saying so."""
     try:
         raw = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{path}: unreadable config ({e})") from None
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{path}: config is not a JSON object")
-    if raw.get("model_type") != "llama" and "LlamaForCausalLM" not in (raw.get("architectures") or []):
-        raise ModelLoadError(f"{path}: model_type {raw.get('model_type')!r} is not a Llama model")
-    for flag in _UNSUPPORTED_FLAGS:
-        if raw.get(flag):
-            raise ModelLoadError(f"{path}: {flag}=true is not supported")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{path}: activation {raw['hidden_act']!r} is not supported (only silu)")
+    family = _family(raw, path)
+    _refuse_unsupported(family, raw, path)
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     try:
         heads = int(raw["num_attention_heads"])
+        layers = int(raw["num_hidden_layers"])
+        theta, scaling = _rope(family, raw, path)
+        max_position = _served_positions(raw, scaling, path)
+        window, sliding = _windows(family, raw, layers, max_position)
         cfg = LlamaConfig(
             name=path.parent.name,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=int(raw["hidden_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             intermediate_size=int(raw["intermediate_size"]),
-            rope_theta=_rope_theta(raw, path),
+            rope_theta=theta,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position=int(raw.get("max_position_embeddings", 2048)),
+            max_position=max_position,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_ids=tuple(int(e) for e in eos_ids),
+            family=family,
+            head_dim=int(raw.get("head_dim") or 0),
+            rope_scaling=scaling,
+            qkv_bias=family == "qwen2",
+            qk_norm=family == "qwen3",
+            sliding_window=window,
+            sliding_layers=sliding,
         )
     except KeyError as e:
         raise ModelLoadError(f"{path}: config lacks {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
         raise ModelLoadError(f"{path}: inconsistent hyperparameters: {e}") from None
-    if raw.get("head_dim", cfg.head_dim) != cfg.head_dim:
-        raise ModelLoadError(f"{path}: head_dim {raw['head_dim']} != hidden_size / num_heads is not supported")
     return cfg
 
 
@@ -105,8 +223,27 @@ def read_safetensors(files: list[Path]) -> dict[str, np.ndarray]:
     return tensors
 
 
+def _split_fused(cfg: LlamaConfig, weights: dict[str, np.ndarray], path: Path) -> dict[str, np.ndarray]:
+    """Phi-3's qkv_proj ([q; k; v] rows) and gate_up_proj ([gate; up]) under the Llama names
+    (the torch model fuses them again its own way)."""
+    out = dict(weights)
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        qkv, gate_up = out.pop(p + "self_attn.qkv_proj.weight", None), out.pop(p + "mlp.gate_up_proj.weight", None)
+        if qkv is None or gate_up is None:
+            raise ModelLoadError(f"{path}: layer {n} lacks self_attn.qkv_proj or mlp.gate_up_proj")
+        if qkv.shape[0] != cfg.q_dim + 2 * cfg.kv_dim or gate_up.shape[0] != 2 * cfg.intermediate_size:
+            raise ModelLoadError(f"{path}: layer {n}'s fused projections have shapes {qkv.shape}, {gate_up.shape}")
+        q, k, v = np.split(qkv, [cfg.q_dim, cfg.q_dim + cfg.kv_dim])
+        gate, up = np.split(gate_up, 2)
+        for name, w in (("self_attn.q_proj", q), ("self_attn.k_proj", k), ("self_attn.v_proj", v),
+                        ("mlp.gate_proj", gate), ("mlp.up_proj", up)):  # fmt: skip
+            out[f"{p}{name}.weight"] = np.ascontiguousarray(w)
+    return out
+
+
 def load_hf_dir(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
-    """Config and float32 HF-named weights of the Llama checkpoint in directory ``path``."""
+    """Config and float32 HF-named weights of the checkpoint in directory ``path``."""
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"{path}: no such directory")
@@ -120,6 +257,8 @@ def load_hf_dir(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     weights = read_safetensors(files)
     # Buffers some older checkpoints saved, recomputed by every implementation.
     weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
+    if cfg.family == "phi3":
+        weights = _split_fused(cfg, weights, path)
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # a tied head is the embedding; some files store it anyway
     check_weights(cfg, weights, path)

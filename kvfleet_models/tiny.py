@@ -1,4 +1,4 @@
-"""Deterministic synthetic weights for the tiny test model, named as in HF LlamaForCausalLM."""
+"""Deterministic synthetic weights for the tiny test models, named as in HF LlamaForCausalLM."""
 
 from __future__ import annotations
 
@@ -33,10 +33,10 @@ def tiny_weights(cfg: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         weights[p + "input_layernorm.weight"] = norm()
-        weights[p + "self_attn.q_proj.weight"] = linear(h, h)
+        weights[p + "self_attn.q_proj.weight"] = linear(cfg.q_dim, h)
         weights[p + "self_attn.k_proj.weight"] = linear(kv, h)
         weights[p + "self_attn.v_proj.weight"] = linear(kv, h)
-        weights[p + "self_attn.o_proj.weight"] = linear(h, h)
+        weights[p + "self_attn.o_proj.weight"] = linear(h, cfg.q_dim)
         weights[p + "post_attention_layernorm.weight"] = norm()
         weights[p + "mlp.gate_proj.weight"] = linear(inter, h)
         weights[p + "mlp.up_proj.weight"] = linear(inter, h)
@@ -44,4 +44,14 @@ def tiny_weights(cfg: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
     weights["model.norm.weight"] = norm()
     if not cfg.tie_word_embeddings:
         weights["lm_head.weight"] = linear(cfg.vocab_size, h)
+    # Family options' tensors, drawn after the rest so that a plain Llama's weights stay as
+    # they were.
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}.self_attn."
+        if cfg.qkv_bias:
+            for proj, width in (("q", cfg.q_dim), ("k", kv), ("v", kv)):
+                weights[p + f"{proj}_proj.bias"] = (0.5 * rng.standard_normal(width)).astype(np.float32)
+        if cfg.qk_norm:
+            for name in ("q_norm", "k_norm"):
+                weights[p + name + ".weight"] = (1.0 + 0.1 * rng.standard_normal(cfg.head_dim)).astype(np.float32)
     return weights

@@ -43,7 +43,9 @@ def _group_tensors(
     host_blas: bool,
     torch_items: int,
     torch_decode_items: int,
+    window: int = 0,
 ) -> GroupTensors:
+    """``window``: keys a query sees, itself included (0: every key up to its position)."""
     items = list(g.items)
     starts = np.array([layout.starts[i] for i in items])
     lengths = np.array([layout.lengths[i] for i in items])
@@ -56,7 +58,13 @@ def _group_tensors(
     # real query's mask so that no row is all-masked (which would make NaNs, harmless but noisy).
     query_pos = np.empty((b, q), dtype=np.int64)
     query_pos[att] = starts[:, None] + np.minimum(np.arange(q)[None, :], lengths[:, None] - 1)
-    allowed = np.arange(s)[None, None, :] <= query_pos[:, :, None]  # [B, Q, S]
+    keys = np.arange(s)[None, None, :]
+    allowed = keys <= query_pos[:, :, None]  # [B, Q, S]
+    # A sliding window hides the keys before it (HF: key > query - window). They stay in the
+    # cache and the views (the mask drops them), so windowed and full layers share one layout.
+    cut = bool(window) and int(query_pos.max()) >= window
+    if cut:
+        allowed &= keys > query_pos[:, :, None] - window
     mask = None if allowed.all() else np.where(allowed, 0.0, -np.inf).astype(np.float32)
     bias = None
     if not host_blas or b >= (torch_items if q > 1 else torch_decode_items):  # attention on torch's bmm
@@ -68,7 +76,10 @@ def _group_tensors(
             m = m.view(1, b, 1, q, s).expand(num_kv_heads, b, group_size, q, s)
         bias = m.reshape(b * num_kv_heads, group_size * q, s)
     kv_lens = None
-    if q == 1 and mask is not None:  # a key is visible up to the query's own position
+    # A key is visible up to the query's own position; under a window that cuts, the visible
+    # keys do not start at 0, which lengths cannot say: no kv_lens, so the fused decode
+    # attention (which reads the first kv_lens keys) is not used for that group.
+    if q == 1 and mask is not None and not cut:
         kv_lens = torch.from_numpy(np.ascontiguousarray(query_pos[:, 0] + 1))
         assert int(kv_lens.max()) <= s
     start, stop = int(offsets[items[0]]), int(offsets[items[-1] + 1])
@@ -99,7 +110,9 @@ def step_tensors(
 ) -> StepTensors:
     """Host-side preparation of a step: index tensors and per-group masks (and, for the
     groups whose attention runs on torch's bmm, biases: every group unless ``host_blas``,
-    else those of at least ``torch_items`` items, ``torch_decode_items`` for one-token groups)."""
+    else those of at least ``torch_items`` items, ``torch_decode_items`` for one-token groups),
+    once for the layers that see every key and once for the windowed ones (each only if some
+    layer reads it)."""
     lengths = np.asarray(layout.lengths)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     positions = np.repeat(np.asarray(layout.starts) - offsets[:-1], lengths) + np.arange(offsets[-1])
@@ -108,17 +121,26 @@ def step_tensors(
         return torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device)
 
     g = cfg.num_heads // cfg.num_kv_heads
+    windows = {cfg.window(i) for i in range(cfg.num_layers)}
+
+    def masked(window: int) -> tuple[GroupTensors, ...]:
+        if window not in windows:  # no layer reads them
+            return ()
+        return tuple(
+            _group_tensors(
+                x, layout, offsets, cfg.num_kv_heads, g, dtype, device, host_blas, torch_items, torch_decode_items,
+                window,
+            )
+            for x in groups
+        )  # fmt: skip
+
     return StepTensors(
         tokens=dev(tokens),
         positions=dev(positions),
         slots=dev(slots),
-        groups=tuple(
-            _group_tensors(
-                x, layout, offsets, cfg.num_kv_heads, g, dtype, device, host_blas, torch_items, torch_decode_items
-            )
-            for x in groups
-        ),
+        groups=masked(0),
         sample_rows=dev(offsets[np.asarray(sample_items, dtype=np.int64) + 1] - 1),
+        window_groups=masked(cfg.sliding_window) if cfg.sliding_window else (),
     )
 
 

@@ -375,7 +375,7 @@ def test_bad_hf_dirs(tmp_path: Path) -> None:
     other = tmp_path / "other"
     shutil.copytree(tmp_path / "ok", other)
     (other / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
-    _assert_load_error(load_hf_dir, other, "not a Llama model")
+    _assert_load_error(load_hf_dir, other, "it runs: llama, mistral, qwen2, qwen3, phi3")
     (other / "config.json").write_text("{not json")
     _assert_load_error(load_hf_dir, other, "unreadable config")
 

@@ -9,8 +9,8 @@ few levels, which measured 0.90 top-1 agreement with float32 where int8 weights 
 unchanged and the range moves from the activation into the weights, whose per-row scales
 absorb it (and likewise the per-block scales of ``q8``). The division costs nothing at run time, folded into whatever makes the input:
   * qkv and gate/up: the RMS norm's weight before them (and the final norm before the head);
-  * o: the v rows of qkv (attention output is a convex mix of V rows, so scaling V's channel
-    scales its output channel; the s of query heads sharing a kv head are their max);
+  * o: the v rows of qkv and V's bias (attention output is a convex mix of V rows, so scaling
+    V's channel scales its output channel; the s of query heads sharing a kv head are their max);
   * down: the up rows of gate/up (silu(gate) * up is linear in up).
 The KV cache then holds the scaled V (internal to this engine). ``max|x_j|`` comes from one
 float32 forward at load over 512 seeded random token ids drawn with p(id) ~ 1 / (id + 10):
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from kvfleet_models.config import LlamaConfig
 from worker_svc.model.cpu_backend import Matrix
 from worker_svc.model.q8 import Q8Kernels, load_kernels, quantize_blocks
-from worker_svc.model.weights import ModelWeights, rms_norm, rope_
+from worker_svc.model.weights import ModelWeights, qk_norm_, rms_norm, rope_
 
 ALPHA = 0.5  # migration strength (SmoothQuant's default; 0.3, 0.4, 0.6, 0.7 measured worse)
 CALIBRATION_TOKENS = 512
@@ -55,18 +55,27 @@ def input_ranges(cfg: LlamaConfig, weights: ModelWeights, tokens: torch.Tensor) 
     h = weights.lookup.index_select(0, tokens)  # [T, hidden]
     rot = weights.rotary[:t].unsqueeze(1)  # [T, 1, D/2]
     out: list[dict[str, torch.Tensor]] = []
-    for w in weights.layers:
+    pos = torch.arange(t)
+    for i, w in enumerate(weights.layers):
         seen = {}
         x = rms_norm(h, w.input_norm, eps)
         seen["qkv"] = x.abs().amax(0)
         qkv = x @ _nk(w.qkv).t()
+        if w.qkv_bias is not None:
+            qkv += w.qkv_bias
+        if w.q_norm is not None:
+            qk_norm_(qkv, w, hq, hkv, eps)
         rope_(qkv, rot, hq + hkv, d)
         q = qkv[:, :q_width].view(t, hq, d).transpose(0, 1)  # [Hq, T, D]
         k, v = qkv[:, q_width:].view(t, 2, hkv, d).permute(1, 2, 0, 3)  # [Hkv, T, D] each
         g = hq // hkv
+        # [T, T] keys each query sees: causal, and within the layer's window if it has one
+        visible = pos[None, :] <= pos[:, None]
+        if cfg.window(i):
+            visible &= pos[None, :] > pos[:, None] - cfg.window(i)
         attn = F.scaled_dot_product_attention(
-            q, k.repeat_interleave(g, 0), v.repeat_interleave(g, 0), is_causal=True, scale=1.0
-        )  # q is pre-scaled
+            q, k.repeat_interleave(g, 0), v.repeat_interleave(g, 0), attn_mask=visible, scale=1.0
+        )  # q is pre-scaled (in its rows or its norm)
         attn = attn.transpose(0, 1).reshape(t, q_width)
         seen["o"] = attn.abs().amax(0)
         h = h + attn @ _nk(w.o).t()
@@ -123,6 +132,10 @@ def quantize(
         s_down = _smoothing(seen["down"], down)
         qkv *= s_qkv
         qkv[q_width + kv_width :] /= s_kv.reshape(kv_width, 1)
+        bias = None
+        if w.qkv_bias is not None:  # V's bias scales with its rows
+            bias = w.qkv_bias.clone()
+            bias[q_width + kv_width :] /= s_kv.reshape(kv_width)
         gate_up *= s_up
         gate_up[inter:] /= s_down[:, None]
         layers.append(
@@ -134,6 +147,7 @@ def quantize(
                 o=q8(o * s_o),
                 gate_up=q8(gate_up),
                 down=q8(down * s_down),
+                qkv_bias=bias,
             )
         )
     head = _nk(weights.lm_head)

@@ -1,4 +1,5 @@
-"""The torch Llama: one batched forward over sessions of different lengths, paged KV cache.
+"""The torch model of every family we run (the Llama lineage with its family options): one
+batched forward over sessions of different lengths, paged KV cache.
 
 Tokens of all items are packed along one axis ([T, ...]) for everything that is per token
 (projections, RoPE, MLP); only attention needs a per-session layout. A step's items form at
@@ -16,6 +17,13 @@ Weights are prepared once for this forward, not kept in the checkpoint's form:
     and k get the same permutation, so every q.k (hence the output) is unchanged, and the KV
     cache holds K in that order;
   * q rows are pre-scaled by 1/sqrt(D), the attention scale (RoPE is linear, so it commutes);
+  * the family options (``LlamaConfig``) are read once here: q/k/v biases (Qwen2) are one
+    vector laid out as the qkv rows (permuted and scaled alike); q/k norms (Qwen3) are
+    permuted the same way and q's carries the attention scale instead of the q rows (a norm
+    after the product would undo it), applied with torch's op on the strided q/k columns;
+    the RoPE table holds the family's frequencies and scale (``kvfleet_models.rope``); a
+    windowed layer reads the step's window masks (``StepTensors.window_groups``) over the
+    same cached keys;
   * on a CPU in float32 the matmuls and attention products go to numpy's BLAS with the
     matrix stored [in, out], and small products to torch's MKL (see ``cpu_backend`` for the
     measurements). Elsewhere (bfloat16, GPUs) only torch's matmul with [out, in]. A tied LM
@@ -33,7 +41,9 @@ Weights are prepared once for this forward, not kept in the checkpoint's form:
 
 On a CPU the small ops between the products (the RMS norms, each fused with the residual add
 before it, RoPE, a decode group's attention) are hand-fused C (``fused``) where a C
-compiler is found, and torch's ops otherwise or with ``fused_ops=False``. Where torch holds the
+compiler is found, and torch's ops otherwise or with ``fused_ops=False``. The fused decode
+attention reads each item's first keys, so a group whose window hides earlier keys takes the
+masked attention instead (the runner gives it no ``kv_lens``). Where torch holds the
 threads (int8, bfloat16), attention groups of several items run on torch's bmm, which uses all
 of them (``use_threads``).
 
@@ -52,10 +62,11 @@ import torch
 import torch.nn.functional as F
 
 from kvfleet_models.config import LlamaConfig
+from kvfleet_models.rope import rope_frequencies
 from worker_svc.kv_cache import AttnGroup, KVViews, PagedKVCache
 from worker_svc.model import fused, int8
 from worker_svc.model.cpu_backend import QUANT_MODES, Matrix, attention_core, matmul, matmul_add_, pack_bf16, torch_rows
-from worker_svc.model.weights import LayerWeights, ModelWeights, rms_norm, rope_
+from worker_svc.model.weights import LayerWeights, ModelWeights, qk_norm_, rms_norm, rope_
 from worker_svc.platform import synchronize
 
 # Items in an attention group from which torch's bmm runs it where torch holds the threads
@@ -101,15 +112,24 @@ class StepTensors:
     tokens: torch.Tensor  # [T] token ids, items packed in layout order
     positions: torch.Tensor  # [T] absolute position of each token
     slots: torch.Tensor  # [T] paged-cache slot each token's K/V goes to
+    # The attention groups' tensors for layers that see every earlier key; () when no layer
+    # does (then only ``window_groups``).
     groups: tuple[GroupTensors, ...]
     sample_rows: torch.Tensor  # [N] packed index of the tokens whose logits are wanted
+    # The same groups masked to the config's sliding window, for its windowed layers; () when
+    # the model has none.
+    window_groups: tuple[GroupTensors, ...] = ()
+
+
+def _pair_order(head_dim: int) -> np.ndarray:
+    """[D] the rotate-half dims (i, i + D/2) of a head in adjacent order (2i, 2i + 1)."""
+    half = head_dim // 2
+    return np.stack([np.arange(half), np.arange(half) + half], axis=-1).reshape(-1)
 
 
 def _pair_rows(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
-    """Reorder each head's rows from rotate-half pairs (i, i + D/2) to adjacent (2i, 2i + 1)."""
-    half = head_dim // 2
-    order = np.stack([np.arange(half), np.arange(half) + half], axis=-1).reshape(-1)
-    return w.reshape(heads, head_dim, -1)[:, order].reshape(w.shape)
+    """Reorder each head's rows (or bias entries) from rotate-half pairs to adjacent ones."""
+    return w.reshape(heads, head_dim, -1)[:, _pair_order(head_dim)].reshape(w.shape)
 
 
 class LlamaModel:
@@ -185,23 +205,41 @@ class LlamaModel:
             return Matrix(kn=put(a.T) if self.host_blas else None, nk=nk, shape=a.shape)
 
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        # The attention scale goes into q's rows, or into q's norm where the family normalises
+        # q (a norm after the product would undo a scale in the rows).
+        row_scale = 1.0 if cfg.qk_norm else math.sqrt(d)
         layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            q = _pair_rows(array(p + "self_attn.q_proj.weight"), hq, d) / math.sqrt(d)
-            k = _pair_rows(array(p + "self_attn.k_proj.weight"), hkv, d)
+            a = p + "self_attn."
+            q = _pair_rows(array(a + "q_proj.weight"), hq, d) / row_scale
+            k = _pair_rows(array(a + "k_proj.weight"), hkv, d)
+            bias = None
+            if cfg.qkv_bias:  # laid out as the rows: pair-permuted, q's scaled alike
+                qb = _pair_rows(array(a + "q_proj.bias"), hq, d) / row_scale
+                kb = _pair_rows(array(a + "k_proj.bias"), hkv, d)
+                bias = vec(np.concatenate([qb, kb, array(a + "v_proj.bias")]))
+            q_norm = k_norm = None
+            if cfg.qk_norm:
+                q_norm = vec(array(a + "q_norm.weight")[_pair_order(d)] / math.sqrt(d))
+                k_norm = vec(array(a + "k_norm.weight")[_pair_order(d)])
             layers.append(
                 LayerWeights(
                     input_norm=vec(array(p + "input_layernorm.weight")),
-                    qkv=matrix(np.concatenate([q, k, array(p + "self_attn.v_proj.weight")])),
-                    o=matrix(array(p + "self_attn.o_proj.weight")),
+                    qkv=matrix(np.concatenate([q, k, array(a + "v_proj.weight")])),
+                    o=matrix(array(a + "o_proj.weight")),
                     post_norm=vec(array(p + "post_attention_layernorm.weight")),
                     gate_up=matrix(
                         np.concatenate([array(p + "mlp.gate_proj.weight"), array(p + "mlp.up_proj.weight")])
                     ),
                     down=matrix(array(p + "mlp.down_proj.weight")),
+                    qkv_bias=bias,
+                    q_norm=q_norm,
+                    k_norm=k_norm,
                 )
             )
+        # Keys each layer's queries see (0: all before them): layers pick their groups' masks.
+        self.windows = tuple(cfg.window(i) for i in range(cfg.num_layers))
         embed = array("model.embed_tokens.weight")  # [V, hidden]
         self.tied_head = "lm_head.weight" not in weights
         if "lm_head.weight" in weights:
@@ -214,12 +252,14 @@ class LlamaModel:
             lm_head = matrix(embed, lookup=True)
         else:
             raise KeyError("lm_head.weight is missing and tie_word_embeddings is False")
-        # e^(i * angle) for every position and pair, complex64 whatever the model dtype: RoPE
-        # is applied in float32 and rounded once, as precision of the angle matters at long
-        # positions.
-        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        # scale * e^(i * angle) for every position and pair, complex64 whatever the model
+        # dtype: RoPE is applied in float32 and rounded once, as precision of the angle matters
+        # at long positions. The frequencies and scale are the family's (``rope_frequencies``:
+        # yarn's scale multiplies cos and sin, so both q and k).
+        inv_freq_np, rope_scale = rope_frequencies(cfg)
+        inv_freq = torch.from_numpy(inv_freq_np)
         angles = torch.arange(cfg.max_position, dtype=torch.float64)[:, None] * inv_freq
-        rotary = torch.polar(torch.ones_like(angles), angles).to(device, torch.complex64)
+        rotary = torch.polar(torch.full_like(angles, rope_scale), angles).to(device, torch.complex64)
         prepared = ModelWeights(layers, vec(array("model.norm.weight")), table, lm_head, rotary)
         # The int8 products' kernel level ("" unless int8; "torch" where the C kernels could
         # not be built): reported in the worker's start line.
@@ -356,6 +396,10 @@ class LlamaModel:
         x = self._rms_norm(h, self.layers[0].input_norm)
         for i, w in enumerate(self.layers):
             qkv = matmul(x, w.qkv, self.torch_rows)  # [T, (Hq+2Hkv)*D]
+            if w.qkv_bias is not None:
+                qkv.add_(w.qkv_bias)
+            if w.q_norm is not None:
+                qk_norm_(qkv, w, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps)
             self._rope_(qkv, rot)
             kv = qkv[:, q_width:].view(t, 2, cfg.num_kv_heads, cfg.head_dim)
 
@@ -363,13 +407,14 @@ class LlamaModel:
             cache.write(i, st.slots, kv)
             t1 = clock()
             views.append(i, kv)
-            group_kv = [views.keys_values(i, j) for j in range(len(st.groups))]
+            groups = st.window_groups if self.windows[i] else st.groups  # the layer's masks
+            group_kv = [views.keys_values(i, j) for j in range(len(groups))]
             t2 = clock()
-            if len(st.groups) == 1:
-                attn = self._attention(qkv[:, :q_width], group_kv[0], st.groups[0])
+            if len(groups) == 1:
+                attn = self._attention(qkv[:, :q_width], group_kv[0], groups[0])
             else:
                 attn = qkv.new_empty((t, q_width))
-                for gt, kv_g in zip(st.groups, group_kv):
+                for gt, kv_g in zip(groups, group_kv):
                     attn[gt.rows] = self._attention(qkv[gt.rows, :q_width], kv_g, gt)
             t3 = clock()
             times.kv_write_ns += t1 - t0

@@ -20,12 +20,19 @@ class LayerWeights:
     post_norm: torch.Tensor  # [hidden]
     gate_up: Matrix  # hidden -> 2 * intermediate
     down: Matrix  # intermediate -> hidden
+    # Family options (None where the family has none):
+    qkv_bias: torch.Tensor | None = None  # [(Hq + 2 Hkv) * D], laid out as qkv's rows
+    # [D] each, pair-permuted as q and k; q's carries the attention scale (q rows are then
+    # not pre-scaled, as the norm would undo it).
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
     def matrices(self) -> list[Matrix]:
         return [self.qkv, self.o, self.gate_up, self.down]
 
     def vectors(self) -> list[torch.Tensor]:
-        return [self.input_norm, self.post_norm]
+        extra = [v for v in (self.qkv_bias, self.q_norm, self.k_norm) if v is not None]
+        return [self.input_norm, self.post_norm, *extra]
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,18 @@ class ModelWeights:
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     # Computed in float32 (torch's kernel upcasts half types), as HF does.
     return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def qk_norm_(qkv: torch.Tensor, w: LayerWeights, num_heads: int, num_kv_heads: int, eps: float) -> None:
+    """RMS-normalise each q and each k head of qkv [T, (Hq + 2 Hkv) * D] in place (Qwen3's
+    q_norm / k_norm, before RoPE). Torch's op on the strided columns: the fused norm wants
+    contiguous rows, and these are a small share of a step."""
+    assert w.q_norm is not None and w.k_norm is not None
+    t, d = qkv.shape[0], w.q_norm.shape[0]
+    q = qkv[:, : num_heads * d].view(t, num_heads, d)
+    k = qkv[:, num_heads * d : (num_heads + num_kv_heads) * d].view(t, num_kv_heads, d)
+    q.copy_(rms_norm(q, w.q_norm, eps))
+    k.copy_(rms_norm(k, w.k_norm, eps))
 
 
 def rope_(qkv: torch.Tensor, rot: torch.Tensor, heads: int, head_dim: int) -> None:

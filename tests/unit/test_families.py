@@ -1,0 +1,408 @@
+"""Every model family the engine runs, against transformers itself: checkpoints saved at test
+time by transformers (random weights, small shapes: ``tests/helpers/families.py``), loaded by
+our Hugging Face directory loader, then
+
+  * the loader reads the family's options from config.json;
+  * the numpy reference equals transformers' logits, and each family option matters (the same
+    weights without it give other logits, so the parity is not vacuous);
+  * the engine (paged KV, a mixed batch of prefill chunks and decodes, both KV views) gives
+    transformers' greedy tokens for several prompts, and its logits within tolerance;
+  * the int8 and bfloat16 CPU modes and the fused C ops handle each option, or fall back to
+    torch's op for it (the fused decode attention under a sliding window that cuts);
+  * what the engine cannot run is refused at load, naming the families it can.
+
+Tolerance: float32 against float32 (engine) or float64 (reference), logits of std ~3 and up
+to ~13: observed max abs diff 5e-6 to 2e-5; 2e-4 leaves 10x headroom for other BLAS builds and
+is far below what a wrong rope scaling, bias, norm or window gives (over 0.05, checked by
+``test_reference_matches_transformers``). Greedy gaps are checked wider than two tolerances.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import worker_svc.model.int8 as int8
+from kvfleet_models.config import LlamaConfig
+from kvfleet_models.errors import ModelLoadError
+from kvfleet_models.reference import reference_logits
+from kvfleet_models.rope import rope_frequencies
+from kvfleet_models.safetensors_loader import load_hf_dir
+from tests.helpers.families import CASES, VOCAB, Case, hf_greedy, hf_logits, make_checkpoint, prompts
+from worker_svc.engine import DecodeItem, Engine, EngineConfig, ItemStatus, PrefillItem, SamplingSpec
+from worker_svc.local import LocalSteps
+from worker_svc.model import fused
+from worker_svc.model.llama import LlamaModel
+
+ATOL = 2e-4
+NEW_TOKENS = 8
+GREEDY = SamplingSpec()
+
+
+@dataclass(frozen=True)
+class Loaded:
+    name: str
+    case: Case
+    path: Path
+    hf: Any  # transformers' model (the oracle; never modified)
+    cfg: LlamaConfig
+    weights: dict[str, np.ndarray]
+    greedy: tuple[tuple[int, ...], ...]  # transformers' greedy tokens for each of prompts()
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Loaded:
+    name = request.param
+    path = tmp_path_factory.mktemp(name)
+    hf = make_checkpoint(CASES[name], path, seed=4)
+    cfg, weights = load_hf_dir(path)
+    greedy = tuple(tuple(hf_greedy(hf, p, NEW_TOKENS)) for p in prompts())
+    return Loaded(name, CASES[name], path, hf, cfg, weights, greedy)
+
+
+# What config.json must turn into, per case (fields of LlamaConfig; "rope" is the scaling's kind).
+EXPECTED: dict[str, dict[str, Any]] = {
+    "llama3": {"rope": "llama3", "tie_word_embeddings": False, "head_dim": 16},
+    "llama-linear-tied": {"rope": "linear", "tie_word_embeddings": True},
+    "llama-yarn": {"rope": "yarn"},
+    "llama-dynamic": {"rope": "dynamic"},
+    "mistral": {"head_dim": 24, "sliding_window": 0},
+    "mistral-window": {"sliding_window": 6, "sliding_layers": None},
+    "qwen2": {"qkv_bias": True, "qk_norm": False, "tie_word_embeddings": True},
+    "qwen2-window": {"qkv_bias": True, "sliding_window": 5, "sliding_layers": (1, 2)},
+    "qwen3": {"qk_norm": True, "qkv_bias": False, "head_dim": 32},
+    "phi3": {"sliding_window": 10, "sliding_layers": None, "max_position": 128},
+    "phi3-longrope": {"rope": "longrope", "max_position": 64},
+}
+
+
+def _without_option(name: str, cfg: LlamaConfig) -> LlamaConfig | None:
+    """The case's config with its family option switched off (None: nothing to switch off)."""
+    if name.startswith("llama") and name != "llama-dynamic" or name == "phi3-longrope":
+        return dataclasses.replace(cfg, rope_scaling=None)
+    if name.endswith("-window") or name == "phi3":
+        return dataclasses.replace(cfg, sliding_window=0, sliding_layers=None)
+    if name == "qwen2":
+        return dataclasses.replace(cfg, qkv_bias=False)
+    if name == "qwen3":
+        return dataclasses.replace(cfg, qk_norm=False)
+    return None  # dynamic scaling equals none within max_position; mistral is llama's shape
+
+
+def test_loader_reads_the_family_options(family: Loaded) -> None:
+    cfg = family.cfg
+    assert cfg.family == family.case.family
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (3, 4, 2, VOCAB)
+    for key, want in EXPECTED[family.name].items():
+        got = cfg.rope_scaling.kind if key == "rope" and cfg.rope_scaling else getattr(cfg, key, None)
+        assert got == want, (key, got)
+    if family.case.shard:
+        assert len(list(family.path.glob("*.safetensors"))) > 1
+
+
+def test_every_parameter_is_loaded_and_counted(family: Loaded) -> None:
+    """The loaded weights are transformers' parameters one for one (Phi-3's fused matrices
+    split, a tied head once), and the engine counts each (biases and q/k norms too)."""
+    hf_params = sum(p.numel() for p in family.hf.parameters())  # a tied head is one parameter there too
+    assert sum(w.size for w in family.weights.values()) == hf_params
+    assert _engine(family).parameter_count == hf_params
+
+
+def test_reference_matches_transformers(family: Loaded) -> None:
+    ids = prompts()[3] + prompts()[2] + prompts()[1]  # 36 tokens: past every window and original context
+    theirs = hf_logits(family.hf, ids)
+    ours = reference_logits(family.cfg, family.weights, ids)
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=ATOL)
+    off = _without_option(family.name, family.cfg)
+    if off is not None:  # the option is exercised: without it the logits move by O(0.1)
+        assert np.abs(reference_logits(off, family.weights, ids) - theirs).max() > 0.05
+
+
+def test_rope_frequencies_equal_transformers(family: Loaded) -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = family.hf.config
+    kind = config.rope_parameters.get("rope_type", "default")
+    if kind == "default":
+        assert family.cfg.rope_scaling is None
+        return
+    theirs, scale = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
+    ours, our_scale = rope_frequencies(family.cfg)
+    np.testing.assert_allclose(ours, theirs.double().numpy(), rtol=1e-6, atol=0)  # theirs: float32
+    assert our_scale == pytest.approx(scale, rel=1e-12)
+
+
+def _drive(engine: Engine, plan: list[list[int]], new_tokens: int) -> tuple[list[list[int]], list[np.ndarray]]:
+    """The prompts as a scheduler would send them: those over 15 tokens in three chunks, the
+    third joining a step late, each decoding alongside the others' prefills (blocks from a LocalSteps). Returns
+    each prompt's tokens and the logits [new_tokens, V] they were drawn from."""
+    steps = LocalSteps(engine)
+    chunks = [[7, 8, len(p) - 15] if len(p) > 15 else [len(p)] for p in plan]
+    join = [0, 0, 1] + [0] * (len(plan) - 3)
+    sent = [0] * len(plan)
+    tokens: list[list[int]] = [[] for _ in plan]
+    logits: list[list[np.ndarray]] = [[] for _ in plan]
+    for step in range(100):
+        prefill, decode = [], []
+        for i, p in enumerate(plan):
+            if step < join[i] or len(tokens[i]) >= new_tokens:
+                continue
+            if sent[i] < len(chunks[i]):
+                start = sum(chunks[i][: sent[i]])
+                chunk = tuple(p[start : start + chunks[i][sent[i]]])
+                prefill.append(PrefillItem(str(i), chunk, start, sent[i] == len(chunks[i]) - 1, GREEDY))
+                sent[i] += 1
+            else:
+                pos = len(p) + len(tokens[i]) - 1
+                decode.append(DecodeItem(str(i), tokens[i][-1], pos, GREEDY, len(tokens[i])))
+        if not prefill and not decode:
+            return tokens, [np.stack(rows) for rows in logits]
+        out = steps.step(prefill, decode, return_logits=True)
+        assert out.logits is not None
+        for row, r in enumerate(out.results):
+            assert r.status is ItemStatus.OK, r
+            if r.token_id is not None:
+                tokens[int(r.session_id)].append(r.token_id)
+                logits[int(r.session_id)].append(out.logits[row])
+    raise AssertionError("the schedule did not finish")
+
+
+def _engine(family: Loaded, **kw: Any) -> Engine:
+    return Engine(family.cfg, family.weights, EngineConfig(block_size=4, num_blocks=64, **kw))
+
+
+@pytest.mark.parametrize("kv_views", ["rebuild", "persistent"])
+def test_engine_matches_transformers_generate(family: Loaded, kv_views: str) -> None:
+    plan = prompts()
+    tokens, logits = _drive(_engine(family, kv_views=kv_views), plan, NEW_TOKENS)
+    assert [tuple(t) for t in tokens] == list(family.greedy)
+    assert len({t for g in family.greedy for t in g}) > 5, "degenerate outputs: the init is too flat"
+    for p, got, toks in zip(plan, logits, tokens):
+        theirs = hf_logits(family.hf, p + toks[:-1])[len(p) - 1 :]  # [new_tokens, V]
+        np.testing.assert_allclose(got, theirs, rtol=0, atol=ATOL)
+        # No near-ties: every greedy gap is wider than two tolerances, so logits within the
+        # tolerance could not have chosen otherwise (the tokens test the model, not luck).
+        top2 = np.sort(theirs, axis=-1)[:, -2:]
+        assert (top2[:, 1] - top2[:, 0]).min() > 2 * ATOL
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                             reason="needs CUDA")])],
+)  # fmt: skip
+def test_torch_path_matches_transformers(family: Loaded, device: str) -> None:
+    """The path GPUs take (torch's matmuls and baddbmm attention with additive masks, no C
+    ops), on a CPU as on CUDA when there is one."""
+    engine = _engine(family, device=device)
+    if device == "cpu":  # force it: a CPU takes numpy's BLAS and the fused ops by default
+        engine.model = LlamaModel(
+            family.cfg, family.weights, torch.device("cpu"), torch.float32, host_blas=False, fused_ops=False
+        )
+    plan = prompts()
+    tokens, logits = _drive(engine, plan, 4)
+    assert [tuple(t) for t in tokens] == [g[:4] for g in family.greedy]
+    for p, got, toks in zip(plan, logits, tokens):
+        theirs = hf_logits(family.hf, p + toks[:-1])[len(p) - 1 :]
+        np.testing.assert_allclose(got, theirs, rtol=0, atol=ATOL)
+
+
+class _Unrounded:
+    """A stand-in for a ``Q8Weight``: the smoothed float matrix itself, multiplied exactly."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.w, self.nbytes = w.clone(), 4 * w.numel()
+
+    def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        y = x @ self.w.t()
+        return y if out is None else out.add_(y)
+
+
+def test_int8_handles_the_family_options(family: Loaded, monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8's smoothing folds (V's bias scaled with its rows; calibration through the q/k norms
+    and windows) are exact with the rounding taken out, and real int8 stays within 5 % of the
+    logits' range (as ``test_int8_engine``)."""
+    plan = prompts()
+    real, real_logits = _drive(_engine(family, quant="int8"), plan[3:], 3)
+    ref = reference_logits(family.cfg, family.weights, plan[3] + real[0][:-1])[len(plan[3]) - 1 :]
+    assert np.abs(real_logits[0] - ref).max() < 0.05 * (ref.max() - ref.min())
+    monkeypatch.setattr(int8, "quantize_blocks", lambda w, kernels: _Unrounded(w))
+    tokens, logits = _drive(_engine(family, quant="int8"), plan, 3)
+    assert [tuple(t) for t in tokens] == [g[:3] for g in family.greedy]
+    for p, got, toks in zip(plan, logits, tokens):
+        ref = reference_logits(family.cfg, family.weights, p + toks[:-1])[len(p) - 1 :]
+        np.testing.assert_allclose(got, ref, rtol=0, atol=ATOL)
+
+
+def test_bfloat16_stays_close(family: Loaded) -> None:
+    p = prompts()[3]
+    tokens, logits = _drive(_engine(family, dtype="bfloat16"), [p, p, p], 2)
+    ref = reference_logits(family.cfg, family.weights, p + tokens[0][:1])[len(p) - 1 :]
+    assert np.abs(logits[0] - ref).max() < 0.02 * (ref.max() - ref.min())
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[LlamaConfig, dict[str, np.ndarray]]]:
+    out = {}
+    for name in ("mistral-window", "qwen2-window"):
+        path = tmp_path_factory.mktemp(name)
+        make_checkpoint(CASES[name], path, seed=5)
+        out[name] = load_hf_dir(path)
+    return out
+
+
+@pytest.mark.parametrize("name, cut_calls", [("mistral-window", 0), ("qwen2-window", 1)])
+def test_fused_decode_attention_is_skipped_where_the_window_cuts(
+    windowed: dict[str, tuple[LlamaConfig, dict[str, np.ndarray]]], name: str, cut_calls: int, monkeypatch
+) -> None:
+    """The fused decode attention reads each item's first keys; a window that cuts needs a
+    later start, so those layers take the masked path (mistral: every layer windowed; qwen2:
+    layer 0 full, 1-2 windowed). Short contexts, which the window does not cut, stay fused.
+    Tokens and logits equal torch's ops either way."""
+    ops = fused.load()
+    if ops is None:
+        pytest.skip("the fused C ops cannot be built here")
+    cfg, weights = windowed[name]
+    calls: list[int] = []
+    real = type(ops).decode_attention
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(ops), "decode_attention", counted)
+    runs = []
+    for on in (True, False):
+        engine = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=64, fused_ops=on))
+        steps = LocalSteps(engine)
+        prompt = prompts()[3]  # 19 tokens: the window (5 or 6) cuts every decode
+        short = [7, 8]  # 2 tokens: no cut for its first decodes
+        out = steps.step([PrefillItem("long", tuple(prompt), 0, True, GREEDY)], [], return_logits=True)
+        out2 = steps.step([PrefillItem("short", tuple(short), 0, True, GREEDY)], [], return_logits=True)
+        calls.clear()
+        t = out.results[0].token_id
+        long_ = steps.step([], [DecodeItem("long", t, len(prompt), GREEDY, 1)], return_logits=True)
+        long_calls = len(calls)
+        calls.clear()
+        s = out2.results[0].token_id
+        short_ = steps.step([], [DecodeItem("short", s, len(short), GREEDY, 1)], return_logits=True)
+        if on:
+            assert long_calls == cut_calls and len(calls) == cfg.num_layers
+        else:
+            assert long_calls == 0 and not calls
+        runs.append(np.concatenate([long_.logits, short_.logits]))
+        ref_long = reference_logits(cfg, weights, prompt + [t])[-1]
+        np.testing.assert_allclose(long_.logits[0], ref_long, rtol=0, atol=ATOL)
+    np.testing.assert_allclose(runs[0], runs[1], rtol=0, atol=ATOL)  # observed ~5e-6
+
+
+# ----------------------------------------------------------------------------- refused at load
+
+_LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
+@pytest.mark.parametrize(
+    "config, says",
+    [
+        ({"model_type": "gemma3_text"}, "model_type 'gemma3_text' is not a family this engine runs"),
+        ({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]},
+         "it runs: llama, mistral, qwen2, qwen3, phi3"),
+        ({"rope_scaling": {"rope_type": "proportional", "factor": 2.0}}, "RoPE scaling 'proportional' is not supported"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "bad RoPE scaling 'longrope'"),
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0}},
+         "bad RoPE scaling 'llama3'"),
+        ({"partial_rotary_factor": 0.5}, "partial rotary"),
+        ({"attention_bias": True}, "attention_bias=true"),
+        ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=true"),
+        ({"mlp_bias": True}, "mlp_bias=true"),
+        ({"hidden_act": "gelu_pytorch_tanh"}, "activation 'gelu_pytorch_tanh' is not supported"),
+        ({"head_dim": 7}, "head_dim 7 must be even"),
+    ],
+)  # fmt: skip
+def test_what_the_engine_cannot_run_is_refused_at_load(tmp_path: Path, config: dict, says: str) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**_LLAMA, **config}))
+    with pytest.raises(ModelLoadError) as info:
+        load_hf_dir(tmp_path)
+    assert says in str(info.value) and str(tmp_path) in str(info.value), str(info.value)
+    assert info.value.__cause__ is None
+
+
+def test_a_fine_tune_with_its_own_model_type_is_read_by_its_architecture(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**_LLAMA, "model_type": "my-llama",
+                                                      "architectures": ["Qwen2ForCausalLM"]}))  # fmt: skip
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors"):  # the config was accepted
+        load_hf_dir(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "config, window, layers",
+    [
+        ({"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 4096}, 0, None),  # hides nothing
+        ({"model_type": "mistral", "sliding_window": 16, "max_position_embeddings": 64}, 16, None),
+        ({"model_type": "qwen2", "sliding_window": 16, "use_sliding_window": False}, 0, None),
+        ({"model_type": "qwen2", "sliding_window": 16, "use_sliding_window": True, "max_window_layers": 1,
+          "num_hidden_layers": 3}, 16, (1, 2)),
+        ({"model_type": "qwen3", "sliding_window": 16, "use_sliding_window": True, "num_hidden_layers": 2,
+          "layer_types": ["sliding_attention", "full_attention"]}, 16, (0,)),
+        ({"model_type": "qwen3", "sliding_window": 16, "use_sliding_window": True, "max_window_layers": 28}, 0, None),
+        ({"model_type": "llama", "sliding_window": 16}, 0, None),  # not a Llama option
+    ],
+)  # fmt: skip
+def test_sliding_windows_are_read_as_transformers_reads_them(
+    tmp_path: Path, config: dict, window: int, layers: tuple[int, ...] | None
+) -> None:
+    from kvfleet_models.safetensors_loader import config_from_json
+
+    (tmp_path / "config.json").write_text(json.dumps({**_LLAMA, **config}))
+    cfg = config_from_json(tmp_path / "config.json")
+    assert (cfg.sliding_window, cfg.sliding_layers) == (window, layers)
+
+
+def test_transformers_4_configs_of_released_models(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """config.json as the released checkpoints ship it (transformers 4.x keys: rope_theta and
+    rope_scaling at the top level, "type" for the kind), shapes shrunk."""
+    from kvfleet_models.safetensors_loader import config_from_json
+
+    def read(extra: dict) -> LlamaConfig:
+        (tmp_path / "config.json").write_text(json.dumps({**_LLAMA, **extra}))
+        return config_from_json(tmp_path / "config.json")
+
+    llama31 = read({"rope_theta": 500000.0, "max_position_embeddings": 131072, "rope_scaling": {
+        "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+        "rope_type": "llama3"}})  # fmt: skip
+    assert llama31.rope_theta == 500000.0 and llama31.rope_scaling is not None
+    assert (llama31.rope_scaling.kind, llama31.rope_scaling.factor, llama31.rope_scaling.original_max_position) == (
+        "llama3",
+        8.0,
+        8192,
+    )
+    linear = read({"rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert linear.rope_scaling is not None and linear.rope_scaling.kind == "linear"
+    mistral01 = read({"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768})
+    assert (mistral01.sliding_window, mistral01.window(0)) == (4096, 4096)
+    qwen25 = read({"model_type": "qwen2", "sliding_window": 131072, "use_sliding_window": False,
+                   "max_window_layers": 21, "max_position_embeddings": 32768, "tie_word_embeddings": True})  # fmt: skip
+    assert (qwen25.qkv_bias, qwen25.sliding_window, qwen25.tie_word_embeddings) == (True, 0, True)
+    with caplog.at_level("WARNING"):
+        phi3 = read({"model_type": "phi3", "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+                     "rope_scaling": {"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4},
+                     "sliding_window": 262144})  # fmt: skip
+    assert phi3.rope_scaling is not None and phi3.rope_scaling.kind == "longrope"
+    assert phi3.max_position == 4096 and phi3.sliding_window == 0  # served to its original context
+    assert phi3.rope_scaling.attention_factor == pytest.approx((1 + np.log(32) / np.log(4096)) ** 0.5)
+    assert "serving up to 4096 tokens" in caplog.text
