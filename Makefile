@@ -10,7 +10,7 @@ PACKAGES := kvfleet_common kvfleet_models scheduler_svc worker_svc telemetry_svc
 NODE_CLIENT := tests/clients/node
 NODE_STAMP := $(NODE_CLIENT)/node_modules/.installed
 
-.PHONY: install protos demo test lint typecheck sweep soak bench clean
+.PHONY: install protos demo test lint typecheck sweep soak bench clean browser
 
 install: $(STAMP) $(GEN_STAMP)
 
@@ -57,6 +57,14 @@ $(NODE_STAMP): $(NODE_CLIENT)/package-lock.json
 		npm ci --prefix $(NODE_CLIENT) --no-audit --no-fund --loglevel=error && touch $@; \
 	else echo "npm not found: the grpc-js client test will be skipped"; fi
 
+# Debian's Chromium for the trace UI's browser test (tests/integration/test_trace_ui.py, driven by
+# Playwright from the test extra; never `playwright install`). Without it that test skips, or fails under CI=true.
+browser:
+	@if command -v chromium >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	else echo "chromium not found (apt-get install chromium): the trace UI test will be skipped"; fi
+
 # Lint and format (ruff; `ruff format .` fixes the format) and types over every package.
 lint: install
 	$(BIN)/ruff check .
@@ -65,7 +73,7 @@ lint: install
 typecheck: install
 	$(BIN)/python -m mypy --ignore-missing-imports $(PACKAGES)
 
-test: install $(NODE_STAMP) lint typecheck
+test: install $(NODE_STAMP) browser lint typecheck
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
 clean:

@@ -147,7 +147,8 @@ def cmd_up(a: argparse.Namespace) -> int:
     )
     cluster.start()
     gateway = f", OpenAI API at {cluster.gateway_url}/v1" if cluster.gateway_url else ""
-    traces = f", trace API at {cluster.trace_api_url}" if cluster.trace_api_url else ""
+    # The UI and Jaeger's query API share the port: the API's URL is Grafana's data source URL.
+    traces = f", trace UI at {cluster.trace_api_url}/ (Jaeger API under /api)" if cluster.trace_api_url else ""
     print(
         f"kvfleet is up: scheduler at {cluster.scheduler_address}{gateway}, telemetry (OTLP) at "
         f"{cluster.telemetry_address}{traces} (workers {', '.join(cluster.worker_addresses)}; "

@@ -1,6 +1,7 @@
-"""Jaeger's query HTTP API over the telemetry store, on the telemetry service's --http-port
-(aiohttp), so that Grafana's Jaeger data source (or anything else that reads Jaeger's /api/*)
-reads kvfleet's traces without a Jaeger:
+"""The telemetry service's --http-port (aiohttp): Jaeger's query HTTP API over the telemetry
+store, so that Grafana's Jaeger data source (or anything else that reads Jaeger's /api/*) reads
+kvfleet's traces without a Jaeger, the experiments' summaries as JSON, and the trace UI that reads
+both (static files shipped in telemetry_svc/ui/, no build step):
 
   GET /api/services                          service names
   GET /api/services/{service}/operations     a service's span names
@@ -8,11 +9,17 @@ reads kvfleet's traces without a Jaeger:
   GET /api/traces?traceID=ID&traceID=ID      those traces
   GET /api/traces/{traceID}                  one trace (404: none)
   GET /api/dependencies?endTs=&lookback=     service -> service call counts
+  GET /api/experiments                       every experiment: spans per arm, artifacts recorded
+  GET /api/experiments/{id}/summary          its gate-and-decision summary (GetSummary's document)
+  GET /  and  GET /ui/{file}                 the trace UI's page and its script and style sheet
 
 Thin: parameters parsed and rows shaped by telemetry_svc.jaeger, store reads in a worker thread,
 Jaeger's envelope out, errors as Jaeger's error envelope (400 naming the parameter, 404, 401/403).
 With --protect-reads the API asks what the gRPC reads ask (telemetry_svc.auth): the bearer token
-as `Authorization: Bearer <token>` and/or, under TLS, an allowed client certificate.
+as `Authorization: Bearer <token>` and/or, under TLS, an allowed client certificate. The UI's
+page and files hold no data, so they load without one (its script asks for the token and sends
+it with every read); a strict Content-Security-Policy keeps any markup that a span smuggles into
+the page from running.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import json
 import logging
 import ssl
 import time
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import grpc
@@ -29,7 +37,8 @@ from aiohttp import web
 
 from telemetry_svc import jaeger
 from telemetry_svc.auth import AuthPolicy
-from telemetry_svc.store import SpanStore
+from telemetry_svc.model import UnknownExperiment
+from telemetry_svc.store import ExperimentInfo, SpanStore
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +47,19 @@ _HTTP_TOKEN_HINT = "send the header 'Authorization: Bearer <token>' (Grafana: a 
 _STATUS = {grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Refused = Callable[[str], None]
+Summarize = Callable[[str], Awaitable[tuple[dict[str, Any], Any]]]  # experiment id -> (summary, its data)
+
+UI_DIR = Path(__file__).with_name("ui")
+_UI_FILES = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
+_UI_ROUTES = frozenset({"ui-page", "ui-file"})  # no data in them: served without the read token
+# Only the UI's own script and style run; spans' names and attributes are text (app.js builds
+# the DOM with textContent), and this stops any markup that got through from loading or running.
+_UI_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+    "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
 
 
 def _json(payload: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -60,7 +82,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     except jaeger.InvalidQuery as exc:
         return _error(400, str(exc))
-    except jaeger.TraceNotFound as exc:
+    except (jaeger.TraceNotFound, UnknownExperiment) as exc:
         return _error(404, str(exc))
     except web.HTTPException as exc:  # an unknown route, a wrong method
         if exc.status < 400:
@@ -80,6 +102,8 @@ def _peer_names(request: web.Request) -> set[str]:
 def _guard(policy: AuthPolicy, on_refused: Refused) -> Any:
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.match_info.route.name in _UI_ROUTES:  # the matched route, whatever the path's spelling
+            return await handler(request)
         metadata = [("authorization", v) for v in request.headers.getall("Authorization", [])]
         refusal = policy.refusal(metadata, _peer_names(request), token_hint=_HTTP_TOKEN_HINT, action="read")
         if refusal is None:
@@ -160,8 +184,54 @@ class JaegerApi:
         return _json(jaeger.envelope(jaeger.dependency_links(calls, q.service)))
 
 
+def experiment_json(info: ExperimentInfo) -> dict[str, Any]:
+    """One experiment as ListExperiments answers it."""
+    arms = info.spans_per_arm
+    return {"experiment_id": info.experiment_id, "control_spans": arms.get("control", 0),
+            "candidate_spans": arms.get("candidate", 0), "other_spans": arms.get("", 0),
+            "artifact_kinds": list(info.artifact_kinds)}  # fmt: skip
+
+
+class ExperimentsApi:
+    """The experiments, for the UI: the list, and one experiment's summary, built by the code that
+    builds GetSummary's (telemetry_svc.server.experiment_summary, passed in as `summarize`)."""
+
+    def __init__(self, store: SpanStore, summarize: Summarize) -> None:
+        self._store = store
+        self._summarize = summarize
+
+    async def experiments(self, request: web.Request) -> web.Response:
+        infos = await asyncio.to_thread(self._store.experiments)
+        return _json(jaeger.envelope([experiment_json(i) for i in infos], total=len(infos)))
+
+    async def summary(self, request: web.Request) -> web.Response:
+        summary, _ = await self._summarize(request.match_info["experimentID"])
+        return _json(jaeger.envelope(summary))
+
+
+class TraceUi:
+    """The UI's files, read once from the package (a wheel ships them: pyproject's package-data)."""
+
+    def __init__(self, folder: Path = UI_DIR) -> None:
+        self._files = {name: (folder.joinpath(name).read_bytes(), kind) for name, kind in _UI_FILES.items()}
+
+    def _file(self, name: str) -> web.Response:
+        if name not in self._files:
+            raise web.HTTPNotFound(reason=f"no UI file {name!r}")
+        body, kind = self._files[name]
+        return web.Response(body=body, content_type=kind, charset="utf-8", headers=_UI_HEADERS)
+
+    async def page(self, request: web.Request) -> web.Response:
+        return self._file("index.html")
+
+    async def file(self, request: web.Request) -> web.Response:
+        return self._file(request.match_info["name"])
+
+
 def create_app(store: SpanStore, policy: AuthPolicy, on_refused: Refused = lambda route: None,
-               now_ns: Callable[[], int] = time.time_ns) -> web.Application:  # fmt: skip
+               now_ns: Callable[[], int] = time.time_ns, summarize: Summarize | None = None,
+               ui: TraceUi | None = None) -> web.Application:  # fmt: skip
+    """The routes above; without `summarize` no experiment routes, without `ui` the package's UI."""
     middlewares = [_errors]
     if policy.protect_reads:  # (AuthPolicy refuses protect_reads without a token or a client list)
         middlewares.append(_guard(policy, on_refused))
@@ -172,6 +242,13 @@ def create_app(store: SpanStore, policy: AuthPolicy, on_refused: Refused = lambd
     app.router.add_get("/api/traces", api.traces)
     app.router.add_get("/api/traces/{traceID}", api.trace)
     app.router.add_get("/api/dependencies", api.dependencies)
+    if summarize is not None:
+        experiments = ExperimentsApi(store, summarize)
+        app.router.add_get("/api/experiments", experiments.experiments)
+        app.router.add_get("/api/experiments/{experimentID}/summary", experiments.summary)
+    ui = ui or TraceUi()
+    app.router.add_get("/", ui.page, name="ui-page")
+    app.router.add_get("/ui/{name}", ui.file, name="ui-file")
     return app
 
 

@@ -37,6 +37,7 @@ from telemetry_svc.model import (
     ArtifactConflict,
     ArtifactKind,
     ArtifactTooLarge,
+    ExperimentData,
     InvalidArtifact,
     InvalidPageToken,
     UnknownExperiment,  # fmt: skip
@@ -248,6 +249,18 @@ def artifact_from_pb(req: Any) -> Artifact:
     return Artifact(req.experiment_id, kind, req.arm, sha, req.value, req.completion_tokens, req.cached_tokens)
 
 
+async def experiment_summary(store: SpanStore, experiment_id: str,
+                             spec: GateSpec | None = None) -> tuple[dict[str, Any], ExperimentData]:  # fmt: skip
+    """The gate-and-decision summary of one experiment (GetSummary's document, the trace UI's
+    experiment page) and the data it was built from; the store read and the statistics run in
+    worker threads. UnknownExperiment: no span or artifact of it (or no id)."""
+    if not experiment_id:
+        raise UnknownExperiment("experiment_id is required")
+    data = await asyncio.to_thread(store.experiment_data, experiment_id)
+    opts = SummaryOptions(store_location=store.location)
+    return await asyncio.to_thread(build_summary, data, spec or load_default_spec(), opts), data
+
+
 class TelemetryService(telemetry_pb2_grpc.TelemetryServicer):
     def __init__(
         self, store: SpanStore, max_artifact_bytes: int = DEFAULT_MAX_ARTIFACT_BYTES, metrics: Any = None
@@ -259,13 +272,8 @@ class TelemetryService(telemetry_pb2_grpc.TelemetryServicer):
     def _spec(self, text: str) -> GateSpec:
         return parse_gate_spec(text) if text.strip() else load_default_spec()
 
-    async def _summary(self, experiment_id: str, spec_json: str) -> tuple[dict[str, Any], Any]:
-        if not experiment_id:
-            raise UnknownExperiment("experiment_id is required")
-        spec = self._spec(spec_json)
-        data = await asyncio.to_thread(self._store.experiment_data, experiment_id)
-        opts = SummaryOptions(store_location=self._store.location)
-        return await asyncio.to_thread(build_summary, data, spec, opts), data
+    async def _summary(self, experiment_id: str, spec_json: str) -> tuple[dict[str, Any], ExperimentData]:
+        return await experiment_summary(self._store, experiment_id, self._spec(spec_json))
 
     @mapped_errors
     async def GetSummary(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -362,7 +370,10 @@ class TelemetryServer:
 
     async def _start_http_api(self, port: int) -> None:
         app = http_api.create_app(
-            self.store, self._config.auth, lambda route: self.metrics.unauthorized.labels(method=route).inc()
+            self.store,
+            self._config.auth,
+            lambda route: self.metrics.unauthorized.labels(method=route).inc(),
+            summarize=lambda experiment_id: experiment_summary(self.store, experiment_id),
         )
         try:
             self._http, self.http_port = await http_api.start(app, self._config.host, port, self._config.tls,

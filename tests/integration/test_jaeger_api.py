@@ -377,15 +377,17 @@ def test_under_tls_the_api_serves_https_and_protected_reads_check_the_certificat
 
 
 def test_kvfleet_up_serves_a_requests_trace_on_the_trace_api_it_prints(tmp_path: Path) -> None:
-    """`kvfleet up` starts telemetry with the trace API and names it in its banner; a session's
+    """`kvfleet up` starts telemetry with the trace API (and UI) and names it in its banner; a session's
     trace is there (tags from the scheduler's spans), and the scheduler's ticks call the worker."""
     from kvfleet.client import SchedulerClient, build_request
     from tests.helpers.up import Up
 
     up = Up(["--model", "tiny", "--workers", "1", "--no-gateway"], tmp_path / "up.err", start_timeout_s=60)
     try:
-        url = re.search(r"trace API at (http://\S+?)[\s,(]", up.banner).group(1)
+        url = re.search(r"trace UI at (http://\S+?)/[\s,(]", up.banner).group(1)
         port = int(url.rsplit(":", 1)[1])
+        with urllib.request.urlopen(url + "/", timeout=10) as resp:  # the UI on the same port
+            assert resp.headers["Content-Type"].startswith("text/html") and b"/ui/app.js" in resp.read()
         with SchedulerClient(up.scheduler) as client:
             session = client.generate(build_request([1, 2, 3], 4, ignore_eos=True)).session_id
         tags = json.dumps({"kvfleet.session.id": session})
