@@ -111,7 +111,11 @@ def engine_steps_per_s(model: str, c: int, new_tokens: int, threads: int) -> flo
 def measure(concurrency: list[int], new_tokens: int, smollm2_tokens: int, threads: int) -> dict:
     rows = []
     spec = ClusterSpec(
-        workers=1, model="tiny", max_running=max(concurrency), num_blocks=max(1024, 4 * max(concurrency))
+        workers=1,
+        model="tiny",
+        max_running=max(concurrency),
+        prefill_token_budget=4 * max(concurrency),
+        num_blocks=max(1024, 4 * max(concurrency)),
     )
     with LocalCluster(spec) as cluster, SchedulerClient(cluster.scheduler_address) as client:
         db = cluster.log_dir / "telemetry.db"
