@@ -15,6 +15,11 @@ class ModelLoadError(Exception):
     """A model could not be located or read; the message names the file and the problem."""
 
 
+class NoTokenizerError(ModelLoadError):
+    """The model has no tokenizer at all (tiny, or a Hugging Face directory without
+    tokenizer.json): it is served on token ids only. Not a load failure: callers turn text off."""
+
+
 def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every weight a model with this config needs (its family options' too), HF-named, with
     its [out, in] shape."""

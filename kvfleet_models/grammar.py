@@ -28,7 +28,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -208,6 +208,13 @@ class GrammarConstraint:
             return False
         allowed = np.flatnonzero(self.allowed_mask())
         return set(allowed.tolist()) <= set(self._eos_ids)
+
+
+def constraint_eos(model_eos: Iterable[int], tokenizer_eos: Iterable[int]) -> tuple[int, ...]:
+    """The ids that end a constrained value: the model config's EOS, else the tokenizer's;
+    () when neither names one (constrained decoding is then off: the worker builds no factory
+    and the scheduler refuses response_format)."""
+    return tuple(dict.fromkeys(model_eos)) or tuple(dict.fromkeys(tokenizer_eos))
 
 
 def constraint_factory(

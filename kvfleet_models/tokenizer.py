@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Sequence
 
-from kvfleet_models.errors import ModelLoadError
+from kvfleet_models.errors import ModelLoadError, NoTokenizerError
 
 logger = logging.getLogger(__name__)
 
@@ -139,10 +139,13 @@ class Tokenizer:
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
-        """The tokenizer of a Hugging Face model directory (tokenizer.json and friends)."""
+        """The tokenizer of a Hugging Face model directory (tokenizer.json and friends);
+        NoTokenizerError when it has no tokenizer.json (its model serves token ids only)."""
         from tokenizers import Tokenizer as Backend
 
         path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise NoTokenizerError(f"model directory {path} has no tokenizer.json: it takes token ids only")
         try:
             backend = Backend.from_file(str(path / "tokenizer.json"))
             config = _read_json(path / "tokenizer_config.json")
@@ -169,12 +172,14 @@ class Tokenizer:
 
     @classmethod
     def for_model(cls, name_or_path: str) -> Tokenizer:
-        """The tokenizer for a ``--model`` value (a known name, a .gguf file or an HF directory)."""
+        """The tokenizer for a ``--model`` value (a known name, a .gguf file or an HF directory).
+        NoTokenizerError for a model that has none (tiny, an HF directory without
+        tokenizer.json); ModelLoadError for one that cannot be read."""
         from kvfleet_models.registry import SourceKind, resolve_model
 
         source = resolve_model(name_or_path)
         if source.kind is SourceKind.TINY or source.path is None:
-            raise ModelLoadError(f"model {name_or_path!r} has no tokenizer: it takes token ids only")
+            raise NoTokenizerError(f"model {name_or_path!r} has no tokenizer: it takes token ids only")
         if source.kind is SourceKind.GGUF:
             return cls.from_gguf(source.path)
         return cls.from_hf_dir(source.path)

@@ -155,12 +155,15 @@ def main(argv: list[str] | None = None) -> None:
         config = parse_args(argv)
     except ValueError as exc:
         sys.exit(f"scheduler: {exc}")
+    from kvfleet_models.errors import ModelLoadError
     from scheduler_svc.server import serve
 
     try:
         asyncio.run(serve(config))
     except ConnectionError as exc:
         sys.exit(f"scheduler: {exc}")
+    except ModelLoadError as exc:  # the model's tokenizer is there but unreadable
+        sys.exit(f"scheduler: cannot load the model's tokenizer: {exc}")
 
 
 if __name__ == "__main__":

@@ -185,11 +185,17 @@ class PromptResolver:
 
     @classmethod
     def for_model(cls, name: str, model: Any, limits: PromptLimits = PromptLimits()) -> "PromptResolver":
-        tokenizer = None
-        if name != "tiny":
-            from kvfleet_models.tokenizer import Tokenizer
+        """The resolver for the served model; a model without a tokenizer (tiny, a Hugging Face
+        directory without tokenizer.json) is served on token ids, its text requests refused.
+        A tokenizer that is there but unreadable raises ModelLoadError."""
+        from kvfleet_models.errors import NoTokenizerError
+        from kvfleet_models.tokenizer import Tokenizer
 
+        try:
             tokenizer = Tokenizer.for_model(name)
+        except NoTokenizerError as exc:
+            log.info("%s; text and chat requests are refused", exc)
+            tokenizer = None
         return cls(
             model_name=name,
             vocab_size=model.vocab_size,
@@ -353,6 +359,11 @@ class PromptResolver:
         if self.tokenizer is None:
             raise PromptError(
                 f"response_format {rf.type!r} needs the model's vocabulary; model {self.model_name!r} has no tokenizer"
+            )
+        if not grammar.constraint_eos(self.eos_token_ids, self.tokenizer.eos_token_ids):
+            raise PromptError(
+                f"response_format {rf.type!r} needs an end-of-sequence token to end the value; "
+                f"model {self.model_name!r} has none (no eos_token_id in its config)"
             )
         try:
             grammar.check_response_format(rf.type, rf.json_schema)

@@ -353,6 +353,14 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
             version=kvfleet_version(),
             chat_template=bool(tokenizer is not None and tokenizer.chat_template),
             supports_tools=self._prompts.supports_tools,
+            max_model_len=info.model.max_position,
+            # a worker from before the field reports 0: its max_position was the model's
+            model_max_position=info.model.model_max_position or info.model.max_position,
+            kv_block_size=info.block_size,
+            kv_num_blocks=info.num_blocks,
+            kv_capacity_tokens=info.kv_capacity_tokens,
+            kv_bytes_per_token=info.kv_bytes_per_token,
+            kv_pool_bytes=info.kv_capacity_tokens * info.kv_bytes_per_token,
         )
         if tokenizer is not None:
             if tokenizer.bos_token_id is not None:

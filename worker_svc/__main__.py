@@ -72,6 +72,13 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         help="let the scheduler reuse the KV of prompt prefixes earlier sessions computed on this worker (default on)",
     )
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", help="turn prefix caching off")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        env="KVFLEET_MAX_MODEL_LEN",
+        default=d.max_model_len,
+        help="longest prompt + generated tokens served (0 = the model's own context; at most that)",
+    )
     p.add_logging_flags()
     a = p.parse_args(argv)
     setup_logging(a.log_level, a.log_format)
@@ -95,6 +102,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         num_threads=a.threads,
         inline_step_s=a.inline_step_ms / 1000,
         prefix_caching=a.prefix_caching,
+        max_model_len=a.max_model_len,
     )
 
 

@@ -31,6 +31,7 @@ class WorkerConfig:
     metrics_port: int = 9401  # Prometheus /metrics; 0 = off
     quant: str = "none"  # none | int8 (CPU, float32 only; see EngineConfig)
     prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (see EngineConfig)
+    max_model_len: int = 0  # longest prompt + generated served; 0 = the model's own (see EngineConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
     # Calls must carry this (KVFLEET_WORKER_SECRET); "" = no secret check. repr=False: kept out of logs.
     worker_secret: str = field(default="", repr=False)
@@ -49,6 +50,8 @@ class WorkerConfig:
             raise ValueError(f"quant must be none or int8, got {self.quant!r}")
         if self.quant != "none" and self.dtype != "float32":
             raise ValueError(f"quant={self.quant} needs dtype float32 (the activations), got {self.dtype!r}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max-model-len must be >= 0 (0 = the model's own context), got {self.max_model_len}")
         if self.inline_step_s < 0:
             raise ValueError(f"inline step time must be >= 0, got {self.inline_step_s}")
         if self.kv_cache_memory:

@@ -177,8 +177,9 @@ def info_to_pb(
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
         intermediate_size=cfg.intermediate_size,
-        max_position=cfg.max_position,
+        max_position=engine.max_model_len,
         eos_token_ids=list(cfg.eos_token_ids),
+        model_max_position=cfg.max_position,
     )
     return pb.WorkerInfo(
         worker_id=worker_id,

@@ -124,6 +124,17 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of which the scheduler found cached (their KV reused, not computed)
 
 
+def served_length(max_model_len: int, cfg: LlamaConfig) -> int:
+    """The context an engine serves: ``max_model_len`` (0 = the model's own max_position);
+    ValueError naming both when it is longer than the model's."""
+    if max_model_len > cfg.max_position:
+        raise ValueError(
+            f"--max-model-len {max_model_len} exceeds model {cfg.name!r}'s own context of {cfg.max_position} "
+            f"tokens; use at most {cfg.max_position} (0 = the model's)"
+        )
+    return max_model_len or cfg.max_position
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N" | "xpu" | "auto" (cuda, then xpu, then cpu)
@@ -147,6 +158,9 @@ class EngineConfig:
     # group's attention); False = torch's ops only (an A/B lever; KVFLEET_FUSED_OPS=0 also
     # switches them off process-wide).
     fused_ops: bool = True
+    # The longest sequence (prompt + generated) served: 0 = the model's own max_position; at
+    # most that (the rotary tables and a scaled RoPE's original context stay the model's).
+    max_model_len: int = 0
 
     def __post_init__(self) -> None:
         if not DEVICE_RE.match(self.device):
@@ -161,6 +175,8 @@ class EngineConfig:
         object.__setattr__(self, "kv_views", KVViewsMode.parse(self.kv_views))
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0 (0 = the process's setting), got {self.num_threads}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0 (0 = the model's own), got {self.max_model_len}")
         if self.quant not in QUANT_MODES:
             raise ValueError(f"quant must be one of {list(QUANT_MODES)}, got {self.quant!r}")
         if self.quant != "none" and (self.dtype != "float32" or self.device not in ("cpu", "auto")):
@@ -261,6 +277,7 @@ class Engine:
         constraint_factory: ConstraintFactory | None = None,
     ) -> None:
         self.cfg, self.config = cfg, config
+        self.max_model_len = served_length(config.max_model_len, cfg)
         # Per-session token history and constraint state for the logit processors.
         self.sampling = SessionSampling(constraint_factory)
         self.device = resolve_device(config.device)
@@ -333,8 +350,8 @@ class Engine:
             return "empty prefill chunk"
         if start < 0:
             return f"negative position {start}"
-        if start + len(tokens) > self.cfg.max_position:
-            return f"positions up to {start + len(tokens)} exceed max_position {self.cfg.max_position}"
+        if start + len(tokens) > self.max_model_len:
+            return f"positions up to {start + len(tokens)} exceed max_model_len {self.max_model_len}"
         bad = [t for t in tokens if not 0 <= t < self.cfg.vocab_size][:8]
         if bad:
             return f"token ids {bad} outside vocab_size {self.cfg.vocab_size}"

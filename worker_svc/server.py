@@ -242,6 +242,7 @@ def build_engine(
             num_threads=config.num_threads,
             quant=config.quant,
             prefix_caching=config.prefix_caching,
+            max_model_len=config.max_model_len,
         ),
         constraint_factory=grammar_factory(config.model, cfg),
     )
@@ -250,16 +251,20 @@ def build_engine(
 
 def grammar_factory(model: str, cfg: LlamaConfig) -> Callable[[str, str], GrammarConstraint] | None:
     """Constrained decoding (response_format) over the model's vocabulary; None for a model
-    without a tokenizer (tiny), whose sessions with a constraint are then refused."""
+    without a tokenizer (tiny) or without an end-of-sequence id (a value could never end),
+    whose sessions with a constraint are then refused (the scheduler refuses them first)."""
     from kvfleet_models.errors import ModelLoadError
-    from kvfleet_models.grammar import constraint_factory
+    from kvfleet_models.grammar import constraint_eos, constraint_factory
     from kvfleet_models.tokenizer import Tokenizer
 
     try:
         tokenizer = Tokenizer.for_model(model)
     except ModelLoadError:
         return None
-    eos = tuple(cfg.eos_token_ids) or tuple(tokenizer.eos_token_ids)
+    eos = constraint_eos(cfg.eos_token_ids, tokenizer.eos_token_ids)
+    if not eos:
+        log.info("model %s has no end-of-sequence id: constrained decoding (response_format) is off", cfg.name)
+        return None
     return constraint_factory(tokenizer, cfg.vocab_size, eos)
 
 

@@ -180,15 +180,30 @@ def prompts(n: int = 4, seed: int = 1) -> list[list[int]]:
     return [rng.integers(0, VOCAB, size=size).tolist() for size in (1, 6, 11, 19)[:n]]
 
 
-def write_byte_tokenizer(path: Path) -> None:
-    """A byte-level tokenizer.json whose VOCAB (256) ids are the bytes (BPE without merges), so
-    that the scheduler and the worker's grammar support can load the directory; the tests
-    send token ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+# A few sentences to train a small BPE on (the directory's own tokenizer.json in the tests).
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A cluster serves tokens to the clients that ask for them.",
+    "The scheduler batches the sessions tick by tick, and the workers run them.",
+]
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    assert len(alphabet) == VOCAB
-    tok = Tokenizer(models.BPE({c: i for i, c in enumerate(sorted(alphabet))}, []))
+
+def write_trained_tokenizer(path: Path, vocab_size: int) -> Any:
+    """Train a byte-level BPE of exactly ``vocab_size`` ids on a few sentences (the 256 bytes,
+    "<|endoftext|>" as id 0, then merges) and save it as ``path``/tokenizer.json; returns it
+    (a ``tokenizers.Tokenizer``, the oracle of what the scheduler must encode)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    assert tok.get_vocab_size() == vocab_size, "the corpus has too few merges for this vocabulary"
     tok.save(str(path / "tokenizer.json"))
+    return tok

@@ -26,6 +26,7 @@ class InProcessCluster:
         stats_interval_s: float = 10.0,
         loaded_model: tuple | None = None,
         device: str | None = None,
+        max_model_len: int = 0,
     ) -> None:
         """loaded_model: (config, weights) already loaded for ``model`` (a session fixture's).
         device: the workers' torch device; default KVFLEET_TEST_WORKER_DEVICE, else cpu (the GPU
@@ -45,6 +46,7 @@ class InProcessCluster:
             block_size=block_size,
             kv_views=kv_views,
             metrics_port=0,
+            max_model_len=max_model_len,
         )
         self.step_timeout_s = step_timeout_s
         self.loop = asyncio.new_event_loop()

@@ -4,6 +4,7 @@ tiny (no tokenizer) and SmolLM2-135M in-process clusters, and a subprocess clust
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from importlib.metadata import version
 
@@ -61,6 +62,50 @@ def test_model_info_of_tiny_matches_its_workers(tiny):
     assert (info.dtype, info.quant) == (worker.dtype, worker.quant) == ("float32", "none")
     assert info.version == version("kvfleet")
     assert not info.chat_template and not info.supports_tools and not info.special_token_ids
+    # No --max-model-len: the model's own context; the KV pool as the worker built it.
+    assert info.max_model_len == info.model_max_position == cfg.max_position
+    assert (info.kv_block_size, info.kv_num_blocks) == (16, 1024)  # InProcessCluster's defaults
+    assert info.kv_capacity_tokens == 16 * 1024 == worker.kv_capacity_tokens
+    assert info.kv_bytes_per_token == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    assert info.kv_pool_bytes == info.kv_capacity_tokens * info.kv_bytes_per_token
+
+
+def test_max_model_len_bounds_admission_and_is_reported():
+    """--max-model-len below the model's: GetModelInfo reports it beside the model's own, and
+    admission bounds prompt + max_new_tokens by it (the worker's max_position in GetInfo)."""
+    cfg = tiny_config()
+    with (
+        InProcessCluster(workers=1, max_model_len=40, num_blocks=8, block_size=8) as c,
+        SchedulerClient(c.address) as client,
+    ):
+        info = client.model_info()
+        assert (info.max_model_len, info.max_context_length) == (40, 40)
+        assert info.model_max_position == cfg.max_position == 512
+        assert (info.kv_block_size, info.kv_num_blocks, info.kv_capacity_tokens) == (8, 8, 64)
+        assert info.kv_pool_bytes == 64 * info.kv_bytes_per_token
+        code, details = _code(lambda: list(client.stream(build_request(list(range(33)), 8))))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prompt_too_long" in details and "= 41 exceeds the model's context of 40 tokens" in details
+        fits = list(client.stream(build_request(list(range(32)), 8, ignore_eos=True)))  # 32 + 8 = 40
+        assert fits[-1].finished and fits[-1].usage.output_tokens == 8
+
+
+def test_kv_pool_follows_the_models_shapes(tmp_path):
+    """A Qwen3 directory whose head_dim (32) is not hidden / heads (16), the pool sized by
+    --kv-cache-memory: bytes per token and blocks from the model's own shapes."""
+    from tests.helpers.families import CASES, make_checkpoint
+
+    make_checkpoint(CASES["qwen3"], tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 4  # float32
+    assert per_token == 2 * 3 * 2 * 32 * 4
+    cluster = InProcessCluster(workers=1, model=str(tmp_path), block_size=4)
+    cluster.worker_config = dataclasses.replace(cluster.worker_config, kv_cache_memory=str(per_token * 4 * 10))
+    with cluster as c, SchedulerClient(c.address) as client:
+        info = client.model_info()
+    assert info.kv_bytes_per_token == per_token
+    assert (info.kv_block_size, info.kv_num_blocks, info.kv_capacity_tokens) == (4, 10, 40)
+    assert info.max_model_len == info.model_max_position == cfg["max_position_embeddings"]
 
 
 @needs_smollm2

@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported 
 
 import pytest
 
-from kvfleet_models.errors import ModelLoadError
+from kvfleet_models.errors import ModelLoadError, NoTokenizerError
 from kvfleet_models.registry import SMOLLM2_135M
 from kvfleet_models.tokenizer import IncrementalDetokenizer, StopResult, StopStringMatcher, Tokenizer
 from tests.helpers.models import SMOLLM2_FILE, needs_smollm2
@@ -215,8 +215,28 @@ def test_chat_template_is_sandboxed(ours: Tokenizer) -> None:
 
 
 def test_tiny_model_has_no_tokenizer() -> None:
-    with pytest.raises(ModelLoadError, match="token ids only"):
+    with pytest.raises(NoTokenizerError, match="token ids only"):
         Tokenizer.for_model("tiny")
+
+
+def test_hf_dir_without_tokenizer_json_has_none(tmp_path: Path) -> None:
+    """No tokenizer.json: no tokenizer (served on token ids), not a load failure; one that is
+    there but unreadable is a load failure."""
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(NoTokenizerError, match="no tokenizer.json"):
+        Tokenizer.for_model(str(tmp_path))
+    (tmp_path / "tokenizer.json").write_text("not json")
+    with pytest.raises(ModelLoadError, match="unreadable tokenizer") as err:
+        Tokenizer.for_model(str(tmp_path))
+    assert not isinstance(err.value, NoTokenizerError)
+
+
+def test_constraint_eos_is_the_models_else_the_tokenizers() -> None:
+    from kvfleet_models.grammar import constraint_eos
+
+    assert constraint_eos((5, 2, 5), (7,)) == (5, 2)
+    assert constraint_eos((), (7,)) == (7,)
+    assert constraint_eos((), ()) == ()
 
 
 @needs_smollm2
