@@ -51,6 +51,12 @@ def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None) -> 
         default=d.kv_cache_memory,
         help="each worker's KV pool by memory instead of --num-blocks: 2GiB, 512MB, or 0.25 (of the available memory)",
     )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=d.max_model_len,
+        help="longest prompt + generated tokens served (0 = the model's own context; at most that)",
+    )
 
 
 def _spec(a: argparse.Namespace, port: int = 0):
@@ -67,6 +73,7 @@ def _spec(a: argparse.Namespace, port: int = 0):
         prefill_token_budget=a.prefill_token_budget,
         num_blocks=a.num_blocks,
         kv_cache_memory=a.kv_cache_memory,
+        max_model_len=a.max_model_len,
         log_format=getattr(a, "log_format", ""),
         log_level=getattr(a, "log_level", ""),
     )

@@ -68,6 +68,7 @@ class ClusterSpec:
     num_blocks: int = WorkerConfig.num_blocks
     kv_cache_memory: str = WorkerConfig.kv_cache_memory  # each worker's KV pool by memory (wins)
     block_size: int = WorkerConfig.block_size
+    max_model_len: int = WorkerConfig.max_model_len  # workers' --max-model-len (0 = the model's own)
     kv_views: str = WorkerConfig.kv_views.value
     telemetry: bool = True  # start a telemetry service and send traces to it
     telemetry_port: int = 0  # 0 = a free port
@@ -94,6 +95,8 @@ class ClusterSpec:
             raise ValueError(f"a cluster needs at least one worker, got {self.workers}")
         if self.drain_grace_s <= 0:
             raise ValueError(f"drain_grace_s must be positive, got {self.drain_grace_s}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0 (0 = the model's own), got {self.max_model_len}")
 
     @property
     def stop_timeout_s(self) -> float:
@@ -157,7 +160,7 @@ class LocalCluster:
         env.update(self._tls_env(name))
         if self.spec.worker_secret and (name == "scheduler" or name.startswith("worker-")):
             env["KVFLEET_WORKER_SECRET"] = self.spec.worker_secret
-        if self.spec.api_token and name == "scheduler":
+        if self.spec.api_token and name in ("scheduler", "telemetry"):  # (telemetry asks the scheduler)
             env["KVFLEET_API_TOKEN"] = self.spec.api_token
         if self.telemetry_address:
             scheme = "https" if self.spec.tls_dir else "http"
@@ -215,6 +218,8 @@ class LocalCluster:
     def start(self) -> "LocalCluster":
         s = self.spec
         try:
+            # Chosen first: telemetry's trace UI asks the scheduler for its live snapshot.
+            scheduler_port = s.scheduler_port or free_port(s.host)
             if s.telemetry:
                 port = s.telemetry_port or free_port(s.host)
                 self.telemetry_address = f"{s.host}:{port}"
@@ -233,6 +238,8 @@ class LocalCluster:
                         str(self.log_dir / "telemetry.db"),
                         "--http-port",
                         str(http_port),
+                        "--scheduler",
+                        f"{s.host}:{scheduler_port}",
                         *(["--forward-otlp", s.forward_otlp] if s.forward_otlp else []),
                     ],
                 )
@@ -241,7 +248,7 @@ class LocalCluster:
                 self.worker_addresses.append(f"{s.host}:{free_port(s.host)}")
                 self._spawn_worker(i)
             self._wait_healthy(self.worker_addresses)
-            port = s.scheduler_port or free_port(s.host)
+            port = scheduler_port
             self.scheduler_address = f"{s.host}:{port}"
             self.metrics_ports["scheduler"] = free_port(s.host)
             self._spawn(
@@ -330,6 +337,7 @@ class LocalCluster:
                 "--kv-views",
                 s.kv_views,
                 *(["--kv-cache-memory", s.kv_cache_memory] if s.kv_cache_memory else []),
+                *(["--max-model-len", str(s.max_model_len)] if s.max_model_len else []),
             ],
         )
 

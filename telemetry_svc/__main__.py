@@ -39,6 +39,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[TelemetryConfig, LogSetti
     p.add_argument("--forward-otlp", env="KVFLEET_TELEMETRY_FORWARD_OTLP", default=d.forward_otlp,
                    help="also pass every OTLP export received on to this endpoint (a collector, Tempo, "
                         "Jaeger): host:port, http://host:port or https://host:port")  # fmt: skip
+    p.add_argument("--scheduler", env="KVFLEET_TELEMETRY_SCHEDULER", default=d.scheduler,
+                   help="the scheduler (host:port) the trace UI's live snapshot asks ($KVFLEET_API_TOKEN "
+                        "if it wants one); empty: the page says there is none")  # fmt: skip
     p.add_argument("--metrics-port", type=int, env="KVFLEET_METRICS_PORT", default=DEFAULT_METRICS_PORT,
                    help="Prometheus /metrics port (0 = off)")  # fmt: skip
     p.add_argument("--http-port", type=int, env="KVFLEET_TELEMETRY_HTTP_PORT", default=JAEGER_QUERY_PORT,
@@ -57,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TelemetryConfig, LogSetti
                                  auth=AuthPolicy(a.api_token, frozenset(tls.allowed_clients or ()), a.protect_reads),
                                  retention=RetentionPolicy.from_flags(a.retention_hours, a.max_db_mb),
                                  metrics_port=a.metrics_port, max_artifact_bytes=a.max_artifact_kb * 1024,
-                                 forward_otlp=a.forward_otlp, http_port=a.http_port or None)  # fmt: skip
+                                 forward_otlp=a.forward_otlp, http_port=a.http_port or None,
+                                 scheduler=a.scheduler)  # fmt: skip
     except ValueError as exc:
         p.error(str(exc))
     return config, LogSettings(a.log_level, a.log_format)

@@ -38,6 +38,7 @@ from aiohttp import web
 from telemetry_svc import jaeger
 from telemetry_svc.auth import AuthPolicy
 from telemetry_svc.model import UnknownExperiment
+from telemetry_svc.scheduler_link import SchedulerLink, SchedulerUnreachable
 from telemetry_svc.store import ExperimentInfo, SpanStore
 
 logger = logging.getLogger(__name__)
@@ -228,10 +229,27 @@ class TraceUi:
         return self._file(request.match_info["name"])
 
 
+class SchedulerApi:
+    """GET /api/scheduler: the scheduler's live snapshot (telemetry and workers), asked now."""
+
+    def __init__(self, link: SchedulerLink | None) -> None:
+        self._link = link
+
+    async def snapshot(self, request: web.Request) -> web.Response:
+        if self._link is None:
+            return _error(404, "no scheduler to ask: start the telemetry service with --scheduler HOST:PORT")
+        try:
+            data = await self._link.snapshot()
+        except SchedulerUnreachable as exc:
+            return _error(502, str(exc))
+        return _json({"data": data, "total": 1, "limit": 0, "offset": 0, "errors": None})
+
+
 def create_app(store: SpanStore, policy: AuthPolicy, on_refused: Refused = lambda route: None,
                now_ns: Callable[[], int] = time.time_ns, summarize: Summarize | None = None,
-               ui: TraceUi | None = None) -> web.Application:  # fmt: skip
-    """The routes above; without `summarize` no experiment routes, without `ui` the package's UI."""
+               ui: TraceUi | None = None, scheduler: SchedulerLink | None = None) -> web.Application:  # fmt: skip
+    """The routes above; without `summarize` no experiment routes, without `ui` the package's UI;
+    without `scheduler` the live snapshot answers 404 saying how to configure it."""
     middlewares = [_errors]
     if policy.protect_reads:  # (AuthPolicy refuses protect_reads without a token or a client list)
         middlewares.append(_guard(policy, on_refused))
@@ -246,6 +264,7 @@ def create_app(store: SpanStore, policy: AuthPolicy, on_refused: Refused = lambd
         experiments = ExperimentsApi(store, summarize)
         app.router.add_get("/api/experiments", experiments.experiments)
         app.router.add_get("/api/experiments/{experimentID}/summary", experiments.summary)
+    app.router.add_get("/api/scheduler", SchedulerApi(scheduler).snapshot)
     ui = ui or TraceUi()
     app.router.add_get("/", ui.page, name="ui-page")
     app.router.add_get("/ui/{name}", ui.file, name="ui-file")

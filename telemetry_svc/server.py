@@ -46,6 +46,7 @@ from telemetry_svc.model import (
 from telemetry_svc.otlp import convert, count_spans
 from telemetry_svc.report import build_report
 from telemetry_svc.retention import RetentionPolicy, enforce
+from telemetry_svc.scheduler_link import SchedulerLink
 from telemetry_svc.store import SpanStore, SqliteSpanStore
 from telemetry_svc.summary import SummaryOptions, build_summary
 
@@ -90,6 +91,8 @@ class TelemetryConfig:
     # Jaeger's query API over the store (http_api.py): None = off, 0 = any free port (the entry
     # point defaults to 16686, Jaeger's query port).
     http_port: int | None = None
+    # The scheduler the trace UI's live snapshot asks (host:port; "" = none: the page says so).
+    scheduler: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
@@ -347,6 +350,7 @@ class TelemetryServer:
         self.metrics_port: int | None = None
         self.http_port: int | None = None  # the Jaeger query API's, once started
         self._http: Any = None  # its aiohttp AppRunner
+        self._scheduler: SchedulerLink | None = None  # what the UI's live snapshot asks
         self._admission = admission
         self._config = config
         self._stopping = asyncio.Event()
@@ -369,11 +373,13 @@ class TelemetryServer:
             await self._start_http_api(self._config.http_port)
 
     async def _start_http_api(self, port: int) -> None:
+        self._scheduler = SchedulerLink(self._config.scheduler, self._config.tls) if self._config.scheduler else None
         app = http_api.create_app(
             self.store,
             self._config.auth,
             lambda route: self.metrics.unauthorized.labels(method=route).inc(),
             summarize=lambda experiment_id: experiment_summary(self.store, experiment_id),
+            scheduler=self._scheduler,
         )
         try:
             self._http, self.http_port = await http_api.start(app, self._config.host, port, self._config.tls,
@@ -419,6 +425,8 @@ class TelemetryServer:
             await self.forwarder.close(min(grace or 0.0, 2.0))
         if self._http is not None:  # its reads in flight finish (within the grace) before the store closes
             await self._http.cleanup()
+        if self._scheduler is not None:
+            await self._scheduler.close()
         await asyncio.to_thread(self.store.close)
 
     async def wait_for_termination(self) -> None:

@@ -400,7 +400,36 @@ async function viewExperiment(gen, experimentID) {
 
 // --- the scheduler, from its exported tick spans ---------------------------------------------------
 
+// The scheduler's own figures, asked now through the telemetry service (GET /api/scheduler):
+// a 404 (no --scheduler) or 502 (it did not answer) leaves a note in their place.
+async function liveScheduler() {
+  let d;
+  try {
+    d = (await api("/api/scheduler")).data;
+  } catch (e) {
+    if (e instanceof HttpError && e.status === 401) throw e;
+    return [el("h2", {}, "Live"), el("p", { class: "muted", id: "no-live" }, "No live snapshot: " + e.message)];
+  }
+  const t = d.telemetry;
+  const n = (x, digits = 0) => (x === undefined || x === null ? "–" : Number(x).toFixed(digits));
+  const workers = d.workers.map((w) => row([w.worker_id, w.address, w.live ? "live" : "dead", w.model, w.device,
+    n(w.sessions), `${n(w.kv_tokens)} / ${n(w.kv_capacity_tokens)}`, n(w.reserved_tokens)], new Set([5, 6, 7]),
+  { class: "worker-row", dataset: { worker: w.worker_id, live: String(Boolean(w.live)) } }));
+  return [
+    el("h2", {}, "Live"),
+    el("p", { class: "muted" }, `GetTelemetry and ListWorkers of the scheduler at ${d.scheduler}, asked now.`),
+    el("div", { class: "cards", id: "live-snapshot" },
+      card("tick", n(t.ticks)), card("active sessions", n(t.active_sessions)), card("queued", n(t.queue_depth)),
+      card("live workers", el("span", { id: "live-workers" }, n(t.live_workers))),
+      card("decode tok/s", n(t.decode_tokens_per_sec, 1)), card("prefill tok/s", n(t.prefill_tokens_per_sec, 1)),
+      card("KV pressure", n(t.kv_pressure, 3)), card("rejected", n(t.rejected_admissions_total))),
+    table(["worker", "address", "state", "model", "device", "sessions", "KV tokens / capacity", "reserved"], workers,
+      new Set([5, 6, 7])),
+  ];
+}
+
 async function viewScheduler(gen) {
+  const live = await liveScheduler();
   const services = (await api("/api/services")).data;
   const schedulers = services.filter((s) => s.includes("scheduler"));
   const ticks = [];
@@ -419,10 +448,10 @@ async function viewScheduler(gen) {
     .filter((t) => !seen.has(t.span.spanID) && seen.add(t.span.spanID)).slice(0, 60);
   const note = el("p", { class: "muted" },
     "The latest ticks the scheduler exported as spans (their kvfleet.tick.* attributes), newest first. "
-    + "This is what the store holds, not a live query of the scheduler (the telemetry service does not call it); "
-    + "refreshed every 5 s.");
+    + "This is what the store holds; the live figures above are the scheduler's own. Refreshed every 5 s.");
   if (!latest.length) {
-    render(gen, el("h1", {}, "Scheduler"), note, el("p", { class: "muted", id: "no-ticks" }, "No tick span in the store yet."));
+    render(gen, el("h1", {}, "Scheduler"), live, el("h2", {}, "Exported ticks"), note,
+      el("p", { class: "muted", id: "no-ticks" }, "No tick span in the store yet."));
   } else {
     const t0 = latest[0];
     const chart = el("div", { class: "chart", title: "decode batch per tick, oldest left" },
@@ -437,7 +466,7 @@ async function viewScheduler(gen) {
       fmtMicros(t.span.duration), String(t.tags["kvfleet.tick.decode_batch"] ?? "–"),
       String(t.tags["kvfleet.tick.prefill_tokens"] ?? "–"), t.tags["experiment.arm"] ?? "", t.service,
     ], new Set([0, 2, 3, 4]), { class: "tick-row", dataset: { tick: String(t.tags["kvfleet.tick"] ?? "") } }));
-    render(gen, el("h1", {}, "Scheduler"), note,
+    render(gen, el("h1", {}, "Scheduler"), live, el("h2", {}, "Exported ticks"), note,
       el("div", { class: "cards", id: "latest-tick" },
         card("latest tick", String(t0.tags["kvfleet.tick"] ?? "?")),
         card("exported", fmtAgo(t0.span.startTime + t0.span.duration)),

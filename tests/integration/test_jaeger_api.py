@@ -299,6 +299,27 @@ def test_a_resource_without_a_service_name_is_jaegers_placeholder(tmp_path: Path
         srv.stop()
 
 
+def test_the_live_scheduler_snapshot_says_why_when_there_is_none(
+    served: tuple[RunningServer, Sent], tmp_path: Path
+) -> None:
+    """No --scheduler: 404 saying how to set one; a scheduler that does not answer: 502 naming it.
+    (The snapshot of a real scheduler is read in test_trace_ui.py, through kvfleet's cluster.)"""
+    srv, _ = served
+    status, _, body = _get(_http(srv), "/api/scheduler")
+    assert status == 404 and "--scheduler" in assert_error_envelope(body, 404)
+    from kvfleet.local_cluster import free_port
+
+    nobody = f"127.0.0.1:{free_port('127.0.0.1')}"
+    config = TelemetryConfig(host="127.0.0.1", port=0, db_path=str(tmp_path / "t.db"), http_port=0, scheduler=nobody)
+    down = RunningServer(config)
+    try:
+        status, _, body = _get(_http(down), "/api/scheduler")
+        message = assert_error_envelope(body, 502)
+        assert status == 502 and nobody in message and "UNAVAILABLE" in message, message
+    finally:
+        down.stop()
+
+
 def test_no_http_port_no_trace_api(tmp_path: Path) -> None:
     srv = RunningServer(TelemetryConfig(host="127.0.0.1", port=0, db_path=str(tmp_path / "t.db")))
     try:

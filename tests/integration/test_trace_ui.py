@@ -321,9 +321,15 @@ def test_the_scheduler_page_shows_the_latest_exported_ticks(served: Served, page
     ticks = [s for t in body["data"] for s in t["spans"] if s["operationName"] == "tick"]
     latest = max(ticks, key=lambda s: s["startTime"])
     number = next(t["value"] for t in latest["tags"] if t["key"] == "kvfleet.tick")
+    live = _get(f"{served.url}/api/scheduler")["data"]  # the scheduler's own answer, asked now
+    assert live["telemetry"]["live_workers"] == 1 and live["telemetry"]["ticks"] >= int(number)
+    assert [w["worker_id"] for w in live["workers"]] == ["worker-0"] and live["workers"][0]["live"] is True
     page.open(served.url + "/#/scheduler")
     assert page.page.locator("#latest-tick .card .v").first.text_content() == str(number)
     assert page.page.locator(".tick-row").count() == len({s["spanID"] for s in ticks})
+    assert page.page.text_content("#live-workers") == "1"
+    assert page.page.locator('.worker-row[data-worker="worker-0"][data-live="true"]').count() == 1
+    assert page.page.locator("#no-live").count() == 0
     page.shot("scheduler")
     assert page.errors == []
 
