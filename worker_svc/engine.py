@@ -327,7 +327,7 @@ class Engine:
     def use_threads(self, n: int = 0) -> None:
         """(Re)claim the process's CPU threads for this engine: ``n``, or its configured count
         (a process-wide setting; for benchmarks that alternate engines in one process)."""
-        if self.device.type == "cpu":
+        if self.model.plan.on_cpu:
             use_cpu_threads(n or self.num_threads, self.model.host_blas, self.model)
 
     # -- validation and admission ------------------------------------------------------------
@@ -351,7 +351,10 @@ class Engine:
         if start < 0:
             return f"negative position {start}"
         if start + len(tokens) > self.max_model_len:
-            return f"positions up to {start + len(tokens)} exceed max_model_len {self.max_model_len}"
+            return (
+                f"positions up to {start + len(tokens)} exceed the served context of {self.max_model_len} tokens "
+                f"(max_model_len; the model's max_position is {self.cfg.max_position})"
+            )
         bad = [t for t in tokens if not 0 <= t < self.cfg.vocab_size][:8]
         if bad:
             return f"token ids {bad} outside vocab_size {self.cfg.vocab_size}"
@@ -434,7 +437,7 @@ class Engine:
         logits_out = np.full((len(requests), self.cfg.vocab_size), np.nan, np.float32) if return_logits else None
         sync_ns = 0
         if admitted:
-            sync = self.device.type != "cpu" and self.config.profile_sync
+            sync = not self.model.plan.on_cpu and self.config.profile_sync
             try:
                 failpoints.check("worker.forward", [a.request.sampling.seed for a in admitted])
                 logits = run_step(

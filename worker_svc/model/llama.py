@@ -67,7 +67,7 @@ from worker_svc.kv_cache import AttnGroup, KVViews, PagedKVCache
 from worker_svc.model import fused, int8
 from worker_svc.model.cpu_backend import QUANT_MODES, Matrix, attention_core, matmul, matmul_add_, pack_bf16, torch_rows
 from worker_svc.model.weights import LayerWeights, ModelWeights, qk_norm_, rms_norm, rope_
-from worker_svc.platform import synchronize
+from worker_svc.platform import plan_backend, synchronize
 
 # Items in an attention group from which torch's bmm runs it where torch holds the threads
 # (``LlamaModel.use_threads``); NEVER: the host path keeps every group.
@@ -156,13 +156,12 @@ class LlamaModel:
         fused_ops: None = the hand-fused C ops (``fused``) on a CPU where they build; False =
         torch's ops only; True = required (an error where they cannot be built)."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
-        # The residual stream, norms, attention and KV cache: float32 on a CPU whatever the
-        # weights (see the module docstring), the weights' dtype elsewhere.
-        self.act_dtype = torch.float32 if device.type == "cpu" else dtype
         if quant not in QUANT_MODES:
             raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
-        if quant != "none" and (device.type != "cpu" or dtype != torch.float32 or host_blas):
-            raise ValueError(f"quant={quant} needs float32 on a CPU (and not host_blas)")
+        # Dtypes and kernels, decided once (worker_svc/platform.py): the residual stream, norms,
+        # attention and KV cache are float32 on a CPU whatever the weights (module docstring).
+        self.plan = plan_backend(device, dtype, quant, host_blas, fused_ops)
+        self.act_dtype = self.plan.act_dtype
         self.quant = quant
 
         def array(name: str) -> np.ndarray:
@@ -176,14 +175,10 @@ class LlamaModel:
         def vec(a: np.ndarray) -> torch.Tensor:
             return put(a, self.act_dtype)
 
-        # numpy's BLAS for float32 on a CPU (see ``cpu_backend``); torch elsewhere.
-        cpu_f32 = device.type == "cpu" and dtype == torch.float32
-        if host_blas and not cpu_f32:
-            raise ValueError("host_blas needs float32 weights on a CPU")
-        self.host_blas = (cpu_f32 and quant == "none") if host_blas is None else host_blas
-        # numpy's batched matmul for attention on every CPU path (activations are float32 there),
-        # unless host_blas=False asks for the torch path GPUs take.
-        self.host_attention = self.host_blas or (device.type == "cpu" and host_blas is None)
+        # numpy's BLAS for float32 on a CPU (see ``cpu_backend``), and for attention on every
+        # CPU path; torch elsewhere.
+        self.host_blas = self.plan.host_blas
+        self.host_attention = self.plan.host_attention
         # Attention groups of at least this many items run on torch's bmm (and so get a
         # ``bias``) even on the host path: see ``use_threads``.
         self.torch_attention_items = TORCH_ATTENTION_NEVER
@@ -191,7 +186,7 @@ class LlamaModel:
         # Row counts of a product that go to torch even on the host BLAS path.
         self.torch_rows = torch_rows(self.host_blas, threads=1)
 
-        cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16 and host_blas is None
+        cpu_bf16 = self.plan.onednn_bf16
 
         def matrix(a: np.ndarray, lookup: bool = False) -> Matrix:
             """a: [out, in] as in the checkpoint; lookup: also the embedding table (tied)."""
@@ -270,7 +265,7 @@ class LlamaModel:
         self.lm_head, self.rotary = prepared.lm_head, prepared.rotary
         self.fused: fused.FusedOps | None = None
         # The C ops work on float32 CPU tensors: every CPU mode's activations are float32.
-        if fused_ops is not False and device.type == "cpu":
+        if self.plan.fused_ops:
             self.fused = fused.load()
             if self.fused is None and fused_ops:
                 raise RuntimeError("fused CPU ops were required but could not be built (see the log)")
