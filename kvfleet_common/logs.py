@@ -40,10 +40,6 @@ def bind_request(request_id: str | None) -> None:
     _REQUEST_ID.set(request_id or None)
 
 
-def current_session() -> str | None:
-    return _SESSION_ID.get()
-
-
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: ts, level, logger, message, trace_id/span_id (hex, when a
     span is current), session_id and request_id (when known), exc_info (the traceback), and any other `extra`."""

@@ -29,7 +29,6 @@ class HostThreadExecutor(Executor):
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closed = threading.Event()
-        self.thread_ident: int | None = None  # the thread inside ``run``
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         if self._closed.is_set():
@@ -40,7 +39,6 @@ class HostThreadExecutor(Executor):
 
     def run(self, poll_s: float = 0.5) -> None:
         """Run calls until ``shutdown``; signals still reach this thread between polls."""
-        self.thread_ident = threading.get_ident()
         while True:
             try:
                 item = self._queue.get(timeout=poll_s)

@@ -16,10 +16,9 @@ from worker_svc.engine import Engine
 
 
 class WorkerMetrics:
-    def __init__(self, engine: Engine, worker_id: str) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.registry = CollectorRegistry()
         self._engine = engine
-        self._worker_id = worker_id
         self.step = Histogram(
             "kvfleet:worker_step_seconds", "Wall time of one batched step", buckets=ITL_BUCKETS, registry=self.registry
         )

@@ -56,7 +56,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         # Where steps that do not run inline go: the process's compute thread (``compute``)
         # when served by ``python -m worker_svc``; None = a thread of asyncio's default pool.
         self._executor = executor
-        self.metrics = metrics or WorkerMetrics(engine, config.worker_id)
+        self.metrics = metrics or WorkerMetrics(engine)
         self._cfg = cfg
         self._engine = engine
         # One mutation of the engine (step, release) at a time: its KV books and views are

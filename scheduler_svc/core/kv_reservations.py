@@ -122,9 +122,6 @@ class KvReservations:
         wid = self._by_session.get(session_id)
         return self._workers[wid].tables.room(session_id) if wid is not None else 0
 
-    def worker_of(self, session_id: str) -> str | None:
-        return self._by_session.get(session_id)
-
     def tables(self, session_id: str) -> BlockTables:
         return self._workers[self._by_session[session_id]].tables
 

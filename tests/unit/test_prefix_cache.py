@@ -568,7 +568,7 @@ def test_worker_metrics_export_the_prefix_cache_counters() -> None:
     for sid in ("a", "b"):
         _generate(steps, sid, prompt, 1)
         steps.release([sid])
-    metrics = WorkerMetrics(steps.engine, "w")
+    metrics = WorkerMetrics(steps.engine)
     metrics.refresh()
     text = generate_latest(metrics.registry).decode()
     s = steps.engine.stats()
