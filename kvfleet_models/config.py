@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 # RoPE scalings a config may name (HF's rope_type); "default" is no scaling (None).
 ROPE_KINDS = ("linear", "llama3", "dynamic", "yarn", "longrope")
+# A scaling given as one divisor per rotary pair, precomputed: llama.cpp's ``rope_freqs``
+# tensor, which is how a GGUF file carries Llama 3.1's llama3 scaling.
+FREQ_FACTORS = "freq_factors"
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,8 @@ class RopeScaling:
     ``attention_factor``; its long factors apply only past ``original_max_position``, where
     transformers switches every later token (and not the cached ones) to them, so the loader
     serves such a model up to ``original_max_position`` (``max_position`` is that).
+    freq_factors: each frequency divided by its own entry of ``freq_factors`` (a GGUF's
+    ``rope_freqs``: the llama3 rule evaluated by llama.cpp's converter).
     """
 
     kind: str
@@ -35,9 +40,10 @@ class RopeScaling:
     attention_factor: float | None = None  # yarn
     truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
     short_factor: tuple[float, ...] = ()  # longrope: one divisor per rotary pair [D/2]
+    freq_factors: tuple[float, ...] = ()  # freq_factors: one divisor per rotary pair [D/2]
 
     def __post_init__(self) -> None:
-        if self.kind not in ROPE_KINDS:
+        if self.kind not in (*ROPE_KINDS, FREQ_FACTORS):
             raise ValueError(f"RoPE scaling {self.kind!r} is not one of {list(ROPE_KINDS)}")
         if self.factor <= 0:
             raise ValueError(f"RoPE scaling factor must be positive, got {self.factor}")
@@ -45,6 +51,8 @@ class RopeScaling:
             raise ValueError("llama3 RoPE scaling needs high_freq_factor > low_freq_factor")
         if self.kind == "longrope" and (not self.short_factor or self.attention_factor is None):
             raise ValueError("longrope RoPE scaling needs short_factor and attention_factor")
+        if (self.kind == FREQ_FACTORS) != bool(self.freq_factors) or any(f <= 0 for f in self.freq_factors):
+            raise ValueError("freq_factors RoPE scaling (and only it) needs positive freq_factors")
 
 
 @dataclass(frozen=True)
@@ -115,6 +123,8 @@ class LlamaConfig:
             raise ValueError(
                 f"longrope short_factor has {len(s.short_factor)} entries, head_dim / 2 is {self.head_dim // 2}"
             )
+        if s is not None and s.kind == FREQ_FACTORS and len(s.freq_factors) != self.head_dim // 2:
+            raise ValueError(f"freq_factors has {len(s.freq_factors)} entries, head_dim / 2 is {self.head_dim // 2}")
         bad = [i for i in self.sliding_layers or () if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"sliding_layers {bad} outside the {self.num_layers} layers")

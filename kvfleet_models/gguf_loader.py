@@ -1,26 +1,54 @@
-"""Llama weights from a GGUF file (llama.cpp's format), as float32 arrays named like HF's.
+"""Weights of a GGUF file (llama.cpp's format), as float32 arrays named like HF's, for the
+architectures in ``ARCHITECTURES`` (llama.cpp's names; Mistral is written as "llama").
 
 A GGUF holds metadata (hyperparameters, tokenizer) and tensors that are usually quantized.
-Three things differ from a Hugging Face checkpoint and are undone here:
+What differs from a Hugging Face checkpoint is undone here:
   * names: ``blk.3.attn_q.weight`` is ``model.layers.3.self_attn.q_proj.weight``;
   * shape order: GGUF lists dimensions innermost first (``ne``), numpy outermost first;
-  * the rows of q_proj and k_proj are permuted for llama.cpp's rotary layout (see
-    ``unpermute_rotary_rows``).
+  * for "llama" only, the rows of q_proj and k_proj are permuted for llama.cpp's rotary layout
+    (see ``unpermute_rotary_rows``); qwen2/qwen3/phi3 use the NeoX layout, HF's own;
+  * phi3 keeps q/k/v in one ``attn_qkv`` and gate/up in one ``ffn_up``: split at load;
+  * llama3 RoPE scaling is a ``rope_freqs`` tensor of per-pair divisors, not parameters.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvfleet_models.config import LlamaConfig
+from kvfleet_models.config import FREQ_FACTORS, LlamaConfig, RopeScaling
 from kvfleet_models.errors import ModelLoadError, check_weights
 
+log = logging.getLogger(__name__)
+
 GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How one llama.cpp architecture differs from a Llama, in LlamaConfig's family options."""
+
+    family: str  # the LlamaConfig.family it loads as
+    permuted_qk: bool  # the converter interleaved q/k rows (llama.cpp's non-NeoX rotary)
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    fused: bool = False  # attn_qkv = [q; k; v] rows, ffn_up = [gate; up] rows (Phi-3)
+    windowed: bool = False  # {arch}.attention.sliding_window, when present, on every layer
+
+
+ARCHITECTURES = {
+    # Mistral too: llama.cpp's converter writes MistralForCausalLM as "llama" (without its window).
+    "llama": Architecture("llama", permuted_qk=True, windowed=True),
+    "qwen2": Architecture("qwen2", permuted_qk=False, qkv_bias=True),
+    "qwen3": Architecture("qwen3", permuted_qk=False, qk_norm=True),
+    "phi3": Architecture("phi3", permuted_qk=False, fused=True, windowed=True),
+}
 
 # Per-layer tensors: GGUF name inside ``blk.N.`` -> HF name inside ``model.layers.N.``.
 _LAYER_NAMES = {
@@ -28,14 +56,20 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_output": "self_attn.o_proj",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Phi-3's fused ones, split by ``split_fused`` under the HF names of their parts.
+_FUSED_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+# RoPE tables (not weights): read into the config.
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def open_gguf(path: str | Path) -> Any:
@@ -89,21 +123,103 @@ def _required(reader: Any, key: str, path: Path) -> Any:
     return value
 
 
-def config_from_metadata(reader: Any, path: Path) -> LlamaConfig:
-    """The LlamaConfig a GGUF file's ``llama.*`` metadata describes."""
+def _float(reader: Any, key: str, default: float) -> float:
+    """A float metadata value; float32 ones as the shortest decimal that rounds to them (the
+    value the converter was given: 1e-06, not 9.99999997e-07)."""
+    import gguf
+
+    value = field_value(reader, key)
+    if value is None:
+        return default
+    if reader.fields[key].types[0] == gguf.GGUFValueType.FLOAT32:
+        return float(str(np.float32(value)))
+    return float(value)
+
+
+def _architecture(reader: Any, path: Path) -> tuple[str, Architecture]:
     arch = field_value(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"{path}: architecture {arch!r} is not supported (only 'llama')")
-    heads = int(_required(reader, "llama.attention.head_count", path))
-    hidden = int(_required(reader, "llama.embedding_length", path))
-    rope_dims = field_value(reader, "llama.rope.dimension_count")
-    if rope_dims is not None and rope_dims != hidden // heads:
-        raise ModelLoadError(f"{path}: partial rotary ({rope_dims} of {hidden // heads} dims) is not supported")
-    scaling = field_value(reader, "llama.rope.scaling.type", "none")
-    if scaling != "none" or any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise ModelLoadError(f"{path}: RoPE scaling ({scaling!r} / rope_freqs) is not supported")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    return str(arch), ARCHITECTURES[arch]
+
+
+def _rope_table(reader: Any, name: str, pairs: int, path: Path) -> tuple[float, ...] | None:
+    tensor = next((t for t in reader.tensors if t.name == name), None)
+    if tensor is None:
+        return None
+    values = dequantize_tensor(tensor, path).reshape(-1)
+    if values.size != pairs:
+        raise ModelLoadError(f"{path}: {name} has {values.size} entries, head_dim / 2 is {pairs}")
+    return tuple(float(str(v)) for v in values)  # float32: the shortest decimal, as ``_float``
+
+
+def _rope(reader: Any, arch: str, head_dim: int, context: int, path: Path) -> tuple[RopeScaling | None, int]:
+    """(the RoPE scaling, the context served) from ``{arch}.rope.scaling.*`` and the RoPE
+    tables llama.cpp's converter writes: ``rope_freqs`` (llama3), ``rope_factors_short``
+    with ``attn_factor`` (Phi-3 longrope, served up to its original context as the Hugging
+    Face loader serves it, so ``rope_factors_long`` is never read)."""
+    kind = field_value(reader, f"{arch}.rope.scaling.type", "none")
+    factor = _float(reader, f"{arch}.rope.scaling.factor", 1.0)
+    # Without an original context, the context itself (transformers' default too).
+    original = int(field_value(reader, f"{arch}.rope.scaling.original_context_length", 0)) or context
+    freqs = _rope_table(reader, "rope_freqs.weight", head_dim // 2, path)
+    short = _rope_table(reader, "rope_factors_short.weight", head_dim // 2, path)
+    try:
+        if freqs is not None:
+            if kind != "none" or short is not None:
+                raise ModelLoadError(f"{path}: rope_freqs together with RoPE scaling {kind!r} is not supported")
+            return RopeScaling(FREQ_FACTORS, freq_factors=freqs), context
+        if short is not None:  # Phi-3 longrope (its converter writes no scaling type)
+            attention = _float(reader, f"{arch}.rope.scaling.attn_factor", 1.0)
+            factor = context / original  # transformers' rule for a longrope without a factor
+            scaling = RopeScaling("longrope", factor=factor, original_max_position=original, short_factor=short,
+                                  attention_factor=attention)  # fmt: skip
+            if original < context:
+                log.warning(
+                    "%s: longrope RoPE switches to its long factors past %d positions, which this engine "
+                    "does not run: serving up to %d tokens (of %d)", path, original, original, context,
+                )  # fmt: skip
+                return scaling, original
+            return scaling, context
+        if kind == "none":
+            return None, context
+        if kind == "linear":
+            return RopeScaling("linear", factor=factor, original_max_position=original), context
+        if kind == "yarn":
+            key = f"{arch}.rope.scaling.yarn_attn_factor"  # absent: yarn's own 0.1 ln(factor) + 1
+            return RopeScaling(
+                "yarn",
+                factor=factor,
+                original_max_position=original,
+                beta_fast=_float(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0),
+                beta_slow=_float(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0),
+                attention_factor=_float(reader, key, 1.0) if key in reader.fields else None,
+            ), context
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: bad RoPE scaling {kind!r}: {e}") from None
+    raise ModelLoadError(f"{path}: RoPE scaling {kind!r} is not supported (supported: none, linear, yarn, rope_freqs)")
+
+
+def config_from_metadata(reader: Any, path: Path) -> LlamaConfig:
+    """The LlamaConfig a GGUF file's ``{arch}.*`` metadata (and RoPE tables) describe."""
+    arch, spec = _architecture(reader, path)
+    heads = int(_required(reader, f"{arch}.attention.head_count", path))
+    hidden = int(_required(reader, f"{arch}.embedding_length", path))
+    # key_length is the head width where it is not hidden / heads (Qwen3, Mistral Nemo).
+    head_dim = int(field_value(reader, f"{arch}.attention.key_length", 0)) or hidden // heads
+    value_dim = int(field_value(reader, f"{arch}.attention.value_length", head_dim))
+    if value_dim != head_dim:
+        raise ModelLoadError(f"{path}: value_length {value_dim} differs from key_length {head_dim}")
+    rope_dims = field_value(reader, f"{arch}.rope.dimension_count")
+    if rope_dims is not None and rope_dims != head_dim:
+        raise ModelLoadError(f"{path}: partial rotary ({rope_dims} of {head_dim} dims) is not supported")
+    context = int(field_value(reader, f"{arch}.context_length", 2048))
+    scaling, max_position = _rope(reader, arch, head_dim, context, path)
+    # A window as long as the context hides nothing (Phi-3 writes 0 for none).
+    window = int(field_value(reader, f"{arch}.attention.sliding_window", 0)) if spec.windowed else 0
+    window = window if 0 < window < max_position else 0
     tokens = field_value(reader, "tokenizer.ggml.tokens") or []
-    vocab = field_value(reader, "llama.vocab_size") or len(tokens)
+    vocab = field_value(reader, f"{arch}.vocab_size") or len(tokens)
     if not vocab:
         raise ModelLoadError(f"{path}: GGUF metadata gives no vocabulary size")
     # eot (end of turn) also ends generation in llama.cpp; keep both, once each, eos first.
@@ -113,26 +229,34 @@ def config_from_metadata(reader: Any, path: Path) -> LlamaConfig:
             name=path.stem,
             vocab_size=int(vocab),
             hidden_size=hidden,
-            num_layers=int(_required(reader, "llama.block_count", path)),
+            num_layers=int(_required(reader, f"{arch}.block_count", path)),
             num_heads=heads,
-            num_kv_heads=int(field_value(reader, "llama.attention.head_count_kv", heads)),
-            intermediate_size=int(_required(reader, "llama.feed_forward_length", path)),
-            rope_theta=float(field_value(reader, "llama.rope.freq_base", 10000.0)),
-            rms_norm_eps=float(field_value(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-            max_position=int(field_value(reader, "llama.context_length", 2048)),
+            num_kv_heads=int(field_value(reader, f"{arch}.attention.head_count_kv", heads)),
+            intermediate_size=int(_required(reader, f"{arch}.feed_forward_length", path)),
+            rope_theta=_float(reader, f"{arch}.rope.freq_base", 10000.0),
+            rms_norm_eps=_float(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+            max_position=max_position,
             # llama.cpp writes no output.weight when the head shares the embedding matrix.
             tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
             eos_token_ids=tuple(dict.fromkeys(int(s) for s in stops if s is not None)),
+            family=spec.family,
+            head_dim=head_dim,
+            rope_scaling=scaling,
+            qkv_bias=spec.qkv_bias,
+            qk_norm=spec.qk_norm,
+            sliding_window=window,
         )
     except ValueError as e:
         raise ModelLoadError(f"{path}: inconsistent hyperparameters: {e}") from None
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF name for a GGUF tensor name, or None for one a Llama does not have."""
+def hf_tensor_name(gguf_name: str, fused: bool = False) -> str | None:
+    """The HF name for a GGUF tensor name (Phi-3's fused tensors under their fused HF names
+    when ``fused``), or None for one no family here has."""
     if m := _LAYER_RE.fullmatch(gguf_name):
-        hf = _LAYER_NAMES.get(m.group(2))
-        return f"model.layers.{m.group(1)}.{hf}.weight" if hf else None
+        block, stem, kind = m.groups()
+        hf = (_FUSED_NAMES.get(stem) if fused else None) or _LAYER_NAMES.get(stem)
+        return f"model.layers.{block}.{hf}.{kind}" if hf else None
     stem = gguf_name.removesuffix(".weight")
     hf = _GLOBAL_NAMES.get(stem) if stem != gguf_name else None
     return f"{hf}.weight" if hf else None
@@ -173,22 +297,31 @@ def dequantize_tensor(tensor: Any, path: Path) -> np.ndarray:
 
 
 def load_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
-    """Config and float32 HF-named weights of the Llama model in a GGUF file.
+    """Config and float32 HF-named weights of the model in a GGUF file.
 
-    Raises ModelLoadError (naming the file) for a missing, foreign, damaged or non-Llama file.
+    Raises ModelLoadError (naming the file) for a missing, foreign or damaged file, or one of
+    an architecture not in ``ARCHITECTURES``.
     """
+    from kvfleet_models.safetensors_loader import split_fused
+
     path = Path(path)
     reader = open_gguf(path)
     cfg = config_from_metadata(reader, path)
+    spec = ARCHITECTURES[str(field_value(reader, "general.architecture"))]
     weights: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        if tensor.name in _ROPE_TENSORS:  # read into the config's RoPE scaling
+            continue
+        name = hf_tensor_name(tensor.name, fused=spec.fused)
         if name is None:
-            raise ModelLoadError(f"{path}: tensor {tensor.name!r} has no place in a Llama model")
+            raise ModelLoadError(f"{path}: tensor {tensor.name!r} has no place in a {cfg.family} model")
         weights[name] = dequantize_tensor(tensor, path)
+    if spec.fused:
+        weights = split_fused(cfg, weights, path)
     check_weights(cfg, weights, path)  # first, so the reshapes below see the shapes they expect
-    for n in range(cfg.num_layers):
-        for proj, heads in (("q_proj", cfg.num_heads), ("k_proj", cfg.num_kv_heads)):
-            key = f"model.layers.{n}.self_attn.{proj}.weight"
-            weights[key] = unpermute_rotary_rows(weights[key], heads)
+    if spec.permuted_qk:
+        for n in range(cfg.num_layers):
+            for proj, heads in (("q_proj", cfg.num_heads), ("k_proj", cfg.num_kv_heads)):
+                key = f"model.layers.{n}.self_attn.{proj}.weight"
+                weights[key] = unpermute_rotary_rows(weights[key], heads)
     return cfg, weights

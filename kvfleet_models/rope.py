@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from kvfleet_models.config import LlamaConfig
+from kvfleet_models.config import FREQ_FACTORS, LlamaConfig
 
 
 def _yarn_mscale(factor: float) -> float:
@@ -27,6 +27,8 @@ def rope_frequencies(cfg: LlamaConfig) -> tuple[np.ndarray, float]:
     if s.kind == "longrope":
         assert s.attention_factor is not None  # resolved by the loader, checked by RopeScaling
         return inv_freq / np.asarray(s.short_factor, dtype=np.float64), s.attention_factor
+    if s.kind == FREQ_FACTORS:
+        return inv_freq / np.asarray(s.freq_factors, dtype=np.float64), 1.0
     original = s.original_max_position or cfg.max_position
     if s.kind == "llama3":
         low_wavelen, high_wavelen = original / s.low_freq_factor, original / s.high_freq_factor

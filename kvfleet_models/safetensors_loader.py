@@ -223,7 +223,7 @@ def read_safetensors(files: list[Path]) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _split_fused(cfg: LlamaConfig, weights: dict[str, np.ndarray], path: Path) -> dict[str, np.ndarray]:
+def split_fused(cfg: LlamaConfig, weights: dict[str, np.ndarray], path: Path) -> dict[str, np.ndarray]:
     """Phi-3's qkv_proj ([q; k; v] rows) and gate_up_proj ([gate; up]) under the Llama names
     (the torch model fuses them again its own way)."""
     out = dict(weights)
@@ -258,7 +258,7 @@ def load_hf_dir(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     # Buffers some older checkpoints saved, recomputed by every implementation.
     weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
     if cfg.family == "phi3":
-        weights = _split_fused(cfg, weights, path)
+        weights = split_fused(cfg, weights, path)
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # a tied head is the embedding; some files store it anyway
     check_weights(cfg, weights, path)
