@@ -12,7 +12,7 @@ NODE_STAMP := $(NODE_CLIENT)/node_modules/.installed
 
 .PHONY: install protos demo test lint typecheck sweep soak bench clean browser
 
-install: $(STAMP) $(GEN_STAMP)
+install: $(STAMP) $(GEN_STAMP) $(NATIVE_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,6 +28,12 @@ $(GEN_STAMP): $(PROTOS) $(STAMP)
 	touch kvfleet/v1/__init__.py $@
 
 protos: $(GEN_STAMP)
+
+# The worker's C libraries next to their sources (worker_svc/model/native.py), as the editable
+# install builds them; again here when a C source or its flags change.
+NATIVE_STAMP := worker_svc/model/_native_build.json
+$(NATIVE_STAMP): setup.py worker_svc/model/native.py $(wildcard worker_svc/model/*.c) | $(STAMP)
+	$(BIN)/python setup.py -q build_ext --inplace
 
 demo: install
 	$(BIN)/kvfleet demo
@@ -77,7 +83,7 @@ test: install $(NODE_STAMP) browser lint typecheck
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
 clean:
-	rm -rf $(VENV) kvfleet/v1 build *.egg-info
+	rm -rf $(VENV) kvfleet/v1 build *.egg-info worker_svc/model/_*.so $(NATIVE_STAMP)
 
 # make test-compose: the docker-compose stack on a real Docker engine (tests/e2e).
 include deploy/compose.mk

@@ -7,6 +7,9 @@ needs a variant builds its own copy.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import numpy as np
@@ -14,6 +17,23 @@ import pytest
 
 from kvfleet_models.config import LlamaConfig
 from tests.helpers.models import SMOLLM2, require_smollm2
+
+_CACHE_KEY = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A checkout without the package's build of the C libraries compiles them on first use
+    (worker_svc/model/native.py): in these tests, and the servers they start, into a folder of
+    this run's, never the user's cache (~/.cache/kvfleet)."""
+    folder = tempfile.mkdtemp(prefix="kvfleet-test-cache-")
+    config.stash[_CACHE_KEY] = folder
+    os.environ["KVFLEET_CACHE_DIR"] = folder
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = config.stash.get(_CACHE_KEY, None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,14 @@
 """The hand-fused C ops (worker_svc/model/fused.py): each against torch's ops on the same
 inputs, the engine with them against the engine without them in every CPU mode, and the
-fallback when they cannot be built. No timing is asserted (bench.modes measures them:
+fallback when they cannot be built; the package's build of the library against the first-use
+compile a checkout without one makes (into the tests' cache folder). No timing is asserted (bench.modes measures them:
 ``--modes int8-torchops,int8``)."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +21,7 @@ from kvfleet_models.tiny import tiny_weights
 from tests.unit.model_configs import GQA_CFG
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
 from worker_svc.local import LocalSteps
-from worker_svc.model import fused
+from worker_svc.model import fused, native
 from worker_svc.model.llama import LlamaModel
 
 NO_OPS = "no C compiler here: the fallback tests cover this machine"
@@ -44,11 +47,15 @@ def build_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def ops(build_dir: Path) -> fused.FusedOps:
-    """The C ops, built into ``build_dir``; the test is skipped where they cannot be built."""
+    """The C ops: the package's build where there is one, else built into ``build_dir``; the
+    test is skipped where they cannot be built."""
     loaded = fused.load()
     if loaded is None:
         pytest.skip(NO_OPS)
-    assert loaded.path.parent == build_dir / "fused"
+    if loaded.origin is native.Origin.INSTALLED:
+        assert loaded.path.parent == native.HERE
+    else:
+        assert loaded.path.parent == build_dir / "fused"
     return loaded
 
 
@@ -163,6 +170,7 @@ def test_switched_off_by_environment_and_fallback_without_compiler(monkeypatch, 
         assert fused.load() is None
         fused.load.cache_clear()
         monkeypatch.delenv("KVFLEET_FUSED_OPS")
+        monkeypatch.setattr(native, "installed", lambda *a, **k: None)  # a checkout without a build
         monkeypatch.setenv("CC", "/bin/false")  # a compiler that fails
         with caplog.at_level(logging.WARNING, logger="worker_svc.model.fused"):
             assert fused.load() is None
@@ -181,3 +189,68 @@ def test_build_is_cached_per_source_and_cpu(ops: fused.FusedOps, tmp_path) -> No
     stamp = first.stat().st_mtime_ns
     assert fused.build(tmp_path) == first and first.stat().st_mtime_ns == stamp  # not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
+
+
+def test_a_checkout_without_a_build_compiles_into_the_tests_cache(ops: fused.FusedOps, monkeypatch) -> None:
+    """No installed library: the first-use compile goes to KVFLEET_CACHE_DIR, which the tests
+    set (tests/conftest.py, then ``build_dir``), never ~/.cache; its ops equal the installed ones."""
+    assert not native.cache_dir().is_relative_to(Path.home() / ".cache")
+    monkeypatch.setattr(native, "installed", lambda *a, **k: None)
+    fused.load.cache_clear()
+    try:
+        compiled = fused.load()
+        assert compiled is not None and compiled.origin is native.Origin.COMPILED
+        assert compiled.path.parent == Path(os.environ[native.CACHE_ENV]) / "fused"
+        x, w = _rand(3, 64), _rand(64, seed=1)
+        assert torch.equal(compiled.rms_norm(x, w, 1e-5), ops.rms_norm(x, w, 1e-5))
+    finally:
+        fused.load.cache_clear()
+
+
+def test_the_package_build_is_used_where_it_fits(ops: fused.FusedOps) -> None:
+    """After a package build (a wheel, ``make install``) the ops come from it, not a compile."""
+    if not (native.HERE / native.installed_name(native.FUSED)).exists():
+        pytest.skip("this checkout has no package build of the C libraries (make install makes one)")
+    assert ops.origin is native.Origin.INSTALLED
+
+
+def _fake_install(where: Path, spec: native.LibSpec, machine: dict | None = None, **entry: object) -> None:
+    """An empty file where the package build puts ``spec``, with a build record: this
+    machine's, changed by ``machine`` (top-level keys) and ``entry`` (the library's)."""
+    (where / native.installed_name(spec)).write_bytes(b"")
+    record = native.build_record({spec.name: True})
+    record.update(machine or {})
+    record["libraries"][spec.name].update(entry)  # type: ignore[index]
+    (where / native.BUILD_INFO).write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize(
+    "machine, entry, used",
+    [
+        ({}, {}, True),
+        ({}, {"flags": ["-O2"]}, False),  # built with other flags
+        ({}, {"source_sha256": "0" * 64}, False),  # the C source edited since
+        ({"cpu_flags": ["avx9000"]}, {}, False),  # -march=native on a CPU with a flag this one lacks
+        ({"machine": "riscv64"}, {}, False),
+        ({"libraries": {}}, {}, False),  # a library the record does not list
+    ],
+)
+def test_an_installed_library_is_used_only_where_it_fits(
+    tmp_path: Path, machine: dict, entry: dict, used: bool
+) -> None:
+    if "libraries" in machine:
+        _fake_install(tmp_path, native.FUSED)
+        (tmp_path / native.BUILD_INFO).write_text(json.dumps({**native.build_record({}), **machine}))
+    else:
+        _fake_install(tmp_path, native.FUSED, machine, **entry)
+    found = native.installed(native.FUSED, openmp=True, where=tmp_path)
+    assert (found == tmp_path / native.installed_name(native.FUSED)) is used
+    assert native.installed(native.FUSED, openmp=True, where=tmp_path / "nowhere") is None
+
+
+def test_an_openmp_build_needs_torchs_libgomp(tmp_path: Path) -> None:
+    _fake_install(tmp_path, native.FUSED)  # recorded as built with OpenMP
+    assert native.installed(native.FUSED, openmp=True, where=tmp_path) is not None
+    assert native.installed(native.FUSED, openmp=False, where=tmp_path) is None
+    _fake_install(tmp_path, native.FUSED, openmp=False)  # single-threaded: runs under either
+    assert native.installed(native.FUSED, openmp=True, where=tmp_path) is not None

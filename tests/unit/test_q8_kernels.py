@@ -2,16 +2,20 @@
 
 Each level's integer dot products are exact, so every level must equal the float64 reference
 (input quantized per block, times the dequantized weight) up to float32 rounding; levels the
-CPU cannot run are skipped with the reason.
+CPU cannot run are skipped with the reason. Each level's library is the package's build where
+there is one (``make install``, a wheel), and a checkout's first-use compile equals it.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from worker_svc.model import q8
+from worker_svc.model import native, q8
 from worker_svc.model.cpu_features import CpuFeatures
 
 
@@ -113,7 +117,7 @@ def test_levels_follow_the_cpu_flags_and_are_refused_beyond_them(monkeypatch) ->
 def test_without_the_c_library_products_fall_back_to_the_reference(monkeypatch) -> None:
     """No compiler: load_kernels logs and returns None, and the weights still multiply right."""
 
-    def no_compiler() -> None:
+    def no_compiler(level: str) -> None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
 
     monkeypatch.setattr(q8, "_library", no_compiler)
@@ -123,3 +127,45 @@ def test_without_the_c_library_products_fall_back_to_the_reference(monkeypatch) 
     x = torch.randn(2, 40, generator=g)
     assert torch.allclose(w.linear(x), q8.reference_linear(x, w))
     assert torch.allclose(w.linear(x), x @ q8.dequantize(w).t(), atol=0.1)
+
+
+@pytest.mark.parametrize("level", q8.LEVELS)
+def test_a_first_use_build_equals_the_installed_one(level, monkeypatch) -> None:
+    """Without the package's build (a checkout never built), each level compiles into the
+    tests' cache folder (KVFLEET_CACHE_DIR, tests/conftest.py) and computes the same products."""
+    kernels = _kernels(level)
+    if (native.HERE / native.installed_name(native.Q8[level])).exists():
+        assert kernels.origin is native.Origin.INSTALLED and kernels.path.parent == native.HERE
+    monkeypatch.setattr(native, "installed", lambda *a, **k: None)
+    q8._library.cache_clear()
+    try:
+        compiled = q8.Q8Kernels.load(level)
+        assert compiled.origin is native.Origin.COMPILED
+        assert compiled.path.parent == Path(os.environ[native.CACHE_ENV]) / "fused"
+        g = torch.Generator().manual_seed(3)
+        w, x = q8.quantize_blocks(torch.randn(12, 96, generator=g)), torch.randn(5, 96, generator=g)
+        assert torch.equal(q8.with_kernels(w, compiled).linear(x), q8.with_kernels(w, kernels).linear(x))
+    finally:
+        q8._library.cache_clear()
+
+
+def test_a_level_without_a_library_is_unavailable_and_skipped(monkeypatch) -> None:
+    """A level the build's compiler could not make (and no first-use compile): reported
+    unavailable, refused by name, and the default goes to the best level that has one."""
+    runnable = q8.runnable_levels()
+    best, real = runnable[-1], q8._library
+
+    def without_best(level: str):  # type: ignore[no-untyped-def]
+        if level == best:
+            raise RuntimeError(f"{level} not built")
+        return real(level)
+
+    monkeypatch.setattr(q8, "_library", without_best)
+    assert q8.available_levels() == runnable[:-1]
+    with pytest.raises(RuntimeError, match="not built"):
+        q8.Q8Kernels.load(best)
+    if len(runnable) > 1:
+        assert q8.Q8Kernels.load().level == runnable[-2]
+    else:
+        with pytest.raises(RuntimeError, match="no int8 kernel level"):
+            q8.Q8Kernels.load()

@@ -1,4 +1,4 @@
-"""The hand-fused CPU ops of ``fused_ops.c``: compiled on first use, loaded with ctypes.
+"""The hand-fused CPU ops of ``fused_ops.c``: built with the package, loaded with ctypes.
 
 A batch-1 decode step on the CPU spent more time in small ops than in its weight products
 (measured, smollm2 int8 on the 2-core Xeon: 12 ms of products, 12 ms of the rest): every op
@@ -7,93 +7,47 @@ of a layer (two RMS norms of ~8 ops each and the residual adds, RoPE, attention'
 softmax and products) run at 3-5x their warm cost. ``FusedOps`` does each of those in one C
 call. (SiLU-gate was fused too and measured no faster in a step: it stays torch's.)
 
-The library is built with the system's C compiler (``cc``, ``-O3 -march=native``) into a cache
-directory keyed by the source and the CPU, once per machine (well under a second); without a
-compiler, or with ``KVFLEET_FUSED_OPS=0``, ``load`` returns None and the model keeps torch's
+The library (``-O3 -march=native``) is compiled when the package is built (``native``: a wheel,
+``pip install``, ``make install``) and used on a CPU with every flag of the build's; where no
+such build is installed (a checkout never built), it is compiled with the system's C compiler
+on first use into a cache folder keyed by the source and the CPU (well under a second). Without
+either, or with ``KVFLEET_FUSED_OPS=0``, ``load`` returns None and the model keeps torch's
 ops. Float32 only: every CPU mode keeps its activations in float32 (see ``llama``).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
 import subprocess
 import sys
-import tempfile
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from worker_svc.model import native
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("fused_ops.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC"]
-# With OpenMP the decode attention shares its rows among torch's intra-op threads: the library
-# then needs libgomp.so.1, which the dynamic loader resolves to the copy torch already loaded
-# (same soname), so both use one runtime and one pool. Without torch's libgomp (builds of
-# torch on another OpenMP runtime) the library is built single-threaded.
-OPENMP_FLAGS = ["-fopenmp"]
+SOURCE = native.FUSED.source_path
 _F = ctypes.c_void_p
 _L = ctypes.c_long
 
 
-def _cpu_key() -> str:
-    """What -march=native depends on: the CPU's model and flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))][:2]
-    except OSError:
-        lines = []
-    return platform.machine() + "\n" + "\n".join(lines)
-
-
-def _torch_uses_libgomp() -> bool:
-    """Whether torch's CPU library is linked against libgomp.so.1 (the Linux wheels bundle it)."""
+def torch_uses_libgomp() -> bool:
+    """Whether torch's CPU library is linked against libgomp.so.1 (the Linux wheels bundle it):
+    the C libraries are then built with OpenMP (see ``native.OPENMP_FLAGS``)."""
     lib_dir = Path(torch.__file__).parent / "lib"
     return sys.platform.startswith("linux") and (lib_dir / "libgomp.so.1").exists()
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("KVFLEET_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvfleet"
-    )
-    return Path(base) / "fused"
-
-
-def build(dest_dir: Path | None = None, source: Path = SOURCE, flags: list[str] | None = None) -> Path:
-    """Compile ``source`` (``fused_ops.c`` by default, with ``FLAGS``) if not already built for
-    this source, these flags and this CPU; returns the .so. Raises RuntimeError with the
-    compiler's message when it cannot."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    flags = (FLAGS if flags is None else flags) + (OPENMP_FLAGS if _torch_uses_libgomp() else [])
-    src = source.read_bytes()
-    key = hashlib.sha256(src + _cpu_key().encode() + " ".join(flags).encode()).hexdigest()[:16]
-    out_dir = dest_dir or cache_dir()
-    lib = out_dir / f"{source.stem}-{key}.so"
-    if lib.exists():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Build into a temporary name and rename: workers starting together may race here.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        run = subprocess.run(
-            [compiler, *flags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True, timeout=120
-        )
-        if run.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {run.stderr.strip()[-2000:]}")
-        os.replace(tmp, lib)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
+def build(dest_dir: Path | None = None) -> Path:
+    """The first-use build of ``fused_ops.c`` into ``dest_dir`` (default: the cache folder), once
+    per source, flags and CPU; returns the .so. Raises RuntimeError with the compiler's message
+    when it cannot."""
+    return native.build_cached(native.FUSED, torch_uses_libgomp(), dest_dir)
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -103,8 +57,8 @@ def _ptr(t: torch.Tensor) -> int:
 class FusedOps:
     """The C functions, each taking float32 CPU tensors (checked by the caller's layout)."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
-        self.path = path
+    def __init__(self, lib: ctypes.CDLL, path: Path, origin: native.Origin = native.Origin.COMPILED) -> None:
+        self.path, self.origin = path, origin  # origin: the package's build, or a first-use compile
         self._rms = lib.kv_rms_norm
         self._rms.argtypes = [_F, _F, _F, _L, _L, ctypes.c_float]
         self._add_rms = lib.kv_add_rms_norm
@@ -164,8 +118,9 @@ def load() -> FusedOps | None:
         log.info("fused CPU ops off (KVFLEET_FUSED_OPS=0): torch's ops")
         return None
     try:
-        path = build()
-        return FusedOps(ctypes.CDLL(str(path)), path)
+        found = native.locate(native.FUSED, torch_uses_libgomp())
+        log.debug("fused CPU ops from %s (%s)", found.path, found.origin.value)
+        return FusedOps(ctypes.CDLL(str(found.path)), found.path, found.origin)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("fused CPU ops unavailable, using torch's ops: %s", e)
         return None

@@ -7,9 +7,11 @@ picked once, at load (``Q8Kernels.load``): the best of avx512 (AVX-512 VNNI), av
 that this CPU runs, or the one ``KVFLEET_Q8_LEVEL`` names (a lower one, for tests and
 comparisons; a level the CPU cannot run is refused).
 
-Built like ``fused`` (the system's C compiler, on first use) but without ``-march=native``:
-each function carries its own target, so one library holds every level and a test can call
-each one the CPU runs.
+Built like ``fused`` (with the package, else with the system's C compiler on first use: see
+``native``) but without ``-march=native``: each function carries its own target. One library
+per level (``_q8_<level>``, each holding the levels up to its own), so a build whose compiler
+lacks a level's instructions still has the lower ones; a level without a library is
+unavailable, and the default level is the best one this CPU runs that has one.
 """
 
 from __future__ import annotations
@@ -24,15 +26,14 @@ from pathlib import Path
 
 import torch
 
-from worker_svc.model import fused
+from worker_svc.model import fused, native
 from worker_svc.model.cpu_features import CpuFeatures, cpu_features
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("q8_kernels.c")
-FLAGS = ["-O3", "-shared", "-fPIC"]
+SOURCE = native.Q8["scalar"].source_path
 QK = 32
-LEVELS = ("scalar", "avx2", "avx512")  # lowest first
+LEVELS = native.Q8_LEVELS  # lowest first
 LEVEL_ENV = "KVFLEET_Q8_LEVEL"
 _P = ctypes.c_void_p
 _L = ctypes.c_long
@@ -107,10 +108,12 @@ def with_kernels(w: Q8Weight, kernels: Q8Kernels | None) -> Q8Weight:
 class Q8Kernels:
     """The C products at one level."""
 
-    def __init__(self, lib: ctypes.CDLL, level: str, path: Path) -> None:
+    def __init__(
+        self, lib: ctypes.CDLL, level: str, path: Path, origin: native.Origin = native.Origin.COMPILED
+    ) -> None:
         if level not in LEVELS:
             raise ValueError(f"q8 level must be one of {list(LEVELS)}, got {level!r}")
-        self.level, self.path = level, path
+        self.level, self.path, self.origin = level, path, origin
         self._linear = getattr(lib, f"kv_q8_linear_{level}")
         self._linear.argtypes = [_P, _L, _L, _L, _P, _P, _L, _P, _L, ctypes.c_int, _P]
         self._linear.restype = None
@@ -121,13 +124,23 @@ class Q8Kernels:
     @staticmethod
     def load(level: str | None = None) -> Q8Kernels:
         """The kernels at ``level`` (default: ``KVFLEET_Q8_LEVEL``, else the best this CPU
-        runs). Raises ValueError for a level the CPU cannot run, RuntimeError where the
-        library cannot be built."""
-        level = level or os.environ.get(LEVEL_ENV) or runnable_levels()[-1]
+        runs that has a library). Raises ValueError for a level the CPU cannot run,
+        RuntimeError where that level's library (or, by default, every level's) is neither
+        installed nor can be built."""
+        level = level or os.environ.get(LEVEL_ENV)
+        if level is None:
+            errors = []
+            for best in reversed(runnable_levels()):
+                try:
+                    return Q8Kernels.load(best)
+                except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                    log.warning("int8 kernel level %s unavailable: %s", best, e)
+                    errors.append(f"{best}: {e}")
+            raise RuntimeError("no int8 kernel level has a library: " + "; ".join(errors))
         if level not in runnable_levels():
             raise ValueError(f"int8 kernel level {level!r} is not one this CPU runs ({', '.join(runnable_levels())})")
-        path, lib = _library()
-        return Q8Kernels(lib, level, path)
+        found, lib = _library(level)
+        return Q8Kernels(lib, level, found.path, found.origin)
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The C input quantizer on its own (the products run it inside): x [M, K] float32
@@ -169,7 +182,21 @@ def load_kernels(level: str | None = None) -> Q8Kernels | None:
         return None
 
 
+def available_levels() -> tuple[str, ...]:
+    """The levels this CPU runs that have a library (installed, or built on first use)."""
+    ok = []
+    for level in runnable_levels():
+        try:
+            _library(level)
+            ok.append(level)
+        except (OSError, RuntimeError, subprocess.SubprocessError):
+            pass
+    return tuple(ok)
+
+
 @cache
-def _library() -> tuple[Path, ctypes.CDLL]:
-    path = fused.build(source=SOURCE, flags=FLAGS)
-    return path, ctypes.CDLL(str(path))
+def _library(level: str) -> tuple[native.Located, ctypes.CDLL]:
+    """The library of ``level``: the package's build, else compiled on first use (cached per
+    process; a failure is not, so it is retried by the next load)."""
+    found = native.locate(native.Q8[level], fused.torch_uses_libgomp())
+    return found, ctypes.CDLL(str(found.path))

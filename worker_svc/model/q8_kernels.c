@@ -16,6 +16,10 @@
  *            two blocks per 512-bit register.
  * The integer sums are exact at every level; only the float32 order of adding up the blocks
  * differs (tests compare the levels within float rounding).
+ *
+ * KV_Q8_LEVELS (0, 1 or 2; default 2) builds the levels up to scalar, avx2 or avx512: the
+ * package builds one library per level (native.py), so a compiler that lacks a level's
+ * instructions still builds the lower ones.
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,6 +29,9 @@
 #define KV_X86 1
 #endif
 
+#ifndef KV_Q8_LEVELS
+#define KV_Q8_LEVELS 2
+#endif
 #define QK 32
 
 /* x [M, K] float32 (row stride ldx) -> xq [M, Kp] int8, xd [M, Kp / 32] float32, Kp = K
@@ -103,7 +110,7 @@ static void dot4_scalar(const int8_t *w, long kp, const float *wd, const int8_t 
 }
 KV_Q8_LINEAR(kv_q8_linear_scalar, dot_scalar, dot4_scalar)
 
-#ifdef KV_X86
+#if defined(KV_X86) && KV_Q8_LEVELS >= 1
 __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -145,6 +152,8 @@ __attribute__((target("avx2,fma"))) static void dot4_avx2(const int8_t *w, long 
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
 }
 KV_Q8_LINEAR(kv_q8_linear_avx2, dot_avx2, dot4_avx2)
+
+#if KV_Q8_LEVELS >= 2
 
 #define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"
 __attribute__((target(AVX512_TARGET))) static float dot_avx512(const int8_t *w, const float *wd, const int8_t *x,
@@ -198,4 +207,5 @@ __attribute__((target(AVX512_TARGET))) static void dot4_avx512(const int8_t *w, 
     }
 }
 KV_Q8_LINEAR(kv_q8_linear_avx512, dot_avx512, dot4_avx512)
-#endif
+#endif /* KV_Q8_LEVELS >= 2 */
+#endif /* KV_X86 && KV_Q8_LEVELS >= 1 */
