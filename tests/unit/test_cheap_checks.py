@@ -31,6 +31,7 @@ class CountingTokenizer:
 
     supports_tools = False
     chat_template = "stand-in"
+    eos_token_ids = (2,)  # as the real Tokenizer has (a constrained value needs an EOS)
 
     def __init__(self) -> None:
         self.encodes = 0
