@@ -295,7 +295,7 @@ async def create_server(
         engine.dtype_name,
         engine.quant,
         f" on {engine.model.int8_kernels} kernels" if engine.model.int8_kernels else "",
-        "on" if engine.model.fused is not None else "off",
+        f"on ({engine.model.fused.origin.value})" if engine.model.fused is not None else "off",
         engine.config.num_blocks,
         config.block_size,
     )

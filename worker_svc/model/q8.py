@@ -140,6 +140,7 @@ class Q8Kernels:
         if level not in runnable_levels():
             raise ValueError(f"int8 kernel level {level!r} is not one this CPU runs ({', '.join(runnable_levels())})")
         found, lib = _library(level)
+        log.info("int8 kernels %s from %s (%s)", level, found.path, found.origin.value)
         return Q8Kernels(lib, level, found.path, found.origin)
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
