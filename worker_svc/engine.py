@@ -364,17 +364,20 @@ class Engine:
             return str(exc)
         return ""
 
-    def _blocks_problem(self, r: _Request, table: Sequence[int]) -> str:
-        """Why the blocks the scheduler sent cannot hold the item ("" if they can)."""
-        bad = [b for b in r.block_ids if not 0 <= b < self.config.num_blocks][:8]
-        if bad:
-            return f"block ids {bad} outside the cache's {self.config.num_blocks} blocks"
-        if len(set(table)) != len(table):
-            return "the session's block table names a block twice"
-        need = r.start + len(r.tokens)
-        if len(table) * self.config.block_size < need:
+    def _blocks_problem(self, r: _Request, held: Sequence[int]) -> str:
+        """Why the session's blocks (``held``, then the item's new ones) cannot hold the item ("" if
+        they can). Only the new ids are checked against the table: a decode brings none, mostly."""
+        new = r.block_ids
+        if new:
+            bad = [b for b in new if not 0 <= b < self.config.num_blocks][:8]
+            if bad:
+                return f"block ids {bad} outside the cache's {self.config.num_blocks} blocks"
+            if len(set(new)) != len(new) or not set(new).isdisjoint(held):
+                return "the session's block table names a block twice"
+        need, room = r.start + len(r.tokens), (len(held) + len(new)) * self.config.block_size
+        if room < need:
             return (
-                f"the session's {len(table)} blocks of {self.config.block_size} cannot hold "
+                f"the session's {len(held) + len(new)} blocks of {self.config.block_size} cannot hold "
                 f"{need} tokens: the scheduler's block table is behind"
             )
         if not 0 <= r.cached < len(r.tokens):
@@ -390,10 +393,11 @@ class Engine:
         if miss:
             self._counts["cache_misses"] += 1
             return ItemStatus.CACHE_MISS, ""
-        table = self._tables.get(sid, []) + list(r.block_ids)
+        table = self._tables.get(sid, [])
         problem = self._blocks_problem(r, table)
         if problem:
             return ItemStatus.FAILED, problem
+        table.extend(r.block_ids)  # (in place: a decode's table is not copied every step)
         self._tables[sid] = table
         self._held[sid] = r.start + len(r.tokens)
         bs, first = self.config.block_size, r.start + r.cached

@@ -36,6 +36,7 @@ from kvfleet_models.reference import reference_logits
 from kvfleet_models.rope import rope_frequencies
 from kvfleet_models.safetensors_loader import load_hf_dir
 from tests.helpers.families import CASES, VOCAB, Case, hf_greedy, hf_logits, make_checkpoint, prompts
+from tests.helpers.int8_fakes import Unrounded
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, ItemStatus, PrefillItem, SamplingSpec
 from worker_svc.local import LocalSteps
 from worker_svc.model import fused
@@ -214,17 +215,6 @@ def test_torch_path_matches_transformers(family: Loaded, device: str) -> None:
         np.testing.assert_allclose(got, theirs, rtol=0, atol=ATOL)
 
 
-class _Unrounded:
-    """A stand-in for a ``Q8Weight``: the smoothed float matrix itself, multiplied exactly."""
-
-    def __init__(self, w: torch.Tensor) -> None:
-        self.w, self.nbytes = w.clone(), 4 * w.numel()
-
-    def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        y = x @ self.w.t()
-        return y if out is None else out.add_(y)
-
-
 def test_int8_handles_the_family_options(family: Loaded, monkeypatch: pytest.MonkeyPatch) -> None:
     """int8's smoothing folds (V's bias scaled with its rows; calibration through the q/k norms
     and windows) are exact with the rounding taken out, and real int8 stays within 5 % of the
@@ -233,7 +223,7 @@ def test_int8_handles_the_family_options(family: Loaded, monkeypatch: pytest.Mon
     real, real_logits = _drive(_engine(family, quant="int8"), plan[3:], 3)
     ref = reference_logits(family.cfg, family.weights, plan[3] + real[0][:-1])[len(plan[3]) - 1 :]
     assert np.abs(real_logits[0] - ref).max() < 0.05 * (ref.max() - ref.min())
-    monkeypatch.setattr(int8, "quantize_blocks", lambda w, kernels: _Unrounded(w))
+    monkeypatch.setattr(int8, "quantize_blocks", lambda w, kernels: Unrounded(w))
     tokens, logits = _drive(_engine(family, quant="int8"), plan, 3)
     assert [tuple(t) for t in tokens] == [g[:3] for g in family.greedy]
     for p, got, toks in zip(plan, logits, tokens):

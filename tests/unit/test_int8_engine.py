@@ -15,6 +15,7 @@ from kvfleet.v1 import worker_pb2 as pb
 from kvfleet_models.config import LlamaConfig, tiny_config
 from kvfleet_models.reference import reference_generate, reference_logits
 from kvfleet_models.tiny import tiny_weights
+from tests.helpers.int8_fakes import Unrounded
 from tests.unit.model_configs import GQA_CFG
 from worker_svc.__main__ import parse_args
 from worker_svc.config import WorkerConfig
@@ -63,24 +64,13 @@ def _logits(engine: Engine, prompt: tuple[int, ...], steps: int = 3) -> tuple[np
     return np.stack(rows), tokens
 
 
-class _Unrounded:
-    """A stand-in for a ``Q8Weight``: the smoothed float matrix itself, multiplied exactly."""
-
-    def __init__(self, w: torch.Tensor) -> None:
-        self.w, self.nbytes = w.clone(), 4 * w.numel()
-
-    def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        y = x @ self.w.t()
-        return y if out is None else out.add_(y)
-
-
 @pytest.mark.parametrize("name", list(MODELS))
 def test_int8_smoothing_folds_are_exact_without_rounding(name, monkeypatch) -> None:
     """With the int8 rounding taken out (the 'packed' weight is the smoothed float matrix),
     the int8 model equals the reference: every division folded into the norms, V rows and up
     rows is matched by its weight column's multiplication, including through attention."""
     cfg, weights = MODELS[name]
-    monkeypatch.setattr(int8, "quantize_blocks", lambda w, kernels: _Unrounded(w))
+    monkeypatch.setattr(int8, "quantize_blocks", lambda w, kernels: Unrounded(w))
     engine = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=64, quant="int8"))
     prompt = _prompt(9, cfg.vocab_size)
     got, tokens = _logits(engine, prompt)

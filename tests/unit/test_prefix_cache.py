@@ -495,27 +495,19 @@ def test_out_of_blocks_when_reuse_cannot_fit_raises_and_changes_nothing() -> Non
     (r,) = steps.step([big], []).results  # 3 blocks: the two unnamed ones, then a's tail
     assert r.status is ItemStatus.OK
     assert steps.tables.cached_prefix(prompt + [1]) == 12
-    before = (
-        steps.engine.stats(),
-        steps.tables.blocks("big"),
-        steps.tables.allocator.num_free,
-        steps.tables.allocator.num_cached,
-        steps.tables.prefix_queries,
-        steps.tables.prefix_hits,
-    )
+
+    def books() -> tuple:
+        t = steps.tables
+        return (steps.engine.stats(), t.blocks("big"), t.allocator.num_free, t.allocator.num_cached,
+                t.prefix_queries, t.prefix_hits)  # fmt: skip
+
+    before = books()
     # Reusing the three cached blocks takes them from the pool too: 3 + 3 new > 3 free.
     longer = tuple(prompt + _tokens(5, 32))
     assert steps.tables.placement_cost(longer, len(longer)) == (12, 6)
     with pytest.raises(OutOfBlocks):
         steps.step([PrefillItem("b", longer, 0, True, GREEDY)], [])
-    after = (
-        steps.engine.stats(),
-        steps.tables.blocks("big"),
-        steps.tables.allocator.num_free,
-        steps.tables.allocator.num_cached,
-        steps.tables.prefix_queries,
-        steps.tables.prefix_hits,
-    )
+    after = books()
     assert after == before  # the engine never ran (its step count too), the tables unchanged
     assert not steps.tables.has("b") and "b" not in steps.engine.session_ids()
     _check(steps)
