@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # RoPE scalings a config may name (HF's rope_type); "default" is no scaling (None).
@@ -9,6 +10,8 @@ ROPE_KINDS = ("linear", "llama3", "dynamic", "yarn", "longrope")
 # A scaling given as one divisor per rotary pair, precomputed: llama.cpp's ``rope_freqs``
 # tensor, which is how a GGUF file carries Llama 3.1's llama3 scaling.
 FREQ_FACTORS = "freq_factors"
+# The MLP gate's activations: silu (Llama, ...) and the tanh approximation of GELU (Gemma).
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,21 @@ class LlamaConfig:
     # 0 = every key before it. Which layers are windowed: ``sliding_layers``, None = all.
     sliding_window: int = 0
     sliding_layers: tuple[int, ...] | None = None
+    # Gemma 3: its "sliding_attention" layers (``sliding_layers``, kept even where the window
+    # hides nothing) rotate with a RoPE of their own base and no scaling; 0 = one RoPE for all.
+    local_rope_theta: float = 0.0
+    hidden_act: str = "silu"  # the MLP gate's activation: "silu" or "gelu_tanh" (Gemma)
+    # Gemma: embeddings multiplied by sqrt(hidden_size) (in the embedding's dtype).
+    scaled_embedding: bool = False
+    # Gemma's "sandwich" norms: the attention and MLP outputs are RMS-normed before their
+    # residual add (HF post_attention_layernorm / post_feedforward_layernorm), and the MLP's
+    # input norm is pre_feedforward_layernorm. Gemma's (1 + w) norm weights are folded at load
+    # (every loader hands norms on as plain multipliers, as llama.cpp's converter stores them).
+    sandwich_norms: bool = False
+    # Attention scores are q.k * query_pre_attn_scalar^-0.5 (Gemma); 0 = head_dim's.
+    query_pre_attn_scalar: float = 0.0
+    # logits -> cap * tanh(logits / cap) (Gemma's final_logit_softcapping); 0 = none.
+    final_logit_softcap: float = 0.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -125,6 +143,10 @@ class LlamaConfig:
             )
         if s is not None and s.kind == FREQ_FACTORS and len(s.freq_factors) != self.head_dim // 2:
             raise ValueError(f"freq_factors has {len(s.freq_factors)} entries, head_dim / 2 is {self.head_dim // 2}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
+        if self.query_pre_attn_scalar < 0 or self.final_logit_softcap < 0 or self.local_rope_theta < 0:
+            raise ValueError("query_pre_attn_scalar, final_logit_softcap and local_rope_theta must be >= 0")
         bad = [i for i in self.sliding_layers or () if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"sliding_layers {bad} outside the {self.num_layers} layers")
@@ -142,6 +164,19 @@ class LlamaConfig:
         if not self.sliding_window or (self.sliding_layers is not None and layer not in self.sliding_layers):
             return 0
         return self.sliding_window
+
+    @property
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def embed_multiplier(self) -> float:
+        return math.sqrt(self.hidden_size) if self.scaled_embedding else 1.0
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether ``layer`` rotates with the local RoPE (``local_rope_theta``, unscaled)."""
+        return bool(self.local_rope_theta) and (self.sliding_layers is None or layer in self.sliding_layers)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         # K and V, for every layer.

@@ -51,6 +51,8 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
             )
         if cfg.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+        if cfg.sandwich_norms:  # Gemma: post_attention_layernorm is then the attention output's
+            shapes.update({p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)})
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)
     return shapes

@@ -8,7 +8,11 @@ What differs from a Hugging Face checkpoint is undone here:
   * for "llama" only, the rows of q_proj and k_proj are permuted for llama.cpp's rotary layout
     (see ``unpermute_rotary_rows``); qwen2/qwen3/phi3 use the NeoX layout, HF's own;
   * phi3 keeps q/k/v in one ``attn_qkv`` and gate/up in one ``ffn_up``: split at load;
-  * llama3 RoPE scaling is a ``rope_freqs`` tensor of per-pair divisors, not parameters.
+  * llama3 RoPE scaling is a ``rope_freqs`` tensor of per-pair divisors, not parameters;
+  * gemma3 names its sandwich norms ``post_attention_norm`` / ``ffn_norm`` / ``post_ffw_norm``,
+    stores every norm with Gemma's + 1 already added (the multiplier our loaders hand on), and
+    leaves to the reader what llama.cpp hard-codes: every 6th layer global, the others local
+    with RoPE base 10000, the score scale 1/sqrt(head_dim) (hidden/heads for the 62-layer 27B).
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ class Architecture:
     qk_norm: bool = False
     fused: bool = False  # attn_qkv = [q; k; v] rows, ffn_up = [gate; up] rows (Phi-3)
     windowed: bool = False  # {arch}.attention.sliding_window, when present, on every layer
+    gemma: bool = False  # Gemma 3's options (``_gemma_options``)
+    # Per-layer GGUF names that mean another HF tensor in this architecture than in ``_LAYER_NAMES``.
+    names: tuple[tuple[str, str], ...] = ()
 
 
 ARCHITECTURES = {
@@ -48,7 +55,25 @@ ARCHITECTURES = {
     "qwen2": Architecture("qwen2", permuted_qk=False, qkv_bias=True),
     "qwen3": Architecture("qwen3", permuted_qk=False, qk_norm=True),
     "phi3": Architecture("phi3", permuted_qk=False, fused=True, windowed=True),
+    # Gemma's post_attention_layernorm is the attention output's norm; its MLP input norm is
+    # pre_feedforward_layernorm (llama.cpp's ffn_norm).
+    "gemma3": Architecture(
+        "gemma3_text",
+        permuted_qk=False,
+        qk_norm=True,
+        gemma=True,
+        names=(
+            ("post_attention_norm", "post_attention_layernorm"),
+            ("ffn_norm", "pre_feedforward_layernorm"),
+            ("post_ffw_norm", "post_feedforward_layernorm"),
+        ),
+    ),
 }
+# llama.cpp's fixed Gemma 3 choices (llama-model.cpp): one global layer in every 6, RoPE base
+# 10000 on the local ones, and the 27B (62 layers) scaling scores by hidden / heads.
+_GEMMA_PATTERN = 6
+_GEMMA_LOCAL_THETA = 10000.0
+_GEMMA_27B_LAYERS = 62
 
 # Per-layer tensors: GGUF name inside ``blk.N.`` -> HF name inside ``model.layers.N.``.
 _LAYER_NAMES = {
@@ -200,6 +225,26 @@ def _rope(reader: Any, arch: str, head_dim: int, context: int, path: Path) -> tu
     raise ModelLoadError(f"{path}: RoPE scaling {kind!r} is not supported (supported: none, linear, yarn, rope_freqs)")
 
 
+def _gemma_options(reader: Any, arch: str, window: int, head_dim: int, hidden_per_head: int) -> dict[str, Any]:
+    """LlamaConfig options of a gemma3 file, as llama.cpp reads them: without a window every
+    layer is global (one RoPE); with one, every 6th layer."""
+    layers = int(field_value(reader, f"{arch}.block_count", 0))
+    local = {}
+    if window > 0:
+        local = {
+            "sliding_layers": tuple(i for i in range(layers) if (i + 1) % _GEMMA_PATTERN),
+            "local_rope_theta": _float(reader, f"{arch}.rope.freq_base_swa", _GEMMA_LOCAL_THETA),
+        }
+    return {
+        **local,
+        "hidden_act": "gelu_tanh",
+        "scaled_embedding": True,
+        "sandwich_norms": True,
+        "query_pre_attn_scalar": float(hidden_per_head if layers == _GEMMA_27B_LAYERS else head_dim),
+        "final_logit_softcap": _float(reader, f"{arch}.final_logit_softcapping", 0.0),
+    }
+
+
 def config_from_metadata(reader: Any, path: Path) -> LlamaConfig:
     """The LlamaConfig a GGUF file's ``{arch}.*`` metadata (and RoPE tables) describe."""
     arch, spec = _architecture(reader, path)
@@ -216,7 +261,8 @@ def config_from_metadata(reader: Any, path: Path) -> LlamaConfig:
     context = int(field_value(reader, f"{arch}.context_length", 2048))
     scaling, max_position = _rope(reader, arch, head_dim, context, path)
     # A window as long as the context hides nothing (Phi-3 writes 0 for none).
-    window = int(field_value(reader, f"{arch}.attention.sliding_window", 0)) if spec.windowed else 0
+    window = int(field_value(reader, f"{arch}.attention.sliding_window", 0)) if spec.windowed or spec.gemma else 0
+    gemma = _gemma_options(reader, arch, window, head_dim, hidden // heads) if spec.gemma else {}
     window = window if 0 < window < max_position else 0
     tokens = field_value(reader, "tokenizer.ggml.tokens") or []
     vocab = field_value(reader, f"{arch}.vocab_size") or len(tokens)
@@ -245,17 +291,19 @@ def config_from_metadata(reader: Any, path: Path) -> LlamaConfig:
             qkv_bias=spec.qkv_bias,
             qk_norm=spec.qk_norm,
             sliding_window=window,
+            **gemma,
         )
     except ValueError as e:
         raise ModelLoadError(f"{path}: inconsistent hyperparameters: {e}") from None
 
 
-def hf_tensor_name(gguf_name: str, fused: bool = False) -> str | None:
+def hf_tensor_name(gguf_name: str, fused: bool = False, names: tuple[tuple[str, str], ...] = ()) -> str | None:
     """The HF name for a GGUF tensor name (Phi-3's fused tensors under their fused HF names
-    when ``fused``), or None for one no family here has."""
+    when ``fused``; ``names``: an architecture's own meanings, ``Architecture.names``), or None
+    for one no family here has."""
     if m := _LAYER_RE.fullmatch(gguf_name):
         block, stem, kind = m.groups()
-        hf = (_FUSED_NAMES.get(stem) if fused else None) or _LAYER_NAMES.get(stem)
+        hf = (_FUSED_NAMES.get(stem) if fused else None) or dict(names).get(stem) or _LAYER_NAMES.get(stem)
         return f"model.layers.{block}.{hf}.{kind}" if hf else None
     stem = gguf_name.removesuffix(".weight")
     hf = _GLOBAL_NAMES.get(stem) if stem != gguf_name else None
@@ -312,7 +360,7 @@ def load_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     for tensor in reader.tensors:
         if tensor.name in _ROPE_TENSORS:  # read into the config's RoPE scaling
             continue
-        name = hf_tensor_name(tensor.name, fused=spec.fused)
+        name = hf_tensor_name(tensor.name, fused=spec.fused, names=spec.names)
         if name is None:
             raise ModelLoadError(f"{path}: tensor {tensor.name!r} has no place in a {cfg.family} model")
         weights[name] = dequantize_tensor(tensor, path)

@@ -52,6 +52,31 @@ def _project(weights: dict[str, np.ndarray], name: str, h: np.ndarray, bias: boo
     return y + _w(weights, name + ".bias") if bias else y
 
 
+def _gated(cfg: LlamaConfig, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    if cfg.hidden_act == "gelu_tanh":  # GELU's tanh approximation, as transformers' gelu_pytorch_tanh
+        act = 0.5 * gate * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (gate + 0.044715 * gate**3)))
+    else:
+        act = gate / (1.0 + np.exp(-gate))  # silu
+    return act * up
+
+
+def _attention(
+    cfg: LlamaConfig, i: int, q: np.ndarray, k_all: np.ndarray, v_all: np.ndarray, positions: np.ndarray
+) -> np.ndarray:
+    """Layer i's causal (and windowed) attention of q [T, Hq, D] over K, V [S, Hkv, D]: [T, Hq * D]."""
+    t, hq, d = q.shape
+    # GQA: query head j reads kv head j // (hq // hkv).
+    k_rep = np.repeat(k_all, hq // cfg.num_kv_heads, axis=1)  # [S, Hq, D]
+    v_rep = np.repeat(v_all, hq // cfg.num_kv_heads, axis=1)
+    scores = np.einsum("thd,shd->hts", q, k_rep) * cfg.attention_scale  # [Hq, T, S]
+    keys = np.arange(k_all.shape[0])[None, :]
+    visible = keys <= positions[:, None]  # [T, S]
+    if cfg.window(i):
+        visible &= keys > positions[:, None] - cfg.window(i)
+    scores = np.where(visible[None], scores, -np.inf)
+    return np.einsum("hts,shd->thd", _softmax(scores), v_rep).reshape(t, hq * d)
+
+
 def _forward(
     cfg: LlamaConfig, weights: dict[str, np.ndarray], token_ids: list[int], cache: list[tuple[np.ndarray, np.ndarray]]
 ) -> np.ndarray:
@@ -63,10 +88,13 @@ def _forward(
     start = cache[0][0].shape[0] if cache else 0
     t = len(token_ids)
     positions = np.arange(start, start + t)
-    inv_freq, rope_scale = rope_frequencies(cfg)
-    x = _w(weights, "model.embed_tokens.weight")[np.asarray(token_ids)]  # [T, hidden]
+    tables = {local: rope_frequencies(cfg, local) for local in {cfg.local_rope(i) for i in range(cfg.num_layers)}}
+    x = _w(weights, "model.embed_tokens.weight")[np.asarray(token_ids)] * cfg.embed_multiplier  # [T, hidden]
+    # The norm before the MLP: Llama's post_attention_layernorm is Gemma's pre_feedforward one.
+    mlp_norm = "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
+        inv_freq, rope_scale = tables[cfg.local_rope(i)]
         h = _rms_norm(x, _w(weights, p + "input_layernorm.weight"), eps)
         q = _project(weights, p + "self_attn.q_proj", h, cfg.qkv_bias).reshape(t, hq, d)
         k = _project(weights, p + "self_attn.k_proj", h, cfg.qkv_bias).reshape(t, hkv, d)
@@ -77,27 +105,23 @@ def _forward(
         q, k = _rope(q, positions, inv_freq, rope_scale), _rope(k, positions, inv_freq, rope_scale)
         if len(cache) <= i:
             cache.append((np.zeros((0, hkv, d)), np.zeros((0, hkv, d))))
-        k_all = np.concatenate([cache[i][0], k])  # [S, Hkv, D]
-        v_all = np.concatenate([cache[i][1], v])
-        cache[i] = (k_all, v_all)
-        # GQA: query head j reads kv head j // (hq // hkv).
-        k_rep = np.repeat(k_all, hq // hkv, axis=1)  # [S, Hq, D]
-        v_rep = np.repeat(v_all, hq // hkv, axis=1)
-        scores = np.einsum("thd,shd->hts", q, k_rep) / np.sqrt(d)  # [Hq, T, S]
-        keys = np.arange(k_all.shape[0])[None, :]
-        visible = keys <= positions[:, None]  # [T, S]
-        if cfg.window(i):
-            visible &= keys > positions[:, None] - cfg.window(i)
-        scores = np.where(visible[None], scores, -np.inf)
-        attn = np.einsum("hts,shd->thd", _softmax(scores), v_rep).reshape(t, hq * d)
-        x = x + attn @ _w(weights, p + "self_attn.o_proj.weight").T
-        h = _rms_norm(x, _w(weights, p + "post_attention_layernorm.weight"), eps)
+        cache[i] = (np.concatenate([cache[i][0], k]), np.concatenate([cache[i][1], v]))  # [S, Hkv, D]
+        attn = _attention(cfg, i, q, cache[i][0], cache[i][1], positions) @ _w(weights, p + "self_attn.o_proj.weight").T
+        if cfg.sandwich_norms:  # normed before the residual add
+            attn = _rms_norm(attn, _w(weights, p + "post_attention_layernorm.weight"), eps)
+        x = x + attn
+        h = _rms_norm(x, _w(weights, p + mlp_norm + ".weight"), eps)
         gate = h @ _w(weights, p + "mlp.gate_proj.weight").T
         up = h @ _w(weights, p + "mlp.up_proj.weight").T
-        silu = gate / (1.0 + np.exp(-gate))
-        x = x + (silu * up) @ _w(weights, p + "mlp.down_proj.weight").T
+        mlp = _gated(cfg, gate, up) @ _w(weights, p + "mlp.down_proj.weight").T
+        if cfg.sandwich_norms:
+            mlp = _rms_norm(mlp, _w(weights, p + "post_feedforward_layernorm.weight"), eps)
+        x = x + mlp
     x = _rms_norm(x, _w(weights, "model.norm.weight"), eps)
-    return x @ _lm_head(cfg, weights).T
+    logits = x @ _lm_head(cfg, weights).T
+    if cfg.final_logit_softcap:
+        logits = cfg.final_logit_softcap * np.tanh(logits / cfg.final_logit_softcap)
+    return logits
 
 
 def reference_logits(

@@ -15,10 +15,13 @@ def _yarn_mscale(factor: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
 
 
-def rope_frequencies(cfg: LlamaConfig) -> tuple[np.ndarray, float]:
+def rope_frequencies(cfg: LlamaConfig, local: bool = False) -> tuple[np.ndarray, float]:
     """(inv_freq [D/2] float64, the factor cos and sin are multiplied by): pair i of a head
-    turns by ``position * inv_freq[i]``. The factor is 1 except for yarn and longrope."""
+    turns by ``position * inv_freq[i]``. The factor is 1 except for yarn and longrope.
+    ``local``: the table of Gemma's local layers (``cfg.local_rope``): their own base, unscaled."""
     d, theta, s = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
+    if local:
+        theta, s = cfg.local_rope_theta, None
     inv_freq = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
     if s is None or s.kind == "dynamic":  # dynamic changes nothing up to max_position
         return inv_freq, 1.0

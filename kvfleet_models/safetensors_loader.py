@@ -18,8 +18,9 @@ log = logging.getLogger(__name__)
 
 # The families this engine runs (HF model_type), and the architecture names that imply them
 # for a config whose model_type is none of those.
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
 _ARCHITECTURES = {
+    "Gemma3ForCausalLM": "gemma3_text",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
@@ -27,6 +28,8 @@ _ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
 }
 _MAX_POSITION = 2048  # a config without max_position_embeddings
+# The MLP activation each family's checkpoints use (HF's name): anything else is refused.
+_ACTIVATION = {family: "silu" for family in FAMILIES} | {"gemma3_text": "gelu_pytorch_tanh"}
 # Families whose window (if any) is on every layer.
 _ALL_LAYER_WINDOWS = ("mistral", "phi3")
 # Families with windowed layers named by use_sliding_window / max_window_layers / layer_types.
@@ -45,9 +48,29 @@ def _family(raw: dict[str, Any], path: Path) -> str:
     )
 
 
+def _gemma_rope(raw: dict[str, Any], path: Path) -> tuple[dict[str, Any], float]:
+    """(the global layers' RoPE parameters, the local layers' base) of a Gemma 3 config:
+    transformers 5 nests rope_parameters per layer type; 4.x has rope_theta / rope_scaling
+    for the global layers and rope_local_base_freq for the local ones."""
+    nested = raw.get("rope_parameters") or {}
+    if "full_attention" in nested or "sliding_attention" in nested:
+        full, local = nested.get("full_attention") or {}, nested.get("sliding_attention") or {}
+    else:
+        full = {**(raw.get("rope_scaling") or {}), **nested}
+        local = {"rope_theta": raw.get("rope_local_base_freq", 10000.0)}
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise ModelLoadError(f"{path}: RoPE scaling on Gemma's local layers ({local}) is not supported")
+    # transformers' defaults: 1e6 for the global layers, 1e4 for the local ones.
+    return {"rope_theta": raw.get("rope_theta", 1_000_000.0), **full}, float(local.get("rope_theta", 10000.0))
+
+
 def _rope(family: str, raw: dict[str, Any], path: Path) -> tuple[float, RopeScaling | None]:
-    """(theta, scaling) from transformers 5's rope_parameters or 4.x's rope_theta/rope_scaling."""
-    params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    """(theta, scaling) from transformers 5's rope_parameters or 4.x's rope_theta/rope_scaling
+    (Gemma: those of its global layers)."""
+    if family == "gemma3_text":
+        params = _gemma_rope(raw, path)[0]
+    else:
+        params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     if float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
         raise ModelLoadError(f"{path}: partial rotary embeddings (partial_rotary_factor) are not supported")
@@ -103,6 +126,15 @@ def _windows(family: str, raw: dict[str, Any], layers: int, max_position: int) -
             for i in range(layers)
         ]
         sliding: tuple[int, ...] | None = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    elif family == "gemma3_text":
+        # Every layer is local or global; 4.x configs give the pattern (every n-th layer global).
+        every = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
+        types = raw.get("layer_types") or [
+            "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers)
+        ]
+        sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        # The local layers keep their RoPE (``local_rope``) even where the window hides nothing.
+        return (int(window) if window and int(window) < max_position else 0), sliding
     elif family in _ALL_LAYER_WINDOWS:
         sliding = None
     else:
@@ -120,8 +152,14 @@ def _refuse_unsupported(family: str, raw: dict[str, Any], path: Path) -> None:
         raise ModelLoadError(f"{path}: attention_bias=true (a bias on every attention projection) is not supported")
     if raw.get("mlp_bias"):
         raise ModelLoadError(f"{path}: mlp_bias=true is not supported")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{path}: activation {raw['hidden_act']!r} is not supported (only silu)")
+    act = raw.get("hidden_activation", raw.get("hidden_act")) if family == "gemma3_text" else raw.get("hidden_act")
+    if (act or _ACTIVATION[family]) != _ACTIVATION[family]:
+        raise ModelLoadError(f"{path}: activation {act!r} is not supported for {family} (only {_ACTIVATION[family]})")
+    if family == "gemma3_text":
+        if raw.get("attn_logit_softcapping"):  # Gemma 2's; no attention path here caps scores
+            raise ModelLoadError(f"{path}: attn_logit_softcapping (attention score soft-capping) is not supported")
+        if raw.get("use_bidirectional_attention"):
+            raise ModelLoadError(f"{path}: use_bidirectional_attention=true (an encoder) is not supported")
 
 
 def _served_positions(raw: dict[str, Any], scaling: RopeScaling | None, path: Path) -> int:
@@ -136,6 +174,18 @@ def _served_positions(raw: dict[str, Any], scaling: RopeScaling | None, path: Pa
         path, scaling.original_max_position, scaling.original_max_position, max_position,
     )  # fmt: skip
     return scaling.original_max_position
+
+
+def _gemma_options(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The LlamaConfig options by which Gemma 3 differs from a Qwen3 (q/k norms, per-layer windows)."""
+    return {
+        "local_rope_theta": _gemma_rope(raw, path)[1],
+        "hidden_act": "gelu_tanh",
+        "scaled_embedding": True,
+        "sandwich_norms": True,
+        "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar", 256)),  # transformers' default
+        "final_logit_softcap": float(raw.get("final_logit_softcapping") or 0.0),
+    }
 
 
 def config_from_json(path: Path) -> LlamaConfig:
@@ -175,9 +225,10 @@ def config_from_json(path: Path) -> LlamaConfig:
             head_dim=int(raw.get("head_dim") or 0),
             rope_scaling=scaling,
             qkv_bias=family == "qwen2",
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "gemma3_text"),
             sliding_window=window,
             sliding_layers=sliding,
+            **(_gemma_options(raw, path) if family == "gemma3_text" else {}),
         )
     except KeyError as e:
         raise ModelLoadError(f"{path}: config lacks {e.args[0]!r}") from None
@@ -242,6 +293,13 @@ def split_fused(cfg: LlamaConfig, weights: dict[str, np.ndarray], path: Path) ->
     return out
 
 
+def fold_norm_offsets(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Gemma's RMS norms multiply by (1 + w): every norm weight (q/k norms too) becomes its
+    multiplier 1 + w, once, here. Exact: transformers adds the 1 in float32 too
+    (``1.0 + weight.float()``), and llama.cpp's converter stores the same sum."""
+    return {k: (v + np.float32(1.0)) if k.endswith("norm.weight") else v for k, v in weights.items()}
+
+
 def load_hf_dir(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     """Config and float32 HF-named weights of the checkpoint in directory ``path``."""
     path = Path(path)
@@ -259,6 +317,8 @@ def load_hf_dir(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
     if cfg.family == "phi3":
         weights = split_fused(cfg, weights, path)
+    if cfg.family == "gemma3_text":
+        weights = fold_norm_offsets(weights)
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # a tied head is the embedding; some files store it anyway
     check_weights(cfg, weights, path)

@@ -54,4 +54,7 @@ def tiny_weights(cfg: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
         if cfg.qk_norm:
             for name in ("q_norm", "k_norm"):
                 weights[p + name + ".weight"] = (1.0 + 0.1 * rng.standard_normal(cfg.head_dim)).astype(np.float32)
+        if cfg.sandwich_norms:
+            for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                weights[f"model.layers.{i}.{name}.weight"] = norm()
     return weights

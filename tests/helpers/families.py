@@ -54,7 +54,9 @@ class Case:
             # Only Llama's config still takes rope_theta / rope_scaling in transformers 5;
             # the others take rope_parameters.
             rope = kwargs.pop("rope_parameters", {"rope_type": "default"})
-            kwargs["rope_parameters"] = {**rope, "rope_theta": kwargs.pop("rope_theta")}
+            theta = kwargs.pop("rope_theta")
+            # Gemma 3 nests them per layer type, each with its own theta (the case gives both).
+            kwargs["rope_parameters"] = rope if "full_attention" in rope else {**rope, "rope_theta": theta}
         return getattr(transformers, self.config_class)(**kwargs)
 
 
@@ -111,6 +113,43 @@ CASES: dict[str, Case] = {
             },
         },
     ),
+    # Gemma 3 as released (1B-27B, shrunk): 6 layers, every 6th global (transformers' default
+    # layer_types, and llama.cpp's fixed pattern), a window shorter than the prompts, local RoPE
+    # base 10000 against the global one with its linear scaling (4B+), query_pre_attn_scalar
+    # equal to head_dim, a tied head; plus final logit soft-capping (Gemma 2's, which Gemma 3
+    # configs may set) at a cap the logits reach.
+    "gemma3": Case(
+        "gemma3_text",
+        "Gemma3TextConfig",
+        {
+            "num_hidden_layers": 6,
+            "head_dim": 32,
+            "sliding_window": 5,
+            "query_pre_attn_scalar": 32,
+            "final_logit_softcapping": 5.0,
+            "tie_word_embeddings": True,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        },
+    ),
+    # Gemma 3 with layer_types of its own (a global layer between local ones), a score scale
+    # other than head_dim's (as the 27B's) and an untied head.
+    "gemma3-scalar": Case(
+        "gemma3_text",
+        "Gemma3TextConfig",
+        {
+            "head_dim": 24,
+            "sliding_window": 7,
+            "query_pre_attn_scalar": 40,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 500.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+            },
+        },
+    ),
 }
 
 
@@ -118,17 +157,19 @@ def _init_(model: Any, seed: int) -> None:
     """Weights that make greedy choices clear (no near-ties between float32 implementations):
     every matrix (the embedding too) N(0, 1/fan_in), norms 1 + noise (a forgotten norm weight
     shows) and the final one 3 times that, biases large enough to matter. transformers' own N(0, 0.02) leaves a tiny
-    model's logits nearly flat."""
+    model's logits nearly flat. Gemma's norms multiply by 1 + w: its w are 1 less, for the
+    same multipliers (and a forgotten + 1 leaves multipliers near 0)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
+    shift = 1.0 if model.config.model_type == "gemma3_text" else 0.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             if name == "model.norm.weight":  # logits of std ~3: the top two of 256 stand apart
-                p.copy_(3.0 * (1.0 + 0.1 * noise))
+                p.copy_(3.0 * (1.0 + 0.1 * noise) - shift)
             elif "norm" in name:
-                p.copy_(1.0 + 0.1 * noise)
+                p.copy_(1.0 + 0.1 * noise - shift)
             elif name.endswith(".bias"):
                 p.copy_(0.5 * noise)
             else:  # the embedding too: a tied head of larger rows would repeat the last token

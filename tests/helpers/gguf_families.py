@@ -10,7 +10,11 @@ them out, at F32 (``--outtype f32``), so that a loaded weight is the checkpoint'
     ``rope.scaling.*`` keys; Phi-3 longrope as rope_factors_short/long and attn_factor;
   * Phi-3's qkv_proj as ``attn_qkv``, its gate_up_proj as ``ffn_up``; Phi-3's window always
     written (0 for none). The converter writes no window for Mistral or Qwen2: ``window=True``
-    adds ``llama.attention.sliding_window`` as some files carry it.
+    adds ``llama.attention.sliding_window`` as some files carry it;
+  * Gemma 3 as "gemma3": its sandwich norms as ``post_attention_norm`` / ``ffn_norm`` /
+    ``post_ffw_norm``, every norm weight stored + 1, key/value_length always, the global
+    layers' RoPE base and scaling, the window and final_logit_softcapping; nothing for the
+    local layers or query_pre_attn_scalar (llama.cpp fixes those).
 
 Written from our reading of the converter; none of its code is used.
 """
@@ -25,7 +29,14 @@ import numpy as np
 
 from tests.helpers.families import Case
 
-ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+        "gemma3_text": "gemma3"}  # fmt: skip
+# Gemma's own meanings of the HF names (its post_attention_layernorm is the attention output's).
+_GEMMA_LAYER = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 _LAYER = {
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
@@ -52,12 +63,14 @@ def permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, arch: str = "llama") -> str:
     if hf in _GLOBAL:
         return _GLOBAL[hf]
     parts = hf.split(".")  # model.layers.N.<module...>.weight|bias
     assert parts[:2] == ["model", "layers"], hf
-    return f"blk.{parts[2]}.{_LAYER['.'.join(parts[3:-1])]}.{parts[-1]}"
+    module = ".".join(parts[3:-1])
+    stem = _GEMMA_LAYER.get(module) if arch == "gemma3" else None
+    return f"blk.{parts[2]}.{stem or _LAYER[module]}.{parts[-1]}"
 
 
 def _llama3_factors(rope: dict[str, Any], theta: float, dim: int) -> np.ndarray:
@@ -95,6 +108,8 @@ def write_gguf(case: Case, model: Any, path: Path, window: bool = False) -> Path
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     rope = dict(hp.rope_parameters)
+    if arch == "gemma3":  # the global layers' (the local ones' are llama.cpp's fixed choice)
+        rope = dict(rope["full_attention"])
     kind = rope.get("rope_type", "default")
     if kind == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -111,7 +126,7 @@ def write_gguf(case: Case, model: Any, path: Path, window: bool = False) -> Path
                 add(rope[key])
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(hp.rms_norm_eps)
-    if "head_dim" in case.options:  # the converter writes them where config.json has head_dim
+    if "head_dim" in case.options or arch == "gemma3":  # where config.json has head_dim; gemma3's always
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     if arch in ("llama", "phi3"):
@@ -122,8 +137,10 @@ def write_gguf(case: Case, model: Any, path: Path, window: bool = False) -> Path
         w.add_sliding_window(hp.sliding_window or 0)
         original = getattr(hp, "original_max_position_embeddings", None) or hp.max_position_embeddings
         w.add_rope_scaling_orig_ctx_len(original)
-    elif window:
+    elif window or arch == "gemma3":
         w.add_sliding_window(hp.sliding_window)
+    if arch == "gemma3" and hp.final_logit_softcapping:
+        w.add_final_logit_softcapping(hp.final_logit_softcapping)
     # The converter writes the tokenizer too; its token list gives qwen/phi3 their vocabulary.
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"t{i}" for i in range(hp.vocab_size)])
@@ -144,7 +161,9 @@ def write_gguf(case: Case, model: Any, path: Path, window: bool = False) -> Path
             data = permute(data, heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             data = permute(data, kv_heads)
-        w.add_tensor(gguf_name(name), data)
+        elif arch == "gemma3" and name.endswith("norm.weight"):  # Gemma's (1 + w), stored summed
+            data = data + np.float32(1.0)
+        w.add_tensor(gguf_name(name, arch), data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -81,26 +81,39 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "qwen3": {"qk_norm": True, "qkv_bias": False, "head_dim": 32},
     "phi3": {"sliding_window": 10, "sliding_layers": None, "max_position": 128},
     "phi3-longrope": {"rope": "longrope", "max_position": 64},
-}
+    "gemma3": {"rope": "linear", "local_rope_theta": 10000.0, "sliding_window": 5, "sliding_layers": (0, 1, 2, 3, 4),
+               "query_pre_attn_scalar": 32.0, "final_logit_softcap": 5.0, "tie_word_embeddings": True,
+               "hidden_act": "gelu_tanh", "scaled_embedding": True, "sandwich_norms": True, "qk_norm": True},
+    "gemma3-scalar": {"local_rope_theta": 50.0, "rope_theta": 500.0, "sliding_window": 7, "sliding_layers": (0, 2),
+                      "query_pre_attn_scalar": 40.0, "final_logit_softcap": 0.0, "head_dim": 24},
+}  # fmt: skip
 
 
-def _without_option(name: str, cfg: LlamaConfig) -> LlamaConfig | None:
-    """The case's config with its family option switched off (None: nothing to switch off)."""
+def _without_options(name: str, cfg: LlamaConfig) -> list[LlamaConfig]:
+    """The case's config with each of its switchable family options off, one at a time (Gemma's
+    norms and embedding scale are not switchable: its weights name other tensors)."""
+    off = dataclasses.replace
     if name.startswith("llama") and name != "llama-dynamic" or name == "phi3-longrope":
-        return dataclasses.replace(cfg, rope_scaling=None)
+        return [off(cfg, rope_scaling=None)]
     if name.endswith("-window") or name == "phi3":
-        return dataclasses.replace(cfg, sliding_window=0, sliding_layers=None)
+        return [off(cfg, sliding_window=0, sliding_layers=None)]
     if name == "qwen2":
-        return dataclasses.replace(cfg, qkv_bias=False)
+        return [off(cfg, qkv_bias=False)]
     if name == "qwen3":
-        return dataclasses.replace(cfg, qk_norm=False)
-    return None  # dynamic scaling equals none within max_position; mistral is llama's shape
+        return [off(cfg, qk_norm=False)]
+    if name == "gemma3":  # local RoPE, window, soft-cap, the global layers' linear scaling, GELU
+        return [off(cfg, local_rope_theta=0.0), off(cfg, sliding_window=0), off(cfg, final_logit_softcap=0.0),
+                off(cfg, rope_scaling=None), off(cfg, hidden_act="silu")]  # fmt: skip
+    if name == "gemma3-scalar":
+        return [off(cfg, query_pre_attn_scalar=0.0), off(cfg, local_rope_theta=0.0)]
+    return []  # dynamic scaling equals none within max_position; mistral is llama's shape
 
 
 def test_loader_reads_the_family_options(family: Loaded) -> None:
     cfg = family.cfg
     assert cfg.family == family.case.family
-    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (3, 4, 2, VOCAB)
+    layers = family.hf.config.num_hidden_layers  # 3 unless the case sets its own
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (layers, 4, 2, VOCAB)
     for key, want in EXPECTED[family.name].items():
         got = cfg.rope_scaling.kind if key == "rope" and cfg.rope_scaling else getattr(cfg, key, None)
         assert got == want, (key, got)
@@ -121,15 +134,22 @@ def test_reference_matches_transformers(family: Loaded) -> None:
     theirs = hf_logits(family.hf, ids)
     ours = reference_logits(family.cfg, family.weights, ids)
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=ATOL)
-    off = _without_option(family.name, family.cfg)
-    if off is not None:  # the option is exercised: without it the logits move by O(0.1)
-        assert np.abs(reference_logits(off, family.weights, ids) - theirs).max() > 0.05
+    for off in _without_options(family.name, family.cfg):  # exercised: without it the logits move by O(0.1)
+        assert np.abs(reference_logits(off, family.weights, ids) - theirs).max() > 0.05, off
 
 
 def test_rope_frequencies_equal_transformers(family: Loaded) -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     config = family.hf.config
+    if "full_attention" in config.rope_parameters:  # Gemma: a table per layer type, as its model holds them
+        emb = family.hf.model.rotary_emb
+        for layer_type, local in (("full_attention", False), ("sliding_attention", True)):
+            ours, our_scale = rope_frequencies(family.cfg, local)
+            theirs = getattr(emb, f"{layer_type}_inv_freq").double().numpy()
+            np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=0)
+            assert our_scale == pytest.approx(getattr(emb, f"{layer_type}_attention_scaling"), rel=1e-12)
+        return
     kind = config.rope_parameters.get("rope_type", "default")
     if kind == "default":
         assert family.cfg.rope_scaling is None
@@ -241,20 +261,21 @@ def test_bfloat16_stays_close(family: Loaded) -> None:
 @pytest.fixture(scope="module")
 def windowed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[LlamaConfig, dict[str, np.ndarray]]]:
     out = {}
-    for name in ("mistral-window", "qwen2-window"):
+    for name in ("mistral-window", "qwen2-window", "gemma3"):
         path = tmp_path_factory.mktemp(name)
         make_checkpoint(CASES[name], path, seed=5)
         out[name] = load_hf_dir(path)
     return out
 
 
-@pytest.mark.parametrize("name, cut_calls", [("mistral-window", 0), ("qwen2-window", 1)])
+@pytest.mark.parametrize("name, cut_calls", [("mistral-window", 0), ("qwen2-window", 1), ("gemma3", 1)])
 def test_fused_decode_attention_is_skipped_where_the_window_cuts(
     windowed: dict[str, tuple[LlamaConfig, dict[str, np.ndarray]]], name: str, cut_calls: int, monkeypatch
 ) -> None:
     """The fused decode attention reads each item's first keys; a window that cuts needs a
     later start, so those layers take the masked path (mistral: every layer windowed; qwen2:
-    layer 0 full, 1-2 windowed). Short contexts, which the window does not cut, stay fused.
+    layer 0 full, 1-2 windowed; gemma3: 0-4 windowed, 5 full). Short contexts, which the window
+    does not cut, stay fused.
     Tokens and logits equal torch's ops either way."""
     ops = fused.load()
     if ops is None:
@@ -309,9 +330,14 @@ _LLAMA = {
 @pytest.mark.parametrize(
     "config, says",
     [
-        ({"model_type": "gemma3_text"}, "model_type 'gemma3_text' is not a family this engine runs"),
+        ({"model_type": "gemma2"}, "model_type 'gemma2' is not a family this engine runs"),
         ({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]},
-         "it runs: llama, mistral, qwen2, qwen3, phi3"),
+         "it runs: llama, mistral, qwen2, qwen3, phi3, gemma3_text"),
+        ({"model_type": "gemma3_text", "attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
+        ({"model_type": "gemma3_text", "hidden_activation": "gelu"}, "activation 'gelu' is not supported for gemma3_text"),
+        ({"model_type": "gemma3_text", "rope_parameters": {"full_attention": {"rope_type": "default"},
+          "sliding_attention": {"rope_type": "linear", "factor": 2.0}}}, "RoPE scaling on Gemma's local layers"),
         ({"rope_scaling": {"rope_type": "proportional", "factor": 2.0}}, "RoPE scaling 'proportional' is not supported"),
         ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "bad RoPE scaling 'longrope'"),
         ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0}},

@@ -12,7 +12,9 @@ through the registry, and then
   * the engine's greedy tokens equal transformers' generate.
 
 Cases the format cannot carry are left out: dynamic RoPE (the converter writes nothing for
-it), and Qwen2's per-layer windows (no key says which layers).
+it), Qwen2's per-layer windows (no key says which layers), and Gemma 3's layer types and
+query_pre_attn_scalar where they are not llama.cpp's fixed ones ("gemma3-scalar"). A gemma3
+file's norms hold Gemma's 1 + w, as the directory's load folds them.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ GGUF_CASES = {
     "qwen3": False,
     "phi3": False,
     "phi3-longrope": False,
+    "gemma3": False,  # the converter always writes Gemma 3's window
 }
 
 
@@ -120,8 +123,8 @@ def test_engine_matches_transformers_generate(pair: Pair) -> None:
 def test_another_architecture_is_refused_naming_those_supported(tmp_path: Path) -> None:
     import gguf
 
-    path = tmp_path / "gemma3.gguf"
-    w = gguf.GGUFWriter(path, "gemma3")
+    path = tmp_path / "gemma2.gguf"
+    w = gguf.GGUFWriter(path, "gemma2")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     w.write_header_to_file()
@@ -131,7 +134,7 @@ def test_another_architecture_is_refused_naming_those_supported(tmp_path: Path) 
     with pytest.raises(ModelLoadError) as info:
         load_model(str(path))
     message = str(info.value)
-    assert "architecture 'gemma3' is not supported (supported: llama, qwen2, qwen3, phi3)" in message, message
+    assert "architecture 'gemma2' is not supported (supported: llama, qwen2, qwen3, phi3, gemma3)" in message, message
     assert str(path) in message
 
 

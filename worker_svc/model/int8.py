@@ -11,7 +11,10 @@ absorb it (and likewise the per-block scales of ``q8``). The division costs noth
   * qkv and gate/up: the RMS norm's weight before them (and the final norm before the head);
   * o: the v rows of qkv and V's bias (attention output is a convex mix of V rows, so scaling
     V's channel scales its output channel; the s of query heads sharing a kv head are their max);
-  * down: the up rows of gate/up (silu(gate) * up is linear in up).
+  * down: the up rows of gate/up (act(gate) * up is linear in up).
+Gemma's sandwich norms change none of this: each norms a product's *output* (o's, down's)
+before the residual add, and a product's input still comes from the norm or rows named above
+(the MLP's input norm is its pre_feedforward_layernorm, ``LayerWeights.post_norm``).
 The KV cache then holds the scaled V (internal to this engine). ``max|x_j|`` comes from one
 float32 forward at load over 512 seeded random token ids drawn with p(id) ~ 1 / (id + 10):
 BPE vocabularies put frequent tokens first, so that resembles text without needing a
@@ -34,7 +37,7 @@ import torch.nn.functional as F
 from kvfleet_models.config import LlamaConfig
 from worker_svc.model.cpu_backend import Matrix
 from worker_svc.model.q8 import Q8Kernels, load_kernels, quantize_blocks
-from worker_svc.model.weights import ModelWeights, qk_norm_, rms_norm, rope_
+from worker_svc.model.weights import ModelWeights, gate_act_mul, qk_norm_, rms_norm, rope_
 
 ALPHA = 0.5  # migration strength (SmoothQuant's default; 0.3, 0.4, 0.6, 0.7 measured worse)
 CALIBRATION_TOKENS = 512
@@ -45,6 +48,10 @@ def _nk(m: Matrix) -> torch.Tensor:
     return m.nk
 
 
+def _out_norm(y: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return y if w is None else rms_norm(y, w, eps)  # Gemma's sandwich norm of a sublayer's output
+
+
 @torch.inference_mode()
 def input_ranges(cfg: LlamaConfig, weights: ModelWeights, tokens: torch.Tensor) -> list[dict[str, torch.Tensor]]:
     """max |x_j| of each product's input over one causal float32 forward of ``tokens`` [T] on
@@ -52,8 +59,7 @@ def input_ranges(cfg: LlamaConfig, weights: ModelWeights, tokens: torch.Tensor) 
     {"head"}."""
     t, hq, hkv, d = tokens.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q_width, inter, eps = hq * d, cfg.intermediate_size, cfg.rms_norm_eps
-    h = weights.lookup.index_select(0, tokens)  # [T, hidden]
-    rot = weights.rotary[:t].unsqueeze(1)  # [T, 1, D/2]
+    h = weights.embed_rows(tokens)  # [T, hidden]
     out: list[dict[str, torch.Tensor]] = []
     pos = torch.arange(t)
     for i, w in enumerate(weights.layers):
@@ -65,7 +71,7 @@ def input_ranges(cfg: LlamaConfig, weights: ModelWeights, tokens: torch.Tensor) 
             qkv += w.qkv_bias
         if w.q_norm is not None:
             qk_norm_(qkv, w, hq, hkv, eps)
-        rope_(qkv, rot, hq + hkv, d)
+        rope_(qkv, weights.rotary_of(cfg.local_rope(i))[:t].unsqueeze(1), hq + hkv, d)  # rot: [T, 1, D/2]
         q = qkv[:, :q_width].view(t, hq, d).transpose(0, 1)  # [Hq, T, D]
         k, v = qkv[:, q_width:].view(t, 2, hkv, d).permute(1, 2, 0, 3)  # [Hkv, T, D] each
         g = hq // hkv
@@ -78,13 +84,13 @@ def input_ranges(cfg: LlamaConfig, weights: ModelWeights, tokens: torch.Tensor) 
         )  # q is pre-scaled (in its rows or its norm)
         attn = attn.transpose(0, 1).reshape(t, q_width)
         seen["o"] = attn.abs().amax(0)
-        h = h + attn @ _nk(w.o).t()
+        h = h + _out_norm(attn @ _nk(w.o).t(), w.attn_out_norm, eps)
         x = rms_norm(h, w.post_norm, eps)
         seen["gate_up"] = x.abs().amax(0)
         gate_up = x @ _nk(w.gate_up).t()
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        act = gate_act_mul(gate_up, inter, cfg.hidden_act)
         seen["down"] = act.abs().amax(0)
-        h = h + act @ _nk(w.down).t()
+        h = h + _out_norm(act @ _nk(w.down).t(), w.mlp_out_norm, eps)
         out.append(seen)
     out.append({"head": rms_norm(h, weights.norm, eps).abs().amax(0)})
     return out
@@ -152,11 +158,11 @@ def quantize(
         )
     head = _nk(weights.lm_head)
     s_head = _smoothing(ranges[-1]["head"], head)
-    quantized = ModelWeights(
+    quantized = dataclasses.replace(
+        weights,
         layers=layers,
         norm=weights.norm / s_head,
         embed=weights.embed if weights.embed is not None else head,  # tied: the lookup keeps the float table
         lm_head=q8(head * s_head),
-        rotary=weights.rotary,
     )
     return quantized, kernels.level if kernels is not None else "torch"

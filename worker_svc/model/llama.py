@@ -16,14 +16,17 @@ Weights are prepared once for this forward, not kept in the checkpoint's form:
     (i, i + D/2) to adjacent pairs (2i, 2i + 1), so RoPE is one in-place complex multiply; q
     and k get the same permutation, so every q.k (hence the output) is unchanged, and the KV
     cache holds K in that order;
-  * q rows are pre-scaled by 1/sqrt(D), the attention scale (RoPE is linear, so it commutes);
+  * q rows are pre-scaled by the attention scale, 1/sqrt(D) (RoPE is linear, so it commutes);
   * the family options (``LlamaConfig``) are read once here: q/k/v biases (Qwen2) are one
     vector laid out as the qkv rows (permuted and scaled alike); q/k norms (Qwen3) are
     permuted the same way and q's carries the attention scale instead of the q rows (a norm
     after the product would undo it), applied with torch's op on the strided q/k columns;
-    the RoPE table holds the family's frequencies and scale (``kvfleet_models.rope``); a
-    windowed layer reads the step's window masks (``StepTensors.window_groups``) over the
-    same cached keys;
+    the RoPE table holds the family's frequencies and scale (``kvfleet_models.rope``), and
+    Gemma's local layers read a second table; a windowed layer reads the step's window masks
+    (``StepTensors.window_groups``) over the same cached keys; Gemma's score scale
+    (query_pre_attn_scalar^-0.5) replaces 1/sqrt(D) wherever that goes, its sandwich norms
+    norm o's and down's outputs before their residual adds (``_residual_``), its embedding
+    rows are scaled at lookup and its final logits soft-capped;
   * on a CPU in float32 the matmuls and attention products go to numpy's BLAS with the
     matrix stored [in, out], and small products to torch's MKL (see ``cpu_backend`` for the
     measurements). Elsewhere (bfloat16, GPUs) only torch's matmul with [out, in]. A tied LM
@@ -53,20 +56,18 @@ built by ``worker_svc.runner`` from the engine's admitted items; this module onl
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from kvfleet_models.config import LlamaConfig
 from kvfleet_models.rope import rope_frequencies
 from worker_svc.kv_cache import AttnGroup, KVViews, PagedKVCache
 from worker_svc.model import fused, int8
 from worker_svc.model.cpu_backend import QUANT_MODES, Matrix, attention_core, matmul, matmul_add_, pack_bf16, torch_rows
-from worker_svc.model.weights import LayerWeights, ModelWeights, qk_norm_, rms_norm, rope_
+from worker_svc.model.weights import LayerWeights, ModelWeights, gate_act_mul, qk_norm_, rms_norm, rope_
 from worker_svc.platform import plan_backend, synchronize
 
 # Items in an attention group from which torch's bmm runs it where torch holds the threads
@@ -200,30 +201,39 @@ class LlamaModel:
             return Matrix(kn=put(a.T) if self.host_blas else None, nk=nk, shape=a.shape)
 
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        # The attention scale goes into q's rows, or into q's norm where the family normalises
-        # q (a norm after the product would undo a scale in the rows).
-        row_scale = 1.0 if cfg.qk_norm else math.sqrt(d)
+        # The attention scale (head_dim^-0.5, Gemma's query_pre_attn_scalar^-0.5) goes into q's
+        # rows, or into q's norm where the family normalises q (a norm after the product would
+        # undo a scale in the rows).
+        scale = cfg.attention_scale
+        row_scale = 1.0 if cfg.qk_norm else scale
+        # The MLP's input norm: Llama's post_attention_layernorm; with Gemma's sandwich norms
+        # that name is the attention output's norm and pre_feedforward_layernorm the MLP's.
+        mlp_norm = "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
+
+        def sandwich(name: str) -> torch.Tensor | None:
+            return vec(array(name)) if cfg.sandwich_norms else None
+
         layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            q = _pair_rows(array(a + "q_proj.weight"), hq, d) / row_scale
+            q = _pair_rows(array(a + "q_proj.weight"), hq, d) * row_scale
             k = _pair_rows(array(a + "k_proj.weight"), hkv, d)
             bias = None
             if cfg.qkv_bias:  # laid out as the rows: pair-permuted, q's scaled alike
-                qb = _pair_rows(array(a + "q_proj.bias"), hq, d) / row_scale
+                qb = _pair_rows(array(a + "q_proj.bias"), hq, d) * row_scale
                 kb = _pair_rows(array(a + "k_proj.bias"), hkv, d)
                 bias = vec(np.concatenate([qb, kb, array(a + "v_proj.bias")]))
             q_norm = k_norm = None
             if cfg.qk_norm:
-                q_norm = vec(array(a + "q_norm.weight")[_pair_order(d)] / math.sqrt(d))
+                q_norm = vec(array(a + "q_norm.weight")[_pair_order(d)] * scale)
                 k_norm = vec(array(a + "k_norm.weight")[_pair_order(d)])
             layers.append(
                 LayerWeights(
                     input_norm=vec(array(p + "input_layernorm.weight")),
                     qkv=matrix(np.concatenate([q, k, array(a + "v_proj.weight")])),
                     o=matrix(array(a + "o_proj.weight")),
-                    post_norm=vec(array(p + "post_attention_layernorm.weight")),
+                    post_norm=vec(array(p + mlp_norm + ".weight")),
                     gate_up=matrix(
                         np.concatenate([array(p + "mlp.gate_proj.weight"), array(p + "mlp.up_proj.weight")])
                     ),
@@ -231,10 +241,13 @@ class LlamaModel:
                     qkv_bias=bias,
                     q_norm=q_norm,
                     k_norm=k_norm,
+                    attn_out_norm=sandwich(p + "post_attention_layernorm.weight"),
+                    mlp_out_norm=sandwich(p + "post_feedforward_layernorm.weight"),
                 )
             )
         # Keys each layer's queries see (0: all before them): layers pick their groups' masks.
         self.windows = tuple(cfg.window(i) for i in range(cfg.num_layers))
+        self.local_layers = tuple(cfg.local_rope(i) for i in range(cfg.num_layers))  # Gemma's local RoPE
         embed = array("model.embed_tokens.weight")  # [V, hidden]
         self.tied_head = "lm_head.weight" not in weights
         if "lm_head.weight" in weights:
@@ -247,22 +260,36 @@ class LlamaModel:
             lm_head = matrix(embed, lookup=True)
         else:
             raise KeyError("lm_head.weight is missing and tie_word_embeddings is False")
+
         # scale * e^(i * angle) for every position and pair, complex64 whatever the model
         # dtype: RoPE is applied in float32 and rounded once, as precision of the angle matters
         # at long positions. The frequencies and scale are the family's (``rope_frequencies``:
-        # yarn's scale multiplies cos and sin, so both q and k).
-        inv_freq_np, rope_scale = rope_frequencies(cfg)
-        inv_freq = torch.from_numpy(inv_freq_np)
-        angles = torch.arange(cfg.max_position, dtype=torch.float64)[:, None] * inv_freq
-        rotary = torch.polar(torch.full_like(angles, rope_scale), angles).to(device, torch.complex64)
-        prepared = ModelWeights(layers, vec(array("model.norm.weight")), table, lm_head, rotary)
+        # yarn's scale multiplies cos and sin, so both q and k). Gemma's local layers have a
+        # table of their own.
+        def rotary(local: bool) -> torch.Tensor:
+            inv_freq_np, rope_scale = rope_frequencies(cfg, local)
+            angles = torch.arange(cfg.max_position, dtype=torch.float64)[:, None] * torch.from_numpy(inv_freq_np)
+            return torch.polar(torch.full_like(angles, rope_scale), angles).to(device, torch.complex64)
+
+        # Gemma's sqrt(hidden), rounded to the weights' dtype as transformers rounds it to its embedding's.
+        embed_scale = torch.tensor(cfg.embed_multiplier, dtype=dtype, device=device) if cfg.scaled_embedding else None
+        prepared = ModelWeights(
+            layers,
+            vec(array("model.norm.weight")),
+            table,
+            lm_head,
+            rotary(False),
+            local_rotary=rotary(True) if any(self.local_layers) else None,
+            embed_scale=embed_scale,
+        )
         # The int8 products' kernel level ("" unless int8; "torch" where the C kernels could
         # not be built): reported in the worker's start line.
         self.int8_kernels = ""
         if quant == "int8":  # a transform of the weights, calibrated on torch's reference ops
             prepared, self.int8_kernels = int8.quantize(cfg, prepared)  # float -> smoothed int8
         self.layers, self.norm, self.embed = prepared.layers, prepared.norm, prepared.embed
-        self.lm_head, self.rotary = prepared.lm_head, prepared.rotary
+        self.lm_head, self.rotary, self.local_rotary = prepared.lm_head, prepared.rotary, prepared.local_rotary
+        self.embed_scale = prepared.embed_scale
         self.fused: fused.FusedOps | None = None
         # The C ops work on float32 CPU tensors: every CPU mode's activations are float32.
         if self.plan.fused_ops:
@@ -303,7 +330,10 @@ class LlamaModel:
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         table = self.embed if self.embed is not None else self.lm_head.nk
         assert table is not None
-        return table.index_select(0, tokens).to(self.act_dtype)  # [T, hidden]
+        rows = table.index_select(0, tokens)  # [T, hidden]
+        if self.embed_scale is not None:  # Gemma: in the table's dtype, as transformers
+            rows = rows * self.embed_scale.to(rows.dtype)
+        return rows.to(self.act_dtype)
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
@@ -317,9 +347,22 @@ class LlamaModel:
         h.add_(y)
         return self._rms_norm(h, w)
 
-    def _silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-        """silu(gate) * up of gate_up [T, 2 * inter]."""
-        return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+    def _residual_(
+        self, h: torch.Tensor, x: torch.Tensor, m: Matrix, out_norm: torch.Tensor | None, following: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """h += x @ m, normed first by ``out_norm`` where the family has one (Gemma's sandwich
+        norms: before the add, so the add cannot fuse with the product); returns h's norm by
+        ``following`` (None: not wanted). The add fuses with that norm where the C ops are on."""
+        if out_norm is None and self.fused is None:
+            matmul_add_(h, x, m, self.torch_rows)
+            return None if following is None else self._rms_norm(h, following)
+        y = matmul(x, m, self.torch_rows)
+        if out_norm is not None:
+            y = self._rms_norm(y, out_norm)
+        if following is None:
+            h.add_(y)
+            return None
+        return self._add_rms_norm_(h, y, following)
 
     def _rope_(self, qkv: torch.Tensor, rot: torch.Tensor) -> None:
         """Rotate the q and k columns of qkv [T, (Hq + 2 Hkv) * D] in place; rot: [T, 1, D/2]
@@ -387,7 +430,8 @@ class LlamaModel:
         inter = cfg.intermediate_size
         h = self._embed(st.tokens)  # [T, hidden]
         rot = self.rotary.index_select(0, st.positions).unsqueeze(1)  # [T, 1, D/2]
-        fused_ops = self.fused is not None
+        # Gemma's local layers' table ([T, 1, D/2]); the global one where there is none.
+        rot_local = rot if self.local_rotary is None else self.local_rotary.index_select(0, st.positions).unsqueeze(1)
         x = self._rms_norm(h, self.layers[0].input_norm)
         for i, w in enumerate(self.layers):
             qkv = matmul(x, w.qkv, self.torch_rows)  # [T, (Hq+2Hkv)*D]
@@ -395,7 +439,7 @@ class LlamaModel:
                 qkv.add_(w.qkv_bias)
             if w.q_norm is not None:
                 qk_norm_(qkv, w, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps)
-            self._rope_(qkv, rot)
+            self._rope_(qkv, rot_local if self.local_layers[i] else rot)
             kv = qkv[:, q_width:].view(t, 2, cfg.num_kv_heads, cfg.head_dim)
 
             t0 = clock()
@@ -417,20 +461,15 @@ class LlamaModel:
             times.attention_ns += t3 - t2
 
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
-            if fused_ops:  # each residual add fused with the norm after it
-                x = self._add_rms_norm_(h, matmul(attn, w.o, self.torch_rows), w.post_norm)
-                gate_up = matmul(x, w.gate_up, self.torch_rows)  # [T, 2 * inter]
-                down = matmul(self._silu_mul(gate_up, inter), w.down, self.torch_rows)
-                if following is None:
-                    h.add_(down)
-                else:
-                    x = self._add_rms_norm_(h, down, following)
-            else:
-                matmul_add_(h, attn, w.o, self.torch_rows)
-                x = self._rms_norm(h, w.post_norm)
-                gate_up = matmul(x, w.gate_up, self.torch_rows)  # [T, 2 * inter]
-                matmul_add_(h, self._silu_mul(gate_up, inter), w.down, self.torch_rows)
-                if following is not None:
-                    x = self._rms_norm(h, following)
+            x_mlp = self._residual_(h, attn, w.o, w.attn_out_norm, w.post_norm)
+            assert x_mlp is not None
+            gate_up = matmul(x_mlp, w.gate_up, self.torch_rows)  # [T, 2 * inter]
+            x_next = self._residual_(h, gate_act_mul(gate_up, inter, cfg.hidden_act), w.down, w.mlp_out_norm, following)
+            if x_next is not None:
+                x = x_next
         last = self._rms_norm(h.index_select(0, st.sample_rows), self.norm)  # [N, hidden]
-        return matmul(last, self.lm_head, self.torch_rows).float()  # [N, V]
+        logits = matmul(last, self.lm_head, self.torch_rows).float()  # [N, V]
+        if cfg.final_logit_softcap:  # Gemma: cap * tanh(logits / cap)
+            cap = cfg.final_logit_softcap
+            logits = torch.tanh(logits.div_(cap)).mul_(cap)
+        return logits

@@ -17,7 +17,7 @@ class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
     qkv: Matrix  # hidden -> (Hq + 2 Hkv) * D, q/k pair-permuted, q pre-scaled
     o: Matrix  # Hq * D -> hidden
-    post_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor  # [hidden] the MLP's input norm (Gemma's pre_feedforward_layernorm)
     gate_up: Matrix  # hidden -> 2 * intermediate
     down: Matrix  # intermediate -> hidden
     # Family options (None where the family has none):
@@ -26,12 +26,16 @@ class LayerWeights:
     # not pre-scaled, as the norm would undo it).
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    # [hidden] each, Gemma's sandwich norms: of o's and down's outputs, before the residual add.
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
 
     def matrices(self) -> list[Matrix]:
         return [self.qkv, self.o, self.gate_up, self.down]
 
     def vectors(self) -> list[torch.Tensor]:
-        extra = [v for v in (self.qkv_bias, self.q_norm, self.k_norm) if v is not None]
+        optional = (self.qkv_bias, self.q_norm, self.k_norm, self.attn_out_norm, self.mlp_out_norm)
+        extra = [v for v in optional if v is not None]
         return [self.input_norm, self.post_norm, *extra]
 
 
@@ -42,6 +46,19 @@ class ModelWeights:
     embed: torch.Tensor | None  # the lookup table [V, hidden]; None: the tied head's float rows
     lm_head: Matrix  # hidden -> V
     rotary: torch.Tensor  # e^(i * angle) [max_position, D/2], complex64
+    # The same for the layers with the local RoPE (Gemma: ``LlamaConfig.local_rope``); None: none.
+    local_rotary: torch.Tensor | None = None
+    # Gemma: sqrt(hidden) as a 0-d tensor of the weights' dtype (transformers rounds it to the
+    # embedding's dtype), multiplying each looked-up row; None: rows as they are.
+    embed_scale: torch.Tensor | None = None
+
+    def rotary_of(self, local: bool) -> torch.Tensor:
+        return self.local_rotary if local and self.local_rotary is not None else self.rotary
+
+    def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] the (scaled) embedding rows of ``tokens`` [T]."""
+        rows = self.lookup.index_select(0, tokens)
+        return rows if self.embed_scale is None else rows * self.embed_scale.to(rows.dtype)
 
     @property
     def lookup(self) -> torch.Tensor:
@@ -54,6 +71,14 @@ class ModelWeights:
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     # Computed in float32 (torch's kernel upcasts half types), as HF does.
     return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def gate_act_mul(gate_up: torch.Tensor, inter: int, act: str) -> torch.Tensor:
+    """act(gate) * up of gate_up [T, 2 * inter] ([gate | up] columns): silu, or GELU's tanh
+    approximation (Gemma; transformers' gelu_pytorch_tanh is this op)."""
+    gate = gate_up[:, :inter]
+    out = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+    return out.mul_(gate_up[:, inter:])
 
 
 def qk_norm_(qkv: torch.Tensor, w: LayerWeights, num_heads: int, num_kv_heads: int, eps: float) -> None:
