@@ -30,6 +30,15 @@ _ARCHITECTURES = {
 _MAX_POSITION = 2048  # a config without max_position_embeddings
 # The MLP activation each family's checkpoints use (HF's name): anything else is refused.
 _ACTIVATION = {family: "silu" for family in FAMILIES} | {"gemma3_text": "gelu_pytorch_tanh"}
+# Gemma3TextConfig's defaults where they are not the ones read below (released configs leave
+# out tie_word_embeddings, say, and tie the head).
+_GEMMA_DEFAULTS = {
+    "tie_word_embeddings": True,
+    "head_dim": 256,
+    "sliding_window": 4096,
+    "max_position_embeddings": 131072,
+    "query_pre_attn_scalar": 256,
+}
 # Families whose window (if any) is on every layer.
 _ALL_LAYER_WINDOWS = ("mistral", "phi3")
 # Families with windowed layers named by use_sliding_window / max_window_layers / layer_types.
@@ -183,7 +192,7 @@ def _gemma_options(raw: dict[str, Any], path: Path) -> dict[str, Any]:
         "hidden_act": "gelu_tanh",
         "scaled_embedding": True,
         "sandwich_norms": True,
-        "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar", 256)),  # transformers' default
+        "query_pre_attn_scalar": float(raw["query_pre_attn_scalar"]),
         "final_logit_softcap": float(raw.get("final_logit_softcapping") or 0.0),
     }
 
@@ -199,6 +208,8 @@ def config_from_json(path: Path) -> LlamaConfig:
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{path}: config is not a JSON object")
     family = _family(raw, path)
+    if family == "gemma3_text":
+        raw = {**_GEMMA_DEFAULTS, **raw}
     _refuse_unsupported(family, raw, path)
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))

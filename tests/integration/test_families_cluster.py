@@ -20,7 +20,7 @@ from tests.integration.inproc import InProcessCluster
 
 NEW_TOKENS = 8
 # One case per family and per kind of window: the unit tests cover every case in the engine.
-NAMES = ["llama3", "mistral-window", "qwen2-window", "qwen3", "phi3-longrope"]
+NAMES = ["llama3", "mistral-window", "qwen2-window", "qwen3", "phi3-longrope", "gemma3"]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -422,3 +422,29 @@ def test_transformers_4_configs_of_released_models(tmp_path: Path, caplog: pytes
     assert phi3.max_position == 4096 and phi3.sliding_window == 0  # served to its original context
     assert phi3.rope_scaling.attention_factor == pytest.approx((1 + np.log(32) / np.log(4096)) ** 0.5)
     assert "serving up to 4096 tokens" in caplog.text
+
+
+def test_gemma3_configs_of_transformers_4(tmp_path: Path) -> None:
+    """Gemma 3 config.json as the released checkpoints ship it (transformers 4.x: rope_theta,
+    rope_local_base_freq and rope_scaling at the top level, sliding_window_pattern without
+    layer_types), shapes shrunk."""
+    from kvfleet_models.safetensors_loader import config_from_json
+
+    raw = {**_LLAMA, "model_type": "gemma3_text", "num_hidden_layers": 12, "head_dim": 16,
+           "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256, "sliding_window": 512,
+           "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+           "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "max_position_embeddings": 131072,
+           "final_logit_softcapping": None, "attn_logit_softcapping": None}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = config_from_json(tmp_path / "config.json")
+    assert cfg.rope_scaling is not None and (cfg.rope_scaling.kind, cfg.rope_scaling.factor) == ("linear", 8.0)
+    assert (cfg.rope_theta, cfg.local_rope_theta) == (1000000.0, 10000.0)
+    assert (cfg.sliding_window, cfg.sliding_layers) == (512, (0, 1, 2, 3, 4, 6, 7, 8, 9, 10))
+    assert [cfg.local_rope(i) for i in (4, 5, 6, 11)] == [True, False, True, False]
+    assert (cfg.query_pre_attn_scalar, cfg.attention_scale, cfg.final_logit_softcap) == (256.0, 1 / 16, 0.0)
+    assert cfg.tie_word_embeddings  # Gemma3TextConfig's default, which released configs leave to it
+    # without any of those keys: transformers' defaults (RoPE 1e6 global and 1e4 local, ...)
+    (tmp_path / "config.json").write_text(json.dumps({**_LLAMA, "model_type": "gemma3_text"}))
+    cfg = config_from_json(tmp_path / "config.json")
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling) == (1000000.0, 10000.0, None)
+    assert (cfg.head_dim, cfg.query_pre_attn_scalar, cfg.max_position, cfg.sliding_window) == (256, 256.0, 131072, 4096)

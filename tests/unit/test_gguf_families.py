@@ -171,3 +171,63 @@ def test_rope_the_engine_cannot_run_is_refused(tmp_path: Path, extra: Any, says:
     with pytest.raises(ModelLoadError) as info:
         load_model(str(path))
     assert says in str(info.value) and str(path) in str(info.value), str(info.value)
+
+
+def _gemma3_metadata_only(path: Path, layers: int, extra: Any) -> Path:
+    """A "gemma3" GGUF with hyperparameters only, as the converter writes them (hidden 64,
+    4 heads of 32)."""
+    import gguf
+
+    w = gguf.GGUFWriter(path, "gemma3")
+    w.add_block_count(layers)
+    w.add_context_length(128)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(96)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_key_length(32)
+    w.add_value_length(32)
+    w.add_token_list([f"t{i}" for i in range(8)])
+    extra(w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    "layers, extra, window, local_layers, local_theta, scalar",
+    [
+        # llama.cpp's fixed pattern: one global layer in every 6, local RoPE base 10000
+        (6, lambda w: w.add_sliding_window(5), 5, (0, 1, 2, 3, 4), 10000.0, 32.0),
+        (8, lambda w: (w.add_sliding_window(5), w.add_rope_freq_base_swa(2000.0)), 5, (0, 1, 2, 3, 4, 6, 7), 2000.0,
+         32.0),
+        # no window: every layer global, one RoPE
+        (6, lambda w: None, 0, None, 0.0, 32.0),
+        # a window the context fits in hides nothing, but the local layers keep their RoPE
+        (6, lambda w: w.add_sliding_window(512), 0, (0, 1, 2, 3, 4), 10000.0, 32.0),
+        # the 27B (62 layers): scores scaled by hidden / heads, not head_dim
+        (62, lambda w: (w.add_sliding_window(5), w.add_final_logit_softcapping(30.0)), 5,
+         tuple(i for i in range(62) if (i + 1) % 6), 10000.0, 16.0),
+    ],
+)  # fmt: skip
+def test_gemma3_metadata_is_read_as_llama_cpp_reads_it(
+    tmp_path: Path,
+    layers: int,
+    extra: Any,
+    window: int,
+    local_layers: tuple[int, ...] | None,
+    local_theta: float,
+    scalar: float,
+) -> None:
+    import gguf
+
+    from kvfleet_models.gguf_loader import config_from_metadata
+
+    path = _gemma3_metadata_only(tmp_path / "g.gguf", layers, extra)
+    cfg = config_from_metadata(gguf.GGUFReader(path), path)
+    assert (cfg.family, cfg.sliding_window, cfg.sliding_layers) == ("gemma3_text", window, local_layers)
+    assert (cfg.local_rope_theta, cfg.query_pre_attn_scalar) == (local_theta, scalar)
+    assert (cfg.hidden_act, cfg.scaled_embedding, cfg.sandwich_norms, cfg.qk_norm) == ("gelu_tanh", True, True, True)
+    assert cfg.final_logit_softcap == (30.0 if layers == 62 else 0.0)
