@@ -24,6 +24,7 @@ from kvfleet_common.security import WorkerAuthInterceptor, authorize_peer
 from kvfleet_common.tracing import extract_context
 from kvfleet_models.config import LlamaConfig
 from worker_svc import convert
+from worker_svc.step_order import StepOrder
 from worker_svc.compute import HostThreadExecutor
 from worker_svc.config import WorkerConfig
 from worker_svc.engine import Engine, EngineConfig, StepOutput
@@ -62,6 +63,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         # One mutation of the engine (step, release) at a time: its KV books and views are
         # not thread-safe. Stats are read under it too, so they are never seen half-updated.
         self._lock = asyncio.Lock()
+        self._order = StepOrder()  # numbered steps run in the scheduler's order
         # The thread of a step whose RPC was cancelled (deadline expired, client gone). A
         # thread cannot be stopped: it keeps the lock until it returns, and meanwhile GetInfo,
         # the scheduler's dead-worker probe, answers UNAVAILABLE so that the scheduler does not
@@ -90,6 +92,16 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def Step(self, request, context):
         await authorize_peer(context, self._config.tls)
+        try:
+            # In the scheduler's order (it may send a step before the last one answered). From
+            # here to queueing for the engine lock nothing awaits, so the order holds there.
+            await self._order.turn(request.seq, request.reset, context.time_remaining())
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"step {request.seq} came but step {request.seq - 1} of this scheduler never did: the steps "
+                "cannot run in order; reset the worker (a step with reset) and recompute its sessions",
+            )
         try:
             call = convert.step_from_pb(request)
         except ValueError as exc:
