@@ -344,7 +344,7 @@ class SchedulerRuntime:
                 out_now = sent
         finally:
             if out_now is not None:  # stopping: its answers are not wanted
-                out_now.task.cancel()
+                out_now.calls.cancel()
 
     def _launch(self, plan: TickPlan) -> _Flight:
         """Send a tick's steps now; its results are taken by _land."""
@@ -357,15 +357,14 @@ class SchedulerRuntime:
         )
         start_ns = time.time_ns()
         ids, gathered = self._send(plan, span)
-        task = asyncio.ensure_future(self._collect(ids, gathered))
-        return _Flight(plan, span, start_ns, task)
+        return _Flight(plan, span, start_ns, ids, gathered)
 
     async def _land(self, flight: _Flight) -> None:
         """A sent tick's answers: applied to the core, then its events delivered at once (the
         next tick's steps are out already)."""
         plan = flight.plan
         try:
-            results, failed, failed_steps = await flight.task
+            results, failed, failed_steps = self._answers(plan, flight.workers, await flight.calls)
             self._spans.session_steps(flight.span, plan, flight.start_ns, time.time_ns())
             out = self._core.update(plan, results, failed, failed_steps)
         except Exception:  # a bug, not a worker fault: log it and keep serving
@@ -425,10 +424,7 @@ class SchedulerRuntime:
                 self._deliver()
             except Exception:  # a bug: log it, but this tick's steps are out and must be applied
                 log.exception("delivering tick %d's events failed", plan.tick - 1)
-        return self._answers(ids, await gathered)
-
-    async def _collect(self, ids: list[str], gathered: Awaitable[list[Any]]) -> _Answers:
-        return self._answers(ids, await gathered)
+        return self._answers(plan, ids, await gathered)
 
     def _send(self, plan: TickPlan, span: Span) -> tuple[list[str], asyncio.Future[list[Any]]]:
         """Start every worker's step call now (each numbered in the order sent), and the releases
@@ -451,9 +447,12 @@ class SchedulerRuntime:
         others, self._pending_release = self._pending_release, {}
         return ids, asyncio.gather(*steps, self._release(others), return_exceptions=True)
 
-    def _answers(self, ids: list[str], gathered: list[Any]) -> _Answers:
+    def _answers(self, plan: TickPlan, ids: list[str], gathered: list[Any]) -> _Answers:
         """The step calls' answers (`gathered`: one per worker in `ids`, then the releases'), by
-        item, with the workers that did not answer and the steps that failed."""
+        item, with the workers that did not answer and the steps that failed. An item error of
+        a stale item (its session ended or moved meanwhile: the extra item overlapped scheduling
+        sent) is not reported: the session's worker freed it, and update() ignores it."""
+        stale = {w.session_id for w in plan.prefill + plan.decode if self._core.stale(w)}
         responses = gathered[: len(ids)]
         results: dict[str, StepResult] = {}
         failed: set[str] = set()
@@ -478,7 +477,11 @@ class SchedulerRuntime:
                 raise resp
             elif resp is not None:
                 results.update(resp)
-                errors = [r for r in resp.values() if r.status in (StepStatus.REJECTED, StepStatus.FAILED)]
+                errors = [
+                    r
+                    for r in resp.values()
+                    if r.status in (StepStatus.REJECTED, StepStatus.FAILED) and r.session_id not in stale
+                ]
                 for r in errors:
                     log.warning("worker %s: session %s %s: %s", worker_id, r.session_id, r.status.value, r.error)
                 if errors:
@@ -672,7 +675,8 @@ class _Flight:
     plan: TickPlan
     span: Span
     start_ns: int
-    task: asyncio.Future[_Answers]
+    workers: list[str]  # the workers stepped, in the order of the calls' answers
+    calls: asyncio.Future[list[Any]]  # every step and release call of the tick, gathered
 
 
 # A tick's answers: results by session, workers that did not answer, worker -> why its step failed.

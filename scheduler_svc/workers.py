@@ -78,8 +78,10 @@ class WorkerClient:
     # start empty (at start-up, and when a worker marked dead is taken back).
     reset_pending: bool = True
     # The number of the last step sent (StepRequest.seq): the worker runs them in this order,
-    # since a step may go out before the last one answered (overlapped scheduling).
-    sent_steps: int = 0
+    # since a step may go out before the last one answered (overlapped scheduling). It starts at
+    # the client's creation time in microseconds, above any number an earlier scheduler process
+    # sent, and only rises (see worker_svc.step_order).
+    sent_steps: int = field(default_factory=lambda: time.time_ns() // 1000)
 
     @classmethod
     def open(cls, address: str, tls: TlsConfig | None = None, secret: str = "") -> "WorkerClient":
@@ -152,7 +154,7 @@ class WorkerClient:
         # Cleared as it is sent, not when it answers: a second step may go out meanwhile, and it
         # must not forget what the first placed. (A worker that fails it is taken back with a reset.)
         request.reset, self.reset_pending = self.reset_pending, False
-        self.sent_steps = 1 if request.reset else self.sent_steps + 1
+        self.sent_steps += 1
         request.seq = self.sent_steps
         if self.info is not None:
             request.instance_id = self.info.instance_id

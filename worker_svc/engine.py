@@ -220,9 +220,7 @@ class _Admitted:
     cached: int = 0  # leading tokens of the chunk reused from the prefix cache, not run
 
 
-def _requests(
-    prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem], last: Mapping[str, int]
-) -> list[_Request]:
+def _requests(prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem], last: Mapping[str, int]) -> list[_Request]:
     """The step's items as one list; a decode of the last sampled token reads it from ``last``
     (_NO_LAST when there is none: the item is then a CACHE_MISS)."""
     out = [

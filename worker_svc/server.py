@@ -24,12 +24,12 @@ from kvfleet_common.security import WorkerAuthInterceptor, authorize_peer
 from kvfleet_common.tracing import extract_context
 from kvfleet_models.config import LlamaConfig
 from worker_svc import convert
-from worker_svc.step_order import StepOrder
 from worker_svc.compute import HostThreadExecutor
 from worker_svc.config import WorkerConfig
 from worker_svc.engine import Engine, EngineConfig, StepOutput
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.spans import emit_step_spans
+from worker_svc.step_order import StaleStep, StepOrder
 
 if TYPE_CHECKING:
     from kvfleet_models.grammar import GrammarConstraint
@@ -92,26 +92,30 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def Step(self, request, context):
         await authorize_peer(context, self._config.tls)
+        if request.instance_id and request.instance_id != self.instance_id:
+            # Before its turn: a step for the instance before a restart would wait for a
+            # predecessor this instance never saw.
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this worker restarted (instance {self.instance_id}; the step is for {request.instance_id}): "
+                "the KV it held is gone; read GetInfo again and recompute its sessions",
+            )
         try:
             # In the scheduler's order (it may send a step before the last one answered). From
             # here to queueing for the engine lock nothing awaits, so the order holds there.
             await self._order.turn(request.seq, request.reset, context.time_remaining())
+        except StaleStep as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"stale step: {exc}; it was not run")
         except TimeoutError:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"step {request.seq} came but step {request.seq - 1} of this scheduler never did: the steps "
-                "cannot run in order; reset the worker (a step with reset) and recompute its sessions",
+                "cannot run in order; recompute this step's sessions",
             )
         try:
             call = convert.step_from_pb(request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if call.instance_id and call.instance_id != self.instance_id:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"this worker restarted (instance {self.instance_id}; the step is for {call.instance_id}): "
-                "the KV it held is gone; read GetInfo again and recompute its sessions",
-            )
         wall_start = time.time_ns()
         try:
             out, step_ns = await self._locked_step(call)

@@ -257,8 +257,8 @@ class SchedulerCore:
         prefill += self._admit(tick, budget, preempted)
         if prefill or decode:
             self._tick = tick
-            for work in (*prefill, *decode):
-                self._ahead[work.session_id] = work
+            self._ahead.update((w.session_id, w) for w in prefill)
+            self._ahead.update((w.session_id, w) for w in decode)
         else:
             self._close_workloads()  # e.g. every remaining session was cancelled
         return TickPlan(
@@ -457,12 +457,13 @@ class SchedulerCore:
             return out
         tallies = {wid: _Tally() for wid in plan.workloads}
         total = _Tally()
-        for work in plan.prefill + plan.decode:
+        for work in plan.prefill + plan.decode:  # first, so that nothing below can leave them
             if self._ahead.get(work.session_id) is work:
                 del self._ahead[work.session_id]
-            session = self._sessions.get(work.session_id)
-            if session is None or work.epoch != session.epoch:
-                continue  # it left its worker since (closed, requeued): the result is stale
+        for work in plan.prefill + plan.decode:
+            if self.stale(work):
+                continue  # it left its worker since (closed, requeued): the result is not taken
+            session = self._sessions[work.session_id]
             if work.worker_id in failed_workers or session.phase == Phase.FINISHED:
                 continue
             if self._finish_requested.get(session.session_id) == FinishReason.STOP:
@@ -529,6 +530,12 @@ class SchedulerCore:
         self.accounting.record_tick(tally, self._gauges)
         self._close_workloads()
         return out
+
+    def stale(self, work: PrefillWork | DecodeWork) -> bool:
+        """Whether the session left its worker (closed, requeued) after this work was planned:
+        with overlapped scheduling, the extra item of a session that the tick before ended."""
+        session = self._sessions.get(work.session_id)
+        return session is None or work.epoch != session.epoch
 
     def _end_on_item_error(self, session: Session, result: StepResult, out: TickOutcome) -> None:
         """The worker refused or failed this session's item alone (it freed the session there):

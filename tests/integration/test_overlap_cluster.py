@@ -27,7 +27,9 @@ def _requests():
         if i % 3 == 0:
             out.append(("greedy", prompt, build_request(prompt, 12 + i, ignore_eos=True)))
         elif i % 3 == 1:
-            out.append(("seeded", prompt, build_request(prompt, 10, temperature=0.8, top_k=12, seed=i, ignore_eos=True)))
+            out.append(
+                ("seeded", prompt, build_request(prompt, 10, temperature=0.8, top_k=12, seed=i, ignore_eos=True))
+            )
         else:
             stop = reference_generate(CFG, WEIGHTS, prompt, 6)[3]  # ends it at its 4th token (or before)
             out.append(("stop", prompt, build_request(prompt, 20, stop_token_ids=[stop], ignore_eos=True)))

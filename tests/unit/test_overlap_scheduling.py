@@ -90,9 +90,7 @@ def test_a_session_preempted_while_its_tick_is_out_ignores_that_tick():
 
     def on_land(plan: TickPlan, out: TickOutcome) -> None:
         _kv_matches(core, fake)
-        stale.extend(
-            w.session_id for w in plan.prefill + plan.decode if w.epoch != core.session(w.session_id).epoch
-        )
+        stale.extend(w.session_id for w in plan.prefill + plan.decode if w.epoch != core.session(w.session_id).epoch)
 
     run_overlapped(core, fake, on_land=on_land)
     assert core.preemptions >= 1 and stale, "the test must preempt a session with a step out"

@@ -13,7 +13,7 @@ from kvfleet_models.reference import reference_generate
 from kvfleet_models.tiny import tiny_weights
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, ItemStatus, PrefillItem, SamplingSpec
 from worker_svc.local import LocalSteps
-from worker_svc.step_order import StepOrder
+from worker_svc.step_order import StaleStep, StepOrder
 
 CFG = LlamaConfig(
     name="tiny-overlap",
@@ -75,29 +75,50 @@ def test_numbered_steps_take_their_turns_in_order():
     async def scenario() -> list[int]:
         order, took = StepOrder(), []
 
-        async def step(seq: int) -> None:
-            await order.turn(seq, timeout=5)
+        async def step(seq: int, reset: bool = False) -> None:
+            await order.turn(seq, reset, timeout=5)
             took.append(seq)
 
-        await step(1)
-        # 5, 4, 3, 2 arrive in that order; they take their turns 2, 3, 4, 5.
-        await asyncio.gather(*(step(s) for s in (5, 4, 3, 2)))
+        # The count is set by a reset; the steps after it arrive first, and in reverse.
+        late = [asyncio.ensure_future(step(s)) for s in (104, 103, 102)]
+        await asyncio.sleep(0)
+        assert took == []  # they wait for the reset
+        await step(101, reset=True)
+        await asyncio.gather(*late)
         await order.turn(0)  # unnumbered: at once
-        await order.turn(1, reset=True)  # a reset starts the count afresh
-        await step(2)
         return took
 
-    assert asyncio.run(scenario()) == [1, 2, 3, 4, 5, 2]
+    assert asyncio.run(scenario()) == [101, 102, 103, 104]
 
 
-def test_a_step_whose_predecessor_never_comes_times_out():
+def test_a_reset_sets_the_count_and_steps_from_before_it_are_refused():
     async def scenario() -> None:
         order = StepOrder()
-        await order.turn(1)
+        await order.turn(500, reset=True)
+        waiting = asyncio.ensure_future(order.turn(503, timeout=5))  # its predecessors never come
+        await asyncio.sleep(0)
+        # The scheduler took the worker back (or restarted: its numbers start higher still).
+        await order.turn(900, reset=True)
+        with pytest.raises(StaleStep):
+            await waiting  # overtaken by the reset: it must not run on the fresh books
+        with pytest.raises(StaleStep):
+            await order.turn(504)  # numbered before the reset
+        await order.turn(901, timeout=1)
+        assert order.last == 901
+
+    asyncio.run(scenario())
+
+
+def test_a_step_whose_predecessor_never_comes_times_out_and_the_count_goes_on():
+    async def scenario() -> None:
+        order = StepOrder()
+        await order.turn(1, reset=True)
         with pytest.raises(TimeoutError):
             await order.turn(3, timeout=0.05)
-        await order.turn(2, timeout=1)  # the count goes on once it comes
-        await order.turn(3, timeout=1)
-        assert order.last == 3
+        # The steps after the gap are not held up; the one that never came is stale if it does.
+        await order.turn(4, timeout=1)
+        with pytest.raises(StaleStep):
+            await order.turn(2, timeout=1)
+        assert order.last == 4
 
     asyncio.run(scenario())
