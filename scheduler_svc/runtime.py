@@ -58,6 +58,7 @@ class RuntimeConfig:
     no_worker_wait_s: float = 30.0
     stats_interval_s: float = 10.0  # how often live workers' memory (GetStats) is read
     # Plan and send tick N+1 while tick N computes (see _run_overlapped); off: one tick at a time.
+    # The service sets it from SchedulerConfig.overlap_scheduling (on by default).
     overlap: bool = False
 
 
@@ -315,32 +316,39 @@ class SchedulerRuntime:
         """Overlapped scheduling: tick N+1 is planned from the state tick N is expected to leave
         and its steps sent before N answers, so a worker finds its next step waiting when it
         finishes one (each worker runs them in the order sent). A decode planned so carries no
-        token: the worker uses the one it sampled last. A session tick N ends (EOS, a stop token,
-        an item error) had one more item in N+1: its result is stale and discarded (the
-        session's epoch moved on), and its KV is freed with tick N+2's steps, which run after
-        N+1 on that worker."""
+        token: the worker uses the one it sampled last. Once N+1 is out, N-1's events are
+        delivered (in the workers' shadow), then N's answers are awaited and applied.
+
+        A session that tick N ends (EOS, a stop token, an item error) had one more item in N+1:
+        its result is stale and discarded (the session's epoch moved on), and its KV is freed
+        with tick N+2's steps, which run after N+1 on that worker. A stop string is found when
+        N's events are delivered, after N+2 went out: both extra tokens are not taken."""
         out_now: _Flight | None = None
         try:
             while not self._stopping:
                 if out_now is None and not self._core.has_work():
                     await self._idle(None)
                     continue
+                sent = None
                 try:
                     plan = self._core.schedule()
                     self._emit(_settled(plan))
-                    sent = None if plan.empty else self._launch(plan)
+                    if not plan.empty:
+                        sent = self._launch(plan)
+                        self._no_worker_since = None
+                        await asyncio.sleep(0)  # let its steps go out: the rest is in their shadow
                 except Exception:  # a bug, not a worker fault: log it and keep serving
                     log.exception("planning a tick failed")
-                    sent = None
                     await asyncio.sleep(_IDLE_REPLAN_S)
+                try:
+                    self._deliver()
+                except Exception:  # a bug: log it, but the ticks out must still be applied
+                    log.exception("delivering the events of tick %d failed", self._core.tick)
                 if out_now is not None:
                     await self._land(out_now)
                 elif sent is None:
                     self._drop_if_no_worker_for_too_long()
                     await self._idle(_IDLE_REPLAN_S)
-                else:
-                    self._no_worker_since = None
-                    await asyncio.sleep(0)  # let its steps go out before the next is planned
                 out_now = sent
         finally:
             if out_now is not None:  # stopping: its answers are not wanted
@@ -360,8 +368,8 @@ class SchedulerRuntime:
         return _Flight(plan, span, start_ns, ids, gathered)
 
     async def _land(self, flight: _Flight) -> None:
-        """A sent tick's answers: applied to the core, then its events delivered at once (the
-        next tick's steps are out already)."""
+        """A sent tick's answers, applied to the core; its events are delivered once the next
+        tick's steps are out."""
         plan = flight.plan
         try:
             results, failed, failed_steps = self._answers(plan, flight.workers, await flight.calls)
@@ -373,13 +381,8 @@ class SchedulerRuntime:
             return
         finally:
             flight.span.end()
-        self._no_worker_since = None
         self._emit(out, sum(len(w.token_ids) for w in plan.prefill), len(plan.decode))
         self._tick_done.set()
-        try:
-            self._deliver()
-        except Exception:
-            log.exception("delivering tick %d's events failed", plan.tick)
 
     async def _idle(self, timeout: float | None) -> None:
         """Nothing to step: deliver what is pending, free what waits to be freed, then wait for

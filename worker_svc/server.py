@@ -116,9 +116,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             call = convert.step_from_pb(request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        wall_start = time.time_ns()
         try:
-            out, step_ns = await self._locked_step(call)
+            out, step_ns, wall_start = await self._locked_step(call)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:  # the batched forward failed; the engine freed the step's sessions
@@ -139,8 +138,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         )
         return convert.step_to_pb(out, step_ns)
 
-    async def _locked_step(self, call: convert.StepCall) -> tuple[StepOutput, int]:
-        """Run the step holding the lock; returns its output and wall ns.
+    async def _locked_step(self, call: convert.StepCall) -> tuple[StepOutput, int, int]:
+        """Run the step holding the lock; returns its output, wall ns and start (epoch ns: once it
+        holds the lock, so that a step queued behind another, as overlapped scheduling sends
+        them, does not count its wait as work in its span).
 
         Waiting for the lock may be cancelled (nothing has changed yet). Once the step runs in
         a thread, a cancellation no longer releases the lock: ``_abandon`` keeps it until the
@@ -149,7 +150,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         await self._lock.acquire()
         handed_over = False
         try:
-            start = time.perf_counter_ns()
+            wall_start, start = time.time_ns(), time.perf_counter_ns()
             # With a compute thread every torch call goes to it, even a tiny step: torch work on
             # a second thread gives it a second OpenMP pool, and the compute thread's steps run
             # up to 2x slower from then on (see ``compute``).
@@ -168,7 +169,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self._last_step = (step_ns / 1e9, call.tokens)
             prefill_tokens = sum(len(p.token_ids) for p in call.prefill)
             self.metrics.observe_step(step_ns / 1e9, prefill_tokens, len(call.decode))
-            return out, step_ns
+            return out, step_ns, wall_start
         finally:
             if not handed_over:
                 self._lock.release()
