@@ -123,6 +123,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         except Exception as exc:  # the batched forward failed; the engine freed the step's sessions
             log.exception("a step failed")
             await context.abort(grpc.StatusCode.INTERNAL, f"the step failed on the worker: {type(exc).__name__}: {exc}")
+        # A step queued behind this one (overlapped scheduling) takes the lock and goes to the
+        # compute thread first: this one's spans and answer are built while it runs.
+        await asyncio.sleep(0)
         kv_views = call.kv_views or self._config.kv_views
         attrs: dict[str, str | int] = {
             "kvfleet.worker.id": self._config.worker_id,

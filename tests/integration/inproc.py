@@ -32,8 +32,8 @@ class InProcessCluster:
         """loaded_model: (config, weights) already loaded for ``model`` (a session fixture's).
         device: the workers' torch device; default KVFLEET_TEST_WORKER_DEVICE, else cpu (the GPU
         check, bench/gpu_session.sh, runs the cluster tests with cuda). overlap: the scheduler's
-        overlapped scheduling; default KVFLEET_TEST_OVERLAP_SCHEDULING (1: on), else off (the
-        whole suite can be run either way)."""
+        overlapped scheduling; default KVFLEET_TEST_OVERLAP_SCHEDULING (1: on), else off, the
+        reference's tick figures (a test that compares with them passes overlap=False)."""
         if overlap is None:
             overlap = os.environ.get("KVFLEET_TEST_OVERLAP_SCHEDULING", "") == "1"
         self.overlap = overlap
