@@ -10,14 +10,23 @@ their ratio, and from the spans the cluster exported: the worker's idle gap betw
 share of a tick (``bench.ticks``). Then SmolLM2 at batch 1 (``--smollm2-tokens``; skipped with
 ``--no-smollm2``): the same share, where a step is a real model's decode.
 
-The issue's targets: idle gap median <= 0.5 ms at c=64, scheduler + RPC <= 5 % at batch 1 on
-SmolLM2, >= 500 ticks/s on the tiny sweep (``bench.sweep_rate``) -- all with overlapped
-scheduling, which kvfleet does not do yet: this measures where it stands without it.
+Then the tiny sweep's ticks/s (``bench.sweep_rate``, ``--sweep-repeats``; 0 skips it).
+
+Every figure is taken for each arm of ``--overlap`` (default ``on,off``: the scheduler's
+``--overlap-scheduling`` and ``--no-overlap-scheduling``) in the same run: one cluster per arm,
+all up at once, the arms taking turns ``--repeats`` times per batch (medians shown), so that
+the machine's load falls on both; the engine-alone figure is measured once per batch and shared.
+With overlap a tick's span also covers the step before it, so the scheduler + RPC share from
+``bench.ticks`` (tick period - worker step) is the fair figure there, and the worker's idle share
+(its gaps over its busy window) says the same from the worker's side. The issue's targets, with
+overlapped scheduling on: idle gap median <= 0.5 ms at c=64, scheduler + RPC <= 5 % at batch 1
+on SmolLM2, >= 500 ticks/s on the tiny sweep.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -49,9 +58,14 @@ def worker_gaps(db: Path, start_ns: int, end_ns: int) -> dict:
     gaps = [b[0] - a[1] for a, b in zip(steps, steps[1:])]
     if not gaps:
         return {"steps": len(steps)}
+    # The share of the worker's time from its first step to its last spent waiting for the next
+    # step: the control plane's share as the worker sees it (it holds with ticks overlapped too,
+    # where a tick's span also covers the step before it).
+    idle_share = sum(gaps) / max(steps[-1][1] - steps[0][0], 1)
     gaps.sort()
     return {
         "steps": len(steps),
+        "worker_idle_share": round(idle_share, 4),
         "idle_gap_ms_median": round(statistics.median(gaps) / 1e6, 3),
         "idle_gap_ms_p90": round(gaps[int(0.9 * (len(gaps) - 1))] / 1e6, 3),
     }
@@ -108,37 +122,88 @@ def engine_steps_per_s(model: str, c: int, new_tokens: int, threads: int) -> flo
     return n / (time.perf_counter() - t0)
 
 
-def measure(concurrency: list[int], new_tokens: int, smollm2_tokens: int, threads: int) -> dict:
-    rows = []
-    spec = ClusterSpec(
-        workers=1,
-        model="tiny",
-        max_running=max(concurrency),
-        prefill_token_budget=4 * max(concurrency),
-        num_blocks=max(1024, 4 * max(concurrency)),
-    )
-    with LocalCluster(spec) as cluster, SchedulerClient(cluster.scheduler_address) as client:
-        db = cluster.log_dir / "telemetry.db"
-        vocab = client.model_info().vocab_size
-        cluster_run(client, db, min(concurrency), 4, vocab)  # warm-up
-        for c in concurrency:
-            row = {"model": "tiny", "concurrency": c, **cluster_run(client, db, c, new_tokens, vocab)}
-            engine = engine_steps_per_s("tiny", c, new_tokens, threads)
-            row["engine_steps_per_s"] = round(engine, 1)
-            row["cluster_over_engine"] = round(row["ticks_per_s"] / engine, 3)
-            rows.append(row)
-    if smollm2_tokens:
-        spec = ClusterSpec(workers=1, model="smollm2-135m", num_blocks=256)
-        with LocalCluster(spec) as cluster, SchedulerClient(cluster.scheduler_address) as client:
-            db = cluster.log_dir / "telemetry.db"
+def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over repeated runs (the runs' other fields from the first)."""
+    row = dict(runs[0])
+    for key, value in runs[0].items():
+        values = [r.get(key) for r in runs]
+        if isinstance(value, (int, float)) and all(isinstance(v, (int, float)) for v in values):
+            row[key] = round(statistics.median(values), 4)  # type: ignore[arg-type]
+    row["repeats"] = len(runs)
+    return row
+
+
+def _interleaved(
+    specs: dict[bool, ClusterSpec], batches: list[int], new_tokens: int, repeats: int
+) -> dict[tuple[bool, int], dict[str, Any]]:
+    """Every arm's cluster up at once; per batch the arms take turns (ABBA...), so that a change
+    in the machine's load falls on both. Returns each (arm, batch)'s median row."""
+    with contextlib.ExitStack() as stack:
+        up = {}
+        for arm, spec in specs.items():
+            cluster = stack.enter_context(LocalCluster(spec))
+            client = stack.enter_context(SchedulerClient(cluster.scheduler_address))
             vocab = client.model_info().vocab_size
-            cluster_run(client, db, 1, 4, vocab)  # warm-up
-            row = {"model": "smollm2-135m", "concurrency": 1, **cluster_run(client, db, 1, smollm2_tokens, vocab)}
-            engine = engine_steps_per_s("smollm2-135m", 1, smollm2_tokens, threads)
+            cluster_run(client, cluster.log_dir / "telemetry.db", min(batches), 4, vocab)  # warm-up
+            up[arm] = (client, cluster.log_dir / "telemetry.db", vocab)
+        runs: dict[tuple[bool, int], list[dict[str, Any]]] = {}
+        for c in batches:
+            for r in range(repeats):
+                for arm in list(specs) if r % 2 == 0 else list(specs)[::-1]:
+                    client, db, vocab = up[arm]
+                    runs.setdefault((arm, c), []).append(cluster_run(client, db, c, new_tokens, vocab))
+    return {key: _median_row(rs) for key, rs in runs.items()}
+
+
+def measure(
+    concurrency: list[int],
+    new_tokens: int,
+    smollm2_tokens: int,
+    threads: int,
+    arms: list[bool],
+    sweep_repeats: int,
+    repeats: int = 3,
+) -> dict:
+    rows: list[dict[str, Any]] = []
+
+    def add(model: str, c: int, tokens: int, got: dict[tuple[bool, int], dict[str, Any]]) -> None:
+        engine = engine_steps_per_s(model, c, tokens, threads)  # shared by the arms
+        for arm in arms:
+            row = {"model": model, "overlap": arm, "concurrency": c, **got[(arm, c)]}
             row["engine_steps_per_s"] = round(engine, 1)
             row["cluster_over_engine"] = round(row["ticks_per_s"] / engine, 3)
             rows.append(row)
-    return {"rows": rows, "load_avg_1m": round(os.getloadavg()[0], 2), "cpu_count": os.cpu_count()}
+
+    tiny = {
+        arm: ClusterSpec(
+            workers=1,
+            model="tiny",
+            max_running=max(concurrency),
+            prefill_token_budget=4 * max(concurrency),
+            num_blocks=max(1024, 4 * max(concurrency)),
+            overlap_scheduling=arm,
+        )
+        for arm in arms
+    }
+    got = _interleaved(tiny, concurrency, new_tokens, repeats)
+    for c in concurrency:
+        add("tiny", c, new_tokens, got)
+    if smollm2_tokens:
+        smol = {
+            arm: ClusterSpec(workers=1, model="smollm2-135m", num_blocks=256, overlap_scheduling=arm) for arm in arms
+        }
+        add("smollm2-135m", 1, smollm2_tokens, _interleaved(smol, [1], smollm2_tokens, repeats))
+    sweeps = []
+    if sweep_repeats:
+        from bench.sweep_rate import sweep_ticks_per_s
+
+        sweeps = [sweep_ticks_per_s(repeats=sweep_repeats, overlap=overlap) for overlap in arms]
+    return {
+        "rows": rows,
+        "tiny_sweep": sweeps,
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "cpu_count": os.cpu_count(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,20 +213,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smollm2-tokens", type=int, default=48, help="SmolLM2 batch-1 decode tokens")
     p.add_argument("--no-smollm2", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="the in-process engine's CPU threads (0 = torch's)")
+    p.add_argument("--overlap", default="on,off", help="the scheduler's overlapped scheduling, per arm: on, off")
+    p.add_argument("--sweep-repeats", type=int, default=3, help="tiny sweep repeats per arm (0: no sweep)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per arm and batch, interleaved; medians shown")
     p.add_argument("--json", metavar="FILE")
     a = p.parse_args(argv)
     conc = [int(x) for x in a.concurrency.split(",") if x.strip()]
     if not conc or min(conc) < 1 or a.new_tokens < 2:
         p.error("--concurrency needs positive integers and --new-tokens at least 2")
-    out = measure(conc, a.new_tokens, 0 if a.no_smollm2 else a.smollm2_tokens, a.threads)
+    arms = [x.strip() for x in a.overlap.split(",") if x.strip()]
+    if not arms or any(x not in ("on", "off") for x in arms):
+        p.error("--overlap takes on, off or both (on,off)")
+    out = measure(
+        conc,
+        a.new_tokens,
+        0 if a.no_smollm2 else a.smollm2_tokens,
+        a.threads,
+        [x == "on" for x in arms],
+        a.sweep_repeats,
+        max(a.repeats, 1),
+    )
     cols = [
         "model",
+        "overlap",
         "concurrency",
         "ticks_per_s",
         "engine_steps_per_s",
         "cluster_over_engine",
         "idle_gap_ms_median",
         "idle_gap_ms_p90",
+        "worker_idle_share",
         "worker_step_ms",
         "scheduler_rpc_ms",
         "scheduler_rpc_share",
@@ -169,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     print(" | ".join(cols))
     for row in out["rows"]:
         print(" | ".join(str(row.get(c)) for c in cols))
+    for sweep in out["tiny_sweep"]:
+        print(
+            f"tiny sweep, overlap {'on' if sweep['overlap_scheduling'] else 'off'}: "
+            f"{sweep['ticks_per_s_median']} ticks/s median (best {sweep['ticks_per_s_best']}, {sweep['repeats']} repeats)"
+        )
     print(f"load {out['load_avg_1m']} on {out['cpu_count']} CPUs")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2) + "\n")

@@ -20,9 +20,12 @@ def sweep_ticks_per_s(
     workers: int = 2,
     extra_env: dict[str, str] | None = None,
     progress: Callable[[str], None] = lambda m: None,
+    overlap: bool = ClusterSpec.overlap_scheduling,
 ) -> dict:
     spec = SweepSpec()
-    cluster_spec = ClusterSpec(workers=workers, model="tiny", extra_env=dict(extra_env or {}))
+    cluster_spec = ClusterSpec(
+        workers=workers, model="tiny", extra_env=dict(extra_env or {}), overlap_scheduling=overlap
+    )
     with LocalCluster(cluster_spec) as cluster, SchedulerClient(cluster.scheduler_address) as client:
         prompts = make_prompts(spec, client.list_workers()[0].vocab_size)
         run_one(client, spec, prompts, spec.concurrency[-1])  # warm-up
@@ -41,6 +44,7 @@ def sweep_ticks_per_s(
         "ticks_per_sweep": ticks,
         "repeats": repeats,
         "workers": workers,
+        "overlap_scheduling": overlap,
         "ticks_per_s_median": round(runs[len(runs) // 2], 1),
         "ticks_per_s_best": round(runs[-1], 1),
     }

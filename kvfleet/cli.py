@@ -29,7 +29,8 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
-def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None) -> None:
+def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None, overlap: bool | None = None) -> None:
+    """overlap: the local cluster's overlapped scheduling by default (None: the scheduler's)."""
     from kvfleet.local_cluster import ClusterSpec
 
     d = ClusterSpec()  # every flag's default is the cluster's (which are the services')
@@ -45,6 +46,19 @@ def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None) -> 
     )
     p.add_argument("--max-running", type=int, default=d.max_running)
     p.add_argument("--prefill-token-budget", type=int, default=d.prefill_token_budget)
+    p.add_argument(
+        "--overlap-scheduling",
+        dest="overlap_scheduling",
+        action="store_true",
+        default=d.overlap_scheduling if overlap is None else overlap,
+        help="the scheduler plans and sends tick N+1 while tick N computes (the same tokens, other tick counts)",
+    )
+    p.add_argument(
+        "--no-overlap-scheduling",
+        dest="overlap_scheduling",
+        action="store_false",
+        help="the scheduler runs one tick at a time (the tick figures of tests/data's sweep reference)",
+    )
     p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV blocks per worker (of 16 tokens)")
     p.add_argument(
         "--kv-cache-memory",
@@ -71,6 +85,7 @@ def _spec(a: argparse.Namespace, port: int = 0):
         scheduler_port=port,
         max_running=a.max_running,
         prefill_token_budget=a.prefill_token_budget,
+        overlap_scheduling=a.overlap_scheduling,
         num_blocks=a.num_blocks,
         kv_cache_memory=a.kv_cache_memory,
         max_model_len=a.max_model_len,
@@ -486,7 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sw = sub.add_parser("sweep", help="run the concurrency sweep and write its JSON")
     sw.add_argument("--scheduler", default=None, help="HOST:PORT of a running cluster (else a local one)")
-    _add_cluster_flags(sw)
+    # Off by default: the sweep reproduces the reference's tick figures (tests/data), which are
+    # those of one tick at a time; --overlap-scheduling measures the default scheduler instead.
+    _add_cluster_flags(sw, overlap=False)
     sw.add_argument("--sessions", type=int, default=8)
     sw.add_argument("--prompt-len", type=int, default=4)
     sw.add_argument("--max-new-tokens", type=int, default=8)

@@ -65,6 +65,8 @@ class ClusterSpec:
     scheduler_port: int = 0  # 0 = a free port
     max_running: int = SchedulerLimits.max_running
     prefill_token_budget: int = SchedulerLimits.prefill_token_budget
+    # The scheduler's --overlap-scheduling (plan tick N+1 while tick N computes).
+    overlap_scheduling: bool = SchedulerConfig.overlap_scheduling
     num_blocks: int = WorkerConfig.num_blocks
     kv_cache_memory: str = WorkerConfig.kv_cache_memory  # each worker's KV pool by memory (wins)
     block_size: int = WorkerConfig.block_size
@@ -272,6 +274,7 @@ class LocalCluster:
                     str(s.prefill_token_budget),
                     "--drain-grace",
                     str(s.drain_grace_s),
+                    "--overlap-scheduling" if s.overlap_scheduling else "--no-overlap-scheduling",
                     *s.scheduler_args,
                 ],
             )

@@ -81,6 +81,20 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
         action="store_false",
         help="place sessions on the least loaded worker only",
     )
+    p.add_argument(
+        "--overlap-scheduling",
+        dest="overlap_scheduling",
+        action="store_true",
+        env="KVFLEET_OVERLAP_SCHEDULING",
+        default=c.overlap_scheduling,
+        help="plan and send tick N+1 while tick N computes (tokens are the same; ticks differ)",
+    )
+    p.add_argument(
+        "--no-overlap-scheduling",
+        dest="overlap_scheduling",
+        action="store_false",
+        help="run one tick at a time: plan, step, apply (the reference's tick figures)",
+    )
     p.add_argument("--step-timeout", type=float, env="KVFLEET_STEP_TIMEOUT_S", default=c.step_timeout_s)
     p.add_argument(
         "--no-worker-wait",
@@ -147,6 +161,7 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
         drain_grace_s=a.drain_grace,
         metrics_port=a.metrics_port,
         no_worker_wait_s=a.no_worker_wait,
+        overlap_scheduling=a.overlap_scheduling,
     )
 
 

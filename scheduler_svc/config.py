@@ -24,6 +24,10 @@ class SchedulerConfig:
     health_interval_s: float = 1.0  # how often dead workers are probed
     no_worker_wait_s: float = 30.0  # sessions wait this long for a live worker, then UNAVAILABLE
     stats_interval_s: float = 10.0  # how often workers' memory (GetStats) is read for ListWorkers
+    # Plan and send tick N+1 while tick N computes (scheduler_svc.runtime). On: it measured ahead
+    # or level at every batch, most at large ones (bench/README.md, bench.control_plane). Off: one
+    # tick at a time, the tick figures of the sweep reference (the tokens are the same either way).
+    overlap_scheduling: bool = True
     drain_grace_s: float = 10.0
     metrics_port: int = 9400  # Prometheus /metrics; 0 = off
     tls: TlsConfig = field(default_factory=TlsConfig)  # serving, and dialling the workers

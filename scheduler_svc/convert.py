@@ -111,6 +111,7 @@ def step_request(prefill: Sequence[PrefillWork], decode: Sequence[DecodeWork]) -
             sampling=_sampling_to_wpb(d.sampling),
             generated_so_far=d.generated_so_far,
             block_ids=d.block_ids,
+            last_sampled=d.last_sampled,
         )
     return req
 

@@ -15,8 +15,9 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry.context import Context
 from opentelemetry.trace import Span
@@ -56,6 +57,9 @@ class RuntimeConfig:
     health_interval_s: float = 1.0
     no_worker_wait_s: float = 30.0
     stats_interval_s: float = 10.0  # how often live workers' memory (GetStats) is read
+    # Plan and send tick N+1 while tick N computes (see _run_overlapped); off: one tick at a time.
+    # The service sets it from SchedulerConfig.overlap_scheduling (on by default).
+    overlap: bool = False
 
 
 @dataclass(frozen=True)
@@ -285,6 +289,9 @@ class SchedulerRuntime:
     # ---- the loop -------------------------------------------------------------------------
 
     async def _run(self) -> None:
+        if self._config.overlap:
+            await self._run_overlapped()
+            return
         while not self._stopping:
             if not self._core.has_work():
                 await self._idle(None)
@@ -304,6 +311,78 @@ class SchedulerRuntime:
                 continue
             self._emit(out, sum(len(w.token_ids) for w in plan.prefill), len(plan.decode))
             self._tick_done.set()
+
+    async def _run_overlapped(self) -> None:
+        """Overlapped scheduling: tick N+1 is planned from the state tick N is expected to leave
+        and its steps sent before N answers, so a worker finds its next step waiting when it
+        finishes one (each worker runs them in the order sent). A decode planned so carries no
+        token: the worker uses the one it sampled last. Once N+1 is out, N-1's events are
+        delivered (in the workers' shadow), then N's answers are awaited and applied.
+
+        A session that tick N ends (EOS, a stop token, an item error) had one more item in N+1:
+        its result is stale and discarded (the session's epoch moved on), and its KV is freed
+        with tick N+2's steps, which run after N+1 on that worker. A stop string is found when
+        N's events are delivered, after N+2 went out: both extra tokens are not taken."""
+        out_now: _Flight | None = None
+        try:
+            while not self._stopping:
+                if out_now is None and not self._core.has_work():
+                    await self._idle(None)
+                    continue
+                sent = None
+                try:
+                    plan = self._core.schedule()
+                    self._emit(_settled(plan))
+                    if not plan.empty:
+                        sent = self._launch(plan)
+                        self._no_worker_since = None
+                        await asyncio.sleep(0)  # let its steps go out: the rest is in their shadow
+                except Exception:  # a bug, not a worker fault: log it and keep serving
+                    log.exception("planning a tick failed")
+                    await asyncio.sleep(_IDLE_REPLAN_S)
+                try:
+                    self._deliver()
+                except Exception:  # a bug: log it, but the ticks out must still be applied
+                    log.exception("delivering the events of tick %d failed", self._core.tick)
+                if out_now is not None:
+                    await self._land(out_now)
+                elif sent is None:
+                    self._drop_if_no_worker_for_too_long()
+                    await self._idle(_IDLE_REPLAN_S)
+                out_now = sent
+        finally:
+            if out_now is not None:  # stopping: its answers are not wanted
+                out_now.calls.cancel()
+
+    def _launch(self, plan: TickPlan) -> _Flight:
+        """Send a tick's steps now; its results are taken by _land."""
+        for work in plan.prefill:
+            if work.start_position == 0:
+                self._observe.session_admitted(work.session_id)
+        sessions = [w.session_id for w in plan.prefill + plan.decode]
+        span = self._spans.start_tick(
+            plan.tick, sessions, sum(len(w.token_ids) for w in plan.prefill), len(plan.decode), self._arm_of(sessions)
+        )
+        start_ns = time.time_ns()
+        ids, gathered = self._send(plan, span)
+        return _Flight(plan, span, start_ns, ids, gathered)
+
+    async def _land(self, flight: _Flight) -> None:
+        """A sent tick's answers, applied to the core; its events are delivered once the next
+        tick's steps are out."""
+        plan = flight.plan
+        try:
+            results, failed, failed_steps = self._answers(plan, flight.workers, await flight.calls)
+            self._spans.session_steps(flight.span, plan, flight.start_ns, time.time_ns())
+            out = self._core.update(plan, results, failed, failed_steps)
+        except Exception:  # a bug, not a worker fault: log it and keep serving
+            log.exception("tick %d failed", plan.tick)
+            await asyncio.sleep(_IDLE_REPLAN_S)
+            return
+        finally:
+            flight.span.end()
+        self._emit(out, sum(len(w.token_ids) for w in plan.prefill), len(plan.decode))
+        self._tick_done.set()
 
     async def _idle(self, timeout: float | None) -> None:
         """Nothing to step: deliver what is pending, free what waits to be freed, then wait for
@@ -337,9 +416,22 @@ class SchedulerRuntime:
     def _arm_of(self, session_ids: Iterable[str]) -> ExperimentArm | None:
         return self._arms.shared(self._core.session(s).workload_id for s in session_ids)
 
-    async def _dispatch(self, plan: TickPlan, span: Span) -> tuple[dict[str, StepResult], set[str], dict[str, str]]:
+    async def _dispatch(self, plan: TickPlan, span: Span) -> _Answers:
         """Send each worker its step; returns the items' results, the workers that did not answer
-        (marked dead by update) and, by worker, why a step failed on a worker that did answer."""
+        (marked dead by update) and, by worker, why a step failed on a worker that did answer.
+        The outbox is delivered while the workers compute."""
+        ids, gathered = self._send(plan, span)
+        if self._outbox:
+            await asyncio.sleep(0)  # let the steps go out first: the workers compute meanwhile
+            try:
+                self._deliver()
+            except Exception:  # a bug: log it, but this tick's steps are out and must be applied
+                log.exception("delivering tick %d's events failed", plan.tick - 1)
+        return self._answers(plan, ids, await gathered)
+
+    def _send(self, plan: TickPlan, span: Span) -> tuple[list[str], asyncio.Future[list[Any]]]:
+        """Start every worker's step call now (each numbered in the order sent), and the releases
+        of workers with no step; returns the workers stepped and all the calls gathered."""
         by_worker = plan.by_worker()
         ids = list(by_worker)
         steps = []
@@ -356,14 +448,15 @@ class SchedulerRuntime:
                 )
             )
         others, self._pending_release = self._pending_release, {}
-        gathered = asyncio.gather(*steps, self._release(others), return_exceptions=True)
-        if self._outbox:
-            await asyncio.sleep(0)  # let the steps go out first: the workers compute meanwhile
-            try:
-                self._deliver()
-            except Exception:  # a bug: log it, but this tick's steps are out and must be applied
-                log.exception("delivering tick %d's events failed", plan.tick - 1)
-        responses = (await gathered)[: len(ids)]
+        return ids, asyncio.gather(*steps, self._release(others), return_exceptions=True)
+
+    def _answers(self, plan: TickPlan, ids: list[str], gathered: list[Any]) -> _Answers:
+        """The step calls' answers (`gathered`: one per worker in `ids`, then the releases'), by
+        item, with the workers that did not answer and the steps that failed. An item error of
+        a stale item (its session ended or moved meanwhile: the extra item overlapped scheduling
+        sent) is not reported: the session's worker freed it, and update() ignores it."""
+        stale = {w.session_id for w in plan.prefill + plan.decode if self._core.stale(w)}
+        responses = gathered[: len(ids)]
         results: dict[str, StepResult] = {}
         failed: set[str] = set()
         failed_steps: dict[str, str] = {}
@@ -387,7 +480,11 @@ class SchedulerRuntime:
                 raise resp
             elif resp is not None:
                 results.update(resp)
-                errors = [r for r in resp.values() if r.status in (StepStatus.REJECTED, StepStatus.FAILED)]
+                errors = [
+                    r
+                    for r in resp.values()
+                    if r.status in (StepStatus.REJECTED, StepStatus.FAILED) and r.session_id not in stale
+                ]
                 for r in errors:
                     log.warning("worker %s: session %s %s: %s", worker_id, r.session_id, r.status.value, r.error)
                 if errors:
@@ -521,13 +618,18 @@ class SchedulerRuntime:
             pending, self._pending_release = self._pending_release, {}
             await self._release(pending)
 
-    async def _release(self, release: Mapping[str, Sequence[str]]) -> None:
-        """Tell workers with no step this tick which sessions to forget (a step with no items)."""
+    def _release(self, release: Mapping[str, Sequence[str]]) -> Awaitable[None]:
+        """Tell workers with no step this tick which sessions to forget (a step with no items):
+        the calls start now, in order with the steps; await the result."""
         calls = [
             self._clients[w].step((), (), sids, None, None, self._config.step_timeout_s)
             for w, sids in release.items()
             if w in self._clients and self._core.workers.get(w).live
         ]
+        return self._released(calls)
+
+    @staticmethod
+    async def _released(calls: Sequence[Awaitable[object]]) -> None:
         for res in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(res, BaseException):
                 log.warning("release failed: %s", res)
@@ -567,6 +669,21 @@ class SchedulerRuntime:
             log.warning("could not read worker %s's stats: %s", worker_id, exc)
             return
         self._rss_bytes[worker_id] = held.rss_bytes
+
+
+@dataclass
+class _Flight:
+    """A tick whose steps are out (overlapped scheduling)."""
+
+    plan: TickPlan
+    span: Span
+    start_ns: int
+    workers: list[str]  # the workers stepped, in the order of the calls' answers
+    calls: asyncio.Future[list[Any]]  # every step and release call of the tick, gathered
+
+
+# A tick's answers: results by session, workers that did not answer, worker -> why its step failed.
+_Answers = tuple[dict[str, StepResult], set[str], dict[str, str]]
 
 
 def _settled(plan: TickPlan) -> TickOutcome:

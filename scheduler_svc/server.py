@@ -540,6 +540,7 @@ async def create_server(config: SchedulerConfig):
             health_interval_s=config.health_interval_s,
             no_worker_wait_s=config.no_worker_wait_s,
             stats_interval_s=config.stats_interval_s,
+            overlap=config.overlap_scheduling,
         ),
         OutputProcessor(prompts.stream, prompts.token_text),
     )

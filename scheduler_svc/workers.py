@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -77,6 +77,11 @@ class WorkerClient:
     # The next step tells the worker to forget every session: the scheduler's books for it
     # start empty (at start-up, and when a worker marked dead is taken back).
     reset_pending: bool = True
+    # The number of the last step sent (StepRequest.seq): the worker runs them in this order,
+    # since a step may go out before the last one answered (overlapped scheduling). It starts at
+    # the client's creation time in microseconds, above any number an earlier scheduler process
+    # sent, and only rises (see worker_svc.step_order).
+    sent_steps: int = field(default_factory=lambda: time.time_ns() // 1000)
 
     @classmethod
     def open(cls, address: str, tls: TlsConfig | None = None, secret: str = "") -> "WorkerClient":
@@ -133,7 +138,7 @@ class WorkerClient:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
-    async def step(
+    def step(
         self,
         prefill: Sequence[PrefillWork],
         decode: Sequence[DecodeWork],
@@ -141,11 +146,16 @@ class WorkerClient:
         arm: ExperimentArm | None,
         span: Span | None,
         timeout: float,
-    ) -> Mapping[str, StepResult]:
-        """One tick's work on this worker (a reset and releases first), in one round trip."""
+    ) -> Awaitable[Mapping[str, StepResult]]:
+        """One tick's work on this worker (a reset and releases first), in one round trip. The
+        call is numbered and started now, in the order of these calls; await its answer."""
         request = convert.step_request(prefill, decode)
         request.release_session_ids.extend(release)
-        request.reset = self.reset_pending
+        # Cleared as it is sent, not when it answers: a second step may go out meanwhile, and it
+        # must not forget what the first placed. (A worker that fails it is taken back with a reset.)
+        request.reset, self.reset_pending = self.reset_pending, False
+        self.sent_steps += 1
+        request.seq = self.sent_steps
         if self.info is not None:
             request.instance_id = self.info.instance_id
         if arm is not None:
@@ -153,12 +163,13 @@ class WorkerClient:
             request.experiment_id = arm.experiment_id
             request.experiment_arm = arm.arm
         trace_md = inject_metadata(trace.set_span_in_context(span)) if span is not None else ()
+        return self._answer(self.stub.Step(request, timeout=timeout, metadata=(*self.auth, *trace_md)))
+
+    async def _answer(self, call: Awaitable[wpb.StepResponse]) -> Mapping[str, StepResult]:
         try:
-            resp = await self.stub.Step(request, timeout=timeout, metadata=(*self.auth, *trace_md))
+            resp = await call
         except grpc.aio.AioRpcError as exc:
             raise WorkerCallFailed(self.address, exc.code(), exc.details() or "") from exc
-        if request.reset:
-            self.reset_pending = False
         return convert.step_results(resp)
 
     async def held(self, timeout: float) -> HeldSessions:

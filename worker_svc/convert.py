@@ -103,6 +103,7 @@ def decode_from_pb(items) -> list[DecodeItem]:
                 generated_so_far=i.generated_so_far,
                 block_ids=tuple(i.block_ids),
                 invalid=invalid,
+                last_sampled=i.last_sampled,
             )
         )
     return out
@@ -120,6 +121,7 @@ class StepCall:
     experiment_arm: str
     instance_id: str = ""  # the worker instance the scheduler's books are for ("" = any)
     reset: bool = False  # forget every session first
+    seq: int = 0  # the scheduler's number for this step (0 = unnumbered; see step_order)
 
     @property
     def tokens(self) -> int:
@@ -144,6 +146,7 @@ def step_from_pb(request: pb.StepRequest) -> StepCall:
         request.experiment_arm,
         request.instance_id,
         request.reset,
+        request.seq,
     )
 
 

@@ -18,7 +18,7 @@ of the batched forward itself raises after freeing the step's sessions.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -35,6 +35,8 @@ from worker_svc.platform import DEVICE_RE, resolve_device, synchronize
 from worker_svc.runner import RunItem, run_step
 from worker_svc.sampling import ConstraintFactory, ConstraintRefused, Sampled, SamplingSpec, SessionSampling
 from worker_svc.sampling import sample_token as sample_token  # re-exported for existing callers
+
+_NO_LAST = -1  # the token of a last-sampled decode whose session has none here
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,6 +65,9 @@ class DecodeItem:
     generated_so_far: int
     block_ids: tuple[int, ...] = ()  # blocks added to the session's table (the scheduler's)
     invalid: str = ""  # why the request cannot be run as sent (its sampling broke the rules)
+    # token_id is not given: the token this engine sampled last for the session (the scheduler
+    # planned this step before that token came back to it). CACHE_MISS if there is none.
+    last_sampled: bool = False
 
 
 class ItemStatus(Enum):
@@ -215,7 +220,9 @@ class _Admitted:
     cached: int = 0  # leading tokens of the chunk reused from the prefix cache, not run
 
 
-def _requests(prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem]) -> list[_Request]:
+def _requests(prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem], last: Mapping[str, int]) -> list[_Request]:
+    """The step's items as one list; a decode of the last sampled token reads it from ``last``
+    (_NO_LAST when there is none: the item is then a CACHE_MISS)."""
     out = [
         _Request(
             i,
@@ -236,7 +243,7 @@ def _requests(prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem]) -> l
         _Request(
             len(prefill) + i,
             d.session_id,
-            (d.token_id,),
+            (last.get(d.session_id, _NO_LAST) if d.last_sampled else d.token_id,),
             d.position,
             True,
             d.sampling,
@@ -310,6 +317,9 @@ class Engine:
         # Each held session's block table (as the scheduler sent it) and tokens in the KV.
         self._tables: dict[str, list[int]] = {}
         self._held: dict[str, int] = {}
+        # Each held session's last sampled token: the input of a decode planned before it came
+        # back to the scheduler (DecodeItem.last_sampled).
+        self._last: dict[str, int] = {}
         elem = torch.empty((), dtype=kv_dtype).element_size()
         self.kv_bytes_per_token = cfg.kv_bytes_per_token(elem)
         self.capacity_tokens = config.num_blocks * config.block_size
@@ -424,11 +434,15 @@ class Engine:
         """
         t_start = time.perf_counter_ns()
         views = self._views[KVViewsMode.parse(kv_views)] if kv_views else self.views
-        requests = _requests(prefill, decode)
+        requests = _requests(prefill, decode, self._last)
         self._check_step(requests)
         admitted: list[_Admitted] = []
         failed: dict[int, tuple[ItemStatus, str]] = {}  # by output index: (status, error)
         for r in requests:
+            if r.tokens and r.tokens[-1] == _NO_LAST:  # a decode of a last sampled token this engine lacks
+                self._counts["cache_misses"] += 1
+                failed[r.out_index] = (ItemStatus.CACHE_MISS, "")
+                continue
             problem = self._problem(r)
             got = (ItemStatus.REJECTED, problem) if problem else self._admit(r)
             if isinstance(got, _Admitted):
@@ -456,6 +470,9 @@ class Engine:
                 self.sampling.feed(a.request.session_id, a.request.tokens, a.request.start)
             sampled = [a.request for a in admitted if a.run.sample]
             sync_ns = self._sample(sampled, logits, tokens, logits_out, failed)
+            for r in sampled:
+                if r.out_index in tokens:
+                    self._last[r.session_id] = tokens[r.out_index].token_id
             chunks = sum(len(a.request.tokens) for a in admitted if a.request.creates)
             self._counts["prefill_tokens"] += chunks
             if self.config.prefix_caching:
@@ -542,6 +559,7 @@ class Engine:
             if self._held.pop(sid, None) is not None:
                 held += 1
             self._tables.pop(sid, None)
+            self._last.pop(sid, None)
             self.sampling.forget(sid)
             for views in self._views.values():
                 views.release(sid)

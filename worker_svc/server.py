@@ -29,6 +29,7 @@ from worker_svc.config import WorkerConfig
 from worker_svc.engine import Engine, EngineConfig, StepOutput
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.spans import emit_step_spans
+from worker_svc.step_order import StaleStep, StepOrder
 
 if TYPE_CHECKING:
     from kvfleet_models.grammar import GrammarConstraint
@@ -62,6 +63,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         # One mutation of the engine (step, release) at a time: its KV books and views are
         # not thread-safe. Stats are read under it too, so they are never seen half-updated.
         self._lock = asyncio.Lock()
+        self._order = StepOrder()  # numbered steps run in the scheduler's order
         # The thread of a step whose RPC was cancelled (deadline expired, client gone). A
         # thread cannot be stopped: it keeps the lock until it returns, and meanwhile GetInfo,
         # the scheduler's dead-worker probe, answers UNAVAILABLE so that the scheduler does not
@@ -90,24 +92,40 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def Step(self, request, context):
         await authorize_peer(context, self._config.tls)
+        if request.instance_id and request.instance_id != self.instance_id:
+            # Before its turn: a step for the instance before a restart would wait for a
+            # predecessor this instance never saw.
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this worker restarted (instance {self.instance_id}; the step is for {request.instance_id}): "
+                "the KV it held is gone; read GetInfo again and recompute its sessions",
+            )
+        try:
+            # In the scheduler's order (it may send a step before the last one answered). From
+            # here to queueing for the engine lock nothing awaits, so the order holds there.
+            await self._order.turn(request.seq, request.reset, context.time_remaining())
+        except StaleStep as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"stale step: {exc}; it was not run")
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"step {request.seq} came but step {request.seq - 1} of this scheduler never did: the steps "
+                "cannot run in order; recompute this step's sessions",
+            )
         try:
             call = convert.step_from_pb(request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if call.instance_id and call.instance_id != self.instance_id:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"this worker restarted (instance {self.instance_id}; the step is for {call.instance_id}): "
-                "the KV it held is gone; read GetInfo again and recompute its sessions",
-            )
-        wall_start = time.time_ns()
         try:
-            out, step_ns = await self._locked_step(call)
+            out, step_ns, wall_start = await self._locked_step(call)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:  # the batched forward failed; the engine freed the step's sessions
             log.exception("a step failed")
             await context.abort(grpc.StatusCode.INTERNAL, f"the step failed on the worker: {type(exc).__name__}: {exc}")
+        # A step queued behind this one (overlapped scheduling) takes the lock and goes to the
+        # compute thread first: this one's spans and answer are built while it runs.
+        await asyncio.sleep(0)
         kv_views = call.kv_views or self._config.kv_views
         attrs: dict[str, str | int] = {
             "kvfleet.worker.id": self._config.worker_id,
@@ -123,8 +141,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         )
         return convert.step_to_pb(out, step_ns)
 
-    async def _locked_step(self, call: convert.StepCall) -> tuple[StepOutput, int]:
-        """Run the step holding the lock; returns its output and wall ns.
+    async def _locked_step(self, call: convert.StepCall) -> tuple[StepOutput, int, int]:
+        """Run the step holding the lock; returns its output, wall ns and start (epoch ns: once it
+        holds the lock, so that a step queued behind another, as overlapped scheduling sends
+        them, does not count its wait as work in its span).
 
         Waiting for the lock may be cancelled (nothing has changed yet). Once the step runs in
         a thread, a cancellation no longer releases the lock: ``_abandon`` keeps it until the
@@ -133,7 +153,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         await self._lock.acquire()
         handed_over = False
         try:
-            start = time.perf_counter_ns()
+            wall_start, start = time.time_ns(), time.perf_counter_ns()
             # With a compute thread every torch call goes to it, even a tiny step: torch work on
             # a second thread gives it a second OpenMP pool, and the compute thread's steps run
             # up to 2x slower from then on (see ``compute``).
@@ -152,7 +172,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self._last_step = (step_ns / 1e9, call.tokens)
             prefill_tokens = sum(len(p.token_ids) for p in call.prefill)
             self.metrics.observe_step(step_ns / 1e9, prefill_tokens, len(call.decode))
-            return out, step_ns
+            return out, step_ns, wall_start
         finally:
             if not handed_over:
                 self._lock.release()

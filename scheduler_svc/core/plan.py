@@ -21,6 +21,7 @@ class PrefillWork:
     generated_so_far: int  # index of the token to sample
     block_ids: tuple[int, ...] = ()  # blocks added to the session's table since its last step
     cached_tokens: int = 0  # leading tokens of the chunk whose KV those blocks hold already
+    epoch: int = 0  # the session's epoch when planned: a result for an older one is stale
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,10 @@ class DecodeWork:
     sampling: Sampling
     generated_so_far: int
     block_ids: tuple[int, ...] = ()  # blocks added to the session's table since its last step
+    epoch: int = 0  # the session's epoch when planned: a result for an older one is stale
+    # Planned while the step that samples the session's latest token was still out (overlapped
+    # scheduling): token_id is unknown here; the worker uses the token it sampled last.
+    last_sampled: bool = False
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,8 @@ class TickPlan:
     finished: tuple[tuple[str, FinishReason], ...] = ()
     requeued: tuple[str, ...] = ()
     release: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # worker -> sessions
+    started: float = 0.0  # the core's clock when planned (the tick's start, for its figures)
+    workloads: tuple[str, ...] = ()  # the workloads active when it was planned
 
     @property
     def empty(self) -> bool:

@@ -80,8 +80,10 @@ class SchedulerCore:
         self._finish_requested: dict[str, FinishReason] = {}
         self._seq = 0
         self._tick = 0
-        self._tick_started = 0.0
-        self._tick_workloads: tuple[str, ...] = ()  # workloads present at the planned tick's start
+        # Each running session's work in a planned tick not yet updated. With overlapped
+        # scheduling schedule() plans tick N+1 while tick N is out: it plans from the state N is
+        # expected to leave (see _expected), at most one tick ahead of update().
+        self._ahead: dict[str, PrefillWork | DecodeWork] = {}
 
     # ---- workers -------------------------------------------------------------------------
 
@@ -226,34 +228,37 @@ class SchedulerCore:
         """Decide this tick's work. Cancellations and preemptions are settled here and travel in
         the plan; the steps' results come back through `update`."""
         tick = self._tick + 1
-        self._tick_started = self._clock()
+        started = self._clock()
         settled = TickOutcome(tick=tick)
         self._settle_finishes(settled)
         preempted: set[str] = set()
         if self.limits.kv_policy == "preempt":
             preempted = self._make_room_for_decodes(settled)
 
-        self._tick_workloads = tuple(self.accounting.active_workloads())
+        workloads = tuple(self.accounting.active_workloads())
         budget = PrefillBudget(
-            self.limits.prefill_token_budget, {w: self._caps[w].prefill_token_budget for w in self._tick_workloads}
+            self.limits.prefill_token_budget, {w: self._caps[w].prefill_token_budget for w in workloads}
         )
-        # Decode batch: sessions whose prefill finished in an earlier tick.
-        decode = [
-            self._decode_work(self._sessions[sid]) for sid in self._running if self._sessions[sid].phase == Phase.DECODE
-        ]
-        # Chunked prefills already under way go first.
-        prefill = [
-            w
-            for w in (
-                self._prefill_chunk(self._sessions[sid], budget)
-                for sid in self._running
-                if self._sessions[sid].phase == Phase.PREFILL
-            )
-            if w is not None
-        ]
+        decode: list[DecodeWork] = []
+        prefill: list[PrefillWork] = []
+        for sid in self._running:
+            session = self._sessions[sid]
+            phase, _, generated = self._expected(session)
+            if phase == Phase.DECODE:
+                # Decode batch: sessions whose prefill finished in an earlier tick (one still out
+                # counts as done), unless the tick still out gives them their last token.
+                if generated < session.request.max_new_tokens:
+                    decode.append(self._decode_work(session))
+            else:
+                # Chunked prefills already under way go first.
+                chunk = self._prefill_chunk(session, budget)
+                if chunk is not None:
+                    prefill.append(chunk)
         prefill += self._admit(tick, budget, preempted)
         if prefill or decode:
             self._tick = tick
+            self._ahead.update((w.session_id, w) for w in prefill)
+            self._ahead.update((w.session_id, w) for w in decode)
         else:
             self._close_workloads()  # e.g. every remaining session was cancelled
         return TickPlan(
@@ -263,7 +268,22 @@ class SchedulerCore:
             finished=tuple(settled.finished),
             requeued=tuple(settled.requeued),
             release={w: tuple(s) for w, s in settled.release.items()},
+            started=started,
+            workloads=workloads,
         )
+
+    def _expected(self, session: Session) -> tuple[Phase, int, int]:
+        """(phase, tokens in its KV, tokens generated) once its work in a tick still out is done as
+        planned: the state the next tick is planned from. Without one: as it is."""
+        work = self._ahead.get(session.session_id)
+        if work is None:
+            return session.phase, session.kv_tokens, len(session.generated)
+        if isinstance(work, DecodeWork):
+            return Phase.DECODE, work.position + 1, work.generated_so_far + 1
+        end = work.start_position + len(work.token_ids)
+        if work.last_chunk:
+            return Phase.DECODE, end, work.generated_so_far + 1
+        return Phase.PREFILL, end, work.generated_so_far
 
     def _settle_finishes(self, out: TickOutcome) -> None:
         """The finishes asked for since the last tick (cancels, stop strings), in arrival order."""
@@ -352,11 +372,12 @@ class SchedulerCore:
         preempted: set[str] = set()
         for sid in list(self._running):  # oldest first get room first
             session = self._sessions[sid]
-            if session.phase != Phase.DECODE or sid in preempted:
+            phase, kv_tokens, generated = self._expected(session)
+            if phase != Phase.DECODE or sid in preempted or generated >= session.request.max_new_tokens:
                 continue
             worker_id = session.worker_id
             assert worker_id is not None
-            while not self.kv.grow(sid, session.kv_tokens + 1):
+            while not self.kv.grow(sid, kv_tokens + 1):
                 victim = self._sessions[
                     choose_victim(
                         [
@@ -379,7 +400,7 @@ class SchedulerCore:
         room = budget.room(session.workload_id)
         if room <= 0:
             return None
-        start = session.kv_tokens
+        _, start, _ = self._expected(session)
         # The first chunk carries the cached prefix too (the worker's sampling history wants
         # every prompt token); only the tokens to compute spend the budget.
         cached = session.cached_tokens if start == 0 else 0
@@ -396,17 +417,22 @@ class SchedulerCore:
             generated_so_far=len(session.generated),
             block_ids=self.kv.new_blocks(session.session_id),
             cached_tokens=cached,
+            epoch=session.epoch,
         )
 
     def _decode_work(self, session: Session) -> DecodeWork:
+        _, position, generated = self._expected(session)
+        ahead = session.session_id in self._ahead  # its latest token is still being sampled
         return DecodeWork(
             session_id=session.session_id,
             worker_id=session.worker_id or "",
-            token_id=session.generated[-1],
-            position=session.kv_tokens,
+            token_id=0 if ahead else session.generated[-1],
+            position=position,
             sampling=session.request.sampling,
-            generated_so_far=len(session.generated),
+            generated_so_far=generated,
             block_ids=self.kv.new_blocks(session.session_id),
+            epoch=session.epoch,
+            last_sampled=ahead,
         )
 
     # ---- the tick: update --------------------------------------------------------------------
@@ -429,9 +455,14 @@ class SchedulerCore:
         out = TickOutcome(tick=plan.tick)
         if plan.empty:
             return out
-        tallies = {wid: _Tally() for wid in self._tick_workloads}
+        tallies = {wid: _Tally() for wid in plan.workloads}
         total = _Tally()
+        for work in plan.prefill + plan.decode:  # first, so that nothing below can leave them
+            if self._ahead.get(work.session_id) is work:
+                del self._ahead[work.session_id]
         for work in plan.prefill + plan.decode:
+            if self.stale(work):
+                continue  # it left its worker since (closed, requeued): the result is not taken
             session = self._sessions[work.session_id]
             if work.worker_id in failed_workers or session.phase == Phase.FINISHED:
                 continue
@@ -486,7 +517,7 @@ class SchedulerCore:
 
         held = self._held_kv_bytes()
         tally = TickTally(
-            started=self._tick_started,
+            started=plan.started,
             ended=self._clock(),
             prefill_tokens=total.prefill,
             decode_tokens=total.decode,
@@ -499,6 +530,12 @@ class SchedulerCore:
         self.accounting.record_tick(tally, self._gauges)
         self._close_workloads()
         return out
+
+    def stale(self, work: PrefillWork | DecodeWork) -> bool:
+        """Whether the session left its worker (closed, requeued) after this work was planned:
+        with overlapped scheduling, the extra item of a session that the tick before ended."""
+        session = self._sessions.get(work.session_id)
+        return session is None or work.epoch != session.epoch
 
     def _end_on_item_error(self, session: Session, result: StepResult, out: TickOutcome) -> None:
         """The worker refused or failed this session's item alone (it freed the session there):
@@ -556,6 +593,7 @@ class SchedulerCore:
             out.free(session.worker_id, session.session_id)
             self._running.remove(session.session_id)
             self._unreserve(session)
+        self._left_worker(session)
         session.phase = Phase.FINISHED
         session.finish_reason = reason
         session.kv_tokens = 0
@@ -567,9 +605,15 @@ class SchedulerCore:
         self.kv.release(session.session_id)
         session.worker_id = None
 
+    def _left_worker(self, session: Session) -> None:
+        """Whatever of it is still out on a worker is stale from now on."""
+        session.epoch += 1
+        self._ahead.pop(session.session_id, None)
+
     def _requeue(self, session: Session) -> None:
         self._running.remove(session.session_id)
         self._unreserve(session)
+        self._left_worker(session)
         session.phase = Phase.QUEUED
         session.kv_tokens = 0
         bisect.insort(self._queue, (session.request.priority, session.seq, session.session_id))

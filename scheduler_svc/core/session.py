@@ -30,6 +30,9 @@ class Session:
     finish_reason: FinishReason | None = None
     admitted_tick: int = 0
     moves: int = 0  # recomputes after its worker or its step failed (capped: max_moves)
+    # Bumped whenever the session leaves its worker (requeued or closed): a result of work
+    # planned before that is stale (with overlapped scheduling one tick may still be out).
+    epoch: int = 0
 
     @property
     def prompt_len(self) -> int:

@@ -27,10 +27,16 @@ class InProcessCluster:
         loaded_model: tuple | None = None,
         device: str | None = None,
         max_model_len: int = 0,
+        overlap: bool | None = None,
     ) -> None:
         """loaded_model: (config, weights) already loaded for ``model`` (a session fixture's).
         device: the workers' torch device; default KVFLEET_TEST_WORKER_DEVICE, else cpu (the GPU
-        check, bench/gpu_session.sh, runs the cluster tests with cuda)."""
+        check, bench/gpu_session.sh, runs the cluster tests with cuda). overlap: the scheduler's
+        overlapped scheduling; default KVFLEET_TEST_OVERLAP_SCHEDULING (1: on), else off, the
+        reference's tick figures (a test that compares with them passes overlap=False)."""
+        if overlap is None:
+            overlap = os.environ.get("KVFLEET_TEST_OVERLAP_SCHEDULING", "") == "1"
+        self.overlap = overlap
         self.loaded_model = loaded_model
         self.stats_interval_s = stats_interval_s
         self.no_worker_wait_s = no_worker_wait_s
@@ -85,6 +91,7 @@ class InProcessCluster:
             metrics_port=0,
             no_worker_wait_s=self.no_worker_wait_s,
             stats_interval_s=self.stats_interval_s,
+            overlap_scheduling=self.overlap,
         )
         _, port, self.scheduler = self.run(create_scheduler(config))
         self.address = f"127.0.0.1:{port}"

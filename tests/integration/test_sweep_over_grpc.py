@@ -7,6 +7,7 @@ import pytest
 
 from kvfleet.client import SchedulerClient
 from kvfleet.sweep import SweepSpec, run_sweep
+from tests.integration.inproc import InProcessCluster
 
 # Kept inside the repository: a fresh clone must pass `make test` with nothing beside it.
 EXAMPLE = Path(__file__).resolve().parents[1] / "data" / "concurrency_sweep_example.json"
@@ -14,6 +15,14 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "data" / "concurrency_sweep_exam
 
 def _example() -> dict:
     return json.loads(EXAMPLE.read_text())
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # One tick at a time whatever KVFLEET_TEST_OVERLAP_SCHEDULING says: the reference's tick
+    # figures are those (overlapped scheduling gives the same tokens in other ticks).
+    with InProcessCluster(workers=2, overlap=False) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

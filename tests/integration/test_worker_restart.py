@@ -50,12 +50,17 @@ def test_a_step_for_another_instance_is_refused_and_a_reset_forgets_every_sessio
         assert miss.results[0].status == wpb.ITEM_CACHE_MISS
 
 
-def test_sessions_survive_their_worker_restarting_in_place() -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["one-tick", "overlap"])
+def test_sessions_survive_their_worker_restarting_in_place(overlap: bool) -> None:
+    """With overlap a second step is out when the worker goes: both fail, nothing is applied twice."""
     from worker_svc.server import create_server as create_worker
 
     prompts = [[i + 1, (3 * i) % 48, 7] for i in range(4)]
     new = 60
-    with InProcessCluster(workers=1, step_timeout_s=5) as c, SchedulerClient(c.address) as client:
+    with (
+        InProcessCluster(workers=1, step_timeout_s=5, overlap=overlap) as c,
+        SchedulerClient(c.address) as client,
+    ):
         streams = [client.stream(build_request(p, new, ignore_eos=True)) for p in prompts]
         got = [list(next(s).token_ids) for s in streams]
         # The worker process restarts on its address: same worker id, a new instance, empty KV.

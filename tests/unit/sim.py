@@ -71,11 +71,15 @@ def fake_token(session_id: str, index: int, vocab: int = 48) -> int:
 
 
 class FakeWorkers:
-    """Holds per-session KV token counts the way a worker would and answers every step."""
+    """Holds per-session KV token counts the way a worker would and answers every step. It also
+    keeps the token ids each session's KV holds and each one's last sampled token, which a
+    decode planned ahead (``last_sampled``) takes as its input, as a real worker does."""
 
     def __init__(self) -> None:
         self.kv: dict[str, int] = {}
         self.owner: dict[str, str] = {}  # session -> the worker whose cache holds its KV
+        self.seq: dict[str, list[int]] = {}  # session -> the token ids in its KV
+        self.last: dict[str, int] = {}  # session -> the token sampled last
 
     def run(self, plan: TickPlan) -> dict[str, StepResult]:
         results = {}
@@ -86,24 +90,32 @@ class FakeWorkers:
                 continue
             self.kv[p.session_id] = held + len(p.token_ids)
             self.owner[p.session_id] = p.worker_id
+            seq = self.seq.setdefault(p.session_id, [])
+            del seq[p.start_position :]
+            seq.extend(p.token_ids)
             tok = fake_token(p.session_id, p.generated_so_far) if p.last_chunk else None
+            if tok is not None:
+                self.last[p.session_id] = tok
             results[p.session_id] = StepResult(p.session_id, StepStatus.OK, tok, self.kv[p.session_id])
         for d in plan.decode:
             held = self.kv.get(d.session_id)
-            if held != d.position:
+            token = self.last.get(d.session_id) if d.last_sampled else d.token_id
+            if not d.last_sampled and d.session_id in self.last:
+                # The scheduler names the token it was given: the one this worker sampled last.
+                assert token == self.last[d.session_id], (d.session_id, token, self.last[d.session_id])
+            if held != d.position or token is None:
                 results[d.session_id] = StepResult(d.session_id, StepStatus.CACHE_MISS, None, held or 0)
                 continue
             self.kv[d.session_id] = held + 1
-            results[d.session_id] = StepResult(
-                d.session_id, StepStatus.OK, fake_token(d.session_id, d.generated_so_far), held + 1
-            )
+            self.seq[d.session_id].append(token)
+            self.last[d.session_id] = fake_token(d.session_id, d.generated_so_far)
+            results[d.session_id] = StepResult(d.session_id, StepStatus.OK, self.last[d.session_id], held + 1)
         return results
 
     def release(self, outcome: TickOutcome) -> None:
         for sids in outcome.release.values():
             for sid in sids:
-                self.kv.pop(sid, None)
-                self.owner.pop(sid, None)
+                self.lose(sid)
 
     def held_on(self, worker_id: str) -> int:
         """KV tokens this worker's cache holds, over all its sessions."""
@@ -113,13 +125,15 @@ class FakeWorkers:
         """The worker died: its cache is gone. Returns the sessions it held."""
         lost = sorted(sid for sid, w in self.owner.items() if w == worker_id)
         for sid in lost:
-            del self.kv[sid], self.owner[sid]
+            self.lose(sid)
         return lost
 
     def lose(self, session_id: str) -> None:
         """Forget one session's KV (e.g. evicted), so its next step is answered CACHE_MISS."""
         self.kv.pop(session_id, None)
         self.owner.pop(session_id, None)
+        self.seq.pop(session_id, None)
+        self.last.pop(session_id, None)
 
 
 def tiny_worker(worker_id: str = "w0", blocks: int = 1024, block_size: int = 16) -> WorkerSpec:
@@ -150,4 +164,36 @@ def run_to_completion(
         if on_tick:
             on_tick(plan, out)
         assert len(outcomes) < max_ticks
+    return outcomes
+
+
+def run_overlapped(
+    core: SchedulerCore,
+    workers: FakeWorkers,
+    max_ticks: int = 10_000,
+    on_land: Callable[[TickPlan, TickOutcome], None] | None = None,
+) -> list[TickOutcome]:
+    """Drive the core as the runtime's overlapped loop does: tick N+1 is planned, and the workers
+    run it (after N, as a worker runs its steps in order), before N's results are applied. The
+    releases schedule() settles ride on its own tick's steps; those update(N) names ride on
+    tick N+2's, so they reach the workers after N+1 ran. `on_land` sees each applied tick."""
+    outcomes: list[TickOutcome] = []
+    out_now: tuple[TickPlan, dict[str, StepResult]] | None = None
+    while core.has_work() or out_now is not None:
+        plan, early = plan_tick(core)
+        workers.release(early)
+        outcomes.append(early)
+        sent = None if plan.empty else (plan, workers.run(plan))
+        if out_now is not None:
+            out = core.update(*out_now)
+            workers.release(out)
+            outcomes.append(out)
+            if on_land is not None:
+                on_land(out_now[0], out)
+        elif sent is None:
+            if not core.has_work():
+                break
+            raise AssertionError("scheduler has work but planned nothing")
+        out_now = sent
+        assert len(outcomes) < 2 * max_ticks
     return outcomes

@@ -115,3 +115,11 @@ def test_cluster_spec_defaults_are_the_services() -> None:
     )
     assert (spec.max_running, spec.prefill_token_budget) == (limits.max_running, limits.prefill_token_budget)
     assert spec.drain_grace_s == SchedulerConfig(workers=("w:1",)).drain_grace_s
+    assert spec.overlap_scheduling == SchedulerConfig(workers=("w:1",)).overlap_scheduling
+
+
+def test_kvfleet_sweep_runs_one_tick_at_a_time_unless_asked() -> None:
+    # Its figures are compared with the reference's, which are one tick at a time.
+    assert _spec(build_parser().parse_args(["sweep"])).overlap_scheduling is False
+    assert _spec(build_parser().parse_args(["sweep", "--overlap-scheduling"])).overlap_scheduling is True
+    assert _spec(build_parser().parse_args(["up"])).overlap_scheduling is SchedulerConfig.overlap_scheduling

@@ -1,0 +1,175 @@
+"""The runtime's overlapped loop (issue 23 point 4) against a worker that keeps each session's
+last sampled token, as a real one does: tick N+1 goes out before tick N is applied, and a
+session that tick N ends (EOS, a stop string the output processor finds, an item error) had an
+extra item in N+1 whose token must never reach its stream. The oracle: the same sessions run
+one tick at a time give the same streams; the worker is told to forget every session."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+
+import pytest
+
+from scheduler_svc.core import SchedulerCore, SessionRequest, StepResult
+from scheduler_svc.core.limits import SchedulerLimits
+from scheduler_svc.core.plan import DecodeWork, PrefillWork
+from scheduler_svc.core.types import FinishReason, StepStatus, WorkerSpec
+from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.output import OutputProcessor
+from scheduler_svc.runtime import RuntimeConfig, SchedulerRuntime, SessionEvent
+from scheduler_svc.spans import SchedulerSpans
+from tests.unit.sim import fake_token
+
+
+class _Worker:
+    """Answers a step only when the test lets it (so that the next one is planned meanwhile),
+    runs steps in the order they were sent, and samples fake_token(session, index)."""
+
+    worker_id = "w0"
+
+    def __init__(self, fail_at: Mapping[str, int]) -> None:
+        self.kv: dict[str, int] = {}
+        self.last: dict[str, int] = {}
+        self.fail_at = fail_at  # session -> the index whose sampling fails (an item error)
+        self.planned_ahead = 0  # decodes that came without their token (last_sampled)
+        self._turn: asyncio.Lock | None = None
+
+    async def _run(self, prefill, decode, release) -> Mapping[str, StepResult]:
+        assert self._turn is not None
+        async with self._turn:  # one at a time, in the order sent, as StepOrder makes a worker
+            await asyncio.sleep(0)  # let the scheduler plan the next tick meanwhile
+            for sid in release:
+                self.kv.pop(sid, None)
+                self.last.pop(sid, None)
+            out = {}
+            for p in prefill:
+                self.kv[p.session_id] = p.start_position + len(p.token_ids)
+                tok = self._sample(p.session_id, p.generated_so_far) if p.last_chunk else None
+                out[p.session_id] = StepResult(p.session_id, StepStatus.OK, tok, self.kv[p.session_id])
+            for d in decode:
+                sid = d.session_id
+                if d.last_sampled:
+                    self.planned_ahead += 1
+                if self.kv.get(sid) != d.position or (d.last_sampled and sid not in self.last):
+                    out[sid] = StepResult(sid, StepStatus.CACHE_MISS, None, self.kv.get(sid, 0))
+                    continue
+                if d.generated_so_far == self.fail_at.get(sid):
+                    self.kv.pop(sid)  # the worker frees a session whose item failed
+                    self.last.pop(sid, None)
+                    out[sid] = StepResult(sid, StepStatus.FAILED, None, 0, error="injected")
+                    continue
+                self.kv[sid] += 1
+                out[sid] = StepResult(sid, StepStatus.OK, self._sample(sid, d.generated_so_far), self.kv[sid])
+            return out
+
+    def _sample(self, sid: str, index: int) -> int:
+        self.last[sid] = fake_token(sid, index)
+        return self.last[sid]
+
+    def step(self, prefill: Sequence[PrefillWork], decode: Sequence[DecodeWork], release, arm, span, timeout):
+        if self._turn is None:
+            self._turn = asyncio.Lock()
+        return asyncio.ensure_future(self._run(prefill, decode, tuple(release)))
+
+    async def close(self) -> None:
+        return None
+
+
+class _Text:
+    """A text stream: each token's text is its id and a space; a stop string is found when a
+    token's text is one of the request's stop strings."""
+
+    def __init__(self, request: SessionRequest) -> None:
+        self._stop = set(request.stop_strings)
+        self._stopped = False
+
+    def push(self, token: int) -> tuple[str, bool]:
+        if self._stopped:
+            return "", True
+        self._stopped = str(token) in self._stop
+        return f"{token} ", self._stopped
+
+    def flush(self) -> str:
+        return ""
+
+
+def _new_id(ids: list[str]):
+    it = iter(ids)
+    return lambda prefix: next(it)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_overlap_streams_what_one_tick_at_a_time_streams(seed):
+    ids = [f"s{i}" for i in range(6)]
+    # Each session's ending is known in advance: an EOS token, a stop string, an item error (the
+    # worker fails its sampling), or its length; each at an index that varies with the seed.
+    ends = {sid: 2 + (i + seed) % 4 for i, sid in enumerate(ids)}
+    kinds = {sid: ("eos", "stop", "error", "length")[(i + seed) % 4] for i, sid in enumerate(ids)}
+    requests = [
+        SessionRequest(
+            prompt_ids=tuple(range(1, 3 + i)),
+            max_new_tokens=9,
+            eos_token_ids=(fake_token(sid, ends[sid]),) if kinds[sid] == "eos" else (),
+            stop_strings=(str(fake_token(sid, ends[sid])),) if kinds[sid] == "stop" else (),
+        )
+        for i, sid in enumerate(ids)
+    ]
+    fail_at = {sid: ends[sid] for sid in ids if kinds[sid] == "error"}
+    results = {}
+    for overlap in (False, True):
+        streams, worker = _run(overlap, requests, fail_at, ids)
+        results[overlap] = streams
+        if overlap:
+            assert worker.planned_ahead > 0, "the test must plan decodes ahead"
+        assert not worker.kv, f"the worker was not told to forget {sorted(worker.kv)}"
+    for sid in ids:
+        plain, ahead = results[False][sid], results[True][sid]
+        assert [(e.token, e.text, e.finish, e.dropped) for e in ahead] == [
+            (e.token, e.text, e.finish, e.dropped) for e in plain
+        ], sid
+        tokens = [e.token for e in ahead if e.token is not None]
+        first = [fake_token(sid, i) for i in range(9)]
+        assert tokens == first[: len(tokens)]
+        # Nothing after the token that ended it: the extra one planned ahead was not streamed.
+        end = ahead[-1]
+        if kinds[sid] == "error":
+            assert end.dropped and len(tokens) == ends[sid], sid
+        elif kinds[sid] == "length":
+            assert end.finish == FinishReason.LENGTH and len(tokens) == 9
+        else:
+            # The first token whose id (eos) or text (stop) is the one that ends it.
+            cut = first.index(first[ends[sid]]) + 1
+            assert len(tokens) == cut, (sid, tokens)
+            assert end.finish == (FinishReason.EOS if kinds[sid] == "eos" else FinishReason.STOP)
+
+
+def _run(overlap: bool, requests: list[SessionRequest], fail_at: Mapping[str, int], ids: list[str]):
+    async def scenario():
+        core = SchedulerCore(SchedulerLimits(max_running=8), new_id=_new_id(list(ids)))
+        core.add_worker(WorkerSpec("w0", capacity_tokens=4096, block_size=4, kv_bytes_per_token=64), 48, 2048)
+        worker = _Worker(fail_at)
+        rt = SchedulerRuntime(
+            core,
+            [worker],  # type: ignore[list-item]
+            SchedulerSpans("tiny"),
+            SchedulerMetrics("tiny", 2048),
+            RuntimeConfig(overlap=overlap),
+            OutputProcessor(_Text, str),
+        )
+        rt.start()
+        subs = [rt.submit([r], ["text_completion"]) for r in requests]
+        streams: dict[str, list[SessionEvent]] = {}
+        for sub in subs:
+            (sid,) = sub.session_ids
+            events = streams.setdefault(sid, [])
+            while not (events and (events[-1].finish is not None or events[-1].dropped)):
+                events.append(await asyncio.wait_for(sub.events.get(), 10))
+        for sub in subs:
+            rt.end_stream(sub)
+        await rt.stop()
+        # What is still to forget would ride on the next step, or the idle loop's flush.
+        await rt._flush_releases()
+        return streams, worker
+
+    return asyncio.run(scenario())
