@@ -127,8 +127,9 @@ def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     row = dict(runs[0])
     for key, value in runs[0].items():
         values = [r.get(key) for r in runs]
-        if isinstance(value, (int, float)) and all(isinstance(v, (int, float)) for v in values):
-            row[key] = round(statistics.median(values), 4)  # type: ignore[arg-type]
+        numbers = [float(v) for v in values if isinstance(v, (int, float))]
+        if isinstance(value, (int, float)) and len(numbers) == len(values):
+            row[key] = round(statistics.median(numbers), 4)
     row["repeats"] = len(runs)
     return row
 
