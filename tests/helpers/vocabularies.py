@@ -236,10 +236,20 @@ def write_gguf_vocab(original: Original, path: Path) -> Path:
     """The vocabulary of ``original`` as a vocabulary-only GGUF file at ``path``."""
     import gguf
 
+    w = gguf.GGUFWriter(path, original.case.architecture)
+    add_vocab(w, original)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def add_vocab(w: Any, original: Original) -> None:
+    """Write ``original``'s vocabulary into the GGUFWriter ``w`` (``tokenizer.*`` keys)."""
     case, backend = original.case, original.hf.backend_tokenizer
     tokens = [backend.id_to_token(i) for i in range(backend.get_vocab_size(with_added_tokens=True))]
     types = _token_types(original)
-    w = gguf.GGUFWriter(path, case.architecture)
     w.add_tokenizer_model("llama" if case.sentencepiece else "gpt2")
     w.add_tokenizer_pre(case.pre)
     w.add_token_list(tokens)
@@ -261,11 +271,6 @@ def write_gguf_vocab(original: Original, path: Path) -> Path:
     w.add_add_bos_token(case.add_bos)
     w.add_add_eos_token(False)
     w.add_chat_template(case.template)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def llama_cpp_spm(tokens: list[str], scores: list[float], text: str, prefix_space: bool) -> list[int]:
