@@ -1,7 +1,8 @@
 """Text <-> token ids for the served model, chat rendering, and streaming helpers.
 
-The tokenizer is rebuilt with the ``tokenizers`` library from the vocabulary and merges a GGUF
-file carries (or read from a Hugging Face ``tokenizer.json``), so no hub download is needed.
+The tokenizer is rebuilt with the ``tokenizers`` library from the vocabulary a GGUF file
+carries (``gguf_vocab``: byte-level BPE or SentencePiece), or read from a Hugging Face
+``tokenizer.json``, so no hub download is needed.
 ``IncrementalDetokenizer`` turns a stream of generated ids into text deltas that never split a
 UTF-8 character, and ``StopStringMatcher`` cuts a text stream at a stop string without ever
 emitting a prefix of one that might still complete.
@@ -157,9 +158,9 @@ class Tokenizer:
         """Token ids of ``text``; special tokens written in it (``<|im_start|>``) become one id.
         With ``add_special_tokens`` the ids start with BOS when the model file asks for it."""
         ids: list[int] = self.backend.encode(text, add_special_tokens=False).ids
-        return self._with_bos(ids, add_special_tokens)
+        return self._with_specials(ids, add_special_tokens)
 
-    def _with_bos(self, ids: list[int], add_special_tokens: bool) -> list[int]:
+    def _with_specials(self, ids: list[int], add_special_tokens: bool) -> list[int]:
         if not add_special_tokens:
             return ids
         if self.add_bos and self.bos_token_id is not None:

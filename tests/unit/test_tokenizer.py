@@ -554,3 +554,29 @@ def test_gguf_vocabulary_refused(tmp_path: Path, edit, message: str) -> None:  #
     w.close()
     with pytest.raises(ModelLoadError, match=message):
         Tokenizer.from_gguf(tmp_path / "v.gguf")
+
+
+@pytest.mark.parametrize(
+    "name, family_class",
+    [("gemma", "GemmaTokenizerFast"), ("qwen2", "Qwen2TokenizerFast"), ("llama2", "LlamaTokenizerFast")],
+)
+def test_the_originals_are_the_families_own_tokenizers(tmp_path: Path, name: str, family_class: str) -> None:
+    # The test originals are built from tokenizer.json parts in the helper; transformers' own
+    # class of the family, given the same vocabulary and merges, must read texts as they do,
+    # so the parity above is with the family's tokenizer and not only with our helper's idea
+    # of it. LlamaTokenizerFast (legacy=False) is the one exception, and only where the README
+    # says: no "▁" after a special token, one fewer before leading spaces.
+    transformers = pytest.importorskip("transformers")
+    original = make_original(VOCAB_CASES[name], tmp_path)
+    case, hf = original.case, original.hf
+    merges = [tuple(m) for m in json.loads(hf.backend_tokenizer.to_str())["model"]["merges"]]
+    extra = {"unk_token": "<unk>"} if case.sentencepiece else {}
+    own = getattr(transformers, family_class)(
+        vocab=hf.get_vocab(), merges=merges, bos_token=case.bos, eos_token=case.eos, **extra
+    )
+    own.add_special_tokens({"additional_special_tokens": list(case.control)})
+    own.add_tokens(list(case.user_defined))
+    for text in FAMILY_TEXTS:
+        same = own.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False)
+        legacy_only = name == "llama2" and (text.startswith(" ") or any(t in text for t in case.control))
+        assert same != legacy_only, text
