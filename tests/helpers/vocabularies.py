@@ -6,7 +6,8 @@ tokenizer_config.json with the family's chat template) that transformers loads a
 
 * "llama2" / "mistral": SentencePiece-style BPE (Llama 2's tokenizer.json: "▁" for spaces, a
   prefix "▁" before every run of text, byte fallback to <0x00>..<0xFF>, <unk> <s> </s> first);
-* "gemma": the same without the prefix space, Gemma's special tokens first;
+* "gemma": the same without the prefix space, Gemma's special tokens first, runs of "▁" as
+  added tokens (written into the GGUF as real spaces, as the converter writes them);
 * "qwen2": byte-level BPE, Qwen2's split regex and NFC, its control tokens after the merges and
   <think> </think> as plain added tokens (as Qwen3 has them);
 * "llama3": byte-level BPE with Llama 3's split regex, BOS added by the post-processor.
@@ -95,7 +96,7 @@ CASES = {
                   flat_scores=True),
         VocabCase("gemma", True, "gemma3", "default",
                   ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"), "<bos>", "<eos>",
-                  GEMMA_TEMPLATE, 700, prefix_space=False),
+                  GEMMA_TEMPLATE, 700, prefix_space=False, user_defined=(SPACE * 2, SPACE * 4)),
         VocabCase("qwen2", False, "qwen2", "qwen2", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), None, "<|im_end|>",
                   CHATML_TEMPLATE, 900, user_defined=("<think>", "</think>"), split=QWEN2_SPLIT, nfc=True),
         VocabCase("llama3", False, "llama", "llama-bpe",
@@ -147,6 +148,8 @@ def _sentencepiece_backend(case: VocabCase) -> Any:
     steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if case.prefix_space else steps)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in case.control])
+    # Gemma's runs of spaces: added tokens matched in the normalized text (spaces as "▁").
+    tok.add_tokens([AddedToken(t, special=False, normalized=True) for t in case.user_defined])
     assert case.bos is not None
     tok.post_processor = processors.TemplateProcessing(
         single=f"{case.bos} $A", pair=f"{case.bos} $A {case.bos} $B", special_tokens=[(case.bos, vocab[case.bos])]
@@ -248,8 +251,10 @@ def write_gguf_vocab(original: Original, path: Path) -> Path:
 def add_vocab(w: Any, original: Original) -> None:
     """Write ``original``'s vocabulary into the GGUFWriter ``w`` (``tokenizer.*`` keys)."""
     case, backend = original.case, original.hf.backend_tokenizer
-    tokens = [backend.id_to_token(i) for i in range(backend.get_vocab_size(with_added_tokens=True))]
     types = _token_types(original)
+    tokens = [backend.id_to_token(i) for i in range(backend.get_vocab_size(with_added_tokens=True))]
+    if case.sentencepiece:  # the converter writes a user-defined piece's "▁" as the space it stands for
+        tokens = [t.replace(SPACE, " ") if k == 4 else t for t, k in zip(tokens, types)]
     w.add_tokenizer_model("llama" if case.sentencepiece else "gpt2")
     w.add_tokenizer_pre(case.pre)
     w.add_token_list(tokens)
@@ -273,15 +278,37 @@ def add_vocab(w: Any, original: Original) -> None:
     w.add_chat_template(case.template)
 
 
-def llama_cpp_spm(tokens: list[str], scores: list[float], text: str, prefix_space: bool) -> list[int]:
-    """llama.cpp's SentencePiece loop written out plainly, for text with no special token in
-    it: from the characters, merge the adjacent pair whose concatenation is a token of the
-    highest score (leftmost on a tie) until none is; a piece still not a token (a character
-    the vocabulary lacks) becomes its UTF-8 bytes' <0xNN> tokens."""
+def llama_cpp_spm(tokens: list[str], scores: list[float], types: list[int], text: str, prefix_space: bool) -> list[int]:
+    """llama.cpp's SentencePiece tokenizing written out plainly, for text with no control token
+    in it: user-defined tokens are cut out of the text first (longest first, each leftmost
+    first); in each run of text between them (a "▁" before it where ``prefix_space`` and it
+    starts the text or follows such a token), from the characters, merge the adjacent pair
+    whose concatenation is a token of the highest score (leftmost on a tie) until none is; a
+    piece still not a token (a character the vocabulary lacks) becomes its UTF-8 bytes'
+    <0xNN> tokens."""
     ids: dict[str, int] = {}
     for i, t in enumerate(tokens):
         ids.setdefault(t, i)
-    pieces = list((" " + text if prefix_space and text else text).replace(" ", SPACE))
+    fragments: list[str | int] = [text] if text else []
+    for whole in sorted({t for t, k in zip(tokens, types) if k == 4}, key=len, reverse=True):
+        cut: list[str | int] = []
+        for f in fragments:
+            for j, part in enumerate(f.split(whole) if isinstance(f, str) else [f]):
+                cut += ([ids[whole]] if j else []) + ([part] if part != "" else [])
+        fragments = cut
+    out: list[int] = []
+    after_token = True
+    for f in fragments:
+        if isinstance(f, int):
+            out.append(f)
+        else:
+            out += _merge_loop(ids, scores, (" " if prefix_space and after_token else "") + f)
+        after_token = isinstance(f, int)
+    return out
+
+
+def _merge_loop(ids: dict[str, int], scores: list[float], text: str) -> list[int]:
+    pieces = list(text.replace(" ", SPACE))
     while True:
         best: tuple[float, int] | None = None
         for j in range(len(pieces) - 1):
