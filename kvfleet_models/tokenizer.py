@@ -1,7 +1,8 @@
 """Text <-> token ids for the served model, chat rendering, and streaming helpers.
 
-The tokenizer is rebuilt with the ``tokenizers`` library from the vocabulary and merges a GGUF
-file carries (or read from a Hugging Face ``tokenizer.json``), so no hub download is needed.
+The tokenizer is rebuilt with the ``tokenizers`` library from the vocabulary a GGUF file
+carries (``gguf_vocab``: byte-level BPE or SentencePiece), or read from a Hugging Face
+``tokenizer.json``, so no hub download is needed.
 ``IncrementalDetokenizer`` turns a stream of generated ids into text deltas that never split a
 UTF-8 character, and ``StopStringMatcher`` cuts a text stream at a stop string without ever
 emitting a prefix of one that might still complete.
@@ -23,21 +24,6 @@ from kvfleet_models.errors import ModelLoadError, NoTokenizerError
 
 logger = logging.getLogger(__name__)
 
-# llama.cpp token types (tokenizer.ggml.token_type).
-_CONTROL, _USER_DEFINED = 3, 4
-
-# Split rules by tokenizer.ggml.pre, as llama.cpp applies them before byte-level BPE.
-# GPT-2's regex is ByteLevel's built-in one (use_regex=True); "smollm" (SmolLM/StarCoder family)
-# isolates every digit first, exactly what SmolLM2's own tokenizer.json does with
-# Digits(individual_digits=True) ahead of ByteLevel(add_prefix_space=false).
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_DIGITS_FIRST = ("smollm", "starcoder", "refact", "codeshell")
-_GPT2_REGEX = ("gpt2", "default", None)
-_LLAMA3_REGEX = ("llama-bpe", "llama3", "llama-v3", "falcon3", "smaug-bpe", "dbrx")
-
 _REPLACEMENT = "\ufffd"  # what a decoder emits for bytes that do not (yet) form a character
 # Ids the detokenizer holds back while its text ends in U+FFFD before it looks for a point
 # where that text is final: a partial UTF-8 character has at most 3 bytes, so once more than
@@ -46,24 +32,6 @@ _MAX_HELD = 4
 # Where the stand-ins for control tokens typed into chat strings come from: private-use code
 # points (planes 15 and 16, then the BMP's area), which no template or tokenizer gives meaning.
 _PRIVATE_USE = (range(0xF0000, 0xFFFFE), range(0x100000, 0x10FFFE), range(0xE000, 0xF900))
-
-
-def _pre_tokenizer(pre: str | None) -> Any:
-    from tokenizers import Regex, pre_tokenizers
-
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _DIGITS_FIRST:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in _LLAMA3_REGEX:
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    if pre not in _GPT2_REGEX:
-        logger.warning("unknown tokenizer.ggml.pre %r: splitting text with GPT-2's rules", pre)
-    return byte_level
 
 
 def _chat_environment() -> Any:
@@ -94,46 +62,36 @@ def _chat_environment() -> Any:
 
 @dataclass(frozen=True)
 class Tokenizer:
-    """A byte-level BPE tokenizer plus the model's special ids and chat template."""
+    """A tokenizer (byte-level BPE or SentencePiece) plus the model's special ids and chat template."""
 
     backend: Any  # tokenizers.Tokenizer
     bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
+    eos_token_ids: tuple[int, ...]  # the ids that end generation
     add_bos: bool  # whether encode() starts with BOS (the model file says)
     chat_template: str | None
+    add_eos: bool = False  # whether encode() ends with EOS (the model file says; rare)
+    # The text a chat template gets as ``eos_token``: the tokenizer's own EOS, which is not
+    # always the first stop id (Llama 3 Instruct's config lists <|end_of_text|> first, its
+    # tokenizer's EOS is <|eot_id|>). None: the first stop id's.
+    eos_token: str | None = None
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
-        """The tokenizer stored in a GGUF file's ``tokenizer.*`` metadata."""
-        from tokenizers import AddedToken, decoders, models
-        from tokenizers import Tokenizer as Backend
-
+        """The tokenizer stored in a GGUF file's ``tokenizer.*`` metadata (byte-level BPE or
+        SentencePiece, see gguf_vocab)."""
         from kvfleet_models.gguf_loader import field_value, open_gguf
+        from kvfleet_models.gguf_vocab import GgufVocab
 
         path = Path(path)
         reader = open_gguf(path)
-        kind = field_value(reader, "tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ModelLoadError(f"{path}: tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
-        tokens: list[str] = field_value(reader, "tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges", [])]
-        types: list[int] = field_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-        backend = Backend(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-        backend.pre_tokenizer = _pre_tokenizer(field_value(reader, "tokenizer.ggml.pre"))
-        backend.decoder = decoders.ByteLevel()
-        # Control tokens (<|im_start|>, ...) must match whole in text and never be merged into.
-        backend.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
-        )
-        backend.add_tokens(
-            [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
-        )
+        vocab = GgufVocab.read(reader, path)
         stops = [field_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
         return cls(
-            backend=backend,
+            backend=vocab.backend(),
             bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(s) for s in stops if s is not None)),
-            add_bos=bool(field_value(reader, "tokenizer.ggml.add_bos_token", False)),
+            add_bos=bool(field_value(reader, "tokenizer.ggml.add_bos_token", vocab.model == "llama")),
+            add_eos=bool(field_value(reader, "tokenizer.ggml.add_eos_token", False)),
             chat_template=field_value(reader, "tokenizer.chat_template"),
         )
 
@@ -151,7 +109,7 @@ class Tokenizer:
             config = _read_json(path / "tokenizer_config.json")
             model_config = _read_json(path / "config.json")
             template_file = path / "chat_template.jinja"  # where transformers 5 keeps it
-            template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+            template = template_file.read_text() if template_file.is_file() else _default_template(config)
         except Exception as e:  # tokenizers raises a bare Exception for a bad file
             raise ModelLoadError(f"{path}: unreadable tokenizer ({e})") from None
 
@@ -162,12 +120,20 @@ class Tokenizer:
 
         eos = model_config.get("eos_token_id", token_id("eos_token"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        own_eos = token_id("eos_token")
+        bos = token_id("bos_token")
+        add_bos = config.get("add_bos_token")
+        if add_bos is None and bos is not None:
+            # Llama 3's files say it only in tokenizer.json's post-processor, which encode()
+            # does not run (it adds BOS itself, once): ask that post-processor.
+            add_bos = backend.encode("a", add_special_tokens=True).ids[:1] == [bos]
         return cls(
             backend=backend,
-            bos_token_id=token_id("bos_token"),
+            bos_token_id=bos,
             eos_token_ids=eos_ids,
-            add_bos=bool(config.get("add_bos_token", False)),
+            add_bos=bool(add_bos),
             chat_template=template,
+            eos_token=None if own_eos is None else backend.id_to_token(own_eos),
         )
 
     @classmethod
@@ -192,10 +158,22 @@ class Tokenizer:
         """Token ids of ``text``; special tokens written in it (``<|im_start|>``) become one id.
         With ``add_special_tokens`` the ids start with BOS when the model file asks for it."""
         ids: list[int] = self.backend.encode(text, add_special_tokens=False).ids
-        return self._with_bos(ids, add_special_tokens)
+        return self._with_specials(ids, add_special_tokens)
 
-    def _with_bos(self, ids: list[int], add_special_tokens: bool) -> list[int]:
-        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+    def _with_specials(self, ids: list[int], add_special_tokens: bool) -> list[int]:
+        if not add_special_tokens:
+            return ids
+        if self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        if self.add_eos and self.eos_token_ids:
+            ids = [*ids, self.eos_token_ids[0]]
+        return ids
+
+    def _with_chat_bos(self, ids: list[int], add_special_tokens: bool) -> list[int]:
+        # Chat templates of BOS-using families write {{ bos_token }} themselves: a second one
+        # would be a prompt the model never saw in training (transformers' apply_chat_template
+        # adds none; llama.cpp strips the template's). EOS never ends a prompt to answer.
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             return [self.bos_token_id, *ids]
         return ids
 
@@ -225,8 +203,9 @@ class Tokenizer:
         """Token ids of a conversation by the chat template. Only the template's own control
         tokens become special ids; every string the caller sent (contents, tool calls, names,
         tool definitions) is encoded as plain text, so a "<|im_start|>" typed into a message
-        cannot open a turn of another role. Equal to ``encode(render_chat(...))`` when no such
-        string holds a special token's text.
+        cannot open a turn of another role. Equal to ``encode(render_chat(...),
+        add_special_tokens=False)`` when no such string holds a special token's text, with
+        BOS put first only where the model adds one and the template wrote none.
 
         How: each special token's text in the caller's strings is swapped for a private-use
         character before rendering, so the template sees (and may trim, split or quote) the
@@ -239,8 +218,8 @@ class Tokenizer:
             shield.apply(messages), add_generation_prompt, None if tools is None else shield.apply(tools)
         )
         if not shield.marks:
-            return self.encode(text, add_special_tokens)
-        return self._with_bos(self._encode_with_template_specials(text, shield), add_special_tokens)
+            return self._with_chat_bos(self.encode(text, add_special_tokens=False), add_special_tokens)
+        return self._with_chat_bos(self._encode_with_template_specials(text, shield), add_special_tokens)
 
     def _encode_with_template_specials(self, text: str, shield: _Shield) -> list[int]:
         # The backend finds the template's special tokens (as encode() would: longest match,
@@ -293,7 +272,7 @@ class Tokenizer:
                 "and no assistant tool calls to this model"
             )
         bos = self.token_text(self.bos_token_id) if self.bos_token_id is not None else None
-        eos = self.token_text(self.eos_token_ids[0]) if self.eos_token_ids else None
+        eos = self.eos_token or (self.token_text(self.eos_token_ids[0]) if self.eos_token_ids else None)
         template = _compiled_chat_template(self.chat_template)
         extra: dict[str, Any] = {"tools": tools} if tools is not None else {}
         return str(
@@ -382,6 +361,16 @@ def _specials_pattern(specials: tuple[str, ...]) -> re.Pattern[str] | None:
     if not specials:
         return None
     return re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
+
+
+def _default_template(config: dict[str, Any]) -> str | None:
+    """tokenizer_config.json's chat template: a string, or (older files) a list of named
+    templates of which "default" is the chat one."""
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        return named.get("default")
+    return template if isinstance(template, str) else None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from tests.helpers.families import Case
+from tests.helpers.vocabularies import add_vocab
 
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
         "gemma3_text": "gemma3"}  # fmt: skip
@@ -92,8 +93,9 @@ def _llama3_factors(rope: dict[str, Any], theta: float, dim: int) -> np.ndarray:
     return np.asarray(out, dtype=np.float32)
 
 
-def write_gguf(case: Case, model: Any, path: Path, window: bool = False) -> Path:
-    """``model`` (the transformers model of ``case``) as a GGUF file at ``path``."""
+def write_gguf(case: Case, model: Any, path: Path, window: bool = False, vocab: Any = None) -> Path:
+    """``model`` (the transformers model of ``case``) as a GGUF file at ``path``, with the
+    vocabulary of ``vocab`` (a ``vocabularies.Original``) or placeholder tokens."""
     import gguf
 
     hp = model.config
@@ -142,8 +144,11 @@ def write_gguf(case: Case, model: Any, path: Path, window: bool = False) -> Path
     if arch == "gemma3" and hp.final_logit_softcapping:
         w.add_final_logit_softcapping(hp.final_logit_softcapping)
     # The converter writes the tokenizer too; its token list gives qwen/phi3 their vocabulary.
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"t{i}" for i in range(hp.vocab_size)])
+    if vocab is not None:
+        add_vocab(w, vocab)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list([f"t{i}" for i in range(hp.vocab_size)])
     if kind == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_factors(rope, rope["rope_theta"], head_dim))
     if kind == "longrope":
