@@ -61,6 +61,12 @@ def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None, ove
     )
     p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV blocks per worker (of 16 tokens)")
     p.add_argument(
+        "--threads",
+        type=int,
+        default=d.threads,
+        help="CPU threads per worker (0 = the machine's cores shared out among the CPU workers)",
+    )
+    p.add_argument(
         "--kv-cache-memory",
         default=d.kv_cache_memory,
         help="each worker's KV pool by memory instead of --num-blocks: 2GiB, 512MB, or 0.25 (of the available memory)",
@@ -87,6 +93,7 @@ def _spec(a: argparse.Namespace, port: int = 0):
         prefill_token_budget=a.prefill_token_budget,
         overlap_scheduling=a.overlap_scheduling,
         num_blocks=a.num_blocks,
+        threads=a.threads,
         kv_cache_memory=a.kv_cache_memory,
         max_model_len=a.max_model_len,
         log_format=getattr(a, "log_format", ""),

@@ -72,6 +72,10 @@ class ClusterSpec:
     block_size: int = WorkerConfig.block_size
     max_model_len: int = WorkerConfig.max_model_len  # workers' --max-model-len (0 = the model's own)
     kv_views: str = WorkerConfig.kv_views.value
+    # CPU threads per worker's step; 0 = this machine's cores shared out among the workers (two
+    # workers with a thread pool each of every core oversubscribe them: on 2 cores each step of
+    # 2 SmolLM2 workers ran up to 20x slower, OpenMP's threads waiting on descheduled peers).
+    threads: int = 0
     telemetry: bool = True  # start a telemetry service and send traces to it
     telemetry_port: int = 0  # 0 = a free port
     trace_api_port: int = 0  # telemetry's Jaeger query HTTP API; 0 = a free port
@@ -99,6 +103,17 @@ class ClusterSpec:
             raise ValueError(f"drain_grace_s must be positive, got {self.drain_grace_s}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0 (0 = the model's own), got {self.max_model_len}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0 = the cores shared out among the workers), got {self.threads}")
+
+    @property
+    def worker_threads(self) -> int:
+        """Each worker's --threads: as given, else for CPU workers the cores shared out (at least
+        one each; 0, i.e. the worker's own default, where one worker has them all or the
+        workers are not on the CPU)."""
+        if self.threads or self.workers == 1 or not self.device.startswith("cpu"):
+            return self.threads
+        return max(1, len(os.sched_getaffinity(0)) // self.workers)
 
     @property
     def stop_timeout_s(self) -> float:
@@ -341,6 +356,7 @@ class LocalCluster:
                 s.kv_views,
                 *(["--kv-cache-memory", s.kv_cache_memory] if s.kv_cache_memory else []),
                 *(["--max-model-len", str(s.max_model_len)] if s.max_model_len else []),
+                *(["--threads", str(s.worker_threads)] if s.worker_threads else []),
             ],
         )
 

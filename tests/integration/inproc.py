@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from scheduler_svc.config import SchedulerConfig
@@ -53,11 +54,17 @@ class InProcessCluster:
             kv_views=kv_views,
             metrics_port=0,
             max_model_len=max_model_len,
+            # The cores shared out among the workers, as LocalCluster does for its processes.
+            num_threads=0 if workers == 1 else max(1, len(os.sched_getaffinity(0)) // workers),
         )
         self.step_timeout_s = step_timeout_s
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.worker_servers: list = []
+        # Each worker's steps on one thread of its own, as a worker process runs them on its
+        # compute thread: steps spread over asyncio's pool would give each of its threads an
+        # OpenMP pool of its own, and those oversubscribe the cores (steps ran 3-4x slower).
+        self._executors = [ThreadPoolExecutor(1, thread_name_prefix=f"worker-{i}-steps") for i in range(workers)]
         self.worker_addresses: list[str] = []
         self.scheduler = None
         self.address = ""
@@ -76,7 +83,7 @@ class InProcessCluster:
         model = self.loaded_model or load_model(self.model)
         for i in range(self.n_workers):
             cfg = replace(self.worker_config, worker_id=f"worker-{i}")
-            server, port, _ = self.run(create_worker(cfg, build_engine(cfg, model)))
+            server, port, _ = self.run(create_worker(cfg, build_engine(cfg, model), self._executors[i]))
             self.worker_servers.append(server)
             self.worker_addresses.append(f"127.0.0.1:{port}")
         config = SchedulerConfig(
@@ -104,6 +111,8 @@ class InProcessCluster:
             self.run(server.stop(0.5))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
+        for executor in self._executors:
+            executor.shutdown(wait=False)
 
     def __enter__(self) -> "InProcessCluster":
         return self.start()

@@ -73,6 +73,11 @@ def test_up_keeps_serving_when_a_worker_is_killed_smollm2(tmp_path: Path):
     try:
         with SchedulerClient(up.scheduler) as client:  # each prompt alone: its solo tokens
             assert {w.kv_capacity_tokens for w in client.list_workers()} == {256 * 16}  # --num-blocks reached them
+            # The cores shared out between the two CPU workers (ClusterSpec.worker_threads).
+            share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+            for name in ("worker-0", "worker-1"):
+                argv = Path(f"/proc/{up.pids[name]}/cmdline").read_bytes().decode().split("\0")
+                assert argv[argv.index("--threads") + 1] == share, argv
             solo = [client.generate(build_request(p, new_tokens, ignore_eos=True)).token_ids for p in prompts]
         _kill_a_worker_mid_stream(up, prompts, new_tokens, solo, restart_timeout_s=90)
     finally:

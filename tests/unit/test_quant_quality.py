@@ -8,7 +8,11 @@ README promises of each mode, whatever the CPU: bfloat16 >= 0.95 / <= 1.01, int8
 (blocks of 32, avx2 kernels) 0.963 / 1.000. A broken mode fails them: fbgemm's per-row int8 on
 that CPU (saturating AVX2 products) measured 0.897 / 1.039, and with 7-bit inputs 0.880.
 On the 2-core Intel Xeon (AVX-512 VNNI): int8 at the avx512 / avx2 / scalar levels 0.967 /
-0.965 / 0.964, bfloat16 0.980 / 1.0003. Int8 is measured at every kernel level the CPU runs.
+0.965 / 0.964, bfloat16 0.980 / 1.0003. Int8 is measured at every kernel level the CPU runs:
+the whole text at the levels a CPU of ours serves with (its best, and AVX2, which every x86 CPU
+here has), and the scalar level, a fallback only where no SIMD level runs, on the text's first
+1,025 tokens where a SIMD level exists (it is 3x slower than AVX2: 47 s for the whole text on
+the Xeon; on that slice it measured 0.964 / x1.0003 there, 0.964 / x0.9999 on the whole).
 """
 
 from __future__ import annotations
@@ -57,12 +61,12 @@ def test_float32_perplexity_is_that_of_a_language_model(float32) -> None:
     assert 10 < ppl < 40
 
 
-def _check(mode: str, got, min_agreement: float, max_ppl_ratio: float) -> None:
+def _check(mode: str, got, min_agreement: float, max_ppl_ratio: float, min_positions: int = 2000) -> None:
     print(
         f"{mode}: {got.positions} positions, top-1 agreement {got.top1_agreement:.4f}, "
         f"perplexity {got.ppl_test:.3f} vs {got.ppl_base:.3f} (x{got.ppl_ratio:.4f})"
     )
-    assert got.positions >= 2000
+    assert got.positions >= min_positions
     assert got.top1_agreement >= min_agreement
     assert got.ppl_ratio <= max_ppl_ratio
 
@@ -71,11 +75,22 @@ def test_bfloat16_agrees_with_float32(model, token_ids, float32) -> None:
     _check("bfloat16", compare(float32, _run(model, token_ids, dtype="bfloat16")), 0.95, 1.01)
 
 
+SLICE = 1025  # tokens of the text a fallback level is measured on (1,024 positions)
+
+
+def _prefix(run: TeacherForced, positions: int) -> TeacherForced:
+    return TeacherForced(top1=run.top1[:positions], nll=run.nll[:positions])
+
+
 @pytest.mark.parametrize("level", runnable_levels())
 def test_int8_agrees_with_float32_at_every_kernel_level(model, token_ids, float32, level, monkeypatch) -> None:
     """The promise holds at each level this CPU runs: the integer sums are the same at every
-    level, but the per-block scales are summed in a different order, so each is measured."""
+    level, but the per-block scales are summed in a different order, so each is measured (the
+    scalar level on a slice where a SIMD level exists: see the module docstring)."""
     monkeypatch.setenv("KVFLEET_Q8_LEVEL", level)
     engine = Engine(model[0], model[1], EngineConfig(num_blocks=BLOCKS, quant="int8"))
     assert engine.model.int8_kernels == level
-    _check(f"int8 ({level})", compare(float32, teacher_forced(engine, token_ids)), 0.95, 1.02)
+    fallback = level == "scalar" and len(runnable_levels()) > 1
+    ids = token_ids[:SLICE] if fallback else token_ids
+    got = compare(_prefix(float32, len(ids) - 1), teacher_forced(engine, ids))
+    _check(f"int8 ({level})", got, 0.95, 1.02, min_positions=1000 if fallback else 2000)
