@@ -425,10 +425,17 @@ def cmd_demo(a: argparse.Namespace) -> int:
                 f"generated, finish: {result.finish_reason}]"
             )
     print("\n== the concurrency sweep on the tiny model\n", flush=True)
+    return cmd_sweep(_demo_sweep(a))
+
+
+def _demo_sweep(a: argparse.Namespace) -> argparse.Namespace:
+    """The demo's sweep: the reference workload on the tiny model through a cluster of its own,
+    one tick at a time as the reference's rules count ticks (as `kvfleet sweep` does)."""
     a.scheduler, a.model = None, "tiny"
     a.sessions, a.prompt_len, a.max_new_tokens, a.prefill_budget = 8, 4, 8, 4
     a.concurrency, a.seed = (1, 2, 4, 8), 0
-    return cmd_sweep(a)
+    a.overlap_scheduling = False
+    return a
 
 
 def _version() -> str:

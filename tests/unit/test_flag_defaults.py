@@ -123,3 +123,18 @@ def test_kvfleet_sweep_runs_one_tick_at_a_time_unless_asked() -> None:
     assert _spec(build_parser().parse_args(["sweep"])).overlap_scheduling is False
     assert _spec(build_parser().parse_args(["sweep", "--overlap-scheduling"])).overlap_scheduling is True
     assert _spec(build_parser().parse_args(["up"])).overlap_scheduling is SchedulerConfig.overlap_scheduling
+
+
+def test_the_demos_sweep_is_kvfleet_sweeps_reference_run() -> None:
+    """`make demo` ends with the concurrency sweep: the same run as `kvfleet sweep` with its
+    defaults (whose figures test_cli checks against the reference's), one tick at a time."""
+    from kvfleet.cli import _demo_sweep
+
+    demo = vars(_demo_sweep(build_parser().parse_args(["demo"])))
+    sweep = vars(build_parser().parse_args(["sweep"]))
+    keys = ("scheduler", "model", "sessions", "prompt_len", "max_new_tokens", "prefill_budget", "seed")
+    assert {k: demo[k] for k in keys} == {k: sweep[k] for k in keys}
+    assert tuple(demo["concurrency"]) == tuple(sweep["concurrency"])
+    assert demo["overlap_scheduling"] is sweep["overlap_scheduling"] is False
+    cluster = ("workers", "max_running", "num_blocks", "block_size")
+    assert {k: demo.get(k) for k in cluster} == {k: sweep.get(k) for k in cluster}
