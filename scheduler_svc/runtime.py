@@ -13,17 +13,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections import deque
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.context import Context
 from opentelemetry.trace import Span
 
 from scheduler_svc.core import (
-    DropCause,
     FinishReason,
     NotSessionOwner,
     SchedulerCore,
@@ -40,10 +40,14 @@ from scheduler_svc.core.types import RejectReason
 from scheduler_svc.experiments import ExperimentArm, ExperimentArms
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.observers import Observers, SessionObserver
-from scheduler_svc.output import LogprobText, OutputProcessor, Usage
+from scheduler_svc.output import OutputProcessor, Usage
 from scheduler_svc.prompts import NoText
 from scheduler_svc.spans import SchedulerSpans
-from scheduler_svc.workers import WorkerCallFailed, WorkerClient
+from scheduler_svc.streams import SessionEvent, Submission
+from scheduler_svc.workers import WorkerCallFailed, WorkerClient, WorkerView
+
+if TYPE_CHECKING:
+    from kvfleet.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(__name__)
 
@@ -60,39 +64,6 @@ class RuntimeConfig:
     # Plan and send tick N+1 while tick N computes (see _run_overlapped); off: one tick at a time.
     # The service sets it from SchedulerConfig.overlap_scheduling (on by default).
     overlap: bool = False
-
-
-@dataclass(frozen=True)
-class SessionEvent:
-    session_id: str
-    token: int | None = None
-    text: str = ""  # the text the token (or, with finish, the end of the output) adds
-    logprob: LogprobText | None = None  # the token's, when the session asked for logprobs
-    finish: FinishReason | None = None
-    usage: Usage | None = None  # with finish
-    worker_id: str = ""
-    dropped: str = ""  # the session was given up on, unfinished (the reason)
-    drop_cause: DropCause = DropCause.UNAVAILABLE  # with dropped: what kind of error the caller gets
-    cut_off: str = ""  # the stream's client stopped reading; its sessions were cancelled (the reason)
-
-
-@dataclass(frozen=True)
-class Submission:
-    workload_id: str | None
-    session_ids: tuple[str, ...]
-    events: asyncio.Queue[SessionEvent]
-
-
-@dataclass(frozen=True)
-class WorkerView:
-    """One worker as ListWorkers shows it."""
-
-    client: WorkerClient
-    live: bool
-    sessions: int
-    kv_tokens: int
-    reserved_tokens: int
-    rss_bytes: int = 0  # as the worker last reported it (0: not yet)
 
 
 class SchedulerRuntime:
@@ -163,6 +134,14 @@ class SchedulerRuntime:
         return self._output
 
     # ---- the servicer's calls --------------------------------------------------------------
+
+    def generate(
+        self, request: SessionRequest, n: int, operation: str, parent: Context | None = None
+    ) -> tuple[Submission, tuple[SessionRequest, ...]]:
+        """Admit the n choices of one Generate call (all or none; see SessionRequest.choices);
+        returns them with their requests. Cancelling one cancels all. Raises AdmissionRejected."""
+        choices = request.choices(n, secrets.token_hex(8))
+        return self.submit(choices, [operation] * len(choices), parent=parent), choices
 
     def submit(
         self,
@@ -244,16 +223,6 @@ class SchedulerRuntime:
     def rejections_changed(self) -> None:
         self._observe.rejections_changed(self._core.rejections)
 
-    def usage(self, session_id: str) -> tuple[int, int]:
-        """(prompt tokens, generated tokens) of a session."""
-        s = self._core.session(session_id)
-        return s.prompt_len, len(s.generated)
-
-    def cached_tokens(self, session_id: str) -> int:
-        """Prompt tokens of a session whose KV came from a worker's prefix cache."""
-        s = self._core.session(session_id)
-        return min(s.cached_tokens, s.prompt_len)
-
     def snapshot(self) -> TelemetrySnapshot:
         return self._core.snapshot()
 
@@ -285,6 +254,13 @@ class SchedulerRuntime:
             rss = self._rss_bytes.get(wid, 0)
             views.append(WorkerView(client, slot.live, len(slot.sessions), held, slot.reserved_tokens, rss))
         return views
+
+    def worker_info(self) -> wpb.WorkerInfo | None:
+        """A live worker's GetInfo answer (any known worker's when none is live): the model
+        served, as GetModelInfo and Tokenize report it. None before any worker answered."""
+        views = [v for v in self.workers() if v.client.info is not None]
+        live = [v for v in views if v.live]
+        return (live or views)[0].client.info if views else None
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -540,7 +516,9 @@ class SchedulerRuntime:
         self._observe.outcomes_delivered(self._core.snapshot(), prefill, decode)
 
     def _ended(self, session_id: str, reason: str) -> Usage:
-        usage = Usage(*self.usage(session_id), self.cached_tokens(session_id))
+        s = self._core.session(session_id)
+        # Cached tokens: prompt tokens whose KV came from a worker's prefix cache.
+        usage = Usage(s.prompt_len, len(s.generated), min(s.cached_tokens, s.prompt_len))
         self._observe.session_ended(session_id, reason, usage)
         return usage
 
