@@ -140,12 +140,13 @@ class SchedulerRuntime:
     # ---- the servicer's calls --------------------------------------------------------------
 
     def generate(
-        self, request: SessionRequest, n: int, operation: str, parent: Context | None = None
+        self, request: SessionRequest, n: int, operation: str, parent: Context | None = None, request_id: str = ""
     ) -> tuple[Submission, tuple[SessionRequest, ...]]:
         """Admit the n choices of one Generate call (all or none; see SessionRequest.choices);
         returns them with their requests. Cancelling one cancels all. Raises AdmissionRejected."""
         choices = request.choices(n, secrets.token_hex(8))
-        return self.submit(choices, [operation] * len(choices), parent=parent), choices
+        k = len(choices)
+        return self.submit(choices, [operation] * k, parent=parent, request_ids=[request_id] * k), choices
 
     def submit(
         self,
@@ -154,9 +155,11 @@ class SchedulerRuntime:
         policy: WorkloadPolicy | None = None,
         arm: ExperimentArm | None = None,
         parent: Context | None = None,
+        request_ids: Sequence[str] = (),
     ) -> Submission:
         """Admit the sessions of one call (policy None: one, or the n choices of a Generate) or a
-        workload; all or none. Raises AdmissionRejected."""
+        workload; all or none. `request_ids`: the caller's, by session, for their spans ("" for
+        none). Raises AdmissionRejected."""
         if policy is None:
             workload_id, ids = None, self._core.submit_group(requests)
         else:
@@ -175,6 +178,9 @@ class SchedulerRuntime:
                 f"workload {workload_id}" if workload_id else "alone",
                 extra={"session_id": sid},
             )
+        for sid, rid in zip(ids, request_ids):
+            if rid:
+                self._spans.set_request_id(sid, rid)
         # Bounded: a client that stops reading is cut off (see _publish), not buffered for ever.
         events: asyncio.Queue[SessionEvent] = asyncio.Queue(self._core.limits.max_stream_backlog * len(ids))
         for sid in ids:

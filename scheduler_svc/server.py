@@ -63,7 +63,7 @@ async def create_server(config: SchedulerConfig):
         ),
         OutputProcessor(prompts.stream, prompts.token_text),
     )
-    servicer = SchedulerServicer(runtime, prompts, config.api_token, spans, served, config.experiments)
+    servicer = SchedulerServicer(runtime, prompts, config.api_token, served, config.experiments)
     server = grpc.aio.server(options=grpcutil.SERVER_OPTIONS)
     spb_grpc.add_SchedulerServicer_to_server(servicer, server)
     health = grpcutil.add_health_and_reflection(server, [SERVICE_NAME])

@@ -25,7 +25,6 @@ from scheduler_svc.core import AdmissionRejected, DropCause, NotSessionOwner, Re
 from scheduler_svc.experiments import ExperimentArm, ExperimentWriters
 from scheduler_svc.prompts import NoTokenizer, PromptError, PromptRejected, PromptResolver, check_workload_session
 from scheduler_svc.runtime import SchedulerRuntime
-from scheduler_svc.spans import SchedulerSpans
 from scheduler_svc.streams import SessionDropped, SessionEvent, StreamCutOff, Submission, batches
 
 log = logging.getLogger(__name__)
@@ -55,7 +54,6 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         runtime: SchedulerRuntime,
         prompts: PromptResolver,
         api_token: str = "",
-        spans: SchedulerSpans | None = None,
         served_model: str = "",
         experiments: ExperimentWriters | None = None,
     ) -> None:
@@ -63,7 +61,6 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         self._experiments = experiments or ExperimentWriters()
         self._runtime = runtime
         self._prompts = prompts
-        self._spans = spans
         self._served_model = served_model or prompts.model_name
         self.draining = False
 
@@ -123,13 +120,10 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         echo = await self._echo_text(request, sreq, context)
         n = max(request.n, 1)
         sub, choices = await self._submit(
-            context, lambda: self._runtime.generate(sreq, n, _operation(request), parent=parent)
+            context, lambda: self._runtime.generate(sreq, n, _operation(request), parent, request.request_id)
         )
         rid = request.request_id
         bind_session(sub.session_ids[0])
-        if rid and self._spans is not None:
-            for sid in sub.session_ids:
-                self._spans.set_request_id(sid, rid)
         log.debug(
             "session %s: %d prompt tokens, up to %d new%s",
             ", ".join(sub.session_ids),
@@ -177,12 +171,9 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         operations = [_operation(r) for r in request.sessions]
         policy = convert.policy_from_pb(request)
-        sub = await self._submit(context, lambda: self._runtime.submit(reqs, operations, policy, arm))
+        rids = [r.request_id for r in request.sessions]
+        sub = await self._submit(context, lambda: self._runtime.submit(reqs, operations, policy, arm, None, rids))
         wid = sub.workload_id or ""
-        if self._spans is not None:
-            for sid, r in zip(sub.session_ids, request.sessions):
-                if r.request_id:
-                    self._spans.set_request_id(sid, r.request_id)
         async with contextlib.aclosing(self._stream(sub, reqs, context, f"workload {wid}", False)) as events:
             async for index, msg in events:
                 msg.request_id = request.sessions[index].request_id
