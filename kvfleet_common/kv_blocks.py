@@ -75,6 +75,17 @@ class BlockAllocator:
         """Free blocks still holding a reusable prefix."""
         return len(self._cached)
 
+    def copy(self) -> BlockAllocator:
+        """An independent copy (the scheduler plans a tick on copies of its books)."""
+        new = BlockAllocator.__new__(BlockAllocator)
+        new.num_blocks = self.num_blocks
+        new._free = deque(self._free)
+        new._cached = OrderedDict(self._cached)
+        new._refs = dict(self._refs)
+        new._by_hash = dict(self._by_hash)
+        new._hash_of = dict(self._hash_of)
+        return new
+
     def refcount(self, block: int) -> int:
         return self._refs.get(block, 0)
 
@@ -164,6 +175,9 @@ class BlockTables:
     tokens are *written* once a step that wrote them came back: only then are its full blocks
     named and offered to other sessions, so a block filled by a step that failed never is.
     Shared blocks count once: the used blocks of the allocator are the worker's reserved KV.
+
+    ``copy()`` is cheap, for planning on: the copy shares the allocator and every table with the
+    original until either side writes one (copy on write), since a tick touches few of them.
     """
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
@@ -173,8 +187,36 @@ class BlockTables:
         self.allocator = BlockAllocator(num_blocks)
         self.prefix_caching = prefix_caching
         self._tables: dict[str, _Table] = {}
+        # What this instance may write in place; the rest is shared with a copy (or its original).
+        self._own_allocator = True
+        self._owned: set[str] = set()
         self.prefix_queries = 0  # prompt tokens looked up at placement
         self.prefix_hits = 0  # of which were found cached (their KV reused, not computed)
+
+    def copy(self) -> BlockTables:
+        """Books equal to these, changed independently from now on (copy on write)."""
+        new = BlockTables.__new__(BlockTables)
+        new.block_size, new.prefix_caching = self.block_size, self.prefix_caching
+        new.allocator, new._tables = self.allocator, dict(self._tables)
+        new.prefix_queries, new.prefix_hits = self.prefix_queries, self.prefix_hits
+        # Everything is shared now: whichever side writes first copies what it writes.
+        new._own_allocator = self._own_allocator = False
+        new._owned, self._owned = set(), set()
+        return new
+
+    def _writable_allocator(self) -> BlockAllocator:
+        if not self._own_allocator:
+            self.allocator = self.allocator.copy()
+            self._own_allocator = True
+        return self.allocator
+
+    def _writable(self, session_id: str) -> _Table:
+        table = self._tables[session_id]
+        if session_id not in self._owned:
+            table = _Table(list(table.blocks), table.root, list(table.chain), table.sent)
+            self._tables[session_id] = table
+            self._owned.add(session_id)
+        return table
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -245,13 +287,15 @@ class BlockTables:
         cached, taken = len(found) * self.block_size, self._cost(found, tokens)
         if taken > self.allocator.num_free:
             raise OutOfBlocks(taken, self.allocator.num_free)
+        allocator = self._writable_allocator()
         table = _Table(root=self._root(salt))
         for block, h in found:
-            self.allocator.share(block)
+            allocator.share(block)
             table.blocks.append(block)
             table.chain.append(h)
-        table.blocks += self.allocator.allocate(max(self._blocks_for(tokens) - len(found), 0))
+        table.blocks += allocator.allocate(max(self._blocks_for(tokens) - len(found), 0))
         self._tables[session_id] = table
+        self._owned.add(session_id)
         if self.prefix_caching:
             self.prefix_queries += len(token_ids)
             self.prefix_hits += cached
@@ -262,12 +306,19 @@ class BlockTables:
 
     def grow(self, session_id: str, tokens: int) -> None:
         """Make the session's blocks hold ``tokens``; ``OutOfBlocks`` with nothing changed."""
-        table = self._tables[session_id]
-        table.blocks += self.allocator.allocate(self.blocks_to_grow(session_id, tokens))
+        need = self.blocks_to_grow(session_id, tokens)
+        if need == 0:
+            return
+        if need > self.allocator.num_free:
+            raise OutOfBlocks(need, self.allocator.num_free)
+        self._writable(session_id).blocks += self._writable_allocator().allocate(need)
 
     def unsent(self, session_id: str) -> tuple[int, ...]:
         """The session's blocks the worker has not been told of yet; told of from now on."""
         table = self._tables[session_id]
+        if table.sent == len(table.blocks):
+            return ()  # (no write: a decode's table usually stays shared)
+        table = self._writable(session_id)
         new = tuple(table.blocks[table.sent :])
         table.sent = len(table.blocks)
         return new
@@ -275,7 +326,7 @@ class BlockTables:
     def not_taken(self, session_id: str, blocks: int) -> None:
         """The worker did not take the last ``blocks`` blocks it was sent (its step refused the
         item): ``unsent`` names them again."""
-        table = self._tables[session_id]
+        table = self._writable(session_id)
         table.sent = max(table.sent - blocks, 0)
 
     def written(self, session_id: str, upto: int, tokens: TokenRange) -> None:
@@ -285,12 +336,15 @@ class BlockTables:
             return
         table, bs = self._tables[session_id], self.block_size
         full = min(upto // bs, len(table.blocks))
+        if len(table.chain) >= full:
+            return  # no new full block (no write)
+        table = self._writable(session_id)
         for i in range(len(table.chain), full):
             parent = table.chain[-1] if table.chain else table.root
             h = block_hash(parent, tokens(i * bs, (i + 1) * bs))
             # False when another block already holds this prefix (both were computed in one
             # step): this copy stays private and is freed plainly.
-            self.allocator.register(table.blocks[i], h)
+            self._writable_allocator().register(table.blocks[i], h)
             table.chain.append(h)
 
     def free(self, session_id: str) -> bool:
@@ -298,6 +352,7 @@ class BlockTables:
         table = self._tables.pop(session_id, None)
         if table is None:
             return False
+        self._owned.discard(session_id)
         # Last block first: a prompt's tail is then evicted before the prefix others share.
-        self.allocator.free(reversed(table.blocks))
+        self._writable_allocator().free(reversed(table.blocks))
         return True

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet.v1 import worker_pb2 as wpb
@@ -19,6 +20,13 @@ from scheduler_svc.core import (
     WorkloadPolicy,
 )
 from scheduler_svc.core.stats import TelemetrySnapshot, WorkloadStats
+
+if TYPE_CHECKING:  # (each imports this module, or one that does)
+    from scheduler_svc.output import LogprobText
+    from scheduler_svc.streams import SessionEvent
+    from scheduler_svc.workers import WorkerView
+
+ARCHITECTURE = "llama"  # the one model family the workers run (worker_svc/model/llama.py)
 
 FINISH_TO_PB = {
     FinishReason.LENGTH: spb.FINISH_LENGTH,
@@ -138,3 +146,98 @@ def snapshot_to_pb(s: TelemetrySnapshot) -> spb.TelemetrySnapshot:
 
 def workload_stats_to_pb(s: WorkloadStats) -> spb.WorkloadStats:
     return spb.WorkloadStats(**s.__dict__)
+
+
+def fill_event(msg: spb.GenerateEvent, batch: Iterable[SessionEvent]) -> bool:
+    """One session's batch of events as one message; whether the session finished."""
+    finished = False
+    for ev in batch:
+        if ev.token is not None:
+            msg.token_ids.append(ev.token)
+            if ev.logprob is not None:
+                msg.logprobs.append(logprob_to_pb(ev.logprob))
+        msg.text += ev.text
+        if ev.finish is not None:
+            finished = True
+            msg.finished = True
+            msg.finish_reason = FINISH_TO_PB[ev.finish]
+            if ev.usage is not None:
+                u = ev.usage
+                msg.usage.input_tokens, msg.usage.output_tokens, msg.usage.cached_tokens = (
+                    u.input_tokens,
+                    u.output_tokens,
+                    u.cached_tokens,
+                )
+    if ev.worker_id:
+        msg.worker_id = ev.worker_id
+    return finished
+
+
+def logprob_to_pb(lp: LogprobText) -> spb.TokenLogprob:
+    return spb.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        text=lp.text,
+        top=[spb.TopLogprob(token_id=t, logprob=v, text=text) for t, v, text in lp.top],
+    )
+
+
+def add_worker_pb(resp: spb.ListWorkersResponse, view: WorkerView) -> None:
+    """One worker's entry in ListWorkers (its address alone until it has answered GetInfo)."""
+    info = view.client.info
+    if info is None:
+        resp.workers.add(address=view.client.address, live=False)
+        return
+    resp.workers.add(
+        worker_id=info.worker_id,
+        address=view.client.address,
+        live=view.live,
+        model=info.model.name,
+        device=info.device,
+        dtype=info.dtype,
+        quant=info.quant or "none",
+        sessions=view.sessions,
+        kv_tokens=view.kv_tokens,
+        kv_capacity_tokens=info.kv_capacity_tokens,
+        reserved_tokens=view.reserved_tokens,
+        vocab_size=info.model.vocab_size,
+        weight_bytes=info.weight_bytes,
+        kv_bytes_per_token=info.kv_bytes_per_token,
+        rss_bytes=view.rss_bytes,
+    )
+
+
+def model_info_to_pb(
+    info: wpb.WorkerInfo,
+    model_id: str,
+    tokenizer: Any,
+    eos_token_ids: Iterable[int],
+    supports_tools: bool,
+    version: str,
+) -> spb.ModelInfo:
+    """GetModelInfo: the served model as a worker reported it, with the scheduler's tokenizer."""
+    msg = spb.ModelInfo(
+        model_id=model_id,
+        architecture=ARCHITECTURE,
+        max_context_length=info.model.max_position,
+        vocab_size=info.model.vocab_size,
+        eos_token_ids=sorted(eos_token_ids),
+        dtype=info.dtype,
+        quant=info.quant or "none",
+        version=version,
+        chat_template=bool(tokenizer is not None and tokenizer.chat_template),
+        supports_tools=supports_tools,
+        max_model_len=info.model.max_position,
+        # a worker from before the field reports 0: its max_position was the model's
+        model_max_position=info.model.model_max_position or info.model.max_position,
+        kv_block_size=info.block_size,
+        kv_num_blocks=info.num_blocks,
+        kv_capacity_tokens=info.kv_capacity_tokens,
+        kv_bytes_per_token=info.kv_bytes_per_token,
+        kv_pool_bytes=info.kv_capacity_tokens * info.kv_bytes_per_token,
+    )
+    if tokenizer is not None:
+        if tokenizer.bos_token_id is not None:
+            msg.bos_token_id = tokenizer.bos_token_id
+        msg.special_token_ids.update(tokenizer.special_tokens())
+    return msg

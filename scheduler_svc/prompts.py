@@ -61,6 +61,15 @@ def check_options(req: spb.GenerateRequest) -> None:
         raise PromptError(f"n is {req.n}; at most {MAX_CHOICES} choices per request (0 or 1 = one)")
 
 
+def check_workload_session(req: spb.GenerateRequest) -> None:
+    """A workload's session is one choice: its n choices would have no seeds of their own."""
+    if req.n > 1:
+        raise PromptError(
+            f"n is {req.n}; a workload lists its sessions one by one, so send n <= 1 "
+            f"and repeat the session with the seeds you want"
+        )
+
+
 @dataclass(frozen=True)
 class PromptLimits:
     """Bounds checked before any tokenizing, so one request cannot stall the others."""

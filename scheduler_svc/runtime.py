@@ -1,6 +1,7 @@
-"""The one owner of the scheduler core: it runs the ticks (schedule -> one Step RPC per worker ->
-update), feeds the streams (through the output processor: text, stop strings, logprob text,
-usage), spans and metrics, and serves the servicer's calls.
+"""The one owner of the scheduler core: it runs the linear tick (schedule -> dispatch: one Step
+RPC per worker, through the fleet (fleet.py) -> update -> publish), feeds the streams (through
+the output processor: text, stop strings, logprob text, usage), spans and metrics, and serves
+the servicer's calls.
 
 Every effect on a session (tokens, finishes, drops) leaves the core as a TickOutcome and enters
 one FIFO, the outbox; `_deliver` drains it into the streams and metrics. The tick loop calls it
@@ -13,37 +14,41 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections import deque
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.context import Context
 from opentelemetry.trace import Span
 
 from scheduler_svc.core import (
-    DropCause,
     FinishReason,
     NotSessionOwner,
     SchedulerCore,
     SessionRequest,
-    StepResult,
-    StepStatus,
     TickOutcome,
     TickPlan,
+    WorkerSpec,
     WorkloadPolicy,
 )
 from scheduler_svc.core.session import Phase
 from scheduler_svc.core.stats import TelemetrySnapshot, WorkloadStats
 from scheduler_svc.core.types import RejectReason
 from scheduler_svc.experiments import ExperimentArm, ExperimentArms
+from scheduler_svc.fleet import Answers, WorkerFleet
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.observers import Observers, SessionObserver
-from scheduler_svc.output import LogprobText, OutputProcessor, Usage
+from scheduler_svc.output import OutputProcessor, Usage
 from scheduler_svc.prompts import NoText
 from scheduler_svc.spans import SchedulerSpans
-from scheduler_svc.workers import WorkerCallFailed, WorkerClient
+from scheduler_svc.streams import SessionEvent, Submission
+from scheduler_svc.workers import WorkerClient, WorkerView
+
+if TYPE_CHECKING:
+    from kvfleet.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(__name__)
 
@@ -62,39 +67,6 @@ class RuntimeConfig:
     overlap: bool = False
 
 
-@dataclass(frozen=True)
-class SessionEvent:
-    session_id: str
-    token: int | None = None
-    text: str = ""  # the text the token (or, with finish, the end of the output) adds
-    logprob: LogprobText | None = None  # the token's, when the session asked for logprobs
-    finish: FinishReason | None = None
-    usage: Usage | None = None  # with finish
-    worker_id: str = ""
-    dropped: str = ""  # the session was given up on, unfinished (the reason)
-    drop_cause: DropCause = DropCause.UNAVAILABLE  # with dropped: what kind of error the caller gets
-    cut_off: str = ""  # the stream's client stopped reading; its sessions were cancelled (the reason)
-
-
-@dataclass(frozen=True)
-class Submission:
-    workload_id: str | None
-    session_ids: tuple[str, ...]
-    events: asyncio.Queue[SessionEvent]
-
-
-@dataclass(frozen=True)
-class WorkerView:
-    """One worker as ListWorkers shows it."""
-
-    client: WorkerClient
-    live: bool
-    sessions: int
-    kv_tokens: int
-    reserved_tokens: int
-    rss_bytes: int = 0  # as the worker last reported it (0: not yet)
-
-
 class SchedulerRuntime:
     def __init__(
         self,
@@ -109,19 +81,15 @@ class SchedulerRuntime:
         self._core = core
         # Without one (tests of the loop alone): no text, as for a model without a tokenizer.
         self._output = output if output is not None else OutputProcessor(lambda request: NoText(), lambda token: "")
-        self._clients = {c.worker_id: c for c in clients}
         self._spans = spans  # also for each tick's span, the trace context its steps carry
         self._metrics = metrics
         # Every session and tick event goes to both through one interface.
         self._observe = Observers([spans, metrics, *observers])
+        self._fleet = WorkerFleet(clients, core, self._observe, config.step_timeout_s)
         self._config = config
         self._arms = ExperimentArms()
         self._subscribers: dict[str, asyncio.Queue[SessionEvent]] = {}
         self._outbox: deque[tuple[TickOutcome, int, int]] = deque()  # (outcome, prefill, decode tokens)
-        # Sessions for each worker to forget: sent with that worker's next step (or an empty step
-        # alongside the next tick's steps), so forgetting costs no round trip of its own. Their
-        # blocks are free at once: the core owns them.
-        self._pending_release: dict[str, list[str]] = {}
         self._wake = asyncio.Event()
         self._tick_done = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -129,7 +97,6 @@ class SchedulerRuntime:
         self._no_worker_since: float | None = None
         # Sessions whose stream ended before they finished: forgotten when their finish is delivered.
         self._orphans: set[str] = set()
-        self._rss_bytes: dict[str, int] = {}  # each worker's resident memory, from its GetStats
         # The n sessions of one Generate call, by each of their ids: cancelling one cancels all.
         self._choices: dict[str, tuple[str, ...]] = {}
 
@@ -138,7 +105,15 @@ class SchedulerRuntime:
     def start(self) -> None:
         self._tasks = [
             asyncio.create_task(self._run(), name="tick-loop"),
-            asyncio.create_task(self._probe_dead_workers(), name="worker-probe"),
+            asyncio.create_task(
+                self._fleet.watch(
+                    self._worker_back,
+                    self._config.health_interval_s,
+                    self._config.stats_interval_s,
+                    lambda: self._stopping,
+                ),
+                name="worker-probe",
+            ),
         ]
 
     async def drain(self, grace_s: float) -> None:
@@ -152,7 +127,7 @@ class SchedulerRuntime:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(*(c.close() for c in self._clients.values()), return_exceptions=True)
+        await self._fleet.close()
 
     @property
     def metrics(self) -> SchedulerMetrics:
@@ -164,6 +139,15 @@ class SchedulerRuntime:
 
     # ---- the servicer's calls --------------------------------------------------------------
 
+    def generate(
+        self, request: SessionRequest, n: int, operation: str, parent: Context | None = None, request_id: str = ""
+    ) -> tuple[Submission, tuple[SessionRequest, ...]]:
+        """Admit the n choices of one Generate call (all or none; see SessionRequest.choices);
+        returns them with their requests. Cancelling one cancels all. Raises AdmissionRejected."""
+        choices = request.choices(n, secrets.token_hex(8))
+        k = len(choices)
+        return self.submit(choices, [operation] * k, parent=parent, request_ids=[request_id] * k), choices
+
     def submit(
         self,
         requests: Sequence[SessionRequest],
@@ -171,9 +155,11 @@ class SchedulerRuntime:
         policy: WorkloadPolicy | None = None,
         arm: ExperimentArm | None = None,
         parent: Context | None = None,
+        request_ids: Sequence[str] = (),
     ) -> Submission:
         """Admit the sessions of one call (policy None: one, or the n choices of a Generate) or a
-        workload; all or none. Raises AdmissionRejected."""
+        workload; all or none. `request_ids`: the caller's, by session, for their spans ("" for
+        none). Raises AdmissionRejected."""
         if policy is None:
             workload_id, ids = None, self._core.submit_group(requests)
         else:
@@ -192,6 +178,9 @@ class SchedulerRuntime:
                 f"workload {workload_id}" if workload_id else "alone",
                 extra={"session_id": sid},
             )
+        for sid, rid in zip(ids, request_ids):
+            if rid:
+                self._spans.set_request_id(sid, rid)
         # Bounded: a client that stops reading is cut off (see _publish), not buffered for ever.
         events: asyncio.Queue[SessionEvent] = asyncio.Queue(self._core.limits.max_stream_backlog * len(ids))
         for sid in ids:
@@ -244,16 +233,6 @@ class SchedulerRuntime:
     def rejections_changed(self) -> None:
         self._observe.rejections_changed(self._core.rejections)
 
-    def usage(self, session_id: str) -> tuple[int, int]:
-        """(prompt tokens, generated tokens) of a session."""
-        s = self._core.session(session_id)
-        return s.prompt_len, len(s.generated)
-
-    def cached_tokens(self, session_id: str) -> int:
-        """Prompt tokens of a session whose KV came from a worker's prefix cache."""
-        s = self._core.session(session_id)
-        return min(s.cached_tokens, s.prompt_len)
-
     def snapshot(self) -> TelemetrySnapshot:
         return self._core.snapshot()
 
@@ -274,17 +253,11 @@ class SchedulerRuntime:
             await asyncio.wait_for(self._tick_done.wait(), wait)
 
     def workers(self) -> list[WorkerView]:
-        views = []
-        for client in self._clients.values():
-            wid = client.worker_id
-            slot = self._core.workers.get(wid) if wid in self._core.workers else None
-            if slot is None:
-                views.append(WorkerView(client, False, 0, 0, 0))
-                continue
-            held = sum(self._core.session(s).kv_tokens for s in slot.sessions)
-            rss = self._rss_bytes.get(wid, 0)
-            views.append(WorkerView(client, slot.live, len(slot.sessions), held, slot.reserved_tokens, rss))
-        return views
+        return self._fleet.views()
+
+    def worker_info(self) -> wpb.WorkerInfo | None:
+        """The GetInfo answer of the served model's worker (see WorkerFleet.model_info)."""
+        return self._fleet.model_info()
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -364,7 +337,7 @@ class SchedulerRuntime:
             plan.tick, sessions, sum(len(w.token_ids) for w in plan.prefill), len(plan.decode), self._arm_of(sessions)
         )
         start_ns = time.time_ns()
-        ids, gathered = self._send(plan, span)
+        ids, gathered = self._fleet.send(plan, span, self._arm_of)
         return _Flight(plan, span, start_ns, ids, gathered)
 
     async def _land(self, flight: _Flight) -> None:
@@ -372,7 +345,7 @@ class SchedulerRuntime:
         tick's steps are out."""
         plan = flight.plan
         try:
-            results, failed, failed_steps = self._answers(plan, flight.workers, await flight.calls)
+            results, failed, failed_steps = self._fleet.answers(plan, flight.workers, await flight.calls)
             self._spans.session_steps(flight.span, plan, flight.start_ns, time.time_ns())
             out = self._core.update(plan, results, failed, failed_steps)
         except Exception:  # a bug, not a worker fault: log it and keep serving
@@ -416,87 +389,24 @@ class SchedulerRuntime:
     def _arm_of(self, session_ids: Iterable[str]) -> ExperimentArm | None:
         return self._arms.shared(self._core.session(s).workload_id for s in session_ids)
 
-    async def _dispatch(self, plan: TickPlan, span: Span) -> _Answers:
+    async def _dispatch(self, plan: TickPlan, span: Span) -> Answers:
         """Send each worker its step; returns the items' results, the workers that did not answer
         (marked dead by update) and, by worker, why a step failed on a worker that did answer.
         The outbox is delivered while the workers compute."""
-        ids, gathered = self._send(plan, span)
+        ids, gathered = self._fleet.send(plan, span, self._arm_of)
         if self._outbox:
             await asyncio.sleep(0)  # let the steps go out first: the workers compute meanwhile
             try:
                 self._deliver()
             except Exception:  # a bug: log it, but this tick's steps are out and must be applied
                 log.exception("delivering tick %d's events failed", plan.tick - 1)
-        return self._answers(plan, ids, await gathered)
-
-    def _send(self, plan: TickPlan, span: Span) -> tuple[list[str], asyncio.Future[list[Any]]]:
-        """Start every worker's step call now (each numbered in the order sent), and the releases
-        of workers with no step; returns the workers stepped and all the calls gathered."""
-        by_worker = plan.by_worker()
-        ids = list(by_worker)
-        steps = []
-        for w in ids:
-            prefill, decode = by_worker[w]
-            steps.append(
-                self._clients[w].step(
-                    prefill,
-                    decode,
-                    self._pending_release.pop(w, ()),
-                    self._arm_of(x.session_id for x in prefill + decode),
-                    span,
-                    self._config.step_timeout_s,
-                )
-            )
-        others, self._pending_release = self._pending_release, {}
-        return ids, asyncio.gather(*steps, self._release(others), return_exceptions=True)
-
-    def _answers(self, plan: TickPlan, ids: list[str], gathered: list[Any]) -> _Answers:
-        """The step calls' answers (`gathered`: one per worker in `ids`, then the releases'), by
-        item, with the workers that did not answer and the steps that failed. An item error of
-        a stale item (its session ended or moved meanwhile: the extra item overlapped scheduling
-        sent) is not reported: the session's worker freed it, and update() ignores it."""
-        stale = {w.session_id for w in plan.prefill + plan.decode if self._core.stale(w)}
-        responses = gathered[: len(ids)]
-        results: dict[str, StepResult] = {}
-        failed: set[str] = set()
-        failed_steps: dict[str, str] = {}
-        for worker_id, resp in zip(ids, responses):
-            if isinstance(resp, WorkerCallFailed) and resp.worker_unreachable:
-                log.warning(
-                    "worker %s failed its step (%s: %s); moving its sessions", worker_id, resp.code.name, resp.details
-                )
-                failed.add(worker_id)
-                self._observe.worker_failed(worker_id)
-            elif isinstance(resp, WorkerCallFailed):
-                log.warning(
-                    "worker %s answered that its step failed (%s: %s); recomputing the step's sessions",
-                    worker_id,
-                    resp.code.name,
-                    resp.details,
-                )
-                failed_steps[worker_id] = f"{resp.code.name}: {resp.details}"
-                self._observe.step_failed(worker_id)
-            elif isinstance(resp, BaseException):
-                raise resp
-            elif resp is not None:
-                results.update(resp)
-                errors = [
-                    r
-                    for r in resp.values()
-                    if r.status in (StepStatus.REJECTED, StepStatus.FAILED) and r.session_id not in stale
-                ]
-                for r in errors:
-                    log.warning("worker %s: session %s %s: %s", worker_id, r.session_id, r.status.value, r.error)
-                if errors:
-                    self._observe.item_errors(worker_id, len(errors))
-        return results, failed, failed_steps
+        return self._fleet.answers(plan, ids, await gathered)
 
     # ---- the outbox ---------------------------------------------------------------------------
 
     def _emit(self, out: TickOutcome, prefill_tokens: int = 0, decode_tokens: int = 0) -> None:
         """Queue an outcome's events for delivery; its releases ride on the next steps."""
-        for worker_id, sids in out.release.items():
-            self._pending_release.setdefault(worker_id, []).extend(sids)
+        self._fleet.forget_later(out.release)
         if out.tokens or out.finished or out.dropped or prefill_tokens or decode_tokens:
             self._outbox.append((out, prefill_tokens, decode_tokens))
 
@@ -540,7 +450,9 @@ class SchedulerRuntime:
         self._observe.outcomes_delivered(self._core.snapshot(), prefill, decode)
 
     def _ended(self, session_id: str, reason: str) -> Usage:
-        usage = Usage(*self.usage(session_id), self.cached_tokens(session_id))
+        s = self._core.session(session_id)
+        # Cached tokens: prompt tokens whose KV came from a worker's prefix cache.
+        usage = Usage(s.prompt_len, len(s.generated), min(s.cached_tokens, s.prompt_len))
         self._observe.session_ended(session_id, reason, usage)
         return usage
 
@@ -614,61 +526,12 @@ class SchedulerRuntime:
     # ---- releases and dead workers -------------------------------------------------------------
 
     async def _flush_releases(self) -> None:
-        if self._pending_release:
-            pending, self._pending_release = self._pending_release, {}
-            await self._release(pending)
+        await self._fleet.flush_releases()
 
-    def _release(self, release: Mapping[str, Sequence[str]]) -> Awaitable[None]:
-        """Tell workers with no step this tick which sessions to forget (a step with no items):
-        the calls start now, in order with the steps; await the result."""
-        calls = [
-            self._clients[w].step((), (), sids, None, None, self._config.step_timeout_s)
-            for w, sids in release.items()
-            if w in self._clients and self._core.workers.get(w).live
-        ]
-        return self._released(calls)
-
-    @staticmethod
-    async def _released(calls: Sequence[Awaitable[object]]) -> None:
-        for res in await asyncio.gather(*calls, return_exceptions=True):
-            if isinstance(res, BaseException):
-                log.warning("release failed: %s", res)
-
-    async def _probe_dead_workers(self) -> None:
-        """A worker marked dead is used again once it answers GetInfo, with fresh books (its
-        first step tells it to forget every session); live workers' memory is read every
-        stats_interval_s for ListWorkers."""
-        interval = self._config.health_interval_s
-        next_stats = 0.0
-        while not self._stopping:
-            if time.monotonic() >= next_stats:
-                next_stats = time.monotonic() + self._config.stats_interval_s
-                await asyncio.gather(*(self._read_rss(w) for w in self._clients if self._core.workers.get(w).live))
-            await asyncio.sleep(interval)
-            for worker_id, client in self._clients.items():
-                if self._core.workers.get(worker_id).live:
-                    continue
-                if not await client.answers(timeout=min(interval, 2.0)):
-                    continue
-                # Whatever it still holds is stale now (its sessions moved): it forgets it all
-                # at once, before it is used again, so that nothing waits on a next step there.
-                client.reset_pending = True
-                try:
-                    await client.step((), (), (), None, None, self._config.step_timeout_s)
-                except WorkerCallFailed as exc:
-                    log.warning("worker %s answers again but its reset failed: %s", worker_id, exc)
-                    continue
-                self._core.worker_recovered(client.spec())
-                log.info("worker %s is back (instance %s)", worker_id, client.info.instance_id if client.info else "?")
-                self._wake.set()
-
-    async def _read_rss(self, worker_id: str) -> None:
-        try:
-            held = await self._clients[worker_id].held(timeout=self._config.step_timeout_s)
-        except WorkerCallFailed as exc:
-            log.warning("could not read worker %s's stats: %s", worker_id, exc)
-            return
-        self._rss_bytes[worker_id] = held.rss_bytes
+    def _worker_back(self, spec: WorkerSpec) -> None:
+        """A worker marked dead answers again and has forgotten every session: use it again."""
+        self._core.worker_recovered(spec)
+        self._wake.set()
 
 
 @dataclass
@@ -680,10 +543,6 @@ class _Flight:
     start_ns: int
     workers: list[str]  # the workers stepped, in the order of the calls' answers
     calls: asyncio.Future[list[Any]]  # every step and release call of the tick, gathered
-
-
-# A tick's answers: results by session, workers that did not answer, worker -> why its step failed.
-_Answers = tuple[dict[str, StepResult], set[str], dict[str, str]]
 
 
 def _settled(plan: TickPlan) -> TickOutcome:

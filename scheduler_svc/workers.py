@@ -66,6 +66,18 @@ class HeldSessions:
     rss_bytes: int = 0  # the worker process's resident memory
 
 
+@dataclass(frozen=True)
+class WorkerView:
+    """One worker as ListWorkers shows it."""
+
+    client: WorkerClient
+    live: bool
+    sessions: int
+    kv_tokens: int
+    reserved_tokens: int
+    rss_bytes: int = 0  # as the worker last reported it (0: not yet)
+
+
 @dataclass
 class WorkerClient:
     address: str

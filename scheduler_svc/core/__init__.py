@@ -1,6 +1,6 @@
 """The scheduler's pure core: admission, tick-by-tick batching policy, KV bookkeeping, counters.
 
-No grpc, protobuf or sockets here; the gRPC adapter in scheduler_svc.server drives it.
+No grpc, protobuf or sockets here; scheduler_svc.runtime drives it, for the servicer (scheduler_svc.servicer).
 """
 
 from scheduler_svc.core.limits import SchedulerLimits

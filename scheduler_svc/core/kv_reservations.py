@@ -6,6 +6,7 @@ blocks it holds: blocks shared through the prefix cache count once. The tick rul
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -26,6 +27,12 @@ class WorkerSlot:
 
     def __post_init__(self) -> None:
         self.tables = BlockTables(self.spec.num_blocks, self.spec.block_size, self.spec.prefix_caching)
+
+    def draft(self) -> WorkerSlot:
+        """A copy whose books change independently (see KvReservations.draft)."""
+        new = copy.copy(self)
+        new.tables, new.sessions = self.tables.copy(), set(self.sessions)
+        return new
 
     @property
     def reserved_tokens(self) -> int:
@@ -70,6 +77,22 @@ class KvReservations:
         # reuses what it finds cached where it lands)
         self._workers: dict[str, WorkerSlot] = {}
         self._by_session: dict[str, str] = {}  # session -> its worker
+
+    def draft(self) -> KvReservations:
+        """Books equal to these that a tick is planned on; `adopt` takes them back once the
+        plan is applied. Cheap: the block tables are copied on write."""
+        new = KvReservations(self.kv_budget_bytes, self.cache_aware)
+        new._workers = {wid: slot.draft() for wid, slot in self._workers.items()}
+        new._by_session = dict(self._by_session)
+        return new
+
+    def adopt(self, draft: KvReservations) -> None:
+        """Take a draft's books as these (the slots keep their identity: callers hold them)."""
+        assert draft._workers.keys() == self._workers.keys(), "workers changed while a tick was planned"
+        for wid, planned in draft._workers.items():
+            slot = self._workers[wid]
+            slot.tables, slot.sessions, slot.live = planned.tables, planned.sessions, planned.live
+        self._by_session = draft._by_session
 
     # ---- workers ---------------------------------------------------------------------------
 

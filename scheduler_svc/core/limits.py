@@ -11,7 +11,7 @@ class SchedulerLimits:
     prefill_token_budget: int = 512  # prompt tokens prefilled per tick (longer prompts chunk)
     kv_budget_bytes: int = 64 * 1024 * 1024
     max_queue_depth: int = 1024
-    # Sessions one caller (token, certificate or anonymous: see the server's caller_identity) may
+    # Sessions one caller (token, certificate or anonymous: see the servicer's caller_identity) may
     # have waiting at once, so one caller cannot fill the queue for all. Half the default queue;
     # at or above max_queue_depth it has no effect.
     max_queued_per_caller: int = 512

@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from scheduler_svc.core.types import DropCause, FinishReason, Sampling, TokenLogprob
+
+if TYPE_CHECKING:
+    from scheduler_svc.core.state import CoreState
 
 
 @dataclass(frozen=True)
@@ -41,17 +44,22 @@ class DecodeWork:
 
 @dataclass(frozen=True)
 class TickPlan:
-    """What `schedule()` decided: the steps to run, and what it already settled while deciding
-    (cancelled sessions finished, preempted ones requeued, and the KV both free on workers)."""
+    """What the planner decided (`SchedulerCore.plan()`): the steps to run, and what it settled
+    while deciding (asked-for finishes, preempted sessions requeued, the KV both free on
+    workers). Nothing of it has happened until the core applies it (`apply`)."""
 
     tick: int
-    prefill: tuple[PrefillWork, ...]
+    prefill: tuple[PrefillWork, ...]  # continued chunked prefills, then the admitted sessions' first chunks
     decode: tuple[DecodeWork, ...]
-    finished: tuple[tuple[str, FinishReason], ...] = ()
-    requeued: tuple[str, ...] = ()
+    finished: tuple[tuple[str, FinishReason], ...] = ()  # the finishes asked for (cancels, stop strings)
+    requeued: tuple[str, ...] = ()  # preempted (preempt mode)
     release: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # worker -> sessions
     started: float = 0.0  # the core's clock when planned (the tick's start, for its figures)
     workloads: tuple[str, ...] = ()  # the workloads active when it was planned
+    admitted: tuple[str, ...] = ()  # sessions taken from the queue (their first chunk is in prefill)
+    # The core's books as they stand once the decisions are applied: the planner's draft, which
+    # `apply` commits (only to the state it was planned from).
+    draft: CoreState | None = field(default=None, compare=False, repr=False)
 
     @property
     def empty(self) -> bool:

@@ -1,17 +1,12 @@
-"""The tick rules, around two calls: `schedule() -> TickPlan` and `update(plan, results) -> TickOutcome`.
+"""The tick rules, around three calls: `plan() -> TickPlan`, `apply(plan)` and
+`update(plan, results) -> TickOutcome` (`schedule()` is plan then apply).
 
-One tick (see the README's scheduling rules):
-  1. cancelled sessions are finished and their KV released;
-  2. sessions part-way through a chunked prefill continue, first come first served, within the
-     tick's prefill token budget;
-  3. waiting sessions are admitted FCFS (lower priority value first) while fewer than
-     `max_running` run, the budget has room and their KV fits; each admitted session
-     prefills its first chunk in this tick, and the chunk that completes a prompt yields the
-     session's first new token;
-  4. every session prefilled in an earlier tick decodes one token: together they are the
-     tick's decode batch;
-  5. a session that reaches max_new_tokens (or a stop/EOS token) finishes in the tick and its KV
-     is freed in the tick. KV is counted at the tick's end, after frees.
+One tick is linear: the planner (planner.py) decides on a draft of the core's state (state.py):
+finishes asked for since the last tick (cancels, stop strings), preemptions, chunked prefills,
+the decode batch and admissions; `apply` commits that draft; the runtime dispatches the plan's
+steps; `update` applies the workers' answers (tokens, finishes, faults); the runtime publishes the
+outcome. A session's KV is released in one place (`CoreState._leave_worker`), whichever way it
+leaves its worker.
 
 Admission checks live in admission.py, the KV books (each worker's block tables and prefix
 hashes: the workers write where the plan says) and preemption victims in kv_reservations.py,
@@ -20,7 +15,6 @@ and every figure the scheduler reports in accounting.py, which only observes.
 
 from __future__ import annotations
 
-import bisect
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence, Set
@@ -29,11 +23,12 @@ from typing import TypeVar
 from scheduler_svc.core import admission
 from scheduler_svc.core.accounting import Accounting, Gauges, TickTally, WorkloadTally
 from scheduler_svc.core.admission import ModelBounds, WorkloadCaps
-from scheduler_svc.core.budget import PrefillBudget
-from scheduler_svc.core.kv_reservations import KvReservations, VictimCandidate, choose_victim
+from scheduler_svc.core.kv_reservations import KvReservations
 from scheduler_svc.core.limits import SchedulerLimits
 from scheduler_svc.core.plan import DecodeWork, Dropped, PrefillWork, TickOutcome, TickPlan
+from scheduler_svc.core.planner import plan_tick
 from scheduler_svc.core.session import Phase, Session
+from scheduler_svc.core.state import CoreState
 from scheduler_svc.core.stats import BatchCounters, TelemetrySnapshot, WorkloadStats
 from scheduler_svc.core.types import (
     AdmissionRejected,
@@ -71,19 +66,12 @@ class SchedulerCore:
         self.accounting = Accounting(limits.kv_budget_bytes, limits.max_running)
         self._bounds = ModelBounds()
         self._sessions: dict[str, Session] = {}
-        self._queue: list[tuple[int, int, str]] = []  # (priority, seq, session id), sorted
+        # The queue, the running sessions, the finishes asked for, the work still out, the KV:
+        # what a tick is planned from (on a draft of it) and changes.
+        self._state = CoreState(self.kv, self._sessions)
         self._groups: dict[str, list[str]] = {}  # prefix group -> its sessions (SessionRequest.prefix_group)
-        self._running: list[str] = []  # admission order
         self._caps: dict[str, WorkloadCaps] = {}  # workloads not yet finished
-        # Running sessions to finish at the next schedule(): cancelled by their client, or ended
-        # by a stop string the output processor found (first request wins).
-        self._finish_requested: dict[str, FinishReason] = {}
         self._seq = 0
-        self._tick = 0
-        # Each running session's work in a planned tick not yet updated. With overlapped
-        # scheduling schedule() plans tick N+1 while tick N is out: it plans from the state N is
-        # expected to leave (see _expected), at most one tick ahead of update().
-        self._ahead: dict[str, PrefillWork | DecodeWork] = {}
 
     # ---- workers -------------------------------------------------------------------------
 
@@ -92,15 +80,17 @@ class SchedulerCore:
         return self.kv
 
     def add_worker(self, spec: WorkerSpec, vocab_size: int, max_position: int) -> None:
+        self._state.changed()
         self.kv.add(spec)
         self._bounds = self._bounds.merged(vocab_size, max_position)
 
     def worker_failed(self, worker_id: str, why: str = "") -> TickOutcome:
         """Mark a worker dead and send its sessions back to the queue to be recomputed elsewhere
         (each at most max_moves times: see ``_move``)."""
+        self._state.changed()
         self.kv.get(worker_id).live = False
-        out = TickOutcome(tick=self._tick)
-        for sid in [sid for sid in self._running if self._sessions[sid].worker_id == worker_id]:
+        out = TickOutcome(tick=self._state.tick)
+        for sid in [sid for sid in self._state.running if self._sessions[sid].worker_id == worker_id]:
             self._move(self._sessions[sid], f"worker {worker_id} failed ({why or 'no answer'})", out)
         self._close_workloads()
         return out
@@ -121,11 +111,12 @@ class SchedulerCore:
             )
             return
         out.requeued.append(session.session_id)
-        self._requeue(session)
+        self._state.requeue(session, out)
 
     def worker_recovered(self, spec: WorkerSpec) -> None:
         """A worker marked dead answers again (as `spec` says now): it is used with fresh books,
         since it may have restarted; the adapter has told it to forget every session."""
+        self._state.changed()
         self.kv.add(spec)
 
     # ---- admission -----------------------------------------------------------------------
@@ -166,16 +157,17 @@ class SchedulerCore:
             where = f"session {i}: " if len(requests) > 1 else ""
             admission.check_request(req, self.limits, self._bounds, where)
             admission.check_capacity(req, self.kv, where)
-        admission.check_queue_room(len(self._queue), len(requests), self.limits)
+        admission.check_queue_room(len(self._state.queue), len(requests), self.limits)
         for owner in {r.owner for r in requests}:  # one caller per call; checked per owner all the same
             arriving = sum(1 for r in requests if r.owner == owner)
             admission.check_caller_room(self._queued_by(owner), arriving, owner, self.limits)
 
     def _queued_by(self, owner: str) -> int:
         """Sessions of this caller waiting in the queue (O(queue), at most max_queue_depth)."""
-        return sum(1 for _, _, sid in self._queue if self._sessions[sid].request.owner == owner)
+        return sum(1 for _, _, sid in self._state.queue if self._sessions[sid].request.owner == owner)
 
     def _enqueue(self, requests: Sequence[SessionRequest], workload_id: str | None) -> list[str]:
+        self._state.changed()
         self._checked(lambda: self._check_all(requests))
         ids = []
         for req in requests:
@@ -183,7 +175,7 @@ class SchedulerCore:
             self._seq += 1
             session = Session(session_id=sid, request=req, workload_id=workload_id, seq=self._seq)
             self._sessions[sid] = session
-            bisect.insort(self._queue, (req.priority, session.seq, sid))
+            self._state.enqueue(session)
             if req.prefix_group:
                 self._groups.setdefault(req.prefix_group, []).append(sid)
             ids.append(sid)
@@ -193,27 +185,29 @@ class SchedulerCore:
         """Cancel a session; returns the state it was in and what that settled now. A queued one
         finishes at once; a running one is finished and freed at the next `schedule()`.
         With `caller`, only the session's owner may cancel it (NotSessionOwner otherwise)."""
+        self._state.changed()
         session = self._sessions.get(session_id)
         if session is None:
             raise KeyError(session_id)
         if caller is not None and caller != session.request.owner:
             raise NotSessionOwner(session_id)
-        out = TickOutcome(tick=self._tick)
+        out = TickOutcome(tick=self._state.tick)
         state = session.phase.value
         if session.phase == Phase.QUEUED:
-            self._dequeue(session)
+            self._state.dequeue(session)
             self._close(session, FinishReason.CANCELLED, out)
             self._close_workloads()
         elif session.running:
-            self._finish_requested.setdefault(session_id, FinishReason.CANCELLED)
+            self._state.finish_requested.setdefault(session_id, FinishReason.CANCELLED)
         return state, out
 
     def drop_queued(self, why: str) -> TickOutcome:
         """Give up on every waiting session (e.g. no live worker for too long)."""
-        out = TickOutcome(tick=self._tick)
-        for _, _, sid in list(self._queue):
+        self._state.changed()
+        out = TickOutcome(tick=self._state.tick)
+        for _, _, sid in list(self._state.queue):
             session = self._sessions[sid]
-            self._dequeue(session)
+            self._state.dequeue(session)
             self._close(session, None, out)
             out.dropped.append(Dropped(sid, why))
         self._close_workloads()
@@ -222,218 +216,38 @@ class SchedulerCore:
     # ---- the tick: schedule ------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self._running or self._queue or self._finish_requested)
+        return bool(self._state.running or self._state.queue or self._state.finish_requested)
+
+    def plan(self, now: float | None = None) -> TickPlan:
+        """The next tick's plan, a pure function of the core's state (and `now`, the tick's start:
+        the core's clock by default): nothing changes until it is applied. Two plans from one
+        state are equal."""
+        return plan_tick(
+            self._state,
+            self.limits,
+            self._caps,
+            self._groups,
+            tuple(self.accounting.active_workloads()),
+            self._clock() if now is None else now,
+        )
+
+    def apply(self, plan: TickPlan) -> None:
+        """Commit a plan made from the core's current state: its finishes, preemptions and
+        admissions happen, its steps are out (their results come back through `update`)."""
+        assert plan.draft is not None, "a plan from plan()"
+        self._state.commit(plan.draft)
+        # The accounting hears of the plan's decisions now, as it hears of update()'s.
+        self.accounting.finished(sid for sid, _ in plan.finished)
+        if plan.requeued:
+            self.accounting.preempted(len(plan.requeued))
+        if plan.empty:
+            self._close_workloads()  # e.g. every remaining session was cancelled
 
     def schedule(self) -> TickPlan:
-        """Decide this tick's work. Cancellations and preemptions are settled here and travel in
-        the plan; the steps' results come back through `update`."""
-        tick = self._tick + 1
-        started = self._clock()
-        settled = TickOutcome(tick=tick)
-        self._settle_finishes(settled)
-        preempted: set[str] = set()
-        if self.limits.kv_policy == "preempt":
-            preempted = self._make_room_for_decodes(settled)
-
-        workloads = tuple(self.accounting.active_workloads())
-        budget = PrefillBudget(
-            self.limits.prefill_token_budget, {w: self._caps[w].prefill_token_budget for w in workloads}
-        )
-        decode: list[DecodeWork] = []
-        prefill: list[PrefillWork] = []
-        for sid in self._running:
-            session = self._sessions[sid]
-            phase, _, generated = self._expected(session)
-            if phase == Phase.DECODE:
-                # Decode batch: sessions whose prefill finished in an earlier tick (one still out
-                # counts as done), unless the tick still out gives them their last token.
-                if generated < session.request.max_new_tokens:
-                    decode.append(self._decode_work(session))
-            else:
-                # Chunked prefills already under way go first.
-                chunk = self._prefill_chunk(session, budget)
-                if chunk is not None:
-                    prefill.append(chunk)
-        prefill += self._admit(tick, budget, preempted)
-        if prefill or decode:
-            self._tick = tick
-            self._ahead.update((w.session_id, w) for w in prefill)
-            self._ahead.update((w.session_id, w) for w in decode)
-        else:
-            self._close_workloads()  # e.g. every remaining session was cancelled
-        return TickPlan(
-            tick=tick,
-            prefill=tuple(prefill),
-            decode=tuple(decode),
-            finished=tuple(settled.finished),
-            requeued=tuple(settled.requeued),
-            release={w: tuple(s) for w, s in settled.release.items()},
-            started=started,
-            workloads=workloads,
-        )
-
-    def _expected(self, session: Session) -> tuple[Phase, int, int]:
-        """(phase, tokens in its KV, tokens generated) once its work in a tick still out is done as
-        planned: the state the next tick is planned from. Without one: as it is."""
-        work = self._ahead.get(session.session_id)
-        if work is None:
-            return session.phase, session.kv_tokens, len(session.generated)
-        if isinstance(work, DecodeWork):
-            return Phase.DECODE, work.position + 1, work.generated_so_far + 1
-        end = work.start_position + len(work.token_ids)
-        if work.last_chunk:
-            return Phase.DECODE, end, work.generated_so_far + 1
-        return Phase.PREFILL, end, work.generated_so_far
-
-    def _settle_finishes(self, out: TickOutcome) -> None:
-        """The finishes asked for since the last tick (cancels, stop strings), in arrival order."""
-        for sid, reason in sorted(self._finish_requested.items(), key=lambda kv: self._sessions[kv[0]].seq):
-            session = self._sessions[sid]
-            if session.running:
-                self._close(session, reason, out)
-            elif session.phase == Phase.QUEUED:
-                # Requeued (worker fault, cache miss) after the finish was asked for.
-                self._dequeue(session)
-                self._close(session, reason, out)
-        self._finish_requested.clear()
-
-    def _admit(self, tick: int, budget: PrefillBudget, preempted: Set[str]) -> list[PrefillWork]:
-        """Admission, first come first served, within max_running, the budget and the KV."""
-        work: list[PrefillWork] = []
-        running_by_wl = self._running_by_workload()
-        for _, _, sid in list(self._queue):
-            if len(self._running) >= self.limits.max_running or budget.exhausted:
-                break
-            session = self._sessions[sid]
-            wid = session.workload_id
-            if (
-                wid is not None
-                and wid in self._caps
-                and (running_by_wl.get(wid, 0) >= self._caps[wid].max_running or budget.room(wid) <= 0)
-            ):
-                continue  # this workload is at its own cap; it does not block others
-            if sid in preempted:
-                continue  # not back in the tick that preempted it
-            if self._sibling_computes_the_prompt(session):
-                continue  # it follows once the shared prompt's KV exists (the prefix cache)
-            if not self._try_place(session, tick):
-                break  # strict FCFS on KV: a large head-of-line request is not starved
-            self._dequeue(session)
-            if wid is not None:
-                running_by_wl[wid] = running_by_wl.get(wid, 0) + 1
-            chunk = self._prefill_chunk(session, budget)
-            if chunk is not None:
-                work.append(chunk)
-        return work
-
-    def _running_by_workload(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for sid in self._running:
-            wid = self._sessions[sid].workload_id
-            if wid is not None:
-                counts[wid] = counts.get(wid, 0) + 1
-        return counts
-
-    def _siblings(self, session: Session) -> list[Session]:
-        group = session.request.prefix_group
-        if not group:
-            return []
-        return [
-            self._sessions[s] for s in self._groups.get(group, ()) if s != session.session_id and s in self._sessions
-        ]
-
-    def _sibling_computes_the_prompt(self, session: Session) -> bool:
-        """A session of a prefix group waits while a sibling's prefill is under way and none has
-        finished one yet; after that every sibling goes (all in one tick, if they fit)."""
-        siblings = self._siblings(session)
-        computing = any(s.running and s.phase == Phase.PREFILL for s in siblings)
-        computed = any(s.generated or s.phase in (Phase.DECODE, Phase.FINISHED) for s in siblings)
-        return computing and not computed
-
-    def _try_place(self, session: Session, tick: int) -> bool:
-        need = session.worst_case_tokens
-        if self.limits.kv_policy == "preempt":
-            # The prompt (plus what it generated before a preemption) and the first decode.
-            need = min(need, session.prompt_len + len(session.generated) + 1)
-        # Where the longest prefix of it is cached (a prefix group's sibling's, say), if it has room.
-        placed = self.kv.reserve(session.session_id, need, session.next_prefill(), session.salt)
-        if placed is None:
-            return False
-        session.worker_id = placed.worker_id
-        session.admitted_tick = tick
-        session.start_prefill(placed.cached_tokens)
-        self._running.append(session.session_id)
-        return True
-
-    def _make_room_for_decodes(self, out: TickOutcome) -> set[str]:
-        """Preempt mode: every decode adds one token; grow reservations block by block, and
-        where a worker (or the KV budget) is full, preempt the least urgent, most recently
-        admitted session on that worker until the growth fits. Returns the preempted ids."""
-        preempted: set[str] = set()
-        for sid in list(self._running):  # oldest first get room first
-            session = self._sessions[sid]
-            phase, kv_tokens, generated = self._expected(session)
-            if phase != Phase.DECODE or sid in preempted or generated >= session.request.max_new_tokens:
-                continue
-            worker_id = session.worker_id
-            assert worker_id is not None
-            while not self.kv.grow(sid, kv_tokens + 1):
-                victim = self._sessions[
-                    choose_victim(
-                        [
-                            VictimCandidate(s, self._sessions[s].request.priority, i)
-                            for i, s in enumerate(self._running)
-                            if self._sessions[s].worker_id == worker_id
-                        ]
-                    )
-                ]
-                out.free(worker_id, victim.session_id)
-                out.requeued.append(victim.session_id)
-                preempted.add(victim.session_id)
-                self.accounting.preempted()
-                self._requeue(victim)
-                if victim is session:
-                    break
-        return preempted
-
-    def _prefill_chunk(self, session: Session, budget: PrefillBudget) -> PrefillWork | None:
-        room = budget.room(session.workload_id)
-        if room <= 0:
-            return None
-        _, start, _ = self._expected(session)
-        # The first chunk carries the cached prefix too (the worker's sampling history wants
-        # every prompt token); only the tokens to compute spend the budget.
-        cached = session.cached_tokens if start == 0 else 0
-        chunk = session.prefill_target[start : start + cached + room]
-        budget.spend(session.workload_id, len(chunk) - cached)
-        last = start + len(chunk) == len(session.prefill_target)
-        return PrefillWork(
-            session_id=session.session_id,
-            worker_id=session.worker_id or "",
-            token_ids=chunk,
-            start_position=start,
-            last_chunk=last,
-            sampling=session.request.sampling,
-            generated_so_far=len(session.generated),
-            block_ids=self.kv.new_blocks(session.session_id),
-            cached_tokens=cached,
-            epoch=session.epoch,
-        )
-
-    def _decode_work(self, session: Session) -> DecodeWork:
-        _, position, generated = self._expected(session)
-        ahead = session.session_id in self._ahead  # its latest token is still being sampled
-        return DecodeWork(
-            session_id=session.session_id,
-            worker_id=session.worker_id or "",
-            token_id=0 if ahead else session.generated[-1],
-            position=position,
-            sampling=session.request.sampling,
-            generated_so_far=generated,
-            block_ids=self.kv.new_blocks(session.session_id),
-            epoch=session.epoch,
-            last_sampled=ahead,
-        )
+        """Plan the next tick and apply the plan: its steps' results come back through `update`."""
+        plan = self.plan()
+        self.apply(plan)
+        return plan
 
     # ---- the tick: update --------------------------------------------------------------------
 
@@ -451,6 +265,7 @@ class SchedulerCore:
         step failed: they stay in use, and the step's sessions are freed there and recomputed.
         An item the worker REJECTED or FAILED ends its session alone, with the worker's message.
         """
+        self._state.changed()
         failed_steps = failed_steps or {}
         out = TickOutcome(tick=plan.tick)
         if plan.empty:
@@ -458,20 +273,18 @@ class SchedulerCore:
         tallies = {wid: _Tally() for wid in plan.workloads}
         total = _Tally()
         for work in plan.prefill + plan.decode:  # first, so that nothing below can leave them
-            if self._ahead.get(work.session_id) is work:
-                del self._ahead[work.session_id]
+            if self._state.ahead.get(work.session_id) is work:
+                del self._state.ahead[work.session_id]
         for work in plan.prefill + plan.decode:
             if self.stale(work):
                 continue  # it left its worker since (closed, requeued): the result is not taken
             session = self._sessions[work.session_id]
             if work.worker_id in failed_workers or session.phase == Phase.FINISHED:
                 continue
-            if self._finish_requested.get(session.session_id) == FinishReason.STOP:
+            if self._state.finish_requested.get(session.session_id) == FinishReason.STOP:
                 continue  # ended by its text: settled (and freed) by the next schedule()
             if work.worker_id in failed_steps:
                 self._move(session, f"its step on worker {work.worker_id} failed: {failed_steps[work.worker_id]}", out)
-                if session.phase == Phase.QUEUED:  # (ended, _close freed it already)
-                    out.free(work.worker_id, session.session_id)
                 continue
             wl = tallies.get(session.workload_id or "")
             result = results.get(work.session_id)
@@ -488,8 +301,6 @@ class SchedulerCore:
                 self._move(
                     session, f"worker {work.worker_id} did not hold its KV as the scheduler's books say ({status})", out
                 )
-                if session.phase == Phase.QUEUED:
-                    out.free(work.worker_id, session.session_id)
                 continue
             session.kv_tokens = result.kv_tokens
             self.kv.written(session.session_id, result.kv_tokens, session.tokens)
@@ -577,46 +388,17 @@ class SchedulerCore:
         """Ask for a session to end (a stop string the output processor found): an input to the
         next schedule(), which finishes it as it does a cancelled one. Meanwhile a token of a
         step already under way is not taken: the text had ended before it."""
+        self._state.changed()
         session = self._sessions[session_id]
         if session.running or session.phase == Phase.QUEUED:
-            self._finish_requested.setdefault(session_id, reason)
+            self._state.finish_requested.setdefault(session_id, reason)
 
     # ---- state changes -----------------------------------------------------------------------
 
-    def _dequeue(self, session: Session) -> None:
-        self._queue.remove((session.request.priority, session.seq, session.session_id))
-
     def _close(self, session: Session, reason: FinishReason | None, out: TickOutcome) -> None:
-        """Finish a session (reason None: dropped), freeing its KV where it ran."""
-        if session.running:
-            assert session.worker_id is not None
-            out.free(session.worker_id, session.session_id)
-            self._running.remove(session.session_id)
-            self._unreserve(session)
-        self._left_worker(session)
-        session.phase = Phase.FINISHED
-        session.finish_reason = reason
-        session.kv_tokens = 0
-        if reason is not None:
-            out.finished.append((session.session_id, reason))
+        """Finish a session (reason None: dropped), releasing its KV where it ran."""
+        self._state.close(session, reason, out)
         self.accounting.finished([session.session_id])
-
-    def _unreserve(self, session: Session) -> None:
-        self.kv.release(session.session_id)
-        session.worker_id = None
-
-    def _left_worker(self, session: Session) -> None:
-        """Whatever of it is still out on a worker is stale from now on."""
-        session.epoch += 1
-        self._ahead.pop(session.session_id, None)
-
-    def _requeue(self, session: Session) -> None:
-        self._running.remove(session.session_id)
-        self._unreserve(session)
-        self._left_worker(session)
-        session.phase = Phase.QUEUED
-        session.kv_tokens = 0
-        bisect.insort(self._queue, (session.request.priority, session.seq, session.session_id))
 
     def _close_workloads(self) -> None:
         """Close the workloads whose sessions have all finished; forget the oldest closed ones."""
@@ -628,6 +410,7 @@ class SchedulerCore:
     def forget_session(self, session_id: str) -> None:
         """Drop a finished session whose stream has ended, its prompt with it. A workload's too:
         its figures live on in the accounting (workload_stats), which keeps only ids."""
+        self._state.changed()
         session = self._sessions.get(session_id)
         if session is not None and session.phase == Phase.FINISHED:
             del self._sessions[session_id]
@@ -642,7 +425,7 @@ class SchedulerCore:
     def _held_kv_bytes(self) -> dict[str | None, int]:
         """KV bytes held by running sessions, by workload (None: sessions of no workload)."""
         held: dict[str | None, int] = {}
-        for sid in self._running:
+        for sid in self._state.running:
             s = self._sessions[sid]
             assert s.worker_id is not None
             held[s.workload_id] = held.get(s.workload_id, 0) + s.kv_tokens * self.kv.bytes_per_token(s.worker_id)
@@ -650,8 +433,8 @@ class SchedulerCore:
 
     def _gauges(self, workload_id: str | None = None) -> Gauges:
         if workload_id is None:
-            mine = [self._sessions[sid] for sid in self._running]
-            queued = len(self._queue)
+            mine = [self._sessions[sid] for sid in self._state.running]
+            queued = len(self._state.queue)
         else:
             members = [s for s in self._sessions.values() if s.workload_id == workload_id]
             mine = [s for s in members if s.running]
@@ -703,18 +486,18 @@ class SchedulerCore:
 
     @property
     def tick(self) -> int:
-        return self._tick
+        return self._state.tick
 
     def queued_ids(self) -> list[str]:
-        return [sid for _, _, sid in self._queue]
+        return [sid for _, _, sid in self._state.queue]
 
     @property
     def queue_depth(self) -> int:
-        return len(self._queue)
+        return len(self._state.queue)
 
     @property
     def running_count(self) -> int:
-        return len(self._running)
+        return len(self._state.running)
 
 
 class _Tally:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 
@@ -71,6 +71,16 @@ class SessionRequest:
     # Text that ends the session when the output contains it (the output processor watches;
     # the core never reads text).
     stop_strings: tuple[str, ...] = ()
+
+    def choices(self, n: int, group: str) -> tuple[SessionRequest, ...]:
+        """The n choices of one request: the same prompt, choice i seeded seed + i (mod 2**64);
+        with n > 1 they form prefix group `group`, so the prompt is computed once."""
+        if n <= 1:
+            return (self,)
+        first = replace(self, prefix_group=group)
+        return (first,) + tuple(
+            replace(first, sampling=replace(self.sampling, seed=(self.sampling.seed + i) % 2**64)) for i in range(1, n)
+        )
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,40 @@ def settled(plan: TickPlan) -> TickOutcome:
     )
 
 
+def books(core: SchedulerCore) -> tuple:
+    """Everything a tick is planned from and may change, as plain values (to compare states)."""
+    st = core._state
+    sessions = {
+        sid: {k: (tuple(v) if isinstance(v, list) else v) for k, v in vars(s).items()} for sid, s in st.sessions.items()
+    }
+    workers = []
+    for slot in core.workers:
+        t, a = slot.tables, slot.tables.allocator
+        tables = {sid: (tuple(x.blocks), x.root, tuple(x.chain), x.sent) for sid, x in t._tables.items()}
+        alloc = (tuple(a._free), tuple(a._cached.items()), dict(a._refs), dict(a._by_hash), dict(a._hash_of))
+        workers.append((slot.spec.worker_id, slot.live, frozenset(slot.sessions), tables, alloc, t.prefix_hits))
+    return (
+        sessions,
+        tuple(st.queue),
+        tuple(st.running),
+        dict(st.finish_requested),
+        dict(st.ahead),
+        st.tick,
+        workers,
+        core.accounting.completed,
+        core.preemptions,
+    )
+
+
 def plan_tick(core: SchedulerCore) -> tuple[TickPlan, TickOutcome]:
-    plan = core.schedule()
+    """schedule(), as plan then apply, checking on the way that planning is pure: a plan leaves
+    the core as it was, and planning twice gives the same plan."""
+    before = books(core)
+    plan = core.plan()
+    assert books(core) == before, "planning changed the core's state"
+    again = core.plan(now=plan.started)  # (a test's clock may advance at every reading)
+    assert again == plan, "two plans from one state differ"
+    core.apply(plan)
     return plan, settled(plan)
 
 

@@ -1,0 +1,335 @@
+"""The scheduler's gRPC servicer: protobuf -> domain values (prompts.py, convert.py) -> the
+runtime -> protobuf, with each refusal mapped to its status code here. Policy lives in the core,
+effects and streams in the runtime, the server's assembly in server.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from importlib.metadata import PackageNotFoundError, version
+from typing import TypeVar
+
+import grpc
+from opentelemetry import context as otel_context
+
+from kvfleet.v1 import scheduler_pb2 as spb
+from kvfleet.v1 import scheduler_pb2_grpc as spb_grpc
+from kvfleet_common.logs import bind_request, bind_session
+from kvfleet_common.security import authorize_token, peer_common_names
+from kvfleet_common.tracing import extract_context
+from scheduler_svc import convert
+from scheduler_svc.core import AdmissionRejected, DropCause, NotSessionOwner, RejectReason, SessionRequest
+from scheduler_svc.experiments import ExperimentArm, ExperimentWriters
+from scheduler_svc.prompts import NoTokenizer, PromptError, PromptRejected, PromptResolver, check_workload_session
+from scheduler_svc.runtime import SchedulerRuntime
+from scheduler_svc.streams import SessionDropped, SessionEvent, StreamCutOff, Submission, batches
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+SERVICE_NAME = spb.DESCRIPTOR.services_by_name["Scheduler"].full_name
+
+REJECT_STATUS = {
+    RejectReason.QUEUE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RejectReason.KV_BUDGET: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RejectReason.PROMPT_TOO_LONG: grpc.StatusCode.INVALID_ARGUMENT,
+    RejectReason.INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
+    RejectReason.NO_WORKER: grpc.StatusCode.UNAVAILABLE,
+}
+# What a dropped session's stream ends with: retry later, change the request, or a fault.
+_DROP_CODE = {
+    DropCause.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    DropCause.REJECTED: grpc.StatusCode.INVALID_ARGUMENT,
+    DropCause.FAILED: grpc.StatusCode.INTERNAL,
+}
+
+
+class SchedulerServicer(spb_grpc.SchedulerServicer):
+    """protobuf -> runtime calls -> protobuf; policy lives in the core, effects in the runtime."""
+
+    def __init__(
+        self,
+        runtime: SchedulerRuntime,
+        prompts: PromptResolver,
+        api_token: str = "",
+        served_model: str = "",
+        experiments: ExperimentWriters | None = None,
+    ) -> None:
+        self._api_token = api_token
+        self._experiments = experiments or ExperimentWriters()
+        self._runtime = runtime
+        self._prompts = prompts
+        self._served_model = served_model or prompts.model_name
+        self.draining = False
+
+    # ---- refusals ---------------------------------------------------------------------------
+
+    async def _gate(self, context) -> None:
+        await authorize_token(context, self._api_token)
+        if self.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "the scheduler is shutting down and takes no new sessions; retry against another scheduler",
+            )
+
+    async def _resolved(self, req: spb.GenerateRequest, context, owner: str, where: str = "") -> SessionRequest:
+        try:
+            return await self._prompts.resolve(req, owner)
+        except PromptError as exc:
+            await self._refuse(exc, context, where)
+            raise  # unreachable: abort raises
+
+    async def _refuse(self, exc: PromptError, context, where: str) -> None:
+        if isinstance(exc, PromptRejected):  # the core's own refusal, made early: the core's wording
+            self._runtime.record_rejection(exc.reason)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.reason.value}: {where}{exc}")
+        self._runtime.record_rejection(RejectReason.INVALID_REQUEST)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}{exc}")
+
+    async def _submit(self, context, submit: Callable[[], _T]) -> _T:
+        try:
+            return submit()
+        except AdmissionRejected as exc:
+            self._runtime.rejections_changed()
+            await context.abort(REJECT_STATUS[exc.reason], f"{exc.reason.value}: {exc.message}")
+            raise  # unreachable: abort raises
+
+    async def _echo_text(self, request: spb.GenerateRequest, sreq: SessionRequest, context) -> str | None:
+        """The prompt's text when the request asks for echo (rendered off the event loop)."""
+        if not request.echo:
+            return None
+        try:
+            return await asyncio.to_thread(self._prompts.prompt_text, request, sreq)
+        except PromptError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise  # unreachable: abort raises
+
+    # ---- sessions ---------------------------------------------------------------------------
+
+    async def Generate(self, request, context) -> AsyncIterator[spb.GenerateEvent]:
+        await self._gate(context)
+        parent = extract_context(context.invocation_metadata())
+        # The caller's trace context and the session id stay current for the rest of this call
+        # (its own task), so its log lines carry trace_id/span_id and session_id. Never detached:
+        # the task's context ends with the call.
+        otel_context.attach(parent)
+        bind_request(request.request_id)  # on this call's log lines from here on (validated below)
+        sreq = await self._resolved(request, context, caller_identity(context))
+        echo = await self._echo_text(request, sreq, context)
+        n = max(request.n, 1)
+        sub, choices = await self._submit(
+            context, lambda: self._runtime.generate(sreq, n, _operation(request), parent, request.request_id)
+        )
+        rid = request.request_id
+        bind_session(sub.session_ids[0])
+        log.debug(
+            "session %s: %d prompt tokens, up to %d new%s",
+            ", ".join(sub.session_ids),
+            len(sreq.prompt_ids),
+            sreq.max_new_tokens,
+            f", {n} choices" if n > 1 else "",
+            extra={"request_id": rid} if rid else None,
+        )
+        label = f"session {sub.session_ids[0]}" if n == 1 else f"sessions {', '.join(sub.session_ids)}"
+        echoed: set[int] = set()
+        try:
+            async with contextlib.aclosing(self._stream(sub, choices, context, label, True)) as events:
+                async for index, msg in events:
+                    msg.request_id = rid
+                    msg.index = index
+                    if echo is not None and index not in echoed:
+                        msg.prompt_text = echo
+                        echoed.add(index)
+                    yield msg
+        finally:
+            if rid:
+                log.debug("request %s done", rid, extra={"request_id": rid})
+
+    async def SubmitWorkload(self, request, context) -> AsyncIterator[spb.WorkloadEvent]:
+        await self._gate(context)
+        owner = caller_identity(context)
+        if request.HasField("experiment"):  # before any prompt is read: a refusal costs nothing
+            refusal = self._experiments.refusal(context.invocation_metadata(), peer_common_names(context))
+            if refusal is not None:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
+        # The cheap checks of every session before any session is tokenized.
+        for check in (check_workload_session, self._prompts.precheck):
+            for i, r in enumerate(request.sessions):
+                try:
+                    check(r)
+                except PromptError as exc:
+                    await self._refuse(exc, context, f"session {i}: ")
+        reqs = [await self._resolved(r, context, owner, f"session {i}: ") for i, r in enumerate(request.sessions)]
+        echoes = [await self._echo_text(r, sreq, context) for r, sreq in zip(request.sessions, reqs)]
+        arm = None
+        if request.HasField("experiment"):
+            try:
+                arm = ExperimentArm(request.experiment.id, request.experiment.arm, request.experiment.lever)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        operations = [_operation(r) for r in request.sessions]
+        policy = convert.policy_from_pb(request)
+        rids = [r.request_id for r in request.sessions]
+        sub = await self._submit(context, lambda: self._runtime.submit(reqs, operations, policy, arm, None, rids))
+        wid = sub.workload_id or ""
+        async with contextlib.aclosing(self._stream(sub, reqs, context, f"workload {wid}", False)) as events:
+            async for index, msg in events:
+                msg.request_id = request.sessions[index].request_id
+                echo = echoes[index]
+                if echo is not None:
+                    msg.prompt_text = echo
+                    echoes[index] = None  # on the session's first event only
+                yield spb.WorkloadEvent(workload_id=wid, session_index=index, event=msg)
+        stats = self._runtime.workload_stats(wid)
+        assert stats is not None, "a workload whose sessions all finished has its stats"
+        yield spb.WorkloadEvent(workload_id=wid, done=True, stats=convert.workload_stats_to_pb(stats))
+
+    async def _stream(
+        self, sub: Submission, sreqs: Sequence[SessionRequest], context, label: str, prompt_ids: bool
+    ) -> AsyncGenerator[tuple[int, spb.GenerateEvent], None]:
+        """The events of a submission's sessions, one message per session per batch of events,
+        until every session has finished; (session index, message), the first with the prompt's
+        ids when `prompt_ids`. Shared by Generate and SubmitWorkload: the client's deadline,
+        dropped sessions and a client that goes away are handled here, once."""
+        index = {sid: i for i, sid in enumerate(sub.session_ids)}
+        unseen = set(sub.session_ids) if prompt_ids else set()
+        open_ids = set(sub.session_ids)
+        try:
+            async for batch in batches(sub.events, context.time_remaining):
+                by_session: dict[str, list[SessionEvent]] = {}
+                for ev in batch:
+                    by_session.setdefault(ev.session_id, []).append(ev)
+                for sid, evs in by_session.items():
+                    msg = spb.GenerateEvent(session_id=sid)
+                    if sid in unseen:
+                        msg.prompt_token_ids.extend(sreqs[index[sid]].prompt_ids)
+                        unseen.discard(sid)
+                    if convert.fill_event(msg, evs):
+                        open_ids.discard(sid)
+                    yield index[sid], msg
+                if not open_ids:
+                    return
+        except asyncio.TimeoutError:
+            for sid in open_ids:
+                self._runtime.cancel(sid)
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"{label} did not finish before the client's deadline"
+            )
+        except SessionDropped as exc:
+            await context.abort(_DROP_CODE[exc.cause], f"{label}: {exc}")
+        except StreamCutOff as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{label}: {exc}")
+        finally:
+            self._runtime.end_stream(sub)
+
+    async def Cancel(self, request, context):
+        await authorize_token(context, self._api_token)
+        if not request.session_id:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "session_id is empty; pass the id from the session's first event"
+            )
+        try:
+            state = self._runtime.cancel(request.session_id, caller_identity(context))  # with its other choices
+        except KeyError:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no session {request.session_id!r}; it may have finished already"
+            )
+        except NotSessionOwner:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"session {request.session_id!r} was started by another caller; "
+                f"only its owner (the same token or client certificate) may cancel it",
+            )
+        return spb.CancelResponse(cancelled=state in ("queued", "prefill", "decode"), state=state)
+
+    # ---- reads ------------------------------------------------------------------------------
+
+    async def GetTelemetry(self, request, context):
+        await authorize_token(context, self._api_token)
+        if request.at_tick and request.workload_id:
+            if not self._runtime.has_workload(request.workload_id):
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"no workload {request.workload_id!r}")
+            snap = await self._runtime.wait_for_snapshot(request.workload_id, context.time_remaining())
+            if snap is None:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"workload {request.workload_id} captured no snapshot at tick "
+                    f"{request.at_tick}; submit it with snapshot_at_tick={request.at_tick}",
+                )
+            return convert.snapshot_to_pb(snap)
+        if request.at_tick or request.workload_id:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "workload_id and at_tick go together; send both or neither"
+            )
+        return convert.snapshot_to_pb(self._runtime.snapshot())
+
+    async def ListWorkers(self, request, context):
+        await authorize_token(context, self._api_token)
+        resp = spb.ListWorkersResponse()
+        for view in self._runtime.workers():
+            convert.add_worker_pb(resp, view)
+        return resp
+
+    async def GetModelInfo(self, request, context):
+        await authorize_token(context, self._api_token)
+        info = self._runtime.worker_info()
+        if info is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "no worker has reported its model yet; retry once a worker is up"
+            )
+        assert info is not None  # (abort raised)
+        p = self._prompts
+        return convert.model_info_to_pb(
+            info, self._served_model, p.tokenizer, p.eos_token_ids, p.supports_tools, kvfleet_version()
+        )
+
+    async def Tokenize(self, request, context):
+        await authorize_token(context, self._api_token)
+        try:
+            ids, tokens = await asyncio.to_thread(self._prompts.tokenize, request)
+        except NoTokenizer as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except PromptError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        info = self._runtime.worker_info()
+        return spb.TokenizeResponse(
+            token_ids=ids, tokens=tokens, max_context_length=info.model.max_position if info is not None else 0
+        )
+
+    async def Detokenize(self, request, context):
+        await authorize_token(context, self._api_token)
+        try:
+            text = await asyncio.to_thread(
+                self._prompts.detokenize, list(request.token_ids), request.skip_special_tokens
+            )
+        except NoTokenizer as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except PromptError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return spb.DetokenizeResponse(text=text)
+
+
+def kvfleet_version() -> str:
+    """kvfleet's installed version, as `kvfleet --version` reports it."""
+    try:
+        return version("kvfleet")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+def caller_identity(context) -> str:
+    """Who is calling, as far as the transport tells: the bearer token (hashed), else the client
+    certificate's name, else "" (anonymous). A session may be cancelled only by the same caller."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization" and value:
+            return "token:" + hashlib.sha256(value.encode()).hexdigest()[:32]
+    names = (context.auth_context() or {}).get("x509_common_name")
+    if names:
+        return "peer:" + names[0].decode(errors="replace")
+    return ""
+
+
+def _operation(req: spb.GenerateRequest) -> str:
+    return "chat" if req.WhichOneof("prompt") == "chat" else "text_completion"
