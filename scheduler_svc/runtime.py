@@ -327,8 +327,8 @@ class SchedulerRuntime:
             if out_now is not None:  # stopping: its answers are not wanted
                 out_now.calls.cancel()
 
-    def _launch(self, plan: TickPlan) -> _Flight:
-        """Send a tick's steps now; its results are taken by _land."""
+    def _start_tick(self, plan: TickPlan) -> tuple[Span, int]:
+        """A tick about to be sent: its admissions observed, its span started; (span, start ns)."""
         for work in plan.prefill:
             if work.start_position == 0:
                 self._observe.session_admitted(work.session_id)
@@ -336,7 +336,11 @@ class SchedulerRuntime:
         span = self._spans.start_tick(
             plan.tick, sessions, sum(len(w.token_ids) for w in plan.prefill), len(plan.decode), self._arm_of(sessions)
         )
-        start_ns = time.time_ns()
+        return span, time.time_ns()
+
+    def _launch(self, plan: TickPlan) -> _Flight:
+        """Send a tick's steps now; its results are taken by _land."""
+        span, start_ns = self._start_tick(plan)
         ids, gathered = self._fleet.send(plan, span, self._arm_of)
         return _Flight(plan, span, start_ns, ids, gathered)
 
@@ -371,14 +375,7 @@ class SchedulerRuntime:
             pass
 
     async def _run_tick(self, plan: TickPlan) -> TickOutcome:
-        for work in plan.prefill:
-            if work.start_position == 0:
-                self._observe.session_admitted(work.session_id)
-        sessions = [w.session_id for w in plan.prefill + plan.decode]
-        span = self._spans.start_tick(
-            plan.tick, sessions, sum(len(w.token_ids) for w in plan.prefill), len(plan.decode), self._arm_of(sessions)
-        )
-        start_ns = time.time_ns()
+        span, start_ns = self._start_tick(plan)
         try:
             results, failed, failed_steps = await self._dispatch(plan, span)
             self._spans.session_steps(span, plan, start_ns, time.time_ns())
