@@ -1,0 +1,230 @@
+/* Products of float32 activations with a GGUF file's own quantized blocks, the blocks read
+ * where they lie (see gguf_quant.py, which builds and loads this).
+ *
+ * A weight [N, K] is N rows of K / 32 blocks, each row a run of bytes, in llama.cpp's block
+ * layouts (K is a multiple of 32 in all three):
+ *   Q8_0  34 bytes: fp16 d, int8 q[32]                 w_j = d q_j
+ *   Q4_0  18 bytes: fp16 d, u8 nib[16]                 w_j = d (q_j - 8)
+ *   Q4_1  20 bytes: fp16 d, fp16 m, u8 nib[16]         w_j = d q_j + m
+ * where q_j (j < 16) is nib[j] & 15 and q_{j+16} is nib[j] >> 4.
+ *
+ * Each call quantizes its activations per row and block of 32 (llama.cpp's Q8_1 for
+ * activations: scale s = max|x| / 127, int8 a_j = rint(x_j / s), and the block's integer sum
+ * A = sum a_j), so one block's product is integers times two scales:
+ *   Q8_0  d s sum q_j a_j
+ *   Q4_0  d s (sum q_j a_j - 8 A)
+ *   Q4_1  d s sum q_j a_j + m s A
+ * The integer sums are exact at every level (the nibbles are at most 15, so even a u8 x s8
+ * pair sum in a 16-bit lane stays far from saturating); only the float32 order of adding up
+ * the blocks differs between levels, which the tests allow for.
+ *
+ * Levels, chosen once by the caller (the q8 kernels' levels and KV_Q8_LEVELS):
+ *   scalar  plain C, with its own fp16 conversion: the reference;
+ *   avx2    vpmaddubsw: the nibbles (u8) against the activations (s8) for Q4_*, and for Q8_0
+ *           |w| (u8, up to 128) against a * sign(w): a pair sums to at most 2 * 128 * 127;
+ *   avx512  vpdpbusd (AVX-512 VNNI) on the same operands, two blocks per 512-bit register.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define KV_X86 1
+#endif
+
+#ifndef KV_Q8_LEVELS
+#define KV_Q8_LEVELS 2
+#endif
+#define QK 32
+
+enum { KV_Q8_0 = 0, KV_Q4_0 = 1, KV_Q4_1 = 2 };
+static const long BLOCK_BYTES[3] = {34, 18, 20};
+
+/* IEEE half -> float, subnormals included (the reference level's own; the SIMD levels use F16C). */
+static float half_to_float(const uint8_t *p) {
+    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    const uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    float v;
+    if (exp == 0) {
+        v = ldexpf((float)man, -24);
+    } else if (exp == 31) {
+        v = man ? NAN : INFINITY;
+    } else {
+        v = ldexpf((float)(man | 0x400), (int)exp - 25);
+    }
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    bits |= sign;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+
+/* x [M, K] float32 (row stride ldx, K a multiple of 32) -> a [M, K] int8, s [M, K / 32]
+ * float32, sums [M, K / 32] int32. Rounds half to even (rintf). */
+void kv_gguf_quantize(const float *x, long m, long k, long ldx, int8_t *a, float *s, int32_t *sums) {
+    const long nb = k / QK;
+    for (long r = 0; r < m; r++) {
+        for (long b = 0; b < nb; b++) {
+            const float *xb = x + r * ldx + b * QK;
+            int8_t *ab = a + r * k + b * QK;
+            float amax = 0.0f;
+            for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            int32_t sum = 0;
+            for (int j = 0; j < QK; j++) {
+                ab[j] = (int8_t)rintf(xb[j] * inv);
+                sum += ab[j];
+            }
+            s[r * nb + b] = d;
+            sums[r * nb + b] = sum;
+        }
+    }
+}
+
+/* One weight row (nb blocks of format qtype) times one quantized activation row. */
+typedef float (*dot_fn)(int qtype, const uint8_t *w, const int8_t *a, const float *s, const int32_t *sums, long nb);
+
+/* y [M, N] (row stride ldy) = (accumulate ? y : 0) + (x w^T) * scale (scale [N], or NULL for
+ * none: q's attention scale, kept beside the blocks rather than folded into their fp16).
+ * Rows of w are shared out among OpenMP threads; each row (a few hundred bytes) stays in L1
+ * while every activation row passes it. */
+static void gemm(dot_fn dot, int qtype, const uint8_t *w, long n, long k, const int8_t *a, const float *s,
+                 const int32_t *sums, long m, const float *scale, float *y, long ldy, int accumulate) {
+    const long nb = k / QK, row_bytes = nb * BLOCK_BYTES[qtype];
+#pragma omp parallel for schedule(static)
+    for (long i = 0; i < n; i++) {
+        const float c = scale ? scale[i] : 1.0f;
+        for (long r = 0; r < m; r++) {
+            const float v = dot(qtype, w + i * row_bytes, a + r * k, s + r * nb, sums + r * nb, nb) * c;
+            float *yr = y + r * ldy + i;
+            *yr = accumulate ? *yr + v : v;
+        }
+    }
+}
+
+#define KV_GGUF_GEMM(NAME, DOT)                                                                              \
+    void NAME(int qtype, const uint8_t *w, long n, long k, const int8_t *a, const float *s, const int32_t *sums, \
+              long m, const float *scale, float *y, long ldy, int accumulate) {                              \
+        gemm(DOT, qtype, w, n, k, a, s, sums, m, scale, y, ldy, accumulate);                                \
+    }
+
+static float dot_scalar(int qtype, const uint8_t *w, const int8_t *a, const float *s, const int32_t *sums,
+                        long nb) {
+    const long bb = BLOCK_BYTES[qtype];
+    float acc = 0.0f;
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bb;
+        const int8_t *ab = a + b * QK;
+        const float d = half_to_float(blk);
+        int32_t p = 0;
+        if (qtype == KV_Q8_0) {
+            const int8_t *q = (const int8_t *)(blk + 2);
+            for (int j = 0; j < QK; j++) p += (int32_t)q[j] * ab[j];
+            acc += (float)p * (d * s[b]);
+        } else {
+            const uint8_t *nib = blk + (qtype == KV_Q4_0 ? 2 : 4);
+            for (int j = 0; j < 16; j++) p += (int32_t)(nib[j] & 15) * ab[j] + (int32_t)(nib[j] >> 4) * ab[j + 16];
+            if (qtype == KV_Q4_0) {
+                acc += (float)(p - 8 * sums[b]) * (d * s[b]);
+            } else {
+                acc += (float)p * (d * s[b]) + half_to_float(blk + 2) * (s[b] * (float)sums[b]);
+            }
+        }
+    }
+    return acc;
+}
+KV_GGUF_GEMM(kv_gguf_gemm_scalar, dot_scalar)
+
+#if defined(KV_X86) && KV_Q8_LEVELS >= 1
+#define AVX2_TARGET "avx2,fma,f16c"
+__attribute__((target(AVX2_TARGET))) static inline float hsum256(__m256 v) {
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_add_ss(t, _mm_movehdup_ps(t));
+    return _mm_cvtss_f32(t);
+}
+
+__attribute__((target(AVX2_TARGET))) static inline float half_f16c(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* 16 bytes of nibbles -> 32 u8 values in element order: the low nibbles, then the high ones. */
+__attribute__((target(AVX2_TARGET))) static inline __m256i nibbles256(const uint8_t *nib) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)nib), mask = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
+__attribute__((target(AVX2_TARGET))) static float dot_avx2(int qtype, const uint8_t *w, const int8_t *a,
+                                                           const float *s, const int32_t *sums, long nb) {
+    const long bb = BLOCK_BYTES[qtype];
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    float extra = 0.0f; /* the Q4 blocks' terms in A */
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bb;
+        const __m256i av = _mm256_loadu_si256((const __m256i *)(a + b * QK));
+        const float d = half_f16c(blk) * s[b];
+        __m256i pairs;
+        if (qtype == KV_Q8_0) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(av, q));
+        } else {
+            pairs = _mm256_maddubs_epi16(nibbles256(blk + (qtype == KV_Q4_0 ? 2 : 4)), av);
+            extra += qtype == KV_Q4_0 ? -8.0f * d * (float)sums[b] : half_f16c(blk + 2) * (s[b] * (float)sums[b]);
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), _mm256_set1_ps(d), acc);
+    }
+    return hsum256(acc) + extra;
+}
+KV_GGUF_GEMM(kv_gguf_gemm_avx2, dot_avx2)
+
+#if KV_Q8_LEVELS >= 2
+#define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
+
+/* Two blocks' 32 weights each as 64 u8 operands (Q8_0: |w|) and the 64 activations to pair
+ * with them (Q8_0: a * sign(w)). */
+__attribute__((target(AVX512_TARGET))) static inline void operands512(int qtype, const uint8_t *b0, const uint8_t *b1,
+                                                                     __m512i av, __m512i *u, __m512i *v) {
+    if (qtype == KV_Q8_0) {
+        const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                                             _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
+        *u = _mm512_abs_epi8(q);
+        *v = _mm512_mask_sub_epi8(av, _mm512_movepi8_mask(q), _mm512_setzero_si512(), av);
+    } else {
+        const int off = qtype == KV_Q4_0 ? 2 : 4;
+        *u = _mm512_inserti64x4(_mm512_castsi256_si512(nibbles256(b0 + off)), nibbles256(b1 + off), 1);
+        *v = av;
+    }
+}
+
+__attribute__((target(AVX512_TARGET))) static float dot_avx512(int qtype, const uint8_t *w, const int8_t *a,
+                                                               const float *s, const int32_t *sums, long nb) {
+    const long bb = BLOCK_BYTES[qtype];
+    __m512 acc = _mm512_setzero_ps();
+    float extra = 0.0f;
+    long b = 0;
+    for (; b + 1 < nb; b += 2) { /* int32 lanes 0-7 the first block, 8-15 the second */
+        const uint8_t *b0 = w + b * bb, *b1 = b0 + bb;
+        __m512i u, v;
+        operands512(qtype, b0, b1, _mm512_loadu_si512((const void *)(a + b * QK)), &u, &v);
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, v);
+        const float d0 = half_f16c(b0) * s[b], d1 = half_f16c(b1) * s[b + 1];
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1)),
+                              acc);
+        if (qtype == KV_Q4_0) {
+            extra += -8.0f * (d0 * (float)sums[b] + d1 * (float)sums[b + 1]);
+        } else if (qtype == KV_Q4_1) {
+            extra += half_f16c(b0 + 2) * (s[b] * (float)sums[b]) + half_f16c(b1 + 2) * (s[b + 1] * (float)sums[b + 1]);
+        }
+    }
+    float tail = 0.0f;
+    if (b < nb) tail = dot_avx2(qtype, w + b * bb, a + b * QK, s + b, sums + b, 1); /* an odd last block */
+    return _mm512_reduce_add_ps(acc) + extra + tail;
+}
+KV_GGUF_GEMM(kv_gguf_gemm_avx512, dot_avx512)
+#endif /* KV_Q8_LEVELS >= 2 */
+#endif /* KV_X86 && KV_Q8_LEVELS >= 1 */
