@@ -82,32 +82,83 @@ void kv_gguf_quantize(const float *x, long m, long k, long ldx, int8_t *a, float
     }
 }
 
-/* One weight row (nb blocks of format qtype) times one quantized activation row. */
+/* One weight row (nb blocks of format qtype) times one quantized activation row, read from
+ * the blocks as they lie: the path of a single activation row (a batch-1 decode). */
 typedef float (*dot_fn)(int qtype, const uint8_t *w, const int8_t *a, const float *s, const int32_t *sums, long nb);
 
-/* y [M, N] (row stride ldy) = (accumulate ? y : 0) + (x w^T) * scale (scale [N], or NULL for
- * none: q's attention scale, kept beside the blocks rather than folded into their fp16).
- * Rows of w are shared out among OpenMP threads; each row (a few hundred bytes) stays in L1
- * while every activation row passes it. */
-static void gemm(dot_fn dot, int qtype, const uint8_t *w, long n, long k, const int8_t *a, const float *s,
-                 const int32_t *sums, long m, const float *scale, float *y, long ldy, int accumulate) {
-    const long nb = k / QK, row_bytes = nb * BLOCK_BYTES[qtype];
-#pragma omp parallel for schedule(static)
-    for (long i = 0; i < n; i++) {
-        const float c = scale ? scale[i] : 1.0f;
-        for (long r = 0; r < m; r++) {
-            const float v = dot(qtype, w + i * row_bytes, a + r * k, s + r * nb, sums + r * nb, nb) * c;
-            float *yr = y + r * ldy + i;
-            *yr = accumulate ? *yr + v : v;
+/* With several activation rows, each weight row is first decoded once into a contiguous form
+ * (``decode_row``) that every activation row then reads from L1: q [K] int8 (Q8_0's values,
+ * or the Q4 nibbles 0..15), d [nb] its scales and, for Q4, mn [nb] the block's offset (Q4_1's
+ * m, Q4_0's -8 d), so that w = d q + mn. The dot of a decoded row: */
+typedef float (*dotd_fn)(int is_signed, const int8_t *q, const float *d, const float *mn, const int8_t *a,
+                         const float *s, const int32_t *sums, long nb);
+
+/* Longest row decoded (on the stack); a longer one takes the single-row path for every row. */
+#define KV_MAX_DECODED 16384
+
+static void decode_row(int qtype, const uint8_t *row, long nb, float (*half)(const uint8_t *), int8_t *q, float *d,
+                       float *mn) {
+    const long bb = BLOCK_BYTES[qtype];
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * bb;
+        d[b] = half(blk);
+        if (qtype == KV_Q8_0) {
+            memcpy(q + b * QK, blk + 2, QK);
+            mn[b] = 0.0f;
+        } else {
+            const uint8_t *nib = blk + (qtype == KV_Q4_0 ? 2 : 4);
+            for (int j = 0; j < 16; j++) {
+                q[b * QK + j] = (int8_t)(nib[j] & 15);
+                q[b * QK + j + 16] = (int8_t)(nib[j] >> 4);
+            }
+            mn[b] = qtype == KV_Q4_0 ? -8.0f * d[b] : half(blk + 2);
         }
     }
 }
 
-#define KV_GGUF_GEMM(NAME, DOT)                                                                              \
+/* y [M, N] (row stride ldy) = (accumulate ? y : 0) + (x w^T) * scale (scale [N], or NULL for
+ * none: q's attention scale, kept beside the blocks rather than folded into their fp16).
+ * Rows of w are shared out among OpenMP threads. */
+static void gemm(dot_fn dot, dotd_fn dotd, float (*half)(const uint8_t *), int qtype, const uint8_t *w, long n,
+                 long k, const int8_t *a, const float *s, const int32_t *sums, long m, const float *scale, float *y,
+                 long ldy, int accumulate) {
+    const long nb = k / QK, row_bytes = nb * BLOCK_BYTES[qtype];
+    const int decode = m > 1 && k <= KV_MAX_DECODED;
+#pragma omp parallel
+    {
+        int8_t q[decode ? k : 1];
+        float d[decode ? nb : 1], mn[decode ? nb : 1];
+#pragma omp for schedule(static)
+        for (long i = 0; i < n; i++) {
+            const float c = scale ? scale[i] : 1.0f;
+            if (decode) decode_row(qtype, w + i * row_bytes, nb, half, q, d, mn);
+            for (long r = 0; r < m; r++) {
+                const float v = decode ? dotd(qtype == KV_Q8_0, q, d, mn, a + r * k, s + r * nb, sums + r * nb, nb)
+                                       : dot(qtype, w + i * row_bytes, a + r * k, s + r * nb, sums + r * nb, nb);
+                float *yr = y + r * ldy + i;
+                *yr = accumulate ? *yr + v * c : v * c;
+            }
+        }
+    }
+}
+
+#define KV_GGUF_GEMM(NAME, DOT, DOTD, HALF)                                                                  \
     void NAME(int qtype, const uint8_t *w, long n, long k, const int8_t *a, const float *s, const int32_t *sums, \
               long m, const float *scale, float *y, long ldy, int accumulate) {                              \
-        gemm(DOT, qtype, w, n, k, a, s, sums, m, scale, y, ldy, accumulate);                                \
+        gemm(DOT, DOTD, HALF, qtype, w, n, k, a, s, sums, m, scale, y, ldy, accumulate);                   \
     }
+
+static float dotd_scalar(int is_signed, const int8_t *q, const float *d, const float *mn, const int8_t *a,
+                         const float *s, const int32_t *sums, long nb) {
+    float acc = 0.0f;
+    for (long b = 0; b < nb; b++) {
+        int32_t p = 0;
+        for (int j = 0; j < QK; j++) p += (int32_t)q[b * QK + j] * a[b * QK + j];
+        acc += (float)p * (d[b] * s[b]);
+        if (!is_signed) acc += mn[b] * (s[b] * (float)sums[b]);
+    }
+    return acc;
+}
 
 static float dot_scalar(int qtype, const uint8_t *w, const int8_t *a, const float *s, const int32_t *sums,
                         long nb) {
@@ -134,7 +185,7 @@ static float dot_scalar(int qtype, const uint8_t *w, const int8_t *a, const floa
     }
     return acc;
 }
-KV_GGUF_GEMM(kv_gguf_gemm_scalar, dot_scalar)
+KV_GGUF_GEMM(kv_gguf_gemm_scalar, dot_scalar, dotd_scalar, half_to_float)
 
 #if defined(KV_X86) && KV_Q8_LEVELS >= 1
 #define AVX2_TARGET "avx2,fma,f16c"
@@ -158,29 +209,81 @@ __attribute__((target(AVX2_TARGET))) static inline __m256i nibbles256(const uint
     return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
 }
 
+/* One block's 8 int32 partial sums of q * a (Q8_0: |w| against a * sign(w)); qtype is a
+ * constant where this is inlined, so the format's branches fold away. */
+__attribute__((target(AVX2_TARGET), always_inline)) static inline __m256i block_avx2(const int qtype, const uint8_t *blk,
+                                                                                    const int8_t *a) {
+    const __m256i av = _mm256_loadu_si256((const __m256i *)a);
+    __m256i pairs;
+    if (qtype == KV_Q8_0) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(av, q));
+    } else {
+        pairs = _mm256_maddubs_epi16(nibbles256(blk + (qtype == KV_Q4_0 ? 2 : 4)), av);
+    }
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+/* A Q4 block's term in the activations' sum A (Q4_0: -8 d s A; Q4_1: m s A); 0 for Q8_0. */
+__attribute__((target(AVX2_TARGET), always_inline)) static inline float offset_term(const int qtype, const uint8_t *blk,
+                                                                                   float ds, float s, int32_t sum) {
+    if (qtype == KV_Q4_0) return -8.0f * ds * (float)sum;
+    if (qtype == KV_Q4_1) return half_f16c(blk + 2) * (s * (float)sum);
+    return 0.0f;
+}
+
+/* Two accumulators (even and odd blocks): one alone makes a chain of dependent FMAs that
+ * the block's few other instructions cannot hide. */
+__attribute__((target(AVX2_TARGET), always_inline)) static inline float dot_avx2_t(const int qtype, const uint8_t *w,
+                                                                                  const int8_t *a, const float *s,
+                                                                                  const int32_t *sums, long nb) {
+    const long bb = BLOCK_BYTES[qtype];
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float e0 = 0.0f, e1 = 0.0f;
+    long b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const uint8_t *b0 = w + b * bb, *b1 = b0 + bb;
+        const float d0 = half_f16c(b0) * s[b], d1 = half_f16c(b1) * s[b + 1];
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_avx2(qtype, b0, a + b * QK)), _mm256_set1_ps(d0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_avx2(qtype, b1, a + (b + 1) * QK)), _mm256_set1_ps(d1), acc1);
+        e0 += offset_term(qtype, b0, d0, s[b], sums[b]);
+        e1 += offset_term(qtype, b1, d1, s[b + 1], sums[b + 1]);
+    }
+    if (b < nb) {
+        const uint8_t *b0 = w + b * bb;
+        const float d0 = half_f16c(b0) * s[b];
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_avx2(qtype, b0, a + b * QK)), _mm256_set1_ps(d0), acc0);
+        e0 += offset_term(qtype, b0, d0, s[b], sums[b]);
+    }
+    return hsum256(_mm256_add_ps(acc0, acc1)) + (e0 + e1);
+}
+
 __attribute__((target(AVX2_TARGET))) static float dot_avx2(int qtype, const uint8_t *w, const int8_t *a,
                                                            const float *s, const int32_t *sums, long nb) {
-    const long bb = BLOCK_BYTES[qtype];
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc = _mm256_setzero_ps();
-    float extra = 0.0f; /* the Q4 blocks' terms in A */
-    for (long b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * bb;
-        const __m256i av = _mm256_loadu_si256((const __m256i *)(a + b * QK));
-        const float d = half_f16c(blk) * s[b];
-        __m256i pairs;
-        if (qtype == KV_Q8_0) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2));
-            pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(av, q));
-        } else {
-            pairs = _mm256_maddubs_epi16(nibbles256(blk + (qtype == KV_Q4_0 ? 2 : 4)), av);
-            extra += qtype == KV_Q4_0 ? -8.0f * d * (float)sums[b] : half_f16c(blk + 2) * (s[b] * (float)sums[b]);
-        }
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), _mm256_set1_ps(d), acc);
+    switch (qtype) {
+    case KV_Q8_0: return dot_avx2_t(KV_Q8_0, w, a, s, sums, nb);
+    case KV_Q4_0: return dot_avx2_t(KV_Q4_0, w, a, s, sums, nb);
+    default: return dot_avx2_t(KV_Q4_1, w, a, s, sums, nb);
     }
-    return hsum256(acc) + extra;
 }
-KV_GGUF_GEMM(kv_gguf_gemm_avx2, dot_avx2)
+__attribute__((target(AVX2_TARGET))) static float dotd_avx2(int is_signed, const int8_t *q, const float *d,
+                                                            const float *mn, const int8_t *a, const float *s,
+                                                            const int32_t *sums, long nb) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}; /* even and odd blocks: see dot_avx2_t */
+    float extra = 0.0f;
+    for (long b = 0; b < nb; b++) {
+        const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + b * QK));
+        const __m256i av = _mm256_loadu_si256((const __m256i *)(a + b * QK));
+        const __m256i pairs = is_signed ? _mm256_maddubs_epi16(_mm256_sign_epi8(qv, qv), _mm256_sign_epi8(av, qv))
+                                        : _mm256_maddubs_epi16(qv, av);
+        acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), _mm256_set1_ps(d[b] * s[b]),
+                                     acc[b & 1]);
+        if (!is_signed) extra += mn[b] * (s[b] * (float)sums[b]);
+    }
+    return hsum256(_mm256_add_ps(acc[0], acc[1])) + extra;
+}
+KV_GGUF_GEMM(kv_gguf_gemm_avx2, dot_avx2, dotd_avx2, half_f16c)
 
 #if KV_Q8_LEVELS >= 2
 #define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
@@ -201,10 +304,12 @@ __attribute__((target(AVX512_TARGET))) static inline void operands512(int qtype,
     }
 }
 
-__attribute__((target(AVX512_TARGET))) static float dot_avx512(int qtype, const uint8_t *w, const int8_t *a,
-                                                               const float *s, const int32_t *sums, long nb) {
+__attribute__((target(AVX512_TARGET), always_inline)) static inline float dot_avx512_t(const int qtype,
+                                                                                      const uint8_t *w,
+                                                                                      const int8_t *a, const float *s,
+                                                                                      const int32_t *sums, long nb) {
     const long bb = BLOCK_BYTES[qtype];
-    __m512 acc = _mm512_setzero_ps();
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}; /* alternate pairs: see dot_avx2_t */
     float extra = 0.0f;
     long b = 0;
     for (; b + 1 < nb; b += 2) { /* int32 lanes 0-7 the first block, 8-15 the second */
@@ -213,18 +318,48 @@ __attribute__((target(AVX512_TARGET))) static float dot_avx512(int qtype, const 
         operands512(qtype, b0, b1, _mm512_loadu_si512((const void *)(a + b * QK)), &u, &v);
         const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, v);
         const float d0 = half_f16c(b0) * s[b], d1 = half_f16c(b1) * s[b + 1];
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1)),
-                              acc);
-        if (qtype == KV_Q4_0) {
-            extra += -8.0f * (d0 * (float)sums[b] + d1 * (float)sums[b + 1]);
-        } else if (qtype == KV_Q4_1) {
-            extra += half_f16c(b0 + 2) * (s[b] * (float)sums[b]) + half_f16c(b1 + 2) * (s[b + 1] * (float)sums[b + 1]);
-        }
+        const __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
+        acc[(b >> 1) & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[(b >> 1) & 1]);
+        extra += offset_term(qtype, b0, d0, s[b], sums[b]) + offset_term(qtype, b1, d1, s[b + 1], sums[b + 1]);
     }
     float tail = 0.0f;
-    if (b < nb) tail = dot_avx2(qtype, w + b * bb, a + b * QK, s + b, sums + b, 1); /* an odd last block */
-    return _mm512_reduce_add_ps(acc) + extra + tail;
+    if (b < nb) tail = dot_avx2_t(qtype, w + b * bb, a + b * QK, s + b, sums + b, 1); /* an odd last block */
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + extra + tail;
 }
-KV_GGUF_GEMM(kv_gguf_gemm_avx512, dot_avx512)
+
+__attribute__((target(AVX512_TARGET))) static float dot_avx512(int qtype, const uint8_t *w, const int8_t *a,
+                                                               const float *s, const int32_t *sums, long nb) {
+    switch (qtype) {
+    case KV_Q8_0: return dot_avx512_t(KV_Q8_0, w, a, s, sums, nb);
+    case KV_Q4_0: return dot_avx512_t(KV_Q4_0, w, a, s, sums, nb);
+    default: return dot_avx512_t(KV_Q4_1, w, a, s, sums, nb);
+    }
+}
+__attribute__((target(AVX512_TARGET))) static float dotd_avx512(int is_signed, const int8_t *q, const float *d,
+                                                                const float *mn, const int8_t *a, const float *s,
+                                                                const int32_t *sums, long nb) {
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    float extra = 0.0f;
+    long b = 0;
+    for (; b + 1 < nb; b += 2) { /* int32 lanes 0-7 the first block, 8-15 the second */
+        const __m512i qv = _mm512_loadu_si512((const void *)(q + b * QK));
+        const __m512i av = _mm512_loadu_si512((const void *)(a + b * QK));
+        __m512i p;
+        if (is_signed) {
+            const __m512i sa = _mm512_mask_sub_epi8(av, _mm512_movepi8_mask(qv), zero, av);
+            p = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(qv), sa);
+        } else {
+            p = _mm512_dpbusd_epi32(zero, qv, av);
+            extra += mn[b] * (s[b] * (float)sums[b]) + mn[b + 1] * (s[b + 1] * (float)sums[b + 1]);
+        }
+        const __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d[b] * s[b]), _mm512_set1_ps(d[b + 1] * s[b + 1]));
+        acc[(b >> 1) & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[(b >> 1) & 1]);
+    }
+    float tail = 0.0f;
+    if (b < nb) tail = dotd_avx2(is_signed, q + b * QK, d + b, mn + b, a + b * QK, s + b, sums + b, 1);
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + extra + tail;
+}
+KV_GGUF_GEMM(kv_gguf_gemm_avx512, dot_avx512, dotd_avx512, half_f16c)
 #endif /* KV_Q8_LEVELS >= 2 */
 #endif /* KV_X86 && KV_Q8_LEVELS >= 1 */
