@@ -85,6 +85,10 @@ void kv_gguf_quantize(const float *x, long m, long k, long ldx, int8_t *a, float
 /* One weight row (nb blocks of format qtype) times one quantized activation row, read from
  * the blocks as they lie: the path of a single activation row (a batch-1 decode). */
 typedef float (*dot_fn)(int qtype, const uint8_t *w, const int8_t *a, const float *s, const int32_t *sums, long nb);
+/* Four weight rows (row_bytes apart) times one activation row: the tile shares each
+ * activation block's load among the rows, and its four sums are independent chains. */
+typedef void (*dot4_fn)(int qtype, const uint8_t *w, long row_bytes, const int8_t *a, const float *s,
+                        const int32_t *sums, long nb, float out[4]);
 
 /* With several activation rows, each weight row is first decoded once into a contiguous form
  * (``decode_row``) that every activation row then reads from L1: q [K] int8 (Q8_0's values,
@@ -119,33 +123,54 @@ static void decode_row(int qtype, const uint8_t *row, long nb, float (*half)(con
 /* y [M, N] (row stride ldy) = (accumulate ? y : 0) + (x w^T) * scale (scale [N], or NULL for
  * none: q's attention scale, kept beside the blocks rather than folded into their fp16).
  * Rows of w are shared out among OpenMP threads. */
-static void gemm(dot_fn dot, dotd_fn dotd, float (*half)(const uint8_t *), int qtype, const uint8_t *w, long n,
-                 long k, const int8_t *a, const float *s, const int32_t *sums, long m, const float *scale, float *y,
-                 long ldy, int accumulate) {
-    const long nb = k / QK, row_bytes = nb * BLOCK_BYTES[qtype];
+static inline void put(float *y, long ldy, long r, long i, float v, const float *scale, int accumulate) {
+    const float x = v * (scale ? scale[i] : 1.0f);
+    float *yr = y + r * ldy + i;
+    *yr = accumulate ? *yr + x : x;
+}
+
+/* Tiles of four weight rows are shared out among OpenMP threads; one activation row (a
+ * batch-1 decode) reads the tile's blocks where they lie, several read each of its rows
+ * decoded once. */
+static void gemm(dot_fn dot, dot4_fn dot4, dotd_fn dotd, float (*half)(const uint8_t *), int qtype, const uint8_t *w,
+                 long n, long k, const int8_t *a, const float *s, const int32_t *sums, long m, const float *scale,
+                 float *y, long ldy, int accumulate) {
+    const long nb = k / QK, row_bytes = nb * BLOCK_BYTES[qtype], tiles = (n + 3) / 4;
     const int decode = m > 1 && k <= KV_MAX_DECODED;
 #pragma omp parallel
     {
         int8_t q[decode ? k : 1];
         float d[decode ? nb : 1], mn[decode ? nb : 1];
 #pragma omp for schedule(static)
-        for (long i = 0; i < n; i++) {
-            const float c = scale ? scale[i] : 1.0f;
-            if (decode) decode_row(qtype, w + i * row_bytes, nb, half, q, d, mn);
-            for (long r = 0; r < m; r++) {
-                const float v = decode ? dotd(qtype == KV_Q8_0, q, d, mn, a + r * k, s + r * nb, sums + r * nb, nb)
-                                       : dot(qtype, w + i * row_bytes, a + r * k, s + r * nb, sums + r * nb, nb);
-                float *yr = y + r * ldy + i;
-                *yr = accumulate ? *yr + v * c : v * c;
+        for (long t = 0; t < tiles; t++) {
+            const long i0 = t * 4, rows = n - i0 < 4 ? n - i0 : 4;
+            if (decode) {
+                for (long i = i0; i < i0 + rows; i++) {
+                    decode_row(qtype, w + i * row_bytes, nb, half, q, d, mn);
+                    for (long r = 0; r < m; r++)
+                        put(y, ldy, r, i, dotd(qtype == KV_Q8_0, q, d, mn, a + r * k, s + r * nb, sums + r * nb, nb),
+                            scale, accumulate);
+                }
+            } else if (rows == 4) {
+                for (long r = 0; r < m; r++) {
+                    float v[4];
+                    dot4(qtype, w + i0 * row_bytes, row_bytes, a + r * k, s + r * nb, sums + r * nb, nb, v);
+                    for (int j = 0; j < 4; j++) put(y, ldy, r, i0 + j, v[j], scale, accumulate);
+                }
+            } else {
+                for (long i = i0; i < i0 + rows; i++)
+                    for (long r = 0; r < m; r++)
+                        put(y, ldy, r, i, dot(qtype, w + i * row_bytes, a + r * k, s + r * nb, sums + r * nb, nb), scale,
+                            accumulate);
             }
         }
     }
 }
 
-#define KV_GGUF_GEMM(NAME, DOT, DOTD, HALF)                                                                  \
+#define KV_GGUF_GEMM(NAME, DOT, DOT4, DOTD, HALF)                                                            \
     void NAME(int qtype, const uint8_t *w, long n, long k, const int8_t *a, const float *s, const int32_t *sums, \
               long m, const float *scale, float *y, long ldy, int accumulate) {                              \
-        gemm(DOT, DOTD, HALF, qtype, w, n, k, a, s, sums, m, scale, y, ldy, accumulate);                   \
+        gemm(DOT, DOT4, DOTD, HALF, qtype, w, n, k, a, s, sums, m, scale, y, ldy, accumulate);             \
     }
 
 static float dotd_scalar(int is_signed, const int8_t *q, const float *d, const float *mn, const int8_t *a,
@@ -185,7 +210,11 @@ static float dot_scalar(int qtype, const uint8_t *w, const int8_t *a, const floa
     }
     return acc;
 }
-KV_GGUF_GEMM(kv_gguf_gemm_scalar, dot_scalar, dotd_scalar, half_to_float)
+static void dot4_scalar(int qtype, const uint8_t *w, long row_bytes, const int8_t *a, const float *s,
+                        const int32_t *sums, long nb, float out[4]) {
+    for (int j = 0; j < 4; j++) out[j] = dot_scalar(qtype, w + j * row_bytes, a, s, sums, nb);
+}
+KV_GGUF_GEMM(kv_gguf_gemm_scalar, dot_scalar, dot4_scalar, dotd_scalar, half_to_float)
 
 #if defined(KV_X86) && KV_Q8_LEVELS >= 1
 #define AVX2_TARGET "avx2,fma,f16c"
@@ -283,7 +312,37 @@ __attribute__((target(AVX2_TARGET))) static float dotd_avx2(int is_signed, const
     }
     return hsum256(_mm256_add_ps(acc[0], acc[1])) + extra;
 }
-KV_GGUF_GEMM(kv_gguf_gemm_avx2, dot_avx2, dotd_avx2, half_f16c)
+__attribute__((target(AVX2_TARGET), always_inline)) static inline void dot4_avx2_t(const int qtype, const uint8_t *w,
+                                                                                  long row_bytes, const int8_t *a,
+                                                                                  const float *s, const int32_t *sums,
+                                                                                  long nb, float out[4]) {
+    const long bb = BLOCK_BYTES[qtype];
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    float e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (long b = 0; b < nb; b++) {
+        const int8_t *ab = a + b * QK;
+        for (int j = 0; j < 4; j++) {
+            const uint8_t *blk = w + j * row_bytes + b * bb;
+            const float d = half_f16c(blk) * s[b];
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_avx2(qtype, blk, ab)), _mm256_set1_ps(d), acc[j]);
+            e[j] += offset_term(qtype, blk, d, s[b], sums[b]);
+        }
+    }
+    /* the four sums at once: pairwise adds, then the two 128-bit halves */
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(out, _mm_add_ps(r, _mm_loadu_ps(e)));
+}
+__attribute__((target(AVX2_TARGET))) static void dot4_avx2(int qtype, const uint8_t *w, long row_bytes,
+                                                           const int8_t *a, const float *s, const int32_t *sums,
+                                                           long nb, float out[4]) {
+    switch (qtype) {
+    case KV_Q8_0: dot4_avx2_t(KV_Q8_0, w, row_bytes, a, s, sums, nb, out); break;
+    case KV_Q4_0: dot4_avx2_t(KV_Q4_0, w, row_bytes, a, s, sums, nb, out); break;
+    default: dot4_avx2_t(KV_Q4_1, w, row_bytes, a, s, sums, nb, out);
+    }
+}
+KV_GGUF_GEMM(kv_gguf_gemm_avx2, dot_avx2, dot4_avx2, dotd_avx2, half_f16c)
 
 #if KV_Q8_LEVELS >= 2
 #define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
@@ -360,6 +419,40 @@ __attribute__((target(AVX512_TARGET))) static float dotd_avx512(int is_signed, c
     if (b < nb) tail = dotd_avx2(is_signed, q + b * QK, d + b, mn + b, a + b * QK, s + b, sums + b, 1);
     return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + extra + tail;
 }
-KV_GGUF_GEMM(kv_gguf_gemm_avx512, dot_avx512, dotd_avx512, half_f16c)
+__attribute__((target(AVX512_TARGET), always_inline)) static inline void dot4_avx512_t(
+    const int qtype, const uint8_t *w, long row_bytes, const int8_t *a, const float *s, const int32_t *sums, long nb,
+    float out[4]) {
+    const long bb = BLOCK_BYTES[qtype];
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    float e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    long b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const __m512i av = _mm512_loadu_si512((const void *)(a + b * QK));
+        for (int j = 0; j < 4; j++) {
+            const uint8_t *b0 = w + j * row_bytes + b * bb, *b1 = b0 + bb;
+            __m512i u, v;
+            operands512(qtype, b0, b1, av, &u, &v);
+            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, v);
+            const float d0 = half_f16c(b0) * s[b], d1 = half_f16c(b1) * s[b + 1];
+            const __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[j]);
+            e[j] += offset_term(qtype, b0, d0, s[b], sums[b]) + offset_term(qtype, b1, d1, s[b + 1], sums[b + 1]);
+        }
+    }
+    for (int j = 0; j < 4; j++) {
+        out[j] = _mm512_reduce_add_ps(acc[j]) + e[j];
+        if (b < nb) out[j] += dot_avx2_t(qtype, w + j * row_bytes + b * bb, a + b * QK, s + b, sums + b, 1);
+    }
+}
+__attribute__((target(AVX512_TARGET))) static void dot4_avx512(int qtype, const uint8_t *w, long row_bytes,
+                                                               const int8_t *a, const float *s, const int32_t *sums,
+                                                               long nb, float out[4]) {
+    switch (qtype) {
+    case KV_Q8_0: dot4_avx512_t(KV_Q8_0, w, row_bytes, a, s, sums, nb, out); break;
+    case KV_Q4_0: dot4_avx512_t(KV_Q4_0, w, row_bytes, a, s, sums, nb, out); break;
+    default: dot4_avx512_t(KV_Q4_1, w, row_bytes, a, s, sums, nb, out);
+    }
+}
+KV_GGUF_GEMM(kv_gguf_gemm_avx512, dot_avx512, dot4_avx512, dotd_avx512, half_f16c)
 #endif /* KV_Q8_LEVELS >= 2 */
 #endif /* KV_X86 && KV_Q8_LEVELS >= 1 */
