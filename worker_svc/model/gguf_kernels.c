@@ -444,13 +444,38 @@ __attribute__((target(AVX512_TARGET), always_inline)) static inline void dot4_av
         if (b < nb) out[j] += dot_avx2_t(qtype, w + j * row_bytes + b * bb, a + b * QK, s + b, sums + b, 1);
     }
 }
+/* The Q4 formats one block per 256-bit register: assembling two blocks' nibbles into one
+ * 512-bit register cost more than the wider vpdpbusd saved (measured, 3072 x 576 Q4_1 at one
+ * row: 76 us against 56 us for the avx2 level), so at this level they take the avx2 layout with
+ * vpdpbusd in place of vpmaddubsw + vpmaddwd. */
+__attribute__((target(AVX512_TARGET), always_inline)) static inline void dot4_vnni256_t(
+    const int qtype, const uint8_t *w, long row_bytes, const int8_t *a, const float *s, const int32_t *sums, long nb,
+    float out[4]) {
+    const long bb = BLOCK_BYTES[qtype], off = qtype == KV_Q4_0 ? 2 : 4;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    float e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (long b = 0; b < nb; b++) {
+        const __m256i av = _mm256_loadu_si256((const __m256i *)(a + b * QK));
+        for (int j = 0; j < 4; j++) {
+            const uint8_t *blk = w + j * row_bytes + b * bb;
+            const float d = half_f16c(blk) * s[b];
+            const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), nibbles256(blk + off), av);
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d), acc[j]);
+            e[j] += offset_term(qtype, blk, d, s[b], sums[b]);
+        }
+    }
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(out, _mm_add_ps(r, _mm_loadu_ps(e)));
+}
+
 __attribute__((target(AVX512_TARGET))) static void dot4_avx512(int qtype, const uint8_t *w, long row_bytes,
                                                                const int8_t *a, const float *s, const int32_t *sums,
                                                                long nb, float out[4]) {
     switch (qtype) {
     case KV_Q8_0: dot4_avx512_t(KV_Q8_0, w, row_bytes, a, s, sums, nb, out); break;
-    case KV_Q4_0: dot4_avx512_t(KV_Q4_0, w, row_bytes, a, s, sums, nb, out); break;
-    default: dot4_avx512_t(KV_Q4_1, w, row_bytes, a, s, sums, nb, out);
+    case KV_Q4_0: dot4_vnni256_t(KV_Q4_0, w, row_bytes, a, s, sums, nb, out); break;
+    default: dot4_vnni256_t(KV_Q4_1, w, row_bytes, a, s, sums, nb, out);
     }
 }
 KV_GGUF_GEMM(kv_gguf_gemm_avx512, dot_avx512, dot4_avx512, dotd_avx512, half_f16c)
