@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/kvfleet/v1/*.proto)
 GEN_STAMP := kvfleet/v1/.generated
+# Defined before `install` names it (make expands a rule's prerequisites as it reads the rule).
+NATIVE_STAMP := worker_svc/model/_native_build.json
 PACKAGES := kvfleet_common kvfleet_models scheduler_svc worker_svc telemetry_svc gateway_svc kvfleet bench
 
 NODE_CLIENT := tests/clients/node
@@ -31,7 +33,6 @@ protos: $(GEN_STAMP)
 
 # The worker's C libraries next to their sources (worker_svc/model/native.py), as the editable
 # install builds them; again here when a C source or its flags change.
-NATIVE_STAMP := worker_svc/model/_native_build.json
 $(NATIVE_STAMP): setup.py worker_svc/model/native.py $(wildcard worker_svc/model/*.c) | $(STAMP)
 	$(BIN)/python setup.py -q build_ext --inplace
 

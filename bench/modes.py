@@ -1,7 +1,8 @@
-"""Decode step time per engine mode (float32, bfloat16, int8), measured A/B in one process.
+"""Decode step time per engine mode (float32, bfloat16, int8, gguf), measured A/B in one process.
 
     .venv/bin/python -m bench.modes                       # smollm2, batch 1 and 32, 2 threads
     .venv/bin/python -m bench.modes --modes float32,int8 --batches 1 --repeats 9 --threads 1
+    .venv/bin/python -m bench.modes --modes float32,int8,gguf --batches 1,32   # the GGUF's own blocks
     .venv/bin/python -m bench.modes --device cuda --modes float32,bfloat16,float16   # bench/gpu_check.sh
 
 Each mode gets its own engine with the same sessions (``--context`` tokens of seeded prompt
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kvfleet_models.registry import load_model
+from kvfleet_models.registry import load_model, load_model_blocks
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
 from worker_svc.local import LocalSteps
 
@@ -31,6 +32,7 @@ MODES: dict[str, dict[str, Any]] = {
     "bfloat16": {"dtype": "bfloat16"},
     "float16": {"dtype": "float16"},  # GPUs
     "int8": {"quant": "int8"},  # CPU only
+    "gguf": {"quant": "gguf"},  # CPU only, a GGUF model: its own blocks (load_model_blocks)
     # The same modes with torch's ops in place of the fused C ones (worker_svc/model/fused.py).
     "float32-torchops": {"fused_ops": False},
     "bfloat16-torchops": {"dtype": "bfloat16", "fused_ops": False},
@@ -83,13 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown modes {unknown}; choose from {sorted(MODES)}")
     cfg, weights = load_model(a.model)
+    # gguf mode: the same file's weights kept in their blocks (a second load, ~100 MB)
+    blocks_weights = load_model_blocks(a.model)[1] if any(MODES[m].get("quant") == "gguf" for m in modes) else {}
     blocks = (sum(batches) * (a.context + (a.steps + 1) * a.repeats + 16) + a.prefill) // 16 + 8
     drivers, sessions = {}, {}
     for m in modes:
         t0 = time.perf_counter()
         engine = Engine(
             cfg,
-            weights,
+            blocks_weights if MODES[m].get("quant") == "gguf" else weights,
             EngineConfig(num_blocks=blocks, kv_views=a.kv_views, num_threads=a.threads, device=a.device, **MODES[m]),
         )
         engine.use_threads()
@@ -98,9 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         drivers[m] = LocalSteps(engine, prefix_caching=False)
         for b in batches:
             sessions[m, b] = Sessions(drivers[m], b, a.context, m)
+        level = drivers[m].engine.model.kernel_level
         print(
             f"{m}: built and prefilled in {time.perf_counter() - t0:.1f} s, weights "
-            f"{drivers[m].engine.weight_bytes / 1e6:.0f} MB",
+            f"{drivers[m].engine.weight_bytes / 1e6:.0f} MB" + (f", {level} kernels" if level else ""),
             flush=True,
         )
     times: dict[tuple[str, int], list[float]] = {k: [] for k in sessions}

@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (cluster, peer and limits)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--quant", default="none", choices=["none", "int8"], help="the workers' --quant")
+    p.add_argument("--quant", default="none", choices=["none", "int8", "gguf"], help="the workers' --quant")
     p.add_argument("--concurrency", type=_ints, default=(1, 8, 32))
     p.add_argument(
         "--sessions",

@@ -41,8 +41,8 @@ def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None, ove
     p.add_argument(
         "--quant",
         default=d.quant,
-        choices=["none", "int8"],
-        help="workers' weight quantization: int8 = dynamic int8 products (CPU, float32)",
+        choices=["none", "int8", "gguf"],
+        help="workers' weight quantization (CPU, float32): int8 = dynamic int8 products; gguf = a GGUF's own blocks",
     )
     p.add_argument("--max-running", type=int, default=d.max_running)
     p.add_argument("--prefill-token-budget", type=int, default=d.prefill_token_budget)

@@ -60,7 +60,7 @@ class ClusterSpec:
     model: str = WorkerConfig.model
     device: str = WorkerConfig.device
     dtype: str = WorkerConfig.dtype
-    quant: str = WorkerConfig.quant  # workers' --quant: none | int8
+    quant: str = WorkerConfig.quant  # workers' --quant: none | int8 | gguf
     host: str = WorkerConfig.host
     scheduler_port: int = 0  # 0 = a free port
     max_running: int = SchedulerLimits.max_running

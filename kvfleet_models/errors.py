@@ -6,9 +6,12 @@ can report a bad ``--model`` flag as one readable line naming the file, not a de
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from kvfleet_models.config import LlamaConfig
+from kvfleet_models.gguf_blocks import BlockTensor
 
 
 class ModelLoadError(Exception):
@@ -58,8 +61,9 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(cfg: LlamaConfig, weights: dict[str, np.ndarray], source: object) -> None:
-    """Raise ModelLoadError unless ``weights`` is exactly the float32 set ``cfg`` calls for.
+def check_weights(cfg: LlamaConfig, weights: Mapping[str, np.ndarray | BlockTensor], source: object) -> None:
+    """Raise ModelLoadError unless ``weights`` is exactly the float32 set ``cfg`` calls for
+    (a GGUF's weights kept in blocks, ``--quant gguf``: the shapes only).
 
     A wrong shape would otherwise surface much later as a broadcasting error deep in a forward
     pass, far from the file that caused it.
@@ -75,5 +79,5 @@ def check_weights(cfg: LlamaConfig, weights: dict[str, np.ndarray], source: obje
         got = weights[name]
         if got.shape != shape:
             raise ModelLoadError(f"{source}: {name} has shape {got.shape}, config implies {shape}")
-        if got.dtype != np.float32:
+        if isinstance(got, np.ndarray) and got.dtype != np.float32:
             raise ModelLoadError(f"{source}: {name} has dtype {got.dtype}, loaders must give float32")

@@ -28,6 +28,7 @@ import numpy as np
 
 from kvfleet_models.config import FREQ_FACTORS, LlamaConfig, RopeScaling
 from kvfleet_models.errors import ModelLoadError, check_weights
+from kvfleet_models.gguf_blocks import FORMATS, BlockTensor
 
 log = logging.getLogger(__name__)
 
@@ -350,26 +351,63 @@ def load_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     Raises ModelLoadError (naming the file) for a missing, foreign or damaged file, or one of
     an architecture not in ``ARCHITECTURES``.
     """
+    cfg, weights = _load(Path(path), keep_blocks=False)
+    return cfg, {name: w for name, w in weights.items() if isinstance(w, np.ndarray)}
+
+
+def load_gguf_blocks(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray | BlockTensor]]:
+    """As ``load_gguf``, but every 2-D weight stays in the file's blocks (``BlockTensor``), for
+    ``--quant gguf``; the 1-D ones (norms, biases) are float32. ModelLoadError for a weight in a
+    format the block products do not run (naming the ones they do), and for Phi-3's fused
+    tensors (not split in blocks yet)."""
+    return _load(Path(path), keep_blocks=True)
+
+
+def _block_tensor(tensor: Any, path: Path) -> BlockTensor:
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    fmt = FORMATS.get(tensor.tensor_type.name)
+    if fmt is None:
+        raise ModelLoadError(
+            f"{path}: tensor {tensor.name} is {tensor.tensor_type.name}; --quant gguf serves "
+            f"{', '.join(FORMATS)} weights (load it without --quant gguf to run it dequantized)"
+        )
+    rows = np.array(tensor.data, dtype=np.uint8, copy=True)  # own the bytes: they outlive the reader
+    try:
+        return BlockTensor(fmt, rows.reshape(shape[0], -1), shape[1])
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: tensor {tensor.name} is damaged ({e})") from None
+
+
+def _load(path: Path, keep_blocks: bool) -> tuple[LlamaConfig, dict[str, np.ndarray | BlockTensor]]:
     from kvfleet_models.safetensors_loader import split_fused
 
-    path = Path(path)
     reader = open_gguf(path)
     cfg = config_from_metadata(reader, path)
     spec = ARCHITECTURES[str(field_value(reader, "general.architecture"))]
-    weights: dict[str, np.ndarray] = {}
+    if keep_blocks and spec.fused:
+        raise ModelLoadError(f"{path}: --quant gguf does not split {cfg.family}'s fused q/k/v and gate/up blocks yet")
+    weights: dict[str, np.ndarray | BlockTensor] = {}
     for tensor in reader.tensors:
         if tensor.name in _ROPE_TENSORS:  # read into the config's RoPE scaling
             continue
         name = hf_tensor_name(tensor.name, fused=spec.fused, names=spec.names)
         if name is None:
             raise ModelLoadError(f"{path}: tensor {tensor.name!r} has no place in a {cfg.family} model")
-        weights[name] = dequantize_tensor(tensor, path)
+        if keep_blocks and len(tensor.shape) == 2:
+            weights[name] = _block_tensor(tensor, path)
+        else:
+            weights[name] = dequantize_tensor(tensor, path)
     if spec.fused:
-        weights = split_fused(cfg, weights, path)
+        floats = {name: w for name, w in weights.items() if isinstance(w, np.ndarray)}
+        weights = dict(split_fused(cfg, floats, path))
     check_weights(cfg, weights, path)  # first, so the reshapes below see the shapes they expect
     if spec.permuted_qk:
         for n in range(cfg.num_layers):
             for proj, heads in (("q_proj", cfg.num_heads), ("k_proj", cfg.num_kv_heads)):
                 key = f"model.layers.{n}.self_attn.{proj}.weight"
-                weights[key] = unpermute_rotary_rows(weights[key], heads)
+                w = weights[key]
+                if isinstance(w, BlockTensor):  # whole rows move: the same permutation of row indices
+                    weights[key] = w.take_rows(unpermute_rotary_rows(np.arange(w.shape[0]), heads))
+                else:
+                    weights[key] = unpermute_rotary_rows(w, heads)
     return cfg, weights

@@ -17,6 +17,7 @@ import numpy as np
 
 from kvfleet_models.config import LlamaConfig
 from kvfleet_models.errors import ModelLoadError
+from kvfleet_models.gguf_blocks import BlockTensor
 
 TINY = "tiny"
 SMOLLM2_135M = "smollm2-135m"
@@ -92,4 +93,19 @@ def load_model(name_or_path: str) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
         from kvfleet_models.safetensors_loader import load_hf_dir
 
         cfg, weights = load_hf_dir(source.path)
+    return dataclasses.replace(cfg, name=source.name), weights
+
+
+def load_model_blocks(name_or_path: str) -> tuple[LlamaConfig, dict[str, np.ndarray | BlockTensor]]:
+    """For ``--quant gguf``: a GGUF model's config and weights, the 2-D ones in the file's own
+    blocks (``gguf_loader.load_gguf_blocks``). ModelLoadError for a model that is not a GGUF."""
+    from kvfleet_models.gguf_loader import load_gguf_blocks
+
+    source = resolve_model(name_or_path)
+    if source.kind is not SourceKind.GGUF or source.path is None:
+        raise ModelLoadError(
+            f"--quant gguf serves a GGUF file's own quantized blocks: {name_or_path!r} is not a GGUF model "
+            "(use --quant int8 to quantize a float checkpoint)"
+        )
+    cfg, weights = load_gguf_blocks(source.path)
     return dataclasses.replace(cfg, name=source.name), weights

@@ -23,8 +23,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         "--quant",
         env="KVFLEET_QUANT",
         default=d.quant,
-        choices=["none", "int8"],
-        help="weight quantization: int8 = dynamic int8 products (CPU, float32)",
+        choices=["none", "int8", "gguf"],
+        help="weight quantization (CPU, float32): int8 = dynamic int8 products; gguf = a GGUF model's own "
+        "Q8_0/Q4_0/Q4_1 blocks, kept as they are",
     )
     p.add_argument("--block-size", type=int, env="KVFLEET_BLOCK_SIZE", default=d.block_size)
     p.add_argument("--num-blocks", type=int, env="KVFLEET_NUM_BLOCKS", default=d.num_blocks)

@@ -29,7 +29,7 @@ class WorkerConfig:
     # step costs about what the hand-off does); 0 = always in a thread.
     inline_step_s: float = 0.005
     metrics_port: int = 9401  # Prometheus /metrics; 0 = off
-    quant: str = "none"  # none | int8 (CPU, float32 only; see EngineConfig)
+    quant: str = "none"  # none | int8 | gguf (CPU, float32 only; gguf: a GGUF model; see EngineConfig)
     prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (see EngineConfig)
     max_model_len: int = 0  # longest prompt + generated served; 0 = the model's own (see EngineConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
@@ -46,8 +46,8 @@ class WorkerConfig:
         object.__setattr__(self, "kv_views", KVViewsMode.parse(self.kv_views))  # frozen
         if self.num_threads < 0:
             raise ValueError(f"threads must be >= 0 (0 = torch's setting), got {self.num_threads}")
-        if self.quant not in ("none", "int8"):
-            raise ValueError(f"quant must be none or int8, got {self.quant!r}")
+        if self.quant not in ("none", "int8", "gguf"):
+            raise ValueError(f"quant must be none, int8 or gguf, got {self.quant!r}")
         if self.quant != "none" and self.dtype != "float32":
             raise ValueError(f"quant={self.quant} needs dtype float32 (the activations), got {self.dtype!r}")
         if self.max_model_len < 0:

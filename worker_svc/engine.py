@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from kvfleet_models.config import LlamaConfig
+from kvfleet_models.gguf_blocks import BlockTensor
 from worker_svc import failpoints
 from worker_svc.kv_cache import KVViews, PagedKVCache, make_views
 from worker_svc.kv_views_mode import KVViewsMode
@@ -152,8 +153,10 @@ class EngineConfig:
     # CPU threads a step may use; 0 = the process's torch setting (OMP_NUM_THREADS). See
     # ``use_cpu_threads`` for how they are split between torch and the host BLAS.
     num_threads: int = 0
-    # "none" | "int8": the products' weights (int8 = blocks of 32 with their own scales, each
-    # input quantized alike, integer products: worker_svc/model/q8.py; CPU and float32 only).
+    # "none" | "int8" | "gguf": the products' weights (int8 = blocks of 32 with their own
+    # scales, each input quantized alike, integer products: worker_svc/model/q8.py; gguf = a
+    # GGUF's own Q8_0/Q4_0/Q4_1 blocks, inputs quantized alike: worker_svc/model/gguf_quant.py,
+    # the weights from load_model_blocks; CPU and float32 only).
     # Quality: tests/unit/test_quant_quality.py.
     quant: str = "none"
     # Whether the scheduler may share this worker's full blocks between sessions of one prefix
@@ -278,7 +281,7 @@ class Engine:
     def __init__(
         self,
         cfg: LlamaConfig,
-        weights: dict[str, np.ndarray],
+        weights: Mapping[str, np.ndarray | BlockTensor],
         config: EngineConfig,
         *,
         constraint_factory: ConstraintFactory | None = None,

@@ -9,7 +9,7 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,7 @@ from kvfleet_common.procinfo import resident_bytes
 from kvfleet_common.security import WorkerAuthInterceptor, authorize_peer
 from kvfleet_common.tracing import extract_context
 from kvfleet_models.config import LlamaConfig
+from kvfleet_models.gguf_blocks import BlockTensor
 from worker_svc import convert
 from worker_svc.compute import HostThreadExecutor
 from worker_svc.config import WorkerConfig
@@ -231,13 +232,19 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
 
 def build_engine(
-    config: WorkerConfig, model: tuple[LlamaConfig, dict[str, np.ndarray]] | None = None
+    config: WorkerConfig, model: tuple[LlamaConfig, Mapping[str, np.ndarray | BlockTensor]] | None = None
 ) -> tuple[LlamaConfig, Engine]:
     """An engine for ``config``; ``model``: its config and weights already loaded (several
     in-process workers share one load; each engine prepares its own copy of the weights)."""
-    from kvfleet_models.registry import load_model
+    from kvfleet_models.registry import load_model, load_model_blocks
 
-    cfg, weights = model if model is not None else load_model(config.model)
+    weights: Mapping[str, np.ndarray | BlockTensor]
+    if model is not None:
+        cfg, weights = model
+    elif config.quant == "gguf":  # the file's own blocks, not floats
+        cfg, weights = load_model_blocks(config.model)
+    else:
+        cfg, weights = load_model(config.model)
     num_blocks = config.num_blocks
     if config.kv_cache_memory:
         from worker_svc.kv_memory import blocks_for, parse_memory
@@ -314,7 +321,7 @@ async def create_server(
         engine.device,
         engine.dtype_name,
         engine.quant,
-        f" on {engine.model.int8_kernels} kernels" if engine.model.int8_kernels else "",
+        f" on {engine.model.kernel_level} kernels" if engine.model.kernel_level else "",
         f"on ({engine.model.fused.origin.value})" if engine.model.fused is not None else "off",
         engine.config.num_blocks,
         config.block_size,

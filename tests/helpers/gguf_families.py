@@ -93,9 +93,14 @@ def _llama3_factors(rope: dict[str, Any], theta: float, dim: int) -> np.ndarray:
     return np.asarray(out, dtype=np.float32)
 
 
-def write_gguf(case: Case, model: Any, path: Path, window: bool = False, vocab: Any = None) -> Path:
+def write_gguf(
+    case: Case, model: Any, path: Path, window: bool = False, vocab: Any = None, quant: dict[str, str] | None = None
+) -> Path:
     """``model`` (the transformers model of ``case``) as a GGUF file at ``path``, with the
-    vocabulary of ``vocab`` (a ``vocabularies.Original``) or placeholder tokens."""
+    vocabulary of ``vocab`` (a ``vocabularies.Original``) or placeholder tokens. ``quant``:
+    GGUF tensor name stem (``attn_q``, ``token_embd``, ...) -> a block format (``Q4_1``...)
+    its 2-D weight is quantized to by the gguf package (as llama.cpp's quantizer writes it);
+    the others stay F32."""
     import gguf
 
     hp = model.config
@@ -168,7 +173,12 @@ def write_gguf(case: Case, model: Any, path: Path, window: bool = False, vocab: 
             data = permute(data, kv_heads)
         elif arch == "gemma3" and name.endswith("norm.weight"):  # Gemma's (1 + w), stored summed
             data = data + np.float32(1.0)
-        w.add_tensor(gguf_name(name, arch), data)
+        stem = gguf_name(name, arch).split(".")[-2]
+        if quant and stem in quant and data.ndim == 2:
+            kind = gguf.GGMLQuantizationType[quant[stem]]
+            w.add_tensor(gguf_name(name, arch), gguf.quants.quantize(data, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(gguf_name(name, arch), data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

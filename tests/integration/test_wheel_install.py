@@ -117,7 +117,7 @@ def test_a_level_the_compiler_cannot_build_is_skipped_not_fatal(tmp_path: Path) 
     src = tmp_path / "src"
     files = ["setup.py", "pyproject.toml", "worker_svc/__init__.py", "worker_svc/model/__init__.py",
              "worker_svc/model/native.py", "worker_svc/model/cpu_features.py", "worker_svc/model/fused_ops.c",
-             "worker_svc/model/q8_kernels.c"]  # fmt: skip
+             "worker_svc/model/q8_kernels.c", "worker_svc/model/gguf_kernels.c"]  # fmt: skip
     for name in files:
         (src / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, src / name)
@@ -131,11 +131,14 @@ def test_a_level_the_compiler_cannot_build_is_skipped_not_fatal(tmp_path: Path) 
                          cwd=src, env={**os.environ, "CC": str(cc)}, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert "q8_avx512 not built" in run.stdout + run.stderr
+    assert "gguf_avx512 not built" in run.stdout + run.stderr
     model = out / "worker_svc" / "model"
     built = json.loads((model / native.BUILD_INFO).read_text())["libraries"]
-    assert set(built) == {"fused_ops", "q8_scalar", "q8_avx2"}
+    assert set(built) == {"fused_ops", "q8_scalar", "q8_avx2", "gguf_scalar", "gguf_avx2"}
     assert not (model / native.installed_name(native.Q8["avx512"])).exists()
+    assert not (model / native.installed_name(native.GGUF["avx512"])).exists()
     for level in ("scalar", "avx2"):
-        lib = model / native.installed_name(native.Q8[level])
-        assert native.installed(native.Q8[level], openmp=True, where=model) == lib
+        for specs in (native.Q8, native.GGUF):
+            lib = model / native.installed_name(specs[level])
+            assert native.installed(specs[level], openmp=True, where=model) == lib
     assert native.installed(native.Q8["avx512"], openmp=True, where=model) is None

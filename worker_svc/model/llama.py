@@ -57,16 +57,19 @@ built by ``worker_svc.runner`` from the engine's admitted items; this module onl
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvfleet_models.config import LlamaConfig
+from kvfleet_models.gguf_blocks import BlockTensor
 from kvfleet_models.rope import rope_frequencies
 from worker_svc.kv_cache import AttnGroup, KVViews, PagedKVCache
-from worker_svc.model import fused, int8
+from worker_svc.model import fused, gguf_quant, int8
 from worker_svc.model.cpu_backend import QUANT_MODES, Matrix, attention_core, matmul, matmul_add_, pack_bf16, torch_rows
+from worker_svc.model.gguf_quant import GGUFKernels, GGUFWeight
 from worker_svc.model.weights import LayerWeights, ModelWeights, gate_act_mul, qk_norm_, rms_norm, rope_
 from worker_svc.platform import plan_backend, synchronize
 
@@ -133,13 +136,74 @@ def _pair_rows(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
     return w.reshape(heads, head_dim, -1)[:, _pair_order(head_dim)].reshape(w.shape)
 
 
+def _blocks(weights: Mapping[str, np.ndarray | BlockTensor], name: str) -> BlockTensor:
+    w = weights.get(name)
+    if not isinstance(w, BlockTensor):
+        got = "missing" if w is None else "float"
+        raise ValueError(
+            f"quant=gguf runs on a GGUF's own blocks (kvfleet_models.registry.load_model_blocks): weight {name} is {got}"
+        )
+    return w
+
+
+def _gguf_layers(
+    cfg: LlamaConfig, weights: Mapping[str, np.ndarray | BlockTensor], kernels: GGUFKernels | None, q_scale: float
+) -> list[tuple[Matrix, Matrix, Matrix, Matrix]]:
+    """Each layer's (qkv, o, gate_up, down) on the GGUF's blocks: q and k rows pair-permuted as
+    the float path permutes them (whole rows move, blocks untouched), q's scale per output row."""
+
+    def mat(parts: list[tuple[BlockTensor, float]]) -> Matrix:
+        w = gguf_quant.stack(parts, kernels)
+        return Matrix(kn=None, nk=None, gguf=w, shape=(w.out_features, w.in_features))
+
+    d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    out = []
+    for i in range(cfg.num_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        q = _blocks(weights, a + "q_proj.weight").take_rows(_pair_rows(np.arange(hq * d), hq, d))
+        k = _blocks(weights, a + "k_proj.weight").take_rows(_pair_rows(np.arange(hkv * d), hkv, d))
+        out.append(
+            (
+                mat([(q, q_scale), (k, 1.0), (_blocks(weights, a + "v_proj.weight"), 1.0)]),
+                mat([(_blocks(weights, a + "o_proj.weight"), 1.0)]),
+                mat([(_blocks(weights, m + "gate_proj.weight"), 1.0), (_blocks(weights, m + "up_proj.weight"), 1.0)]),
+                mat([(_blocks(weights, m + "down_proj.weight"), 1.0)]),
+            )
+        )
+    return out
+
+
+def _gguf_head(
+    cfg: LlamaConfig,
+    weights: Mapping[str, np.ndarray | BlockTensor],
+    kernels: GGUFKernels | None,
+    vec: Callable[[np.ndarray], torch.Tensor],
+) -> tuple[torch.Tensor | None, Matrix, GGUFWeight | None]:
+    """(the float embedding table or None, the head, the embedding's blocks or None) under
+    quant="gguf": a tied head is the embedding's blocks, its lookup dequantizing the rows read;
+    an untied model's embedding stays in its blocks too where the file quantized it."""
+    embed = weights.get("model.embed_tokens.weight")
+    head_name = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+    if head_name != "lm_head.weight" and not cfg.tie_word_embeddings:
+        raise KeyError("lm_head.weight is missing and tie_word_embeddings is False")
+    head = gguf_quant.stack([(_blocks(weights, head_name), 1.0)], kernels)
+    matrix = Matrix(kn=None, nk=None, gguf=head, shape=(head.out_features, head.in_features))
+    if head_name != "lm_head.weight":
+        return None, matrix, head
+    if isinstance(embed, BlockTensor):
+        return None, matrix, gguf_quant.stack([(embed, 1.0)], kernels)
+    if embed is None:
+        raise KeyError("weight model.embed_tokens.weight is missing")
+    return vec(np.asarray(embed, dtype=np.float32)), matrix, None
+
+
 class LlamaModel:
     """Weights as device tensors plus the forward; the KV cache is attached from outside."""
 
     def __init__(
         self,
         cfg: LlamaConfig,
-        weights: dict[str, np.ndarray],
+        weights: Mapping[str, np.ndarray | BlockTensor],
         device: torch.device,
         dtype: torch.dtype,
         host_blas: bool | None = None,
@@ -153,7 +217,8 @@ class LlamaModel:
         counts torch runs faster on one thread (``cpu_backend.TORCH_ROWS``); False: torch reads
         the [in, out] copy transposed, and the weights live once (with more than one thread
         every product goes to the host BLAS anyway).
-        quant: "none" or "int8" (float32 on a CPU only: ``q8``'s int8 products).
+        quant: "none", "int8" (float32 on a CPU only: ``q8``'s int8 products) or "gguf"
+        (the same, on a GGUF's own blocks: ``weights`` from ``load_model_blocks``).
         fused_ops: None = the hand-fused C ops (``fused``) on a CPU where they build; False =
         torch's ops only; True = required (an error where they cannot be built)."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
@@ -168,7 +233,10 @@ class LlamaModel:
         def array(name: str) -> np.ndarray:
             if name not in weights:
                 raise KeyError(f"weight {name} is missing")
-            return np.asarray(weights[name], dtype=np.float32)
+            w = weights[name]
+            if isinstance(w, BlockTensor):  # a GGUF's blocks served as floats (not quant="gguf")
+                return w.dequantize()
+            return np.asarray(w, dtype=np.float32)
 
         def put(a: np.ndarray, dtype: torch.dtype = dtype) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(device, dtype)
@@ -213,12 +281,30 @@ class LlamaModel:
         def sandwich(name: str) -> torch.Tensor | None:
             return vec(array(name)) if cfg.sandwich_norms else None
 
+        # quant="gguf": the products' kernels (their level reported at start-up) and each
+        # layer's (qkv, o, gate_up, down) on the file's own blocks.
+        self.gguf_kernels = ""
+        gguf_layers: list[tuple[Matrix, Matrix, Matrix, Matrix]] = []
+        gguf_kernels: GGUFKernels | None = None
+        if quant == "gguf":
+            gguf_kernels = gguf_quant.load_kernels()
+            self.gguf_kernels = gguf_kernels.level if gguf_kernels is not None else "torch"
+            gguf_layers = _gguf_layers(cfg, weights, gguf_kernels, row_scale)
+        table: torch.Tensor | None
+
         layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            q = _pair_rows(array(a + "q_proj.weight"), hq, d) * row_scale
-            k = _pair_rows(array(a + "k_proj.weight"), hkv, d)
+            if quant == "gguf":  # the file's blocks, rows permuted and stacked as below
+                qkv, o, gate_up, down = gguf_layers[i]
+            else:
+                q = _pair_rows(array(a + "q_proj.weight"), hq, d) * row_scale
+                k = _pair_rows(array(a + "k_proj.weight"), hkv, d)
+                qkv = matrix(np.concatenate([q, k, array(a + "v_proj.weight")]))
+                o = matrix(array(a + "o_proj.weight"))
+                gate_up = matrix(np.concatenate([array(p + "mlp.gate_proj.weight"), array(p + "mlp.up_proj.weight")]))
+                down = matrix(array(p + "mlp.down_proj.weight"))
             bias = None
             if cfg.qkv_bias:  # laid out as the rows: pair-permuted, q's scaled alike
                 qb = _pair_rows(array(a + "q_proj.bias"), hq, d) * row_scale
@@ -231,13 +317,11 @@ class LlamaModel:
             layers.append(
                 LayerWeights(
                     input_norm=vec(array(p + "input_layernorm.weight")),
-                    qkv=matrix(np.concatenate([q, k, array(a + "v_proj.weight")])),
-                    o=matrix(array(a + "o_proj.weight")),
+                    qkv=qkv,
+                    o=o,
                     post_norm=vec(array(p + mlp_norm + ".weight")),
-                    gate_up=matrix(
-                        np.concatenate([array(p + "mlp.gate_proj.weight"), array(p + "mlp.up_proj.weight")])
-                    ),
-                    down=matrix(array(p + "mlp.down_proj.weight")),
+                    gate_up=gate_up,
+                    down=down,
                     qkv_bias=bias,
                     q_norm=q_norm,
                     k_norm=k_norm,
@@ -248,16 +332,20 @@ class LlamaModel:
         # Keys each layer's queries see (0: all before them): layers pick their groups' masks.
         self.windows = tuple(cfg.window(i) for i in range(cfg.num_layers))
         self.local_layers = tuple(cfg.local_rope(i) for i in range(cfg.num_layers))  # Gemma's local RoPE
-        embed = array("model.embed_tokens.weight")  # [V, hidden]
         self.tied_head = "lm_head.weight" not in weights
-        if "lm_head.weight" in weights:
-            table: torch.Tensor | None = vec(embed)
+        # quant="gguf": the embedding rows looked up from their blocks, one row at a time.
+        self.embed_blocks: GGUFWeight | None = None
+        if quant == "gguf":
+            table, lm_head, self.embed_blocks = _gguf_head(cfg, weights, gguf_kernels, vec)
+        elif "lm_head.weight" in weights:
+            embed = array("model.embed_tokens.weight")  # [V, hidden]
+            table = vec(embed)
             lm_head = matrix(array("lm_head.weight"))
         elif cfg.tie_word_embeddings:
             # The head's copies are the embedding: the lookup reads a few of the [V, hidden] rows
             # (an int8 head has no float copy to read: ``int8.quantize`` keeps the table).
             table = None
-            lm_head = matrix(embed, lookup=True)
+            lm_head = matrix(array("model.embed_tokens.weight"), lookup=True)
         else:
             raise KeyError("lm_head.weight is missing and tie_word_embeddings is False")
 
@@ -297,6 +385,11 @@ class LlamaModel:
             if self.fused is None and fused_ops:
                 raise RuntimeError("fused CPU ops were required but could not be built (see the log)")
 
+    @property
+    def kernel_level(self) -> str:
+        """The quantized products' kernel level ("" for float weights), for the start line."""
+        return self.int8_kernels or self.gguf_kernels
+
     def use_threads(self, n: int) -> None:
         """With the host BLAS on ``n`` > 1 threads, every product goes to it: MKL would run on
         torch's single thread (see ``cpu_backend.use_cpu_threads``)."""
@@ -325,12 +418,18 @@ class LlamaModel:
             nbytes += self.embed.numel() * self.embed.element_size()
             if not self.tied_head:
                 params += self.embed.numel()
+        elif self.embed_blocks is not None and not self.tied_head:  # quant="gguf", untied
+            nbytes += self.embed_blocks.nbytes
+            params += self.embed_blocks.out_features * self.embed_blocks.in_features
         return params, nbytes
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        table = self.embed if self.embed is not None else self.lm_head.nk
-        assert table is not None
-        rows = table.index_select(0, tokens)  # [T, hidden]
+        if self.embed_blocks is not None:  # quant="gguf": only these rows dequantized
+            rows = self.embed_blocks.rows(tokens)  # [T, hidden]
+        else:
+            table = self.embed if self.embed is not None else self.lm_head.nk
+            assert table is not None
+            rows = table.index_select(0, tokens)  # [T, hidden]
         if self.embed_scale is not None:  # Gemma: in the table's dtype, as transformers
             rows = rows * self.embed_scale.to(rows.dtype)
         return rows.to(self.act_dtype)

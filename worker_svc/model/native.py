@@ -1,4 +1,5 @@
-"""The C libraries the CPU forward loads with ctypes (``fused_ops.c``, ``q8_kernels.c``): how each
+"""The C libraries the CPU forward loads with ctypes (``fused_ops.c``, ``q8_kernels.c``,
+``gguf_kernels.c``): how each
 is compiled, where the package's own build of it lies, and the first-use compile of a checkout
 that has none.
 
@@ -66,7 +67,12 @@ Q8 = {
     level: LibSpec(f"q8_{level}", "q8_kernels.c", ("-O3", "-shared", "-fPIC", f"-DKV_Q8_LEVELS={i}"))
     for i, level in enumerate(Q8_LEVELS)
 }
-LIBRARIES = (FUSED, *Q8.values())
+# The GGUF block products (``gguf_kernels.c``, ``gguf_quant``): the same levels, built the same way.
+GGUF = {
+    level: LibSpec(f"gguf_{level}", "gguf_kernels.c", ("-O3", "-shared", "-fPIC", f"-DKV_Q8_LEVELS={i}"))
+    for i, level in enumerate(Q8_LEVELS)
+}
+LIBRARIES = (FUSED, *Q8.values(), *GGUF.values())
 
 
 class Origin(Enum):

@@ -1,0 +1,154 @@
+"""``quant="gguf"``: an engine on a GGUF's own quantized blocks.
+
+Family checkpoints (``tests/helpers/families.py``, random weights) are written as GGUF files
+whose matrices the gguf package quantizes to Q8_0 / Q4_0 / Q4_1, several formats in one layer
+(q, k and v of three formats stack into one product of three parts). Two references:
+
+  * the same engine with the products on the float64 reference (``gguf_quant.reference_linear``:
+    the same blocks dequantized, the activations quantized as the C does): the first step's
+    logits (each prompt's prefill) equal to float32 rounding at every kernel level
+    (``EMULATION_TOL``), so the C products, their wiring, the permuted rows and q's scale are
+    exact. Only the first step: later, a float32 rounding difference can flip one activation's
+    int8 rounding in a later product, which these random models amplify (measured up to 2 %);
+  * the same engine on the file's weights dequantized to float32 (the ordinary load): the two
+    differ by the activations' int8 rounding only, which on these random 2-layer models moves
+    the logits by up to 5 % of their largest (measured 0.14-0.40 at logits up to 5-11): within
+    ``FLOAT_TOL`` of the largest, and the greedy tokens equal wherever float32's top-1 margin
+    exceeds twice the step's largest logit difference (after a near tie the two may part).
+
+Also: the weights are the file's bytes (no float copy), and what is refused, with its message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvfleet_models.errors import ModelLoadError
+from kvfleet_models.gguf_blocks import BlockTensor
+from kvfleet_models.registry import load_model, load_model_blocks
+from tests.helpers.families import CASES, make_checkpoint, prompts
+from tests.helpers.gguf_families import write_gguf
+from tests.unit.test_families import _drive
+from worker_svc.engine import Engine, EngineConfig
+from worker_svc.model import gguf_quant, q8
+
+# Each matrix's format: every format in the attention and MLP products, mixed within qkv and
+# gate_up; the head Q4_0 where untied, the embedding Q8_0 (smollm2's).
+QUANT = {"attn_q": "Q4_1", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q4_0", "ffn_gate": "Q4_1",
+         "ffn_up": "Q8_0", "ffn_down": "Q4_1", "token_embd": "Q8_0", "output": "Q4_0"}  # fmt: skip
+# llama: q/k rows permuted in the file, tied head; qwen2: q/k/v biases, NeoX rows, tied;
+# qwen3: q/k norms, untied (a quantized embedding beside the head); gemma3: scaled embedding,
+# sandwich norms, soft-capped logits.
+FAMILIES = ["llama-linear-tied", "qwen2", "qwen3", "gemma3"]
+EMULATION_TOL = 1e-3  # of the largest |logit|
+FLOAT_TOL = 0.08  # of the largest |logit|: measured <= 0.046; a wrong row order gives ~1
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def gguf_file(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    name = request.param
+    root = tmp_path_factory.mktemp(name)
+    hf = make_checkpoint(CASES[name], root / "hf", seed=11)
+    return write_gguf(CASES[name], hf, root / f"{name}.gguf", quant=QUANT)
+
+
+def _engine(path: Path, quant: str) -> Engine:
+    cfg, weights = load_model_blocks(str(path)) if quant == "gguf" else load_model(str(path))
+    return Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=64, quant=quant))
+
+
+@pytest.mark.parametrize("level", q8.LEVELS)
+def test_every_level_equals_the_float64_emulation(gguf_file: Path, level: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if level not in q8.runnable_levels():
+        pytest.skip(f"this CPU does not run the {level} kernels (it runs {', '.join(q8.runnable_levels())})")
+    if gguf_file.stem == "gemma3":
+        pytest.skip("gemma3's random sandwich norms amplify one int8 rounding flip (module docstring)")
+    monkeypatch.setenv("KVFLEET_Q8_LEVEL", level)
+    plan = prompts()
+    engine = _engine(gguf_file, "gguf")
+    assert engine.model.kernel_level == level
+    tokens, logits = _drive(engine, plan, NEW_TOKENS)
+    monkeypatch.setattr(gguf_quant, "load_kernels", lambda level=None: None)
+    emulated = _engine(gguf_file, "gguf")
+    assert emulated.model.kernel_level == "torch"
+    _, ref_logits = _drive(emulated, plan, NEW_TOKENS)
+    for got, want in zip(logits, ref_logits):
+        np.testing.assert_allclose(got[0], want[0], rtol=0, atol=EMULATION_TOL * float(np.abs(want[0]).max()))
+
+
+def test_greedy_tokens_and_logits_match_the_dequantized_float32_engine(gguf_file: Path) -> None:
+    plan = prompts()
+    ref_tokens, ref_logits = _drive(_engine(gguf_file, "none"), plan, NEW_TOKENS)
+    tokens, logits = _drive(_engine(gguf_file, "gguf"), plan, NEW_TOKENS)
+    for want, got, want_logits, got_logits in zip(ref_tokens, tokens, ref_logits, logits):
+        for step in range(NEW_TOKENS):
+            tol = FLOAT_TOL * float(np.abs(want_logits[step]).max())
+            # same inputs so far: the logits agree
+            np.testing.assert_allclose(got_logits[step], want_logits[step], rtol=0, atol=tol)
+            top2 = np.sort(want_logits[step])[-2:]
+            if top2[1] - top2[0] < 2 * float(np.abs(got_logits[step] - want_logits[step]).max()):
+                break  # a near tie: the quantized engine may pick the other token from here on
+            assert got[step] == want[step]
+
+
+def test_weights_are_the_files_blocks_with_no_float_copy(gguf_file: Path) -> None:
+    import gguf
+
+    cfg, weights = load_model_blocks(str(gguf_file))
+    engine = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=8, quant="gguf"))
+    model = engine.model
+    for layer in model.layers:
+        for m in layer.matrices():
+            assert m.gguf is not None and m.kn is None and m.nk is None and m.q8 is None
+    assert model.lm_head.gguf is not None and model.embed is None and model.embed_blocks is not None
+    # o's blocks are the file's bytes as they lie (o's rows are not permuted)
+    tensors = {t.name: t for t in gguf.GGUFReader(gguf_file).tensors}
+    o = model.layers[1].o.gguf
+    assert o is not None and len(o.parts) == 1
+    assert np.array_equal(o.parts[0].data.reshape(-1), np.asarray(tensors["blk.1.attn_output.weight"].data).reshape(-1))
+    # qkv: three formats, three parts
+    qkv = model.layers[0].qkv.gguf
+    assert qkv is not None and [p.format.name for p in qkv.parts] == ["Q4_1", "Q4_0", "Q8_0"]
+    float_bytes = Engine(*load_model(str(gguf_file)), EngineConfig(block_size=4, num_blocks=8)).weight_bytes
+    assert engine.weight_bytes < float_bytes / 3
+
+
+def test_a_model_that_is_not_a_gguf_is_refused() -> None:
+    with pytest.raises(ModelLoadError, match="--quant gguf serves a GGUF file's own quantized blocks: 'tiny'"):
+        load_model_blocks("tiny")
+
+
+def test_float_weights_are_refused_by_the_model(gguf_file: Path) -> None:
+    cfg, weights = load_model(str(gguf_file))
+    with pytest.raises(ValueError, match="quant=gguf runs on a GGUF's own blocks"):
+        Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=8, quant="gguf"))
+
+
+@pytest.mark.parametrize("device, dtype", [("cuda", "float32"), ("cpu", "bfloat16")])
+def test_another_device_or_dtype_is_refused(device: str, dtype: str) -> None:
+    with pytest.raises(ValueError, match="quant=gguf runs on the CPU with dtype float32"):
+        EngineConfig(quant="gguf", device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("fmt", ["F16", "Q5_0"])
+def test_a_tensor_type_without_kernels_is_refused_naming_those_served(fmt: str, tmp_path: Path) -> None:
+    hf = make_checkpoint(CASES["qwen2"], tmp_path / "hf", seed=1)
+    path = write_gguf(CASES["qwen2"], hf, tmp_path / "m.gguf", quant={**QUANT, "ffn_down": fmt})
+    with pytest.raises(ModelLoadError) as info:
+        load_model_blocks(str(path))
+    message = str(info.value)
+    assert f"blk.0.ffn_down.weight is {fmt}; --quant gguf serves Q8_0, Q4_0, Q4_1 weights" in message, message
+    load_model(str(path))  # the ordinary load still dequantizes it
+
+
+def test_worker_builds_the_gguf_engine(gguf_file: Path) -> None:
+    from worker_svc.config import WorkerConfig
+    from worker_svc.server import build_engine
+
+    _, engine = build_engine(WorkerConfig(model=str(gguf_file), quant="gguf", num_blocks=8, metrics_port=0))
+    assert engine.quant == "gguf" and engine.model.kernel_level in q8.runnable_levels()
+    assert isinstance(load_model_blocks(str(gguf_file))[1]["model.layers.0.mlp.down_proj.weight"], BlockTensor)

@@ -1,0 +1,155 @@
+"""The products on a GGUF's own blocks (``worker_svc/model/gguf_quant.py``, ``gguf_kernels.c``)
+at every kernel level this CPU runs, for every block format they serve.
+
+Blocks are made by the gguf package's own quantizer (``gguf.quants.quantize``, llama.cpp's
+reference rounding), and
+
+  * our reading of them (``BlockTensor.dequantize``) equals the gguf package's dequantize;
+  * the C input quantizer equals the torch one the reference uses (int8 values, scales, sums);
+  * each level's product equals the float64 reference (the exactly dequantized weight times the
+    activations quantized as the C does) to float32 rounding: the integer sums are exact, only
+    the order of adding up the blocks' float terms differs. Shapes: K a multiple of 32 with an
+    odd number of blocks (the AVX-512 path takes two at a time), N not a multiple of 4, M = 1,
+    3, 17, and smollm2's own.
+
+Levels this CPU cannot run are skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvfleet_models.gguf_blocks import FORMATS, BlockTensor
+from worker_svc.model import gguf_quant, q8
+
+
+def _kernels(level: str) -> gguf_quant.GGUFKernels:
+    if level not in q8.runnable_levels():
+        pytest.skip(f"this CPU does not run the {level} kernels (it runs {', '.join(q8.runnable_levels())})")
+    return gguf_quant.GGUFKernels.load(level)
+
+
+def _blocks(fmt: str, w: np.ndarray) -> BlockTensor:
+    """w float32 [N, K] quantized by the gguf package into ``fmt``'s blocks."""
+    import gguf
+
+    data = gguf.quants.quantize(w, gguf.GGMLQuantizationType[fmt])  # uint8 [N, row bytes]
+    return BlockTensor(FORMATS[fmt], np.ascontiguousarray(data), w.shape[1])
+
+
+def _weight(n: int, k: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    # rows of different ranges, and a shifted block (Q4_1's min matters), as trained weights have
+    w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 0.2, (n, 1)).astype(np.float32)
+    w[:, :32] += 0.05
+    return w
+
+
+def _input(m: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # channels of very different ranges, as Llama's activations have
+    return torch.randn(m, k, generator=g) * torch.rand(k, generator=g).pow(4) * 50
+
+
+# (N, K): K of 1 and 3 blocks (odd), 2 blocks, N not a multiple of 4; smollm2's qkv and down.
+SHAPES = [(7, 32), (5, 96), (13, 64), (960, 576), (576, 1536)]
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_our_reading_of_the_blocks_equals_the_gguf_packages(fmt: str) -> None:
+    import gguf
+
+    w = _weight(9, 160, seed=1)
+    blocks = _blocks(fmt, w)
+    theirs = gguf.quants.dequantize(blocks.data, gguf.GGMLQuantizationType[fmt]).reshape(w.shape)
+    assert np.array_equal(blocks.dequantize(), theirs)
+    # and the blocks are the format's own: a small error against the float weight, not garbage
+    np.testing.assert_allclose(theirs, w, rtol=0, atol=float(np.abs(w).max()) / (7 if fmt != "Q8_0" else 100))
+
+
+@pytest.mark.parametrize("level", q8.LEVELS)
+def test_c_input_quantizer_equals_the_references(level: str) -> None:
+    kernels = _kernels(level)
+    x = _input(5, 160, seed=2)
+    x[1] = 0.0  # a zero row: scale 0, values 0
+    x[2, 3] = x[2, :32].abs().max() * 1.5  # exact halves on the way: rint's ties to even
+    for got, want in zip(kernels.quantize_input(x), gguf_quant.quantize_input(x)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("level", q8.LEVELS)
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_every_level_equals_the_reference(level: str, fmt: str, n: int, k: int, m: int) -> None:
+    kernels = _kernels(level)
+    w = gguf_quant.stack([(_blocks(fmt, _weight(n, k, seed=n + k)), 1.0)], kernels)
+    x = _input(m, k, seed=n * 1000 + k + m)
+    ref = gguf_quant.reference_linear(x, w)
+    got = w.linear(x)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    np.testing.assert_allclose(got.numpy(), ref.numpy(), rtol=0, atol=2e-6 * float(ref.abs().max()) * k**0.5)
+
+
+@pytest.mark.parametrize("level", q8.LEVELS)
+def test_stacked_parts_scales_and_accumulate(level: str) -> None:
+    """q, k, v of different formats stacked (two runs: Q4_1 q+k merged, then Q8_0 v), q's rows
+    scaled; the product added into a strided ``out`` leaves its other columns alone."""
+    kernels = _kernels(level)
+    q, k, v = (_weight(n, 96, seed=s) for n, s in ((8, 3), (4, 4), (4, 5)))
+    w = gguf_quant.stack([(_blocks("Q4_1", q), 0.125), (_blocks("Q4_1", k), 1.0), (_blocks("Q8_0", v), 1.0)], kernels)
+    assert len(w.parts) == 2 and w.out_features == 16 and w.scales[1] is None
+    x = _input(3, 96, seed=6)
+    ref = gguf_quant.reference_linear(x, w)
+    atol = 2e-5 * float(ref.abs().max())
+    np.testing.assert_allclose(w.linear(x).numpy(), ref.numpy(), rtol=0, atol=atol)
+    # the scale is q's only: q's columns are the unscaled product / 8
+    unscaled = gguf_quant.reference_linear(x, gguf_quant.stack([(_blocks("Q4_1", q), 1.0)], None))
+    np.testing.assert_allclose(ref[:, :8].numpy(), (unscaled / 8).numpy(), rtol=1e-12)
+    wide = torch.ones(3, 20)
+    out = wide[:, 2:18]
+    assert out.stride(1) == 1
+    w.linear(x, out=out)
+    np.testing.assert_allclose(out.numpy(), (ref + 1).numpy(), rtol=0, atol=atol)
+    assert torch.equal(wide[:, :2], torch.ones(3, 2)) and torch.equal(wide[:, 18:], torch.ones(3, 2))
+
+
+@pytest.mark.parametrize("level", q8.LEVELS)
+def test_q8_0_weights_at_minus_128_do_not_overflow(level: str) -> None:
+    """A file's Q8_0 may hold -128 (the gguf package never writes it, other quantizers may):
+    |w| is taken as unsigned, so -128 * -127 is exact at every level."""
+    kernels = _kernels(level)
+    k = 96
+    data = np.zeros((2, k // 32 * 34), dtype=np.uint8)
+    blocks = data.reshape(2, k // 32, 34)
+    blocks[:, :, 0:2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)  # d = 1
+    blocks[0, :, 2:] = np.uint8(0x80)  # every weight -128
+    blocks[1, :, 2:] = np.uint8(127)
+    w = gguf_quant.stack([(BlockTensor(FORMATS["Q8_0"], data, k), 1.0)], kernels)
+    x = torch.full((1, k), -1.0)  # quantized to -127, scale 1/127
+    got = w.linear(x)
+    np.testing.assert_allclose(got.numpy(), [[128.0 * k, -127.0 * k]], rtol=1e-6)
+
+
+def test_tied_lookup_dequantizes_only_the_rows_read() -> None:
+    w = _weight(50, 64, seed=7)
+    blocks = _blocks("Q8_0", w)
+    weight = gguf_quant.stack([(blocks, 1.0)], None)
+    tokens = torch.tensor([3, 3, 49, 0])
+    assert torch.equal(weight.rows(tokens), torch.from_numpy(blocks.dequantize()[[3, 3, 49, 0]]))
+
+
+def test_without_the_c_library_products_fall_back_to_the_reference() -> None:
+    w = gguf_quant.stack([(_blocks("Q4_0", _weight(6, 64, seed=8)), 1.0)], None)
+    x = _input(2, 64, seed=9)
+    assert torch.equal(w.linear(x), gguf_quant.reference_linear(x, w).float())
+
+
+def test_a_level_beyond_the_cpu_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gguf_quant, "runnable_levels", lambda: ("scalar",))
+    with pytest.raises(ValueError, match="'avx2' is not one this CPU runs"):
+        gguf_quant.GGUFKernels.load("avx2")
+    monkeypatch.setenv("KVFLEET_Q8_LEVEL", "scalar")
+    assert gguf_quant.GGUFKernels.load().level == "scalar"

@@ -1,0 +1,206 @@
+"""``--quant gguf``: products on a GGUF file's own quantized blocks (``gguf_kernels.c``).
+
+The weights stay as the file has them (``kvfleet_models.gguf_blocks.BlockTensor``: Q8_0, Q4_0,
+Q4_1), with no float copy beside them; every call quantizes its float32 input per row and block
+of 32 to int8 with the block's integer sum (llama.cpp's Q8_1 scheme for activations: Q4_1's
+min term needs the sum) and multiplies in integers at the kernel level picked once at load,
+the q8 kernels' levels (scalar / avx2 / avx512 VNNI, ``KVFLEET_Q8_LEVEL`` forcing a lower one).
+
+A projection of the model may be several tensors stacked along its output (q, k and v; gate
+and up): a ``GGUFWeight`` is those parts, adjacent parts of one format merged into one, each
+with an optional per-row output scale (q's attention scale, kept beside the blocks rather than
+rounded into their fp16 scales). The tied embedding's lookup dequantizes only the rows it
+reads (``GGUFWeight.rows``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvfleet_models.gguf_blocks import QK, BlockTensor
+from worker_svc.model import fused, native
+from worker_svc.model.q8 import LEVEL_ENV, LEVELS, runnable_levels
+
+log = logging.getLogger(__name__)
+
+_P = ctypes.c_void_p
+_L = ctypes.c_long
+
+
+@dataclass(frozen=True, eq=False)
+class GGUFWeight:
+    """A weight [N, K]: ``parts`` stacked along N, each with its float32 [rows] output scale
+    or None; the products run on ``kernels`` (None: the float64 reference, slow)."""
+
+    parts: tuple[BlockTensor, ...]
+    scales: tuple[np.ndarray | None, ...]
+    kernels: GGUFKernels | None = field(default=None, compare=False)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].cols
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.shape[0] for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts) + sum(s.nbytes for s in self.scales if s is not None)
+
+    def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] float32 times this weight -> [M, N] (added into ``out`` when given)."""
+        if self.kernels is None:
+            y = reference_linear(x, self).float()
+            return y if out is None else out.add_(y)
+        return self.kernels.linear(x, self, out)
+
+    def rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """float32 [T, K]: rows ``tokens`` [T] dequantized (the tied embedding's lookup)."""
+        if len(self.parts) != 1 or self.scales[0] is not None:
+            raise ValueError("only a weight of one unscaled part is an embedding table")
+        return torch.from_numpy(self.parts[0].dequantize(tokens.numpy()))
+
+
+def stack(parts: list[tuple[BlockTensor, float]], kernels: GGUFKernels | None) -> GGUFWeight:
+    """One weight of ``parts`` (each with its output scale) stacked along the output rows;
+    adjacent parts of one format share one run of rows (the bytes are copied once, here)."""
+    if len({p.cols for p, _ in parts}) != 1:
+        raise ValueError("stacked parts must have the same number of columns")
+    merged: list[list[tuple[BlockTensor, float]]] = []
+    for part in parts:
+        if merged and merged[-1][0][0].format == part[0].format:
+            merged[-1].append(part)
+        else:
+            merged.append([part])
+    tensors: list[BlockTensor] = []
+    scales: list[np.ndarray | None] = []
+    for run in merged:
+        fmt, cols = run[0][0].format, run[0][0].cols
+        data = run[0][0].data if len(run) == 1 else np.concatenate([p.data for p, _ in run])
+        tensors.append(BlockTensor(fmt, data, cols))
+        if all(s == 1.0 for _, s in run):
+            scales.append(None)
+        else:
+            scales.append(np.concatenate([np.full(p.shape[0], s, dtype=np.float32) for p, s in run]))
+    return GGUFWeight(tuple(tensors), tuple(scales), kernels)
+
+
+def quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the C quantizer makes of x [M, K] (K a multiple of 32), in torch: (int8 [M, K],
+    float32 scales [M, K / 32], int32 block sums [M, K / 32]); round half to even, as rintf."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // QK, QK)
+    s = blocks.abs().amax(dim=2) / 127.0
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    a = torch.round(blocks * inv[:, :, None]).to(torch.int8)
+    return a.reshape(m, k), s, a.to(torch.int32).sum(dim=2)
+
+
+def reference_linear(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
+    """What every level computes, in float64: the weight dequantized exactly, times x quantized
+    as the C quantizer does, times the rows' scales. x [M, K] -> float64 [M, N]."""
+    a, s, _ = quantize_input(x)
+    m, k = a.shape
+    xq = (a.double().view(m, k // QK, QK) * s.double()[:, :, None]).view(m, k)
+    outs = []
+    for part, scale in zip(w.parts, w.scales):
+        y = xq @ torch.from_numpy(part.dequantize(dtype=np.float64)).t()
+        outs.append(y if scale is None else y * torch.from_numpy(scale).double())
+    return torch.cat(outs, dim=1)
+
+
+class GGUFKernels:
+    """The C block products at one level."""
+
+    def __init__(
+        self, lib: ctypes.CDLL, level: str, path: Path, origin: native.Origin = native.Origin.COMPILED
+    ) -> None:
+        if level not in LEVELS:
+            raise ValueError(f"gguf kernel level must be one of {list(LEVELS)}, got {level!r}")
+        self.level, self.path, self.origin = level, path, origin
+        self._gemm = getattr(lib, f"kv_gguf_gemm_{level}")
+        self._gemm.argtypes = [ctypes.c_int, _P, _L, _L, _P, _P, _P, _L, _P, _P, _L, ctypes.c_int]
+        self._gemm.restype = None
+        self._quantize = lib.kv_gguf_quantize
+        self._quantize.argtypes = [_P, _L, _L, _L, _P, _P, _P]
+        self._quantize.restype = None
+
+    @staticmethod
+    def load(level: str | None = None) -> GGUFKernels:
+        """The kernels at ``level`` (default: ``KVFLEET_Q8_LEVEL``, else the best this CPU runs
+        that has a library). ValueError for a level this CPU cannot run; RuntimeError where no
+        library is installed or can be built."""
+        level = level or os.environ.get(LEVEL_ENV)
+        if level is None:
+            errors = []
+            for best in reversed(runnable_levels()):
+                try:
+                    return GGUFKernels.load(best)
+                except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                    log.warning("gguf kernel level %s unavailable: %s", best, e)
+                    errors.append(f"{best}: {e}")
+            raise RuntimeError("no gguf kernel level has a library: " + "; ".join(errors))
+        if level not in runnable_levels():
+            raise ValueError(f"gguf kernel level {level!r} is not one this CPU runs ({', '.join(runnable_levels())})")
+        found, lib = _library(level)
+        log.info("gguf kernels %s from %s (%s)", level, found.path, found.origin.value)
+        return GGUFKernels(lib, level, found.path, found.origin)
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The C input quantizer on its own: x [M, K] float32 -> (int8 [M, K], float32
+        [M, K / 32], int32 [M, K / 32])."""
+        m, k = x.shape
+        a = torch.empty(m, k, dtype=torch.int8)
+        s = torch.empty(m, k // QK, dtype=torch.float32)
+        sums = torch.empty(m, k // QK, dtype=torch.int32)
+        self._quantize(x.data_ptr(), m, k, x.stride(0), a.data_ptr(), s.data_ptr(), sums.data_ptr())
+        return a, s, sums
+
+    def linear(self, x: torch.Tensor, w: GGUFWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] float32 (rows contiguous) times w -> [M, N] float32; with ``out`` [M, N]
+        (rows contiguous) the product is added to it in place and ``out`` returned."""
+        k, n = w.in_features, w.out_features
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+            raise ValueError(f"x must be float32 [M, {k}] with contiguous rows, got {tuple(x.shape)}")
+        m = x.shape[0]
+        y = out if out is not None else torch.empty(m, n, dtype=torch.float32)
+        if y.dtype != torch.float32 or y.stride(1) != 1 or tuple(y.shape) != (m, n):
+            raise ValueError("out must be float32 [M, N] with contiguous rows")
+        a, s, sums = self.quantize_input(x)  # once, for every part
+        col = 0
+        for part, scale in zip(w.parts, w.scales):
+            rows = part.shape[0]
+            self._gemm(
+                part.format.code, part.data.ctypes.data, rows, k, a.data_ptr(), s.data_ptr(), sums.data_ptr(), m,
+                None if scale is None else scale.ctypes.data, y.data_ptr() + 4 * col, y.stride(0), int(out is not None),
+            )  # fmt: skip
+            col += rows
+        return y
+
+
+def load_kernels(level: str | None = None) -> GGUFKernels | None:
+    """``GGUFKernels.load``, or None (logged) where no library can be built: the products then
+    run the float64 reference (correct, far slower). A level this CPU cannot run is an error."""
+    try:
+        return GGUFKernels.load(level)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("gguf kernels unavailable, products dequantize on every call: %s", e)
+        return None
+
+
+@cache
+def _library(level: str) -> tuple[native.Located, ctypes.CDLL]:
+    """The library of ``level``: the package's build, else compiled on first use (cached per
+    process; a failure is not, so the next load retries)."""
+    found = native.locate(native.GGUF[level], fused.torch_uses_libgomp())
+    return found, ctypes.CDLL(str(found.path))
