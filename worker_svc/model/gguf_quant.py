@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import subprocess
 from dataclasses import dataclass, field
 from functools import cache
@@ -28,7 +27,7 @@ import torch
 
 from kvfleet_models.gguf_blocks import QK, BlockTensor
 from worker_svc.model import fused, native
-from worker_svc.model.q8 import LEVEL_ENV, LEVELS, runnable_levels
+from worker_svc.model.q8 import LEVELS, load_level
 
 log = logging.getLogger(__name__)
 
@@ -140,21 +139,13 @@ class GGUFKernels:
         """The kernels at ``level`` (default: ``KVFLEET_Q8_LEVEL``, else the best this CPU runs
         that has a library). ValueError for a level this CPU cannot run; RuntimeError where no
         library is installed or can be built."""
-        level = level or os.environ.get(LEVEL_ENV)
-        if level is None:
-            errors = []
-            for best in reversed(runnable_levels()):
-                try:
-                    return GGUFKernels.load(best)
-                except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                    log.warning("gguf kernel level %s unavailable: %s", best, e)
-                    errors.append(f"{best}: {e}")
-            raise RuntimeError("no gguf kernel level has a library: " + "; ".join(errors))
-        if level not in runnable_levels():
-            raise ValueError(f"gguf kernel level {level!r} is not one this CPU runs ({', '.join(runnable_levels())})")
-        found, lib = _library(level)
-        log.info("gguf kernels %s from %s (%s)", level, found.path, found.origin.value)
-        return GGUFKernels(lib, level, found.path, found.origin)
+
+        def at(level: str) -> GGUFKernels:
+            found, lib = _library(level)
+            log.info("gguf kernels %s from %s (%s)", level, found.path, found.origin.value)
+            return GGUFKernels(lib, level, found.path, found.origin)
+
+        return load_level("gguf", level, at)
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The C input quantizer on its own: x [M, K] float32 -> (int8 [M, K], float32

@@ -23,6 +23,7 @@ import subprocess
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 
@@ -35,8 +36,28 @@ SOURCE = native.Q8["scalar"].source_path
 QK = 32
 LEVELS = native.Q8_LEVELS  # lowest first
 LEVEL_ENV = "KVFLEET_Q8_LEVEL"
+K = TypeVar("K")  # a kernel family loaded at one level
 _P = ctypes.c_void_p
 _L = ctypes.c_long
+
+
+def load_level(kind: str, level: str | None, at: Callable[[str], K]) -> K:
+    """``at(level)`` for a family of kernels (int8 blocks, GGUF blocks) at ``level``, default
+    ``KVFLEET_Q8_LEVEL``, else the best this CPU runs that has a library. ValueError for a level
+    this CPU cannot run; RuntimeError where no level's library is installed or can be built."""
+    level = level or os.environ.get(LEVEL_ENV)
+    if level is not None:
+        if level not in runnable_levels():
+            raise ValueError(f"{kind} kernel level {level!r} is not one this CPU runs ({', '.join(runnable_levels())})")
+        return at(level)
+    errors = []
+    for best in reversed(runnable_levels()):
+        try:
+            return at(best)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            log.warning("%s kernel level %s unavailable: %s", kind, best, e)
+            errors.append(f"{best}: {e}")
+    raise RuntimeError(f"no {kind} kernel level has a library: " + "; ".join(errors))
 
 
 def runnable_levels(features: CpuFeatures | None = None) -> tuple[str, ...]:
@@ -127,21 +148,13 @@ class Q8Kernels:
         runs that has a library). Raises ValueError for a level the CPU cannot run,
         RuntimeError where that level's library (or, by default, every level's) is neither
         installed nor can be built."""
-        level = level or os.environ.get(LEVEL_ENV)
-        if level is None:
-            errors = []
-            for best in reversed(runnable_levels()):
-                try:
-                    return Q8Kernels.load(best)
-                except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                    log.warning("int8 kernel level %s unavailable: %s", best, e)
-                    errors.append(f"{best}: {e}")
-            raise RuntimeError("no int8 kernel level has a library: " + "; ".join(errors))
-        if level not in runnable_levels():
-            raise ValueError(f"int8 kernel level {level!r} is not one this CPU runs ({', '.join(runnable_levels())})")
-        found, lib = _library(level)
-        log.info("int8 kernels %s from %s (%s)", level, found.path, found.origin.value)
-        return Q8Kernels(lib, level, found.path, found.origin)
+
+        def at(level: str) -> Q8Kernels:
+            found, lib = _library(level)
+            log.info("int8 kernels %s from %s (%s)", level, found.path, found.origin.value)
+            return Q8Kernels(lib, level, found.path, found.origin)
+
+        return load_level("int8", level, at)
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The C input quantizer on its own (the products run it inside): x [M, K] float32
