@@ -8,24 +8,14 @@ import asyncio
 
 import pytest
 
-from kvfleet_models.config import LlamaConfig
 from kvfleet_models.reference import reference_generate
 from kvfleet_models.tiny import tiny_weights
+from tests.unit.model_configs import GQA_CFG
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, ItemStatus, PrefillItem, SamplingSpec
 from worker_svc.local import LocalSteps
 from worker_svc.step_order import StaleStep, StepOrder
 
-CFG = LlamaConfig(
-    name="tiny-overlap",
-    vocab_size=64,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=48,
-    max_position=96,
-    rope_theta=1000.0,
-)
+CFG = GQA_CFG
 WEIGHTS = tiny_weights(CFG, seed=5)
 SEEDED = SamplingSpec(temperature=0.9, top_k=20, seed=7, presence_penalty=0.3)
 
