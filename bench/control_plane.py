@@ -18,7 +18,9 @@ all up at once, the arms taking turns ``--repeats`` times per batch (medians sho
 the machine's load falls on both; the engine-alone figure is measured once per batch and shared.
 With overlap a tick's span also covers the step before it, so the scheduler + RPC share from
 ``bench.ticks`` (tick period - worker step) is the fair figure there, and the worker's idle share
-(its gaps over its busy window) says the same from the worker's side. The issue's targets, with
+(its gaps over its busy window) says the same from the worker's side. Each process's CPU time
+per tick (``bench.cpu_time``; the machine's load barely moves it) and the ceiling it sets,
+cores x 1000 / total ms, say what a tick rate is bound by on this machine. The issue's targets, with
 overlapped scheduling on: idle gap median <= 0.5 ms at c=64, scheduler + RPC <= 5 % at batch 1
 on SmolLM2, >= 500 ticks/s on the tiny sweep.
 """
@@ -32,11 +34,13 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 
+from bench import cpu_time  # noqa: E402
 from bench.ticks import _rows, tick_breakdown, wait_for_spans  # noqa: E402
 from kvfleet.client import SchedulerClient  # noqa: E402
 from kvfleet.local_cluster import ClusterSpec, LocalCluster  # noqa: E402
@@ -71,10 +75,13 @@ def worker_gaps(db: Path, start_ns: int, end_ns: int) -> dict:
     }
 
 
-def cluster_run(client: SchedulerClient, db: Path, c: int, new_tokens: int, vocab: int) -> dict[str, Any]:
+def cluster_run(
+    client: SchedulerClient, db: Path, c: int, new_tokens: int, vocab: int, pids: Mapping[str, int] | None = None
+) -> dict[str, Any]:
     req = spb.WorkloadRequest(policy=spb.WorkloadPolicy(max_running=c, prefill_token_budget=4 * c))
     for p in _prompts(c, vocab):
         req.sessions.add(prompt_ids=spb.TokenIds(ids=p), max_new_tokens=new_tokens, ignore_eos=True)
+    cpu_before = cpu_time.snapshot(pids or {})
     start_ns, t0 = time.time_ns(), time.perf_counter()
     stats = None
     for ev in client.submit_workload(req):
@@ -82,6 +89,7 @@ def cluster_run(client: SchedulerClient, db: Path, c: int, new_tokens: int, voca
             stats = ev.stats
     wall = time.perf_counter() - t0
     end_ns = time.time_ns()
+    cpu_after = cpu_time.snapshot(pids or {})
     if stats is None:
         raise RuntimeError("the workload ended without its stats")
     wait_for_spans(db)
@@ -91,6 +99,10 @@ def cluster_run(client: SchedulerClient, db: Path, c: int, new_tokens: int, voca
     row["worker_step_ms"] = brk.get("worker_step_ms")
     row["scheduler_rpc_ms"] = brk.get("scheduler_rpc_ms")
     row["scheduler_rpc_share"] = brk.get("scheduler_rpc_share")
+    if pids:
+        cpu = cpu_time.per_tick_ms(cpu_before, cpu_after, stats.ticks)
+        row.update({f"cpu_ms_per_tick_{name}": ms for name, ms in cpu.items()})
+        row["ticks_per_s_ceiling"] = cpu_time.tick_ceiling(cpu["total"])
     return row
 
 
@@ -145,14 +157,15 @@ def _interleaved(
             cluster = stack.enter_context(LocalCluster(spec))
             client = stack.enter_context(SchedulerClient(cluster.scheduler_address))
             vocab = client.model_info().vocab_size
+            pids = {name: cluster.pid(name) for name in cluster.procs}
             cluster_run(client, cluster.log_dir / "telemetry.db", min(batches), 4, vocab)  # warm-up
-            up[arm] = (client, cluster.log_dir / "telemetry.db", vocab)
+            up[arm] = (client, cluster.log_dir / "telemetry.db", vocab, pids)
         runs: dict[tuple[bool, int], list[dict[str, Any]]] = {}
         for c in batches:
             for r in range(repeats):
                 for arm in list(specs) if r % 2 == 0 else list(specs)[::-1]:
-                    client, db, vocab = up[arm]
-                    runs.setdefault((arm, c), []).append(cluster_run(client, db, c, new_tokens, vocab))
+                    client, db, vocab, pids = up[arm]
+                    runs.setdefault((arm, c), []).append(cluster_run(client, db, c, new_tokens, vocab, pids))
     return {key: _median_row(rs) for key, rs in runs.items()}
 
 
@@ -247,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:
         "worker_step_ms",
         "scheduler_rpc_ms",
         "scheduler_rpc_share",
+        "cpu_ms_per_tick_scheduler",
+        "cpu_ms_per_tick_worker-0",
+        "cpu_ms_per_tick_telemetry",
+        "cpu_ms_per_tick_total",
+        "ticks_per_s_ceiling",
     ]
     print(" | ".join(cols))
     for row in out["rows"]:
@@ -254,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     for sweep in out["tiny_sweep"]:
         print(
             f"tiny sweep, overlap {'on' if sweep['overlap_scheduling'] else 'off'}: "
-            f"{sweep['ticks_per_s_median']} ticks/s median (best {sweep['ticks_per_s_best']}, {sweep['repeats']} repeats)"
+            f"{sweep['ticks_per_s_median']} ticks/s median (best {sweep['ticks_per_s_best']}, {sweep['repeats']} repeats); "
+            f"CPU ms per tick {sweep['cpu_ms_per_tick']}, ceiling {sweep['ticks_per_s_ceiling']} ticks/s"
         )
     print(f"load {out['load_avg_1m']} on {out['cpu_count']} CPUs")
     if a.json:
