@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import importlib.metadata
 import json
 import logging
 import time
@@ -33,6 +32,7 @@ from gateway_svc.upstream import Auth, ModelInfo, Upstream, events, to_delta
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet_common.security import token_metadata
 from kvfleet_common.tracing import extract_context, inject_metadata
+from kvfleet_common.version import kvfleet_version
 
 log = logging.getLogger(__name__)
 
@@ -389,13 +389,6 @@ def _record_finish(builder: ResponseBuilder, span: Span) -> None:
             "gen_ai.usage.output_tokens": usage.completion_tokens,
         }
     )
-
-
-def kvfleet_version() -> str:
-    try:
-        return importlib.metadata.version("kvfleet")
-    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown (not installed)"
 
 
 def _end_with_error(span: Span, status: int, error_type: str, message: str) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 
 from kvfleet_common.flags import FlagParser
+from kvfleet_common.version import kvfleet_version
 
 DEFAULT_SCHEDULER = "localhost:50051"
 
@@ -438,18 +439,9 @@ def _demo_sweep(a: argparse.Namespace) -> argparse.Namespace:
     return a
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("kvfleet")
-    except PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown (not installed)"
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvfleet", description="kvfleet LLM-serving cluster")
-    p.add_argument("--version", action="version", version=f"kvfleet {_version()}")
+    p.add_argument("--version", action="version", version=f"kvfleet {kvfleet_version()}")
     # Every subcommand takes --config FILE (keys: its flag names); see kvfleet_common/flags.py.
     sub = p.add_subparsers(dest="command", required=True, parser_class=FlagParser)
 

@@ -24,6 +24,7 @@ metadata entries twice is refused: two values leave it open which one a check sa
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import os
@@ -197,6 +198,18 @@ def token_refusal(metadata: Iterable[tuple[str, str | bytes]] | None, token: str
     if not same_secret(sent, f"Bearer {token}"):
         return "missing or wrong bearer token; send metadata 'authorization: Bearer <token>'"
     return None
+
+
+def caller_identity(context) -> str:
+    """Who is calling, as far as the transport tells: the bearer token (hashed), else the client
+    certificate's name, else "" (anonymous). A session may be cancelled only by the same caller."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization" and value:
+            return "token:" + hashlib.sha256(value.encode()).hexdigest()[:32]
+    names = (context.auth_context() or {}).get("x509_common_name")
+    if names:
+        return "peer:" + names[0].decode(errors="replace")
+    return ""
 
 
 async def authorize_token(context, token: str) -> None:

@@ -9,7 +9,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from jinja2 import TemplateError
@@ -327,8 +327,12 @@ class PromptResolver:
         list) in a thread, so one heavy request does not stall the others' streams."""
         self.precheck(req)
         if self.needs_thread(req):
-            return await asyncio.to_thread(self.session_request, req, owner)
-        return self.session_request(req, owner)
+            sreq = await asyncio.to_thread(self.session_request, req, owner)
+        else:
+            sreq = self.session_request(req, owner)
+        if req.echo:  # rendering a chat or decoding ids may be slow: off the loop too
+            sreq = replace(sreq, echo_text=await asyncio.to_thread(self.prompt_text, req, sreq))
+        return sreq
 
     def precheck(self, req: spb.GenerateRequest) -> None:
         """The options and the limits: counts and sizes, no token id read, nothing tokenized."""

@@ -242,12 +242,26 @@ class SchedulerRuntime:
     def workload_stats(self, workload_id: str) -> WorkloadStats | None:
         return self._core.workload_stats(workload_id)
 
-    async def wait_for_snapshot(self, workload_id: str, timeout: float | None) -> TelemetrySnapshot | None:
+    async def telemetry(self, workload_id: str, at_tick: int, timeout: float | None) -> TelemetrySnapshot:
+        """The live snapshot, or with both a workload and a tick the one that workload captured at
+        that tick (waiting for it up to `timeout`). KeyError: no such workload; LookupError: it
+        captured none (it was not asked to); ValueError: only one of the two was given."""
+        if not at_tick and not workload_id:
+            return self._core.snapshot()
+        if not (at_tick and workload_id):
+            raise ValueError("workload_id and at_tick go together; send both or neither")
+        if not self._core.has_workload(workload_id):
+            raise KeyError(f"no workload {workload_id!r}")
         end = None if timeout is None else time.monotonic() + timeout
         while True:
             snap = self._core.workload_snapshot(workload_id)
-            if snap is not None or self._core.workload_stats(workload_id) is not None:
+            if snap is not None:
                 return snap
+            if self._core.workload_stats(workload_id) is not None:  # it ended without capturing one
+                raise LookupError(
+                    f"workload {workload_id} captured no snapshot at tick {at_tick}; "
+                    f"submit it with snapshot_at_tick={at_tick}"
+                )
             wait = None if end is None else max(end - time.monotonic(), 0.0)
             self._tick_done.clear()
             await asyncio.wait_for(self._tick_done.wait(), wait)

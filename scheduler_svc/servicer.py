@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from importlib.metadata import PackageNotFoundError, version
 from typing import TypeVar
 
 import grpc
@@ -18,8 +16,9 @@ from opentelemetry import context as otel_context
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet.v1 import scheduler_pb2_grpc as spb_grpc
 from kvfleet_common.logs import bind_request, bind_session
-from kvfleet_common.security import authorize_token, peer_common_names
+from kvfleet_common.security import authorize_token, caller_identity, peer_common_names
 from kvfleet_common.tracing import extract_context
+from kvfleet_common.version import kvfleet_version
 from scheduler_svc import convert
 from scheduler_svc.core import AdmissionRejected, DropCause, NotSessionOwner, RejectReason, SessionRequest
 from scheduler_svc.experiments import ExperimentArm, ExperimentWriters
@@ -96,16 +95,6 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
             await context.abort(REJECT_STATUS[exc.reason], f"{exc.reason.value}: {exc.message}")
             raise  # unreachable: abort raises
 
-    async def _echo_text(self, request: spb.GenerateRequest, sreq: SessionRequest, context) -> str | None:
-        """The prompt's text when the request asks for echo (rendered off the event loop)."""
-        if not request.echo:
-            return None
-        try:
-            return await asyncio.to_thread(self._prompts.prompt_text, request, sreq)
-        except PromptError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise  # unreachable: abort raises
-
     # ---- sessions ---------------------------------------------------------------------------
 
     async def Generate(self, request, context) -> AsyncIterator[spb.GenerateEvent]:
@@ -117,7 +106,6 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         otel_context.attach(parent)
         bind_request(request.request_id)  # on this call's log lines from here on (validated below)
         sreq = await self._resolved(request, context, caller_identity(context))
-        echo = await self._echo_text(request, sreq, context)
         n = max(request.n, 1)
         sub, choices = await self._submit(
             context, lambda: self._runtime.generate(sreq, n, _operation(request), parent, request.request_id)
@@ -133,15 +121,10 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
             extra={"request_id": rid} if rid else None,
         )
         label = f"session {sub.session_ids[0]}" if n == 1 else f"sessions {', '.join(sub.session_ids)}"
-        echoed: set[int] = set()
         try:
             async with contextlib.aclosing(self._stream(sub, choices, context, label, True)) as events:
                 async for index, msg in events:
-                    msg.request_id = rid
-                    msg.index = index
-                    if echo is not None and index not in echoed:
-                        msg.prompt_text = echo
-                        echoed.add(index)
+                    msg.request_id, msg.index = rid, index
                     yield msg
         finally:
             if rid:
@@ -162,7 +145,6 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                 except PromptError as exc:
                     await self._refuse(exc, context, f"session {i}: ")
         reqs = [await self._resolved(r, context, owner, f"session {i}: ") for i, r in enumerate(request.sessions)]
-        echoes = [await self._echo_text(r, sreq, context) for r, sreq in zip(request.sessions, reqs)]
         arm = None
         if request.HasField("experiment"):
             try:
@@ -177,10 +159,6 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         async with contextlib.aclosing(self._stream(sub, reqs, context, f"workload {wid}", False)) as events:
             async for index, msg in events:
                 msg.request_id = request.sessions[index].request_id
-                echo = echoes[index]
-                if echo is not None:
-                    msg.prompt_text = echo
-                    echoes[index] = None  # on the session's first event only
                 yield spb.WorkloadEvent(workload_id=wid, session_index=index, event=msg)
         stats = self._runtime.workload_stats(wid)
         assert stats is not None, "a workload whose sessions all finished has its stats"
@@ -191,10 +169,10 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
     ) -> AsyncGenerator[tuple[int, spb.GenerateEvent], None]:
         """The events of a submission's sessions, one message per session per batch of events,
         until every session has finished; (session index, message), the first with the prompt's
-        ids when `prompt_ids`. Shared by Generate and SubmitWorkload: the client's deadline,
+        text when it was asked for (echo) and its ids when `prompt_ids`. Shared by Generate and SubmitWorkload: the client's deadline,
         dropped sessions and a client that goes away are handled here, once."""
         index = {sid: i for i, sid in enumerate(sub.session_ids)}
-        unseen = set(sub.session_ids) if prompt_ids else set()
+        unseen = set(sub.session_ids)
         open_ids = set(sub.session_ids)
         try:
             async for batch in batches(sub.events, context.time_remaining):
@@ -203,9 +181,13 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                     by_session.setdefault(ev.session_id, []).append(ev)
                 for sid, evs in by_session.items():
                     msg = spb.GenerateEvent(session_id=sid)
-                    if sid in unseen:
-                        msg.prompt_token_ids.extend(sreqs[index[sid]].prompt_ids)
+                    if sid in unseen:  # the session's first message
                         unseen.discard(sid)
+                        sreq = sreqs[index[sid]]
+                        if prompt_ids:
+                            msg.prompt_token_ids.extend(sreq.prompt_ids)
+                        if sreq.echo_text is not None:
+                            msg.prompt_text = sreq.echo_text
                     if convert.fill_event(msg, evs):
                         open_ids.discard(sid)
                     yield index[sid], msg
@@ -248,22 +230,15 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
 
     async def GetTelemetry(self, request, context):
         await authorize_token(context, self._api_token)
-        if request.at_tick and request.workload_id:
-            if not self._runtime.has_workload(request.workload_id):
-                await context.abort(grpc.StatusCode.NOT_FOUND, f"no workload {request.workload_id!r}")
-            snap = await self._runtime.wait_for_snapshot(request.workload_id, context.time_remaining())
-            if snap is None:
-                await context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"workload {request.workload_id} captured no snapshot at tick "
-                    f"{request.at_tick}; submit it with snapshot_at_tick={request.at_tick}",
-                )
-            return convert.snapshot_to_pb(snap)
-        if request.at_tick or request.workload_id:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "workload_id and at_tick go together; send both or neither"
-            )
-        return convert.snapshot_to_pb(self._runtime.snapshot())
+        try:
+            snap = await self._runtime.telemetry(request.workload_id, request.at_tick, context.time_remaining())
+        except KeyError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, exc.args[0])
+        except LookupError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, exc.args[0])
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return convert.snapshot_to_pb(snap)
 
     async def ListWorkers(self, request, context):
         await authorize_token(context, self._api_token)
@@ -286,49 +261,27 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         )
 
     async def Tokenize(self, request, context):
-        await authorize_token(context, self._api_token)
-        try:
-            ids, tokens = await asyncio.to_thread(self._prompts.tokenize, request)
-        except NoTokenizer as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except PromptError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        ids, tokens = await self._tokenizer_call(context, self._prompts.tokenize, request)
         info = self._runtime.worker_info()
         return spb.TokenizeResponse(
             token_ids=ids, tokens=tokens, max_context_length=info.model.max_position if info is not None else 0
         )
 
     async def Detokenize(self, request, context):
+        ids = list(request.token_ids)
+        text = await self._tokenizer_call(context, self._prompts.detokenize, ids, request.skip_special_tokens)
+        return spb.DetokenizeResponse(text=text)
+
+    async def _tokenizer_call(self, context, fn: Callable[..., _T], *args) -> _T:
+        """A tokenizer's work, off the event loop, with its refusals as status codes."""
         await authorize_token(context, self._api_token)
         try:
-            text = await asyncio.to_thread(
-                self._prompts.detokenize, list(request.token_ids), request.skip_special_tokens
-            )
+            return await asyncio.to_thread(fn, *args)
         except NoTokenizer as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except PromptError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return spb.DetokenizeResponse(text=text)
-
-
-def kvfleet_version() -> str:
-    """kvfleet's installed version, as `kvfleet --version` reports it."""
-    try:
-        return version("kvfleet")
-    except PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown (not installed)"
-
-
-def caller_identity(context) -> str:
-    """Who is calling, as far as the transport tells: the bearer token (hashed), else the client
-    certificate's name, else "" (anonymous). A session may be cancelled only by the same caller."""
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization" and value:
-            return "token:" + hashlib.sha256(value.encode()).hexdigest()[:32]
-    names = (context.auth_context() or {}).get("x509_common_name")
-    if names:
-        return "peer:" + names[0].decode(errors="replace")
-    return ""
+        raise AssertionError("unreachable: abort raises")
 
 
 def _operation(req: spb.GenerateRequest) -> str:

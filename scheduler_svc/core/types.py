@@ -71,6 +71,8 @@ class SessionRequest:
     # Text that ends the session when the output contains it (the output processor watches;
     # the core never reads text).
     stop_strings: tuple[str, ...] = ()
+    # The prompt as text when the caller asked for it back (echo): on each choice's first event.
+    echo_text: str | None = None
 
     def choices(self, n: int, group: str) -> tuple[SessionRequest, ...]:
         """The n choices of one request: the same prompt, choice i seeded seed + i (mod 2**64);

@@ -104,6 +104,12 @@ def test_a_finished_workload_keeps_only_its_stats(cluster):
         # Its figures still answer.
         snap = client.stub.GetTelemetry(spb.TelemetryRequest(workload_id=done.workload_id, at_tick=1), timeout=10)
         assert snap.ticks == 1
+        # A workload asked for no snapshot: asking for one says how to get it.
+        plain = list(client.submit_workload(spb.WorkloadRequest(sessions=[build_request([5, 4], 2)])))[-1]
+        with pytest.raises(grpc.RpcError) as info:
+            client.stub.GetTelemetry(spb.TelemetryRequest(workload_id=plain.workload_id, at_tick=2), timeout=10)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "captured no snapshot at tick 2" in info.value.details() and "snapshot_at_tick=2" in info.value.details()
 
 
 def test_a_workload_whose_client_left_is_dropped_once_its_sessions_settle(cluster):
