@@ -32,6 +32,7 @@ def _ints(text: str) -> tuple[int, ...]:
 def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None, overlap: bool | None = None) -> None:
     """overlap: the local cluster's overlapped scheduling by default (None: the scheduler's)."""
     from kvfleet.local_cluster import ClusterSpec
+    from worker_svc.kv_memory import DEFAULT_POOL_TEXT
 
     d = ClusterSpec()  # every flag's default is the cluster's (which are the services')
     p.add_argument("--model", default=model or d.model, help="tiny | smollm2-135m | a .gguf file | a HF directory")
@@ -59,7 +60,12 @@ def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None, ove
         action="store_false",
         help="the scheduler runs one tick at a time (the tick figures of tests/data's sweep reference)",
     )
-    p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV blocks per worker (of 16 tokens)")
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=d.num_blocks,
+        help=f"KV blocks per worker (of 16 tokens; 0 = the worker's default pool: {DEFAULT_POOL_TEXT})",
+    )
     p.add_argument(
         "--threads",
         type=int,

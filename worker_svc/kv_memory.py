@@ -21,6 +21,13 @@ DEFAULT_POOL_FRACTION = 0.25
 DEFAULT_MAX_BLOCKS = 4096
 
 
+# For flags' help texts.
+DEFAULT_POOL_TEXT = (
+    f"as many blocks as fit in min({DEFAULT_POOL_BYTES / 2**30:g} GiB, {DEFAULT_POOL_FRACTION:g} of the free "
+    f"memory), at most {DEFAULT_MAX_BLOCKS}"
+)
+
+
 @dataclass(frozen=True)
 class KVPlan:
     """The pool a worker allocates, and which setting chose it (for the start line)."""
