@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from bench.load import run_load, summarize
+from bench.memory import worker_memory
 from bench.ticks import tick_breakdown, wait_for_spans
 from bench.workload import Session
 from kvfleet.local_cluster import ClusterSpec, LocalCluster
@@ -63,13 +64,19 @@ class BenchCluster:
         self.options = options
         self.progress = progress
         self.cluster = LocalCluster(options.spec())
+        self.idle_memory: list[dict] = []
 
     def start(self, warm: Sequence[Session]) -> "BenchCluster":
         self.cluster.start()
         # One short session per worker (placement spreads them) so that first-step costs
         # (page faults on fresh cache pages, lazy initialisation) are not in the measurements.
         run_load(self.cluster.scheduler_address, warm, len(warm))
+        self.idle_memory = self.memory()  # after the warm-up, before any measured load
         return self
+
+    def memory(self) -> list[dict]:
+        """Each worker's RSS now beside issue 25's bound (bench.memory)."""
+        return [worker_memory(a, f"worker-{i}").row() for i, a in enumerate(self.cluster.worker_addresses)]
 
     def stop(self) -> None:
         self.cluster.stop()
@@ -83,6 +90,7 @@ class BenchCluster:
             progress=lambda m: self.progress(f"{name} c={concurrency}: {m}"),
         )
         row = summarize(result, sessions)
+        row["worker_memory"] = self.memory()  # just after the load: its sessions' KV released
         if breakdown:
             db = self.cluster.log_dir / "telemetry.db"
             wait_for_spans(db)

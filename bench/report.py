@@ -109,6 +109,14 @@ def table(doc: dict) -> str:
             f"batch-1 bound {lim['batch1_decode_bound_tok_s']:.1f} tok/s, "
             f"compute bound {lim['compute_bound_tok_s']:.0f} tok/s"
         )
+    for name, c in doc.get("clusters", {}).items():
+        for m in c.get("idle_memory", []):  # bench.memory's rows: issue 25's bound
+            headroom = m["bound_bytes"] - m["weight_bytes"] - m["kv_pool_bytes"]
+            lines.append(
+                f"{name} {m['worker']} at idle: RSS {m['rss_bytes'] / 1e6:.0f} MB, bound {m['bound_bytes'] / 1e6:.0f} MB "
+                f"(weights {m['weight_bytes'] / 1e6:.0f} + KV pool {m['kv_pool_bytes'] / 1e6:.0f} + {headroom / 1e6:.0f})"
+                + ("" if m["within_bound"] else " OVER")
+            )
     eng = doc.get("engine_batch1")
     if eng:
         lines.append(

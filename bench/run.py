@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                     "workers": w,
                     "worker_threads": n,
                     "log_dir": str(c.cluster.log_dir),
+                    "idle_memory": c.idle_memory,
                 }
         if "peer" not in a.skip:
             from bench.peer import load_peer, pick_threads

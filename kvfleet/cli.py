@@ -33,6 +33,7 @@ def _ints(text: str) -> tuple[int, ...]:
 def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None, overlap: bool | None = None) -> None:
     """overlap: the local cluster's overlapped scheduling by default (None: the scheduler's)."""
     from kvfleet.local_cluster import ClusterSpec
+    from worker_svc.kv_memory import DEFAULT_POOL_TEXT
 
     d = ClusterSpec()  # every flag's default is the cluster's (which are the services')
     p.add_argument("--model", default=model or d.model, help="tiny | smollm2-135m | a .gguf file | a HF directory")
@@ -60,7 +61,12 @@ def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None, ove
         action="store_false",
         help="the scheduler runs one tick at a time (the tick figures of tests/data's sweep reference)",
     )
-    p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV blocks per worker (of 16 tokens)")
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=d.num_blocks,
+        help=f"KV blocks per worker (of 16 tokens; 0 = the worker's default pool: {DEFAULT_POOL_TEXT})",
+    )
     p.add_argument(
         "--threads",
         type=int,
@@ -393,10 +399,15 @@ def cmd_workers(a: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
     from kvfleet.client import SchedulerClient
+    from worker_svc.memory import RSS_HEADROOM_BYTES
 
     with SchedulerClient(a.scheduler) as client:
         for w in client.list_workers():
-            print(json.dumps(MessageToDict(w, preserving_proto_field_name=True)))
+            row = MessageToDict(w, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+            # Issue 25's idle bound beside the RSS: weights in their format + KV pool + headroom.
+            pool = w.kv_bytes_per_token * w.kv_capacity_tokens
+            row.update(kv_pool_bytes=str(pool), rss_bound_bytes=str(w.weight_bytes + pool + RSS_HEADROOM_BYTES))
+            print(json.dumps(row))
     return 0
 
 

@@ -7,6 +7,7 @@ import sys
 from kvfleet_common.flags import FlagParser
 from kvfleet_common.logs import setup_logging
 from worker_svc.config import WorkerConfig
+from worker_svc.kv_memory import DEFAULT_POOL_TEXT
 from worker_svc.kv_views_mode import KVViewsMode
 
 
@@ -28,7 +29,13 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         "Q8_0/Q4_0/Q4_1 blocks, kept as they are",
     )
     p.add_argument("--block-size", type=int, env="KVFLEET_BLOCK_SIZE", default=d.block_size)
-    p.add_argument("--num-blocks", type=int, env="KVFLEET_NUM_BLOCKS", default=d.num_blocks)
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        env="KVFLEET_NUM_BLOCKS",
+        default=d.num_blocks,
+        help=f"KV blocks (0 = the default pool: {DEFAULT_POOL_TEXT})",
+    )
     p.add_argument(
         "--kv-cache-memory",
         env="KVFLEET_KV_CACHE_MEMORY",

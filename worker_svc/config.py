@@ -17,7 +17,7 @@ class WorkerConfig:
     device: str = "cpu"  # cpu | cuda | cuda:N | xpu | auto
     dtype: str = "float32"  # float32 | bfloat16 | float16
     block_size: int = 16
-    num_blocks: int = 4096
+    num_blocks: int = 0  # 0 = the default pool: at most 1 GiB, a quarter of free memory (kv_memory)
     # Instead of num_blocks: as many blocks as fit in this much memory ("2GiB", "512MB", or a
     # fraction of the available memory such as "0.25"); "" = num_blocks. See kv_memory.
     kv_cache_memory: str = ""
@@ -39,8 +39,10 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if self.block_size <= 0 or self.num_blocks <= 0:
-            raise ValueError("block_size and num_blocks must be positive")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0 (0 = the default pool), got {self.num_blocks}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         object.__setattr__(self, "kv_views", KVViewsMode.parse(self.kv_views))  # frozen

@@ -1,13 +1,45 @@
-"""How many KV blocks a worker allocates: ``--num-blocks``, or as many as fit in
-``--kv-cache-memory`` (a size such as 2GiB or 512MB, or a fraction such as 0.25 of the memory
-available when the worker starts)."""
+"""How many KV blocks a worker allocates: as many as fit in ``--kv-cache-memory`` (a size
+such as 2GiB or 512MB, or a fraction such as 0.25 of the memory available when the worker
+starts), else ``--num-blocks``, else the default pool (``default_pool_bytes``)."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+# The default pool must fit a laptop beside the weights: at most 1 GiB, and at most a quarter
+# of the memory available at start (a worker is one process of several: scheduler, gateway,
+# other workers). SmolLM2-135M's 45 KiB a token then gets 1456 blocks of 16 (23k tokens) where
+# the old fixed 4096 blocks took 3 GB. A small model's KV is capped at 4096 blocks (65k
+# tokens, the old default), which no workload here fills: the tiny model's 1.5 KiB a token
+# would otherwise ask for 44k blocks, a pool zeroed at start for nothing.
+DEFAULT_POOL_BYTES = 2**30
+DEFAULT_POOL_FRACTION = 0.25
+DEFAULT_MAX_BLOCKS = 4096
+
+
+# For flags' help texts.
+DEFAULT_POOL_TEXT = (
+    f"as many blocks as fit in min({DEFAULT_POOL_BYTES / 2**30:g} GiB, {DEFAULT_POOL_FRACTION:g} of the free "
+    f"memory), at most {DEFAULT_MAX_BLOCKS}"
+)
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """The pool a worker allocates, and which setting chose it (for the start line)."""
+
+    num_blocks: int
+    block_size: int
+    kv_bytes_per_token: int
+    source: str  # "--kv-cache-memory 2GiB", "--num-blocks", "default"
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_blocks * self.block_size * self.kv_bytes_per_token
 
 
 def available_bytes() -> int:
@@ -53,3 +85,29 @@ def blocks_for(memory_bytes: int, block_size: int, kv_bytes_per_token: int) -> i
             f"tokens takes {per_block} bytes for this model"
         )
     return blocks
+
+
+def default_pool_bytes(available: int) -> int:
+    """The default pool's memory: DEFAULT_POOL_BYTES, or less where a quarter of ``available``
+    is less (``available`` <= 0: the system does not say, so the fixed size)."""
+    if available <= 0:
+        return DEFAULT_POOL_BYTES
+    return min(DEFAULT_POOL_BYTES, int(DEFAULT_POOL_FRACTION * available))
+
+
+def plan_pool(
+    num_blocks: int, kv_cache_memory: str, block_size: int, kv_bytes_per_token: int, available: int | None = None
+) -> KVPlan:
+    """The pool: ``kv_cache_memory`` when given (it wins), else ``num_blocks`` when > 0, else
+    the default (at most DEFAULT_MAX_BLOCKS). ``available``: the memory available now (None:
+    read it); ValueError where the memory chosen holds no block."""
+    if num_blocks < 0:
+        raise ValueError(f"num_blocks must be >= 0 (0 = the default pool), got {num_blocks}")
+    if kv_cache_memory:
+        blocks = blocks_for(parse_memory(kv_cache_memory, available), block_size, kv_bytes_per_token)
+        return KVPlan(blocks, block_size, kv_bytes_per_token, f"--kv-cache-memory {kv_cache_memory}")
+    if num_blocks:
+        return KVPlan(num_blocks, block_size, kv_bytes_per_token, "--num-blocks")
+    memory = default_pool_bytes(available_bytes() if available is None else available)
+    blocks = min(DEFAULT_MAX_BLOCKS, blocks_for(memory, block_size, kv_bytes_per_token))
+    return KVPlan(blocks, block_size, kv_bytes_per_token, "default")

@@ -245,18 +245,14 @@ def build_engine(
         cfg, weights = load_model_blocks(config.model)
     else:
         cfg, weights = load_model(config.model)
-    num_blocks = config.num_blocks
-    if config.kv_cache_memory:
-        from worker_svc.kv_memory import blocks_for, parse_memory
-        from worker_svc.platform import resolve_device
+    from worker_svc.kv_memory import plan_pool
+    from worker_svc.memory import MemoryPlan, release_freed_memory
+    from worker_svc.platform import resolve_device
 
-        # The cache holds float32 on a CPU whatever the weights (see model/llama.py).
-        on_cpu = resolve_device(config.device).type == "cpu"
-        elem = 4 if on_cpu else {"float32": 4, "bfloat16": 2, "float16": 2}[config.dtype]
-        memory = parse_memory(config.kv_cache_memory)
-        num_blocks = blocks_for(memory, config.block_size, cfg.kv_bytes_per_token(elem))
-        log.info("KV pool: %d blocks of %d tokens in --kv-cache-memory %s", num_blocks, config.block_size,
-                 config.kv_cache_memory)  # fmt: skip
+    # The cache holds float32 on a CPU whatever the weights (see model/llama.py).
+    on_cpu = resolve_device(config.device).type == "cpu"
+    elem = 4 if on_cpu else {"float32": 4, "bfloat16": 2, "float16": 2}[config.dtype]
+    kv = plan_pool(config.num_blocks, config.kv_cache_memory, config.block_size, cfg.kv_bytes_per_token(elem))
     engine = Engine(
         cfg,
         weights,
@@ -264,7 +260,7 @@ def build_engine(
             device=config.device,
             dtype=config.dtype,
             block_size=config.block_size,
-            num_blocks=num_blocks,
+            num_blocks=kv.num_blocks,
             kv_views=config.kv_views,
             num_threads=config.num_threads,
             quant=config.quant,
@@ -273,6 +269,10 @@ def build_engine(
         ),
         constraint_factory=grammar_factory(config.model, cfg),
     )
+    del weights, model  # the checkpoint's arrays: the engine holds its own (a caller's load is its own)
+    release_freed_memory()
+    plan = MemoryPlan(engine.weight_bytes, config.quant if config.quant != "none" else config.dtype, kv)
+    log.info("memory: %s; resident now %.0f MB", plan.describe(), resident_bytes() / 1e6)
     return cfg, engine
 
 

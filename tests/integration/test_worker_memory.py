@@ -1,21 +1,27 @@
-"""A worker reports its resident memory (GetStats, the scheduler's ListWorkers, Prometheus), and
-on the host BLAS path with more than one thread its weights live once."""
+"""A worker reports its resident memory (GetStats, the scheduler's ListWorkers, `kvfleet
+workers`, Prometheus), its weights live once, and at idle its RSS stays within issue 25's bound."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pytest
 import torch
 
+from kvfleet.cli import main as cli_main
 from kvfleet.client import SchedulerClient
 from kvfleet.local_cluster import ClusterSpec, LocalCluster
 from kvfleet_models.config import tiny_config
 from kvfleet_models.tiny import tiny_weights
+from tests.helpers.models import SMOLLM2, needs_smollm2
 from tests.helpers.worker_stats import wait_for_worker_stats, worker_stats
+from worker_svc.memory import RSS_HEADROOM_BYTES
 from worker_svc.model.llama import LlamaModel
 from worker_svc.runner import RunItem
 
 
-def test_resident_memory_is_reported_by_the_worker_and_the_scheduler() -> None:
+def test_resident_memory_is_reported_by_the_worker_and_the_scheduler(capsys: pytest.CaptureFixture[str]) -> None:
     with LocalCluster(ClusterSpec(workers=1, model="tiny", telemetry=False, num_blocks=64)) as cluster:
         (address,) = cluster.worker_addresses
         rss = worker_stats(address).rss_bytes
@@ -24,6 +30,13 @@ def test_resident_memory_is_reported_by_the_worker_and_the_scheduler() -> None:
             (w,) = client.list_workers()  # read by the scheduler's first stats poll, at start
         assert 0.5 * rss < w.rss_bytes < 2 * rss, (w.rss_bytes, rss)
         wait_for_worker_stats(address, lambda s: s.rss_bytes > 0, what="a second reading")
+        # `kvfleet workers` prints it beside issue 25's bound.
+        cli_main(["workers", "--scheduler", cluster.scheduler_address])
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    pool = int(row["kv_bytes_per_token"]) * int(row["kv_capacity_tokens"])
+    assert int(row["kv_pool_bytes"]) == pool > 0
+    assert int(row["rss_bound_bytes"]) == int(row["weight_bytes"]) + pool + RSS_HEADROOM_BYTES
+    assert 0 < int(row["rss_bytes"]) <= int(row["rss_bound_bytes"]), row
 
 
 def _logits(model: LlamaModel, threads: int) -> np.ndarray:
@@ -75,3 +88,19 @@ def test_the_kv_pool_sized_by_memory() -> None:
         assert info.kv_capacity_tokens == info.num_blocks * info.block_size
         with SchedulerClient(cluster.scheduler_address) as client:
             assert client.list_workers()[0].kv_capacity_tokens == info.kv_capacity_tokens
+
+
+@needs_smollm2
+def test_a_real_worker_s_idle_memory_is_within_its_weights_pool_and_headroom() -> None:
+    """Issue 25: a SmolLM2 worker process in each weight format, at idle, holds at most its
+    weights in that format + its KV pool + RSS_HEADROOM_BYTES (no float copy beside packed
+    weights, the load's buffers returned)."""
+    from bench.memory import MODES, idle_memory
+
+    got = idle_memory(SMOLLM2, list(MODES), num_blocks=64)
+    for mode, m in got.items():
+        assert m.within, f"{mode}: {m.row()}"
+    # weight_bytes is the serving format's size, not the float checkpoint's.
+    w = {mode: m.weight_bytes for mode, m in got.items()}
+    assert w["gguf"] < w["int8"] < w["bfloat16"] < w["float32"], w
+    assert len({m.kv_pool_bytes for m in got.values()}) == 1  # float32 KV on a CPU in every mode

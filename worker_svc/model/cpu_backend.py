@@ -3,8 +3,9 @@
 On a CPU in float32 the matmuls go to numpy's BLAS (OpenBLAS) with the matrix stored
 [in, out]: measured on a 2-core AMD EPYC, that streams the weights of a batch-1 decode about
 1.8x faster than torch's MKL does with either layout, and is on par or faster from 16 rows
-(see bench/README.md); products of 2-12 rows, where MKL is 15-27 % faster, use a second,
-[out, in] copy (so the host holds the weights twice). Elsewhere (bfloat16, GPUs) only torch's
+(see bench/README.md); on one thread products of 2-12 rows go to torch's MKL, which reads the
+same [in, out] copy transposed (the engine keeps no second, [out, in] copy: on the Intel Xeon
+that ran them faster, not slower; ``LlamaModel``'s ``torch_copy`` still builds it). Elsewhere (bfloat16, GPUs) only torch's
 matmul with [out, in], which its bfloat16 CPU kernels run 1.4-1.5x faster than [in, out].
 
 bfloat16 on a CPU: oneDNN's linear with the weight reordered once into its blocked layout

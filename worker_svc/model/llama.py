@@ -408,12 +408,15 @@ class LlamaModel:
 
     def sizes(self) -> tuple[int, int]:
         """(parameters, bytes) of the weights, each distinct parameter counted once: a tied
-        head is the embedding's parameters (under int8, its bytes are the float table plus the
-        int8 copy)."""
+        head is the embedding's parameters (its bytes every copy it is held in: under int8 the
+        float table plus the int8 copy, under bfloat16 on a CPU the rows plus oneDNN's)."""
         matrices = [self.lm_head] + [m for layer in self.layers for m in layer.matrices()]
         vectors = [self.norm] + [v for layer in self.layers for v in layer.vectors()]
         params = sum(m.numel for m in matrices) + sum(v.numel() for v in vectors)
         nbytes = sum(m.nbytes for m in matrices) + sum(v.numel() * v.element_size() for v in vectors)
+        head = self.lm_head
+        if self.embed is None and head.dnn is not None and head.nk is not None:
+            nbytes += head.nk.numel() * head.nk.element_size()  # a tied head's rows beside oneDNN's copy
         if self.embed is not None:
             nbytes += self.embed.numel() * self.embed.element_size()
             if not self.tied_head:
