@@ -1,7 +1,7 @@
 """Spans recorded after the fact: their start and end are known when they are written.
 
 The scheduler writes one `step_prefill` / `step_decode` span per session per tick: 64 a tick at
-64 sessions. Through the SDK's `start_span(...).end()` each costs about 16 us on the Xeon (the
+64 sessions; a worker writes five a step (`worker_step` and its phases). Through the SDK's `start_span(...).end()` each costs about 16 us on the Xeon (the
 sampler, attribute cleaning, a lock, the span's own bookkeeping), which made these spans about a
 third of the scheduler's CPU at c=64. Born finished, a span needs none of that: it is built as the
 SDK's `ReadableSpan` and handed straight to the tracer's span processor (the one `end()` would
@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace import Tracer as SdkTracer
 from opentelemetry.sdk.trace.sampling import ParentBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import Link, Span, SpanContext
+from opentelemetry.trace import INVALID_SPAN_CONTEXT, Link, NonRecordingSpan, SpanContext
 
 Attributes = Mapping[str, str | int | float | bool]
 
@@ -57,40 +57,42 @@ class FinishedSpans:
 
     def child(
         self,
-        parent: Span,
+        parent: SpanContext,
         name: str,
         attributes: Attributes,
         links: Sequence[Link],
         start_ns: int,
         end_ns: int,
-    ) -> None:
-        """A span `name` under `parent`, from start_ns to end_ns (epoch nanoseconds)."""
+    ) -> SpanContext:
+        """A span `name` under `parent` (a local or a remote span's context; an invalid one: the
+        span is a root), from start_ns to end_ns (epoch nanoseconds); its context, to parent
+        others (invalid where it was not sampled)."""
         tracer = self._resolve()
-        if not self._fast:
-            tracer.start_span(
+        if not self._fast or not parent.is_valid:  # no parent: a root, which the root sampler decides
+            span = tracer.start_span(
                 name,
-                context=trace.set_span_in_context(parent, Context()),
+                context=trace.set_span_in_context(NonRecordingSpan(parent), Context()),
                 links=links,
                 attributes=attributes,
                 start_time=start_ns,
-            ).end(end_time=end_ns)
-            return
+            )
+            span.end(end_time=end_ns)
+            return span.get_span_context()
         assert isinstance(tracer, SdkTracer)
-        up = parent.get_span_context()
-        if not up.is_valid or not up.trace_flags.sampled:
-            return  # parent-based sampling drops the children of an unsampled (or no) parent
+        if not parent.trace_flags.sampled:
+            return INVALID_SPAN_CONTEXT  # parent-based sampling drops the children of an unsampled parent
         own = SpanContext(
-            up.trace_id,
+            parent.trace_id,
             tracer.id_generator.generate_span_id(),
             is_remote=False,
-            trace_flags=up.trace_flags,
-            trace_state=up.trace_state,
+            trace_flags=parent.trace_flags,
+            trace_state=parent.trace_state,
         )
         tracer.span_processor.on_end(
             ReadableSpan(
                 name,
                 context=own,
-                parent=up,
+                parent=parent,
                 resource=tracer.resource,
                 attributes=dict(attributes),
                 links=tuple(links),
@@ -99,3 +101,4 @@ class FinishedSpans:
                 end_time=end_ns,
             )
         )
+        return own

@@ -221,4 +221,4 @@ class SchedulerSpans(SessionObserver):
             else:
                 name = "step_decode"
                 attrs["kvfleet.step.position"] = work.position
-            self._steps.child(spans.root, name, attrs, link, start_ns, end_ns)
+            self._steps.child(spans.root.get_span_context(), name, attrs, link, start_ns, end_ns)

@@ -12,16 +12,19 @@ from __future__ import annotations
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from kvfleet_common.finished_spans import FinishedSpans
 from worker_svc.engine import StepProfile
+
+# Five spans a step, each known only once the step is done: written born finished (the cheap path).
+_SPANS = FinishedSpans("kvfleet.worker")
 
 
 def emit_step_spans(
     parent: Context, start_ns: int, profile: StepProfile, layers: int, attrs: dict[str, str | int]
 ) -> None:
     """start_ns: wall-clock (epoch) ns when the step began."""
-    tracer = trace.get_tracer("kvfleet.worker")
-    step = tracer.start_span("worker_step", context=parent, start_time=start_ns, attributes=attrs)
-    ctx = trace.set_span_in_context(step, parent)
+    up = trace.get_current_span(parent).get_span_context()
+    step = _SPANS.child(up, "worker_step", attrs, (), start_ns, start_ns + profile.step_ns)
     phases = (
         ("kv_view_prepare", profile.kv_view_prepare_ns, layers),
         ("attention", profile.attention_ns, layers),
@@ -29,8 +32,4 @@ def emit_step_spans(
         ("post_step_sync", profile.post_step_sync_ns, 1),
     )
     for name, total_ns, calls in phases:
-        span = tracer.start_span(
-            name, context=ctx, start_time=start_ns, attributes={**attrs, "kvfleet.phase.calls": calls}
-        )
-        span.end(end_time=start_ns + total_ns)
-    step.end(end_time=start_ns + profile.step_ns)
+        _SPANS.child(step, name, {**attrs, "kvfleet.phase.calls": calls}, (), start_ns, start_ns + total_ns)

@@ -8,7 +8,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, Sampler, TraceIdRatioBased
-from opentelemetry.trace import Link, set_span_in_context
+from opentelemetry.trace import INVALID_SPAN_CONTEXT, Link, SpanContext, set_span_in_context
 
 from kvfleet_common.finished_spans import FinishedSpans
 
@@ -45,8 +45,8 @@ def test_fast_span_equals_the_sdk_span() -> None:
         "step_decode", context=set_span_in_context(root), links=links, attributes=attrs, start_time=100
     ).end(end_time=250)
     writer = FinishedSpans("kvfleet.scheduler", provider)
-    writer.child(root, "step_decode", attrs, links, 100, 250)
-    writer.child(root, "step_decode", attrs, links, 100, 250)
+    writer.child(root.get_span_context(), "step_decode", attrs, links, 100, 250)
+    writer.child(root.get_span_context(), "step_decode", attrs, links, 100, 250)
     sdk, fast, again = exporter.get_finished_spans()
     assert writer._fast  # the path under test was taken
     assert _fields(fast) == _fields(sdk)
@@ -64,7 +64,7 @@ def test_fast_span_equals_the_sdk_span() -> None:
 def test_children_of_an_unsampled_parent_are_dropped() -> None:
     provider, exporter = _provider(ParentBased(ALWAYS_OFF))
     root = provider.get_tracer("x").start_span("session")
-    FinishedSpans("x", provider).child(root, "step_decode", {}, (), 1, 2)
+    FinishedSpans("x", provider).child(root.get_span_context(), "step_decode", {}, (), 1, 2)
     assert exporter.get_finished_spans() == ()
 
 
@@ -72,7 +72,7 @@ def test_another_sampler_takes_the_sdk_path() -> None:
     provider, exporter = _provider(TraceIdRatioBased(1.0))
     root = provider.get_tracer("x").start_span("session")
     writer = FinishedSpans("x", provider)
-    writer.child(root, "step_prefill", {"kvfleet.step.tokens": 4}, (), 5, 9)
+    writer.child(root.get_span_context(), "step_prefill", {"kvfleet.step.tokens": 4}, (), 5, 9)
     (span,) = exporter.get_finished_spans()
     assert not writer._fast
     assert (span.name, span.parent.span_id, span.start_time, span.end_time) == (
@@ -82,3 +82,22 @@ def test_another_sampler_takes_the_sdk_path() -> None:
         9,
     )
     assert dict(span.attributes) == {"kvfleet.step.tokens": 4}
+
+
+def test_a_remote_parent_and_a_child_of_the_written_span() -> None:
+    """A worker's step: a child of the scheduler's tick (remote, from the traceparent), and the
+    step's phases children of the step span just written."""
+    provider, exporter = _provider(ParentBased(ALWAYS_ON))
+    tick = provider.get_tracer("s").start_span("tick").get_span_context()
+    remote = SpanContext(tick.trace_id, tick.span_id, is_remote=True, trace_flags=tick.trace_flags)
+    writer = FinishedSpans("kvfleet.worker", provider)
+    step = writer.child(remote, "worker_step", {"a": 1}, (), 10, 20)
+    phase = writer.child(step, "attention", {"kvfleet.phase.calls": 30}, (), 10, 15)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert spans["worker_step"].parent == remote and spans["worker_step"].context == step
+    assert spans["attention"].parent.span_id == step.span_id and spans["attention"].context == phase
+    assert {s.context.trace_id for s in spans.values()} == {tick.trace_id}
+    # No parent (a step sent without a traceparent): a root span of a trace of its own.
+    root = writer.child(INVALID_SPAN_CONTEXT, "worker_step", {}, (), 1, 2)
+    (alone,) = [s for s in exporter.get_finished_spans() if s.context == root]
+    assert alone.parent is None and root.is_valid and root.trace_id != tick.trace_id
