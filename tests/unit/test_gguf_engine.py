@@ -141,7 +141,9 @@ def test_a_tensor_type_without_kernels_is_refused_naming_those_served(fmt: str, 
     with pytest.raises(ModelLoadError) as info:
         load_model_blocks(str(path))
     message = str(info.value)
-    assert f"blk.0.ffn_down.weight is {fmt}; --quant gguf serves Q8_0, Q4_0, Q4_1 weights" in message, message
+    assert f"blk.0.ffn_down.weight is {fmt}; --quant gguf serves Q8_0, Q4_0, Q4_1, Q4_K, Q6_K weights" in message, (
+        message
+    )
     load_model(str(path))  # the ordinary load still dequantizes it
 
 
