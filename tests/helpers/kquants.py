@@ -6,7 +6,9 @@ Not llama.cpp's search for the best scales (no iterations, no importance weights
 sub-block's range is taken as it is (Q4_K: min and max of its 32; Q6_K: the largest |w| of its
 16), the super-block's fp16 d (and dmin) is the largest of those over 63 (or 127), and each
 weight is rounded against the scale the file will hold. A valid file in the layouts of
-``kvfleet_models/gguf_blocks.py``, a little less accurate than llama.cpp's.
+``kvfleet_models/gguf_blocks.py``, a little less accurate than llama.cpp's. (Rounding the
+integer scales up instead, so that no weight clips, measured worse on SmolLM2's down_proj:
+rms error 2.4 % against 1.8 % for Q4_K, 1.98 % against 1.95 % for Q6_K.)
 """
 
 from __future__ import annotations
