@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from tests.helpers import kquants
 from tests.helpers.families import Case
 from tests.helpers.vocabularies import add_vocab
 
@@ -99,8 +100,8 @@ def write_gguf(
     """``model`` (the transformers model of ``case``) as a GGUF file at ``path``, with the
     vocabulary of ``vocab`` (a ``vocabularies.Original``) or placeholder tokens. ``quant``:
     GGUF tensor name stem (``attn_q``, ``token_embd``, ...) -> a block format (``Q4_1``...)
-    its 2-D weight is quantized to by the gguf package (as llama.cpp's quantizer writes it);
-    the others stay F32."""
+    its 2-D weight is quantized to by the gguf package (as llama.cpp's quantizer writes it;
+    Q4_K and Q6_K, which it does not write, by ``kquants``); the others stay F32."""
     import gguf
 
     hp = model.config
@@ -176,7 +177,7 @@ def write_gguf(
         stem = gguf_name(name, arch).split(".")[-2]
         if quant and stem in quant and data.ndim == 2:
             kind = gguf.GGMLQuantizationType[quant[stem]]
-            w.add_tensor(gguf_name(name, arch), gguf.quants.quantize(data, kind), raw_dtype=kind)
+            w.add_tensor(gguf_name(name, arch), kquants.quantize(data, quant[stem]), raw_dtype=kind)
         else:
             w.add_tensor(gguf_name(name, arch), data)
     w.write_header_to_file()

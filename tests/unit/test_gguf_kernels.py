@@ -2,15 +2,17 @@
 at every kernel level this CPU runs, for every block format they serve.
 
 Blocks are made by the gguf package's own quantizer (``gguf.quants.quantize``, llama.cpp's
-reference rounding), and
+reference rounding), the K formats (Q4_K, Q6_K), which it does not write, by our own
+(``tests/helpers/kquants.py``), and
 
-  * our reading of them (``BlockTensor.dequantize``) equals the gguf package's dequantize;
+  * our reading of them (``BlockTensor.dequantize``) equals the gguf package's dequantize, and
+    for the K formats also on random bytes (every scale, min and bit pattern);
   * the C input quantizer equals the torch one the reference uses (int8 values, scales, sums);
   * each level's product equals the float64 reference (the exactly dequantized weight times the
     activations quantized as the C does) to float32 rounding: the integer sums are exact, only
     the order of adding up the blocks' float terms differs. Shapes: K a multiple of 32 with an
     odd number of blocks (the AVX-512 path takes two at a time), N not a multiple of 4, M = 1,
-    3, 17, and smollm2's own.
+    3, 17, and smollm2's own; for the K formats K of 1, 2 and 3 super-blocks and down_proj's.
 
 Levels this CPU cannot run are skipped, with the reason.
 """
@@ -21,8 +23,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvfleet_models.gguf_blocks import FORMATS, BlockTensor
+from kvfleet_models.gguf_blocks import FORMATS, QK_K, BlockTensor
+from tests.helpers import kquants
 from worker_svc.model import gguf_quant, q8
+
+K_FORMATS = [f for f in FORMATS if FORMATS[f].block_weights == QK_K]
 
 
 def _kernels(level: str) -> gguf_quant.GGUFKernels:
@@ -32,10 +37,8 @@ def _kernels(level: str) -> gguf_quant.GGUFKernels:
 
 
 def _blocks(fmt: str, w: np.ndarray) -> BlockTensor:
-    """w float32 [N, K] quantized by the gguf package into ``fmt``'s blocks."""
-    import gguf
-
-    data = gguf.quants.quantize(w, gguf.GGMLQuantizationType[fmt])  # uint8 [N, row bytes]
+    """w float32 [N, K] quantized into ``fmt``'s blocks (by the gguf package, or ours for K)."""
+    data = kquants.quantize(w, fmt)  # uint8 [N, row bytes]
     return BlockTensor(FORMATS[fmt], np.ascontiguousarray(data), w.shape[1])
 
 
@@ -55,18 +58,56 @@ def _input(m: int, k: int, seed: int) -> torch.Tensor:
 
 # (N, K): K of 1 and 3 blocks (odd), 2 blocks, N not a multiple of 4; smollm2's qkv and down.
 SHAPES = [(7, 32), (5, 96), (13, 64), (960, 576), (576, 1536)]
+# The K formats: 1, 3 (odd) and 2 super-blocks; down_proj's (576 is no multiple of 256).
+K_SHAPES = [(7, 256), (5, 768), (13, 512), (576, 1536)]
+CASES = [(f, n, k) for f in FORMATS for n, k in (K_SHAPES if f in K_FORMATS else SHAPES)]
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_our_reading_of_the_blocks_equals_the_gguf_packages(fmt: str) -> None:
     import gguf
 
-    w = _weight(9, 160, seed=1)
+    w = _weight(9, 768 if fmt in K_FORMATS else 160, seed=1)
     blocks = _blocks(fmt, w)
     theirs = gguf.quants.dequantize(blocks.data, gguf.GGMLQuantizationType[fmt]).reshape(w.shape)
     assert np.array_equal(blocks.dequantize(), theirs)
     # and the blocks are the format's own: a small error against the float weight, not garbage
     np.testing.assert_allclose(theirs, w, rtol=0, atol=float(np.abs(w).max()) / (7 if fmt != "Q8_0" else 100))
+
+
+def _random_k_blocks(fmt: str, n: int, k: int, seed: int) -> BlockTensor:
+    """Random bytes in ``fmt``'s layout, the fp16 fields made small finite numbers."""
+    f = FORMATS[fmt]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (n, k // QK_K, f.block_bytes), dtype=np.uint8)
+    for at in (0, 2) if fmt == "Q4_K" else (208,):  # d, dmin / d
+        halves = rng.uniform(1e-3, 2e-2, data.shape[:2]).astype(np.float16)
+        data[:, :, at : at + 2] = halves[:, :, None].view(np.uint8)
+    return BlockTensor(f, data.reshape(n, -1), k)
+
+
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_our_reading_of_random_k_blocks_equals_the_gguf_packages(fmt: str) -> None:
+    import gguf
+
+    blocks = _random_k_blocks(fmt, 6, 768, seed=3)
+    theirs = gguf.quants.dequantize(blocks.data, gguf.GGMLQuantizationType[fmt]).reshape(6, 768)
+    assert np.array_equal(blocks.dequantize(), theirs)
+    assert np.unique(theirs).size > 1000  # the bytes make many values, not a constant
+    # float64 is exact: it differs from float32 by float32's rounding only
+    np.testing.assert_allclose(blocks.dequantize(dtype=np.float64), theirs, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("level", q8.LEVELS)
+@pytest.mark.parametrize("fmt", K_FORMATS)
+@pytest.mark.parametrize("m", [1, 4])
+def test_random_k_blocks_at_every_level(level: str, fmt: str, m: int) -> None:
+    """Every 6-bit scale and min, and Q6_K's negative scales, not only the quantizer's."""
+    kernels = _kernels(level)
+    w = gguf_quant.stack([(_random_k_blocks(fmt, 9, 768, seed=4), 1.0)], kernels)
+    x = _input(m, 768, seed=5)
+    ref = gguf_quant.reference_linear(x, w)
+    np.testing.assert_allclose(w.linear(x).numpy(), ref.numpy(), rtol=0, atol=2e-6 * float(ref.abs().max()) * 768**0.5)
 
 
 @pytest.mark.parametrize("level", q8.LEVELS)
@@ -80,8 +121,7 @@ def test_c_input_quantizer_equals_the_references(level: str) -> None:
 
 
 @pytest.mark.parametrize("level", q8.LEVELS)
-@pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("fmt, n, k", CASES)
 @pytest.mark.parametrize("m", [1, 3, 17])
 def test_every_level_equals_the_reference(level: str, fmt: str, n: int, k: int, m: int) -> None:
     kernels = _kernels(level)

@@ -128,6 +128,40 @@ def test_gguf_blocks_agree_with_float32_at_every_kernel_level(
     _check_level("gguf", level, engine, token_ids, float32, GGUF_AGREEMENT, GGUF_PPL_RATIO)
 
 
+# --quant gguf with SmolLM2's down_proj requantized to Q4_K (tests/helpers/kquants.py), the
+# rest its own blocks: the only matrices a K format can hold (576, its hidden size, is no
+# multiple of 256; llama.cpp's Q4_K_M falls back to other formats there too). Against float32
+# on the file's weights dequantized, measured on the 2-core Intel Xeon (AVX-512 VNNI), whole
+# text: avx512 0.9506 / x1.0051, avx2 0.9497 / x1.0043, scalar 0.9554 / x1.0046; the scalar
+# slice 0.9580 / x1.0011 (README). Held with a margin of 0.02 and 0.01 below / above the
+# worst: the requantized down_proj adds to the activations' rounding, so the 0.95 of the
+# file's own blocks is not promised for it.
+GGUF_Q4_K_AGREEMENT, GGUF_Q4_K_PPL_RATIO = 0.93, 1.015
+
+
+@pytest.fixture(scope="module")
+def gguf_q4_k_down(gguf_blocks):
+    from kvfleet_models.gguf_blocks import FORMATS, BlockTensor
+    from tests.helpers.kquants import quantize
+
+    cfg, weights = gguf_blocks
+    down = {k: w for k, w in weights.items() if k.endswith("mlp.down_proj.weight")}
+    assert len(down) == cfg.num_layers
+    q4_k = {k: BlockTensor(FORMATS["Q4_K"], quantize(w.dequantize(), "Q4_K"), w.cols) for k, w in down.items()}
+    return cfg, {**weights, **q4_k}
+
+
+@pytest.mark.parametrize("level", runnable_levels())
+def test_gguf_q4_k_down_proj_agrees_with_float32_at_every_kernel_level(
+    gguf_q4_k_down, token_ids, float32, level, monkeypatch
+) -> None:
+    monkeypatch.setenv("KVFLEET_Q8_LEVEL", level)
+    engine = Engine(gguf_q4_k_down[0], gguf_q4_k_down[1], EngineConfig(num_blocks=BLOCKS, quant="gguf"))
+    assert engine.model.kernel_level == level
+    assert engine.model.layers[0].down.gguf.parts[0].format.name == "Q4_K"
+    _check_level("gguf Q4_K down", level, engine, token_ids, float32, GGUF_Q4_K_AGREEMENT, GGUF_Q4_K_PPL_RATIO)
+
+
 def test_gguf_weights_stay_in_the_files_blocks(model, gguf_blocks) -> None:
     """The served weights are the file's ~97 MB of blocks (plus float32 norms), not the
     ~538 MB of float32: no float copy beside them."""

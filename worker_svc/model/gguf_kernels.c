@@ -6,7 +6,10 @@
  *   Q8_0  34 bytes: fp16 d, int8 q[32]                 w_j = d q_j
  *   Q4_0  18 bytes: fp16 d, u8 nib[16]                 w_j = d (q_j - 8)
  *   Q4_1  20 bytes: fp16 d, fp16 m, u8 nib[16]         w_j = d q_j + m
- * where q_j (j < 16) is nib[j] & 15 and q_{j+16} is nib[j] >> 4.
+ * where q_j (j < 16) is nib[j] & 15 and q_{j+16} is nib[j] >> 4; and the K formats, K a
+ * multiple of 256 (layouts in kvfleet_models/gguf_blocks.py):
+ *   Q4_K 144 bytes a 256: w_j = d sc_i q_j - dmin m_i, 6-bit sc_i, m_i per sub-block i of 32
+ *   Q6_K 210 bytes a 256: w_j = d sc_g (q_j - 32), int8 sc_g per group g of 16, q_j 0..63
  *
  * Each call quantizes its activations per row and block of 32 (llama.cpp's Q8_1 for
  * activations: scale s = max|x| / 127, int8 a_j = rint(x_j / s), and the block's integer sum
@@ -14,8 +17,12 @@
  *   Q8_0  d s sum q_j a_j
  *   Q4_0  d s (sum q_j a_j - 8 A)
  *   Q4_1  d s sum q_j a_j + m s A
+ *   Q4_K  (d sc_i) s sum q_j a_j - (dmin m_i) s A                 (sub-block i = the block)
+ *   Q6_K  d s (sc_g (sum_g q_j a_j - 32 A_g) + sc_g' (...))      (its two groups of 16)
+ * where A_g, a group's sum, comes from the product itself (sum 32 a_j: one more u8 x s8).
  * The integer sums are exact at every level (the nibbles are at most 15, so even a u8 x s8
- * pair sum in a 16-bit lane stays far from saturating); only the float32 order of adding up
+ * pair sum in a 16-bit lane stays far from saturating, and Q6_K's 0..63 only reaches 2 * 63 *
+ * 127; its sc_g times a group's sum, at most 128 * 16 * 32 * 127, fits int32); only the float32 order of adding up
  * the blocks differs between levels, which the tests allow for.
  *
  * Levels, chosen once by the caller (the q8 kernels' levels and KV_Q8_LEVELS):
@@ -36,9 +43,13 @@
 #define KV_Q8_LEVELS 2
 #endif
 #define QK 32
+#define QK_K 256
 
-enum { KV_Q8_0 = 0, KV_Q4_0 = 1, KV_Q4_1 = 2 };
-static const long BLOCK_BYTES[3] = {34, 18, 20};
+enum { KV_Q8_0 = 0, KV_Q4_0 = 1, KV_Q4_1 = 2, KV_Q4_K = 3, KV_Q6_K = 4 };
+static const long BLOCK_BYTES[5] = {34, 18, 20, 144, 210};
+static const long BLOCK_WEIGHTS[5] = {QK, QK, QK, QK_K, QK_K};
+#define Q4K_BYTES 144
+#define Q6K_BYTES 210
 
 /* IEEE half -> float, subnormals included (the reference level's own; the SIMD levels use F16C). */
 static float half_to_float(const uint8_t *p) {
@@ -59,6 +70,23 @@ static float half_to_float(const uint8_t *p) {
     memcpy(&v, &bits, 4);
     return v;
 }
+
+/* Q4_K's 12 bytes -> 8 scales and 8 mins, 6 bits each. */
+static inline void q4k_scales(const uint8_t *p, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = p[j] & 63;
+        mn[j] = p[j + 4] & 63;
+        sc[j + 4] = (uint8_t)((p[j + 8] & 15) | ((p[j] >> 6) << 4));
+        mn[j + 4] = (uint8_t)((p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4));
+    }
+}
+
+/* Q6_K's chunk c (0..7) of 32 weights: where its low four and high two bits lie, and the
+ * shifts that take them out (see gguf_blocks.py). */
+static inline const uint8_t *q6k_low(const uint8_t *blk, int c) { return blk + 64 * (c >> 2) + 32 * (c & 1); }
+static inline const uint8_t *q6k_high(const uint8_t *blk, int c) { return blk + 128 + 32 * (c >> 2); }
+static inline int q6k_low_shift(int c) { return 4 * ((c >> 1) & 1); }
+static inline int q6k_high_shift(int c) { return 2 * (c & 3); }
 
 /* x [M, K] float32 (row stride ldx, K a multiple of 32) -> a [M, K] int8, s [M, K / 32]
  * float32, sums [M, K / 32] int32. Rounds half to even (rintf). */
@@ -93,16 +121,50 @@ typedef void (*dot4_fn)(int qtype, const uint8_t *w, long row_bytes, const int8_
 /* With several activation rows, each weight row is first decoded once into a contiguous form
  * (``decode_row``) that every activation row then reads from L1: q [K] int8 (Q8_0's values,
  * or the Q4 nibbles 0..15), d [nb] its scales and, for Q4, mn [nb] the block's offset (Q4_1's
- * m, Q4_0's -8 d), so that w = d q + mn. The dot of a decoded row: */
+ * m, Q4_0's -8 d, Q4_K's -dmin m_i, its d being d sc_i), so that w = d q + mn. Q6_K's: q its
+ * 0..63 and d [2 nb] per group of 16 (d sc_g), w = d (q - 32). The dots of a decoded row: */
 typedef float (*dotd_fn)(int is_signed, const int8_t *q, const float *d, const float *mn, const int8_t *a,
                          const float *s, const int32_t *sums, long nb);
+typedef float (*dotd6_fn)(const int8_t *q, const float *d16, const int8_t *a, const float *s, long nb);
 
 /* Longest row decoded (on the stack); a longer one takes the single-row path for every row. */
 #define KV_MAX_DECODED 16384
 
+static void decode_k_row(int qtype, const uint8_t *row, long nb, float (*half)(const uint8_t *), int8_t *q, float *d,
+                         float *mn) {
+    for (long sb = 0; sb < nb / 8; sb++) {
+        int8_t *qb = q + sb * QK_K;
+        if (qtype == KV_Q4_K) {
+            const uint8_t *blk = row + sb * Q4K_BYTES;
+            const float dd = half(blk), dmin = half(blk + 2);
+            uint8_t sc[8], mins[8];
+            q4k_scales(blk + 4, sc, mins);
+            for (int i = 0; i < 8; i++) {
+                const uint8_t *nib = blk + 16 + 32 * (i >> 1);
+                for (int l = 0; l < QK; l++) qb[i * QK + l] = (int8_t)((nib[l] >> (4 * (i & 1))) & 15);
+                d[sb * 8 + i] = dd * (float)sc[i];
+                mn[sb * 8 + i] = -dmin * (float)mins[i];
+            }
+        } else {
+            const uint8_t *blk = row + sb * Q6K_BYTES;
+            const float dd = half(blk + 208);
+            for (int c = 0; c < 8; c++) {
+                const uint8_t *lo = q6k_low(blk, c), *hi = q6k_high(blk, c);
+                const int ls = q6k_low_shift(c), hs = q6k_high_shift(c);
+                for (int l = 0; l < QK; l++) qb[c * QK + l] = (int8_t)(((lo[l] >> ls) & 15) | (((hi[l] >> hs) & 3) << 4));
+            }
+            for (int g = 0; g < 16; g++) d[sb * 16 + g] = dd * (float)((const int8_t *)(blk + 192))[g];
+        }
+    }
+}
+
 static void decode_row(int qtype, const uint8_t *row, long nb, float (*half)(const uint8_t *), int8_t *q, float *d,
                        float *mn) {
     const long bb = BLOCK_BYTES[qtype];
+    if (qtype >= KV_Q4_K) {
+        decode_k_row(qtype, row, nb, half, q, d, mn);
+        return;
+    }
     for (long b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * bb;
         d[b] = half(blk);
@@ -132,24 +194,28 @@ static inline void put(float *y, long ldy, long r, long i, float v, const float 
 /* Tiles of four weight rows are shared out among OpenMP threads; one activation row (a
  * batch-1 decode) reads the tile's blocks where they lie, several read each of its rows
  * decoded once. */
-static void gemm(dot_fn dot, dot4_fn dot4, dotd_fn dotd, float (*half)(const uint8_t *), int qtype, const uint8_t *w,
-                 long n, long k, const int8_t *a, const float *s, const int32_t *sums, long m, const float *scale,
-                 float *y, long ldy, int accumulate) {
-    const long nb = k / QK, row_bytes = nb * BLOCK_BYTES[qtype], tiles = (n + 3) / 4;
+static void gemm(dot_fn dot, dot4_fn dot4, dotd_fn dotd, dotd6_fn dotd6, float (*half)(const uint8_t *), int qtype,
+                 const uint8_t *w, long n, long k, const int8_t *a, const float *s, const int32_t *sums, long m,
+                 const float *scale, float *y, long ldy, int accumulate) {
+    const long nb = k / QK, row_bytes = k / BLOCK_WEIGHTS[qtype] * BLOCK_BYTES[qtype], tiles = (n + 3) / 4;
     const int decode = m > 1 && k <= KV_MAX_DECODED;
 #pragma omp parallel
     {
         int8_t q[decode ? k : 1];
-        float d[decode ? nb : 1], mn[decode ? nb : 1];
+        float d[decode ? 2 * nb : 1], mn[decode ? nb : 1]; /* Q6_K's d: one per 16 */
 #pragma omp for schedule(static)
         for (long t = 0; t < tiles; t++) {
             const long i0 = t * 4, rows = n - i0 < 4 ? n - i0 : 4;
             if (decode) {
                 for (long i = i0; i < i0 + rows; i++) {
                     decode_row(qtype, w + i * row_bytes, nb, half, q, d, mn);
-                    for (long r = 0; r < m; r++)
-                        put(y, ldy, r, i, dotd(qtype == KV_Q8_0, q, d, mn, a + r * k, s + r * nb, sums + r * nb, nb),
-                            scale, accumulate);
+                    for (long r = 0; r < m; r++) {
+                        const int8_t *ar = a + r * k;
+                        const float v = qtype == KV_Q6_K
+                                            ? dotd6(q, d, ar, s + r * nb, nb)
+                                            : dotd(qtype == KV_Q8_0, q, d, mn, ar, s + r * nb, sums + r * nb, nb);
+                        put(y, ldy, r, i, v, scale, accumulate);
+                    }
                 }
             } else if (rows == 4) {
                 for (long r = 0; r < m; r++) {
@@ -167,10 +233,10 @@ static void gemm(dot_fn dot, dot4_fn dot4, dotd_fn dotd, float (*half)(const uin
     }
 }
 
-#define KV_GGUF_GEMM(NAME, DOT, DOT4, DOTD, HALF)                                                            \
+#define KV_GGUF_GEMM(NAME, DOT, DOT4, DOTD, DOTD6, HALF)                                                     \
     void NAME(int qtype, const uint8_t *w, long n, long k, const int8_t *a, const float *s, const int32_t *sums, \
               long m, const float *scale, float *y, long ldy, int accumulate) {                              \
-        gemm(DOT, DOT4, DOTD, HALF, qtype, w, n, k, a, s, sums, m, scale, y, ldy, accumulate);             \
+        gemm(DOT, DOT4, DOTD, DOTD6, HALF, qtype, w, n, k, a, s, sums, m, scale, y, ldy, accumulate);      \
     }
 
 static float dotd_scalar(int is_signed, const int8_t *q, const float *d, const float *mn, const int8_t *a,
@@ -185,10 +251,59 @@ static float dotd_scalar(int is_signed, const int8_t *q, const float *d, const f
     return acc;
 }
 
+static float dotd6_scalar(const int8_t *q, const float *d16, const int8_t *a, const float *s, long nb) {
+    float acc = 0.0f;
+    for (long b = 0; b < nb; b++) {
+        int32_t p[2] = {0, 0};
+        for (int j = 0; j < QK; j++) p[j >> 4] += ((int32_t)q[b * QK + j] - 32) * a[b * QK + j];
+        acc += (float)p[0] * (d16[2 * b] * s[b]) + (float)p[1] * (d16[2 * b + 1] * s[b]);
+    }
+    return acc;
+}
+
+/* The K formats on their super-blocks, one 32-weight block b at a time. */
+static float dot_q4k_scalar(const uint8_t *w, const int8_t *a, const float *s, const int32_t *sums, long nb) {
+    float acc = 0.0f;
+    for (long sb = 0; sb < nb / 8; sb++) {
+        const uint8_t *blk = w + sb * Q4K_BYTES;
+        const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+        uint8_t sc[8], mn[8];
+        q4k_scales(blk + 4, sc, mn);
+        for (int i = 0; i < 8; i++) {
+            const long b = sb * 8 + i;
+            const uint8_t *nib = blk + 16 + 32 * (i >> 1);
+            int32_t p = 0;
+            for (int l = 0; l < QK; l++) p += (int32_t)((nib[l] >> (4 * (i & 1))) & 15) * a[b * QK + l];
+            acc += (float)p * (d * (float)sc[i] * s[b]) - dmin * (float)mn[i] * (s[b] * (float)sums[b]);
+        }
+    }
+    return acc;
+}
+static float dot_q6k_scalar(const uint8_t *w, const int8_t *a, const float *s, long nb) {
+    float acc = 0.0f;
+    for (long sb = 0; sb < nb / 8; sb++) {
+        const uint8_t *blk = w + sb * Q6K_BYTES;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = half_to_float(blk + 208);
+        for (int c = 0; c < 8; c++) {
+            const long b = sb * 8 + c;
+            const uint8_t *lo = q6k_low(blk, c), *hi = q6k_high(blk, c);
+            const int ls = q6k_low_shift(c), hs = q6k_high_shift(c);
+            int32_t p[2] = {0, 0};
+            for (int l = 0; l < QK; l++)
+                p[l >> 4] += ((((lo[l] >> ls) & 15) | (((hi[l] >> hs) & 3) << 4)) - 32) * (int32_t)a[b * QK + l];
+            acc += (float)(sc[2 * c] * p[0] + sc[2 * c + 1] * p[1]) * (d * s[b]);
+        }
+    }
+    return acc;
+}
+
 static float dot_scalar(int qtype, const uint8_t *w, const int8_t *a, const float *s, const int32_t *sums,
                         long nb) {
     const long bb = BLOCK_BYTES[qtype];
     float acc = 0.0f;
+    if (qtype == KV_Q4_K) return dot_q4k_scalar(w, a, s, sums, nb);
+    if (qtype == KV_Q6_K) return dot_q6k_scalar(w, a, s, nb);
     for (long b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bb;
         const int8_t *ab = a + b * QK;
@@ -214,7 +329,7 @@ static void dot4_scalar(int qtype, const uint8_t *w, long row_bytes, const int8_
                         const int32_t *sums, long nb, float out[4]) {
     for (int j = 0; j < 4; j++) out[j] = dot_scalar(qtype, w + j * row_bytes, a, s, sums, nb);
 }
-KV_GGUF_GEMM(kv_gguf_gemm_scalar, dot_scalar, dot4_scalar, dotd_scalar, half_to_float)
+KV_GGUF_GEMM(kv_gguf_gemm_scalar, dot_scalar, dot4_scalar, dotd_scalar, dotd6_scalar, half_to_float)
 
 #if defined(KV_X86) && KV_Q8_LEVELS >= 1
 #define AVX2_TARGET "avx2,fma,f16c"
@@ -287,9 +402,100 @@ __attribute__((target(AVX2_TARGET), always_inline)) static inline float dot_avx2
     return hsum256(_mm256_add_ps(acc0, acc1)) + (e0 + e1);
 }
 
+/* The K formats' products, written once for both SIMD levels: ``mul`` is 32 u8 times 32 s8
+ * into 8 int32, each the sum of 4 adjacent products (lanes 0-3 the first 16 bytes, 4-7 the
+ * last 16), vpmaddubsw + vpmaddwd at avx2, vpdpbusd at avx512; it is a constant where these
+ * are inlined, so the call folds away. */
+typedef __m256i (*mul32_fn)(__m256i u, __m256i v);
+__attribute__((target(AVX2_TARGET))) static inline __m256i mul32_avx2(__m256i u, __m256i v) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
+}
+
+/* Q4_K: a sub-block is one activation block; two at a time, from one 32-byte load. */
+__attribute__((target(AVX2_TARGET), always_inline)) static inline float dot_q4k_t(mul32_fn mul, const uint8_t *w,
+                                                                                 const int8_t *a, const float *s,
+                                                                                 const int32_t *sums, long nb) {
+    const __m256i mask = _mm256_set1_epi8(15);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    float mins = 0.0f;
+    for (long sb = 0; sb < nb / 8; sb++) {
+        const uint8_t *blk = w + sb * Q4K_BYTES;
+        const float d = half_f16c(blk), dmin = half_f16c(blk + 2);
+        uint8_t sc[8], mn[8];
+        q4k_scales(blk + 4, sc, mn);
+        for (int i = 0; i < 8; i += 2) {
+            const long b = sb * 8 + i;
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 16 * i));
+            const __m256i p0 = mul(_mm256_and_si256(v, mask), _mm256_loadu_si256((const __m256i *)(a + b * QK)));
+            const __m256i p1 =
+                mul(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), _mm256_loadu_si256((const __m256i *)(a + b * QK + QK)));
+            acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d * (float)sc[i] * s[b]), acc[0]);
+            acc[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d * (float)sc[i + 1] * s[b + 1]), acc[1]);
+            mins += dmin * ((float)mn[i] * (s[b] * (float)sums[b]) + (float)mn[i + 1] * (s[b + 1] * (float)sums[b + 1]));
+        }
+    }
+    return hsum256(_mm256_add_ps(acc[0], acc[1])) - mins;
+}
+
+/* Q6_K's 0..63 values (u8) against a, less 32 times each group's sum of a, in int32 lanes
+ * 0-3 (the block's first group of 16) and 4-7 (its second). */
+__attribute__((target(AVX2_TARGET), always_inline)) static inline __m256i q6k_product(mul32_fn mul, __m256i q,
+                                                                                     __m256i av) {
+    return _mm256_sub_epi32(mul(q, av), mul(_mm256_set1_epi8(32), av));
+}
+
+__attribute__((target(AVX2_TARGET), always_inline)) static inline float dot_q6k_t(mul32_fn mul, const uint8_t *w,
+                                                                                 const int8_t *a, const float *s,
+                                                                                 long nb) {
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (long sb = 0; sb < nb / 8; sb++) {
+        const uint8_t *blk = w + sb * Q6K_BYTES;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = half_f16c(blk + 208);
+        for (int h = 0; h < 2; h++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            for (int c = 0; c < 4; c++) { /* chunk 4 h + c: see q6k_low / q6k_high */
+                const long b = sb * 8 + 4 * h + c;
+                const __m256i low = _mm256_and_si256(_mm256_srli_epi16(c & 1 ? l1 : l0, 4 * (c >> 1)), m4);
+                const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), m2), 4);
+                const __m256i p = q6k_product(mul, _mm256_or_si256(low, high),
+                                              _mm256_loadu_si256((const __m256i *)(a + b * QK)));
+                const int g = 8 * h + 2 * c;
+                const __m256i scv = _mm256_setr_m128i(_mm_set1_epi32(sc[g]), _mm_set1_epi32(sc[g + 1]));
+                acc[c & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(p, scv)), _mm256_set1_ps(d * s[b]),
+                                             acc[c & 1]);
+            }
+        }
+    }
+    return hsum256(_mm256_add_ps(acc[0], acc[1]));
+}
+
+/* Q6_K decoded (decode_row): q its 0..63, d16 per group of 16. */
+__attribute__((target(AVX2_TARGET), always_inline)) static inline float dotd6_t(mul32_fn mul, const int8_t *q,
+                                                                               const float *d16, const int8_t *a,
+                                                                               const float *s, long nb) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (long b = 0; b < nb; b++) {
+        const __m256i p = q6k_product(mul, _mm256_loadu_si256((const __m256i *)(q + b * QK)),
+                                      _mm256_loadu_si256((const __m256i *)(a + b * QK)));
+        const __m256 sc = _mm256_setr_m128(_mm_set1_ps(d16[2 * b] * s[b]), _mm_set1_ps(d16[2 * b + 1] * s[b]));
+        acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc[b & 1]);
+    }
+    return hsum256(_mm256_add_ps(acc[0], acc[1]));
+}
+__attribute__((target(AVX2_TARGET))) static float dotd6_avx2(const int8_t *q, const float *d16, const int8_t *a,
+                                                             const float *s, long nb) {
+    return dotd6_t(mul32_avx2, q, d16, a, s, nb);
+}
+
 __attribute__((target(AVX2_TARGET))) static float dot_avx2(int qtype, const uint8_t *w, const int8_t *a,
                                                            const float *s, const int32_t *sums, long nb) {
     switch (qtype) {
+    case KV_Q4_K: return dot_q4k_t(mul32_avx2, w, a, s, sums, nb);
+    case KV_Q6_K: return dot_q6k_t(mul32_avx2, w, a, s, nb);
     case KV_Q8_0: return dot_avx2_t(KV_Q8_0, w, a, s, sums, nb);
     case KV_Q4_0: return dot_avx2_t(KV_Q4_0, w, a, s, sums, nb);
     default: return dot_avx2_t(KV_Q4_1, w, a, s, sums, nb);
@@ -337,12 +543,16 @@ __attribute__((target(AVX2_TARGET))) static void dot4_avx2(int qtype, const uint
                                                            const int8_t *a, const float *s, const int32_t *sums,
                                                            long nb, float out[4]) {
     switch (qtype) {
+    case KV_Q4_K:
+    case KV_Q6_K: /* a row at a time: the super-block's unpacking, not the activations' loads, is the cost */
+        for (int j = 0; j < 4; j++) out[j] = dot_avx2(qtype, w + j * row_bytes, a, s, sums, nb);
+        break;
     case KV_Q8_0: dot4_avx2_t(KV_Q8_0, w, row_bytes, a, s, sums, nb, out); break;
     case KV_Q4_0: dot4_avx2_t(KV_Q4_0, w, row_bytes, a, s, sums, nb, out); break;
     default: dot4_avx2_t(KV_Q4_1, w, row_bytes, a, s, sums, nb, out);
     }
 }
-KV_GGUF_GEMM(kv_gguf_gemm_avx2, dot_avx2, dot4_avx2, dotd_avx2, half_f16c)
+KV_GGUF_GEMM(kv_gguf_gemm_avx2, dot_avx2, dot4_avx2, dotd_avx2, dotd6_avx2, half_f16c)
 
 #if KV_Q8_LEVELS >= 2
 #define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
@@ -386,9 +596,20 @@ __attribute__((target(AVX512_TARGET), always_inline)) static inline float dot_av
     return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + extra + tail;
 }
 
+/* The K formats at this level: their avx2 layout (mul32_fn) with vpdpbusd. */
+__attribute__((target(AVX512_TARGET))) static inline __m256i mul32_vnni(__m256i u, __m256i v) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
+}
+__attribute__((target(AVX512_TARGET))) static float dotd6_avx512(const int8_t *q, const float *d16, const int8_t *a,
+                                                                 const float *s, long nb) {
+    return dotd6_t(mul32_vnni, q, d16, a, s, nb);
+}
+
 __attribute__((target(AVX512_TARGET))) static float dot_avx512(int qtype, const uint8_t *w, const int8_t *a,
                                                                const float *s, const int32_t *sums, long nb) {
     switch (qtype) {
+    case KV_Q4_K: return dot_q4k_t(mul32_vnni, w, a, s, sums, nb);
+    case KV_Q6_K: return dot_q6k_t(mul32_vnni, w, a, s, nb);
     case KV_Q8_0: return dot_avx512_t(KV_Q8_0, w, a, s, sums, nb);
     case KV_Q4_0: return dot_avx512_t(KV_Q4_0, w, a, s, sums, nb);
     default: return dot_avx512_t(KV_Q4_1, w, a, s, sums, nb);
@@ -473,11 +694,15 @@ __attribute__((target(AVX512_TARGET))) static void dot4_avx512(int qtype, const 
                                                                const int8_t *a, const float *s, const int32_t *sums,
                                                                long nb, float out[4]) {
     switch (qtype) {
+    case KV_Q4_K:
+    case KV_Q6_K: /* as at avx2 */
+        for (int j = 0; j < 4; j++) out[j] = dot_avx512(qtype, w + j * row_bytes, a, s, sums, nb);
+        break;
     case KV_Q8_0: dot4_avx512_t(KV_Q8_0, w, row_bytes, a, s, sums, nb, out); break;
     case KV_Q4_0: dot4_vnni256_t(KV_Q4_0, w, row_bytes, a, s, sums, nb, out); break;
     default: dot4_vnni256_t(KV_Q4_1, w, row_bytes, a, s, sums, nb, out);
     }
 }
-KV_GGUF_GEMM(kv_gguf_gemm_avx512, dot_avx512, dot4_avx512, dotd_avx512, half_f16c)
+KV_GGUF_GEMM(kv_gguf_gemm_avx512, dot_avx512, dot4_avx512, dotd_avx512, dotd6_avx512, half_f16c)
 #endif /* KV_Q8_LEVELS >= 2 */
 #endif /* KV_X86 && KV_Q8_LEVELS >= 1 */

@@ -1,9 +1,10 @@
 """``--quant gguf``: products on a GGUF file's own quantized blocks (``gguf_kernels.c``).
 
 The weights stay as the file has them (``kvfleet_models.gguf_blocks.BlockTensor``: Q8_0, Q4_0,
-Q4_1), with no float copy beside them; every call quantizes its float32 input per row and block
-of 32 to int8 with the block's integer sum (llama.cpp's Q8_1 scheme for activations: Q4_1's
-min term needs the sum) and multiplies in integers at the kernel level picked once at load,
+Q4_1, Q4_K, Q6_K), with no float copy beside them; every call quantizes its float32 input per row
+and block of 32 to int8 with the block's integer sum (llama.cpp's Q8_1 scheme for activations:
+Q4_1's and Q4_K's min terms need the sum; Q4_K's sub-blocks of 32 are the activations' blocks,
+Q6_K's groups of 16 halves of them, so every product is exact in integers per scale) and multiplies in integers at the kernel level picked once at load,
 the q8 kernels' levels (scalar / avx2 / avx512 VNNI, ``KVFLEET_Q8_LEVEL`` forcing a lower one).
 
 A projection of the model may be several tensors stacked along its output (q, k and v; gate
