@@ -87,10 +87,10 @@ def _prefix(run: TeacherForced, positions: int) -> TeacherForced:
     return TeacherForced(top1=run.top1[:positions], nll=run.nll[:positions])
 
 
-def _check_level(mode, level, engine, token_ids, float32, min_agreement, max_ppl_ratio) -> None:
+def _check_level(mode, level, engine, token_ids, float32, min_agreement, max_ppl_ratio, whole=True) -> None:
     """A per-level measurement: the whole text, or a slice at the scalar fallback level where a
-    SIMD level exists (see the module docstring)."""
-    fallback = level == "scalar" and len(runnable_levels()) > 1
+    SIMD level exists (see the module docstring), or at every level where not `whole`."""
+    fallback = not whole or (level == "scalar" and len(runnable_levels()) > 1)
     ids = token_ids[:SLICE] if fallback else token_ids
     got = compare(_prefix(float32, len(ids) - 1), teacher_forced(engine, ids))
     _check(f"{mode} ({level})", got, min_agreement, max_ppl_ratio, min_positions=1000 if fallback else 2000)
@@ -132,9 +132,9 @@ def test_gguf_blocks_agree_with_float32_at_every_kernel_level(
 # rest its own blocks: the only matrices a K format can hold (576, its hidden size, is no
 # multiple of 256; llama.cpp's Q4_K_M falls back to other formats there too). Against float32
 # on the file's weights dequantized, measured on the 2-core Intel Xeon (AVX-512 VNNI), whole
-# text: avx512 0.9506 / x1.0051, avx2 0.9497 / x1.0043, scalar 0.9554 / x1.0046; the scalar
-# slice 0.9580 / x1.0011 (README). Held with a margin of 0.02 and 0.01 below / above the
-# worst: the requantized down_proj adds to the activations' rounding, so the 0.95 of the
+# text: avx512 0.9506 / x1.0051, avx2 0.9497 / x1.0043, scalar 0.9554 / x1.0046 (README); on
+# the 1,025-token slice this test reads: avx512 0.9521 / x1.0051, avx2 0.9502 / x1.0012,
+# scalar 0.9580 / x1.0011. Held with a margin of 0.02 and 0.01 below / above the worst: the requantized down_proj adds to the activations' rounding, so the 0.95 of the
 # file's own blocks is not promised for it.
 GGUF_Q4_K_AGREEMENT, GGUF_Q4_K_PPL_RATIO = 0.93, 1.015
 
@@ -151,15 +151,25 @@ def gguf_q4_k_down(gguf_blocks):
     return cfg, {**weights, **q4_k}
 
 
-@pytest.mark.parametrize("level", runnable_levels())
-def test_gguf_q4_k_down_proj_agrees_with_float32_at_every_kernel_level(
+def _served_levels() -> list[str]:
+    """The levels a CPU would serve on: its SIMD levels, or scalar where it has none. (The Q4_K
+    scalar kernels are held to float64 in test_gguf_kernels and inside an engine at every level
+    in test_gguf_engine; measuring quality there too cost 22 s on the slice.)"""
+    simd = [lv for lv in runnable_levels() if lv != "scalar"]
+    return simd or ["scalar"]
+
+
+@pytest.mark.parametrize("level", _served_levels())
+def test_gguf_q4_k_down_proj_agrees_with_float32_at_each_simd_level(
     gguf_q4_k_down, token_ids, float32, level, monkeypatch
 ) -> None:
     monkeypatch.setenv("KVFLEET_Q8_LEVEL", level)
     engine = Engine(gguf_q4_k_down[0], gguf_q4_k_down[1], EngineConfig(num_blocks=BLOCKS, quant="gguf"))
     assert engine.model.kernel_level == level
     assert engine.model.layers[0].down.gguf.parts[0].format.name == "Q4_K"
-    _check_level("gguf Q4_K down", level, engine, token_ids, float32, GGUF_Q4_K_AGREEMENT, GGUF_Q4_K_PPL_RATIO)
+    _check_level(
+        "gguf Q4_K down", level, engine, token_ids, float32, GGUF_Q4_K_AGREEMENT, GGUF_Q4_K_PPL_RATIO, whole=False
+    )
 
 
 def test_gguf_weights_stay_in_the_files_blocks(model, gguf_blocks) -> None:
