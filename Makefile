@@ -52,8 +52,11 @@ $(LLAMACPP_STAMP): $(STAMP)
 	@if CMAKE_ARGS="$(LLAMACPP_CMAKE)" $(BIN)/pip install -q -e '.[bench-llamacpp]'; then touch $@; \
 	else echo "llama-cpp-python did not build: make bench will skip the llama.cpp peer (rm $@ to retry)"; touch $@; fi
 
+# Every mode side by side (float32, bfloat16, int8, gguf) with both peers and the quality table;
+# `make bench BENCH_ARGS=--quick` for a short run (one batch of sessions per concurrency).
+BENCH_ARGS ?=
 bench: install $(LLAMACPP_STAMP)
-	$(BIN)/python -m bench
+	$(BIN)/python -m bench $(BENCH_ARGS)
 
 soak: install
 	$(BIN)/kvfleet soak --model smollm2-135m --sessions 300 --concurrency 64

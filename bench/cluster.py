@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from bench.load import run_load, summarize
 from bench.memory import worker_memory
@@ -29,15 +30,18 @@ class ClusterOptions:
     max_session_tokens: int  # longest prompt + output of the workload
     block_size: int = 16
     quant: str = "none"
+    mode: str = ""  # the engine mode's name where a run measures several side by side
 
     @property
     def name(self) -> str:
-        return f"cluster-{self.workers}w"
+        return f"cluster-{self.workers}w" + (f"-{self.mode}" if self.mode else "")
+
+    @property
+    def num_blocks(self) -> int:
+        # Any worker may be given every session at once; a little slack for the warm-up.
+        return -(-self.max_session_tokens // self.block_size) * self.max_concurrency + 64
 
     def spec(self) -> ClusterSpec:
-        per_session = -(-self.max_session_tokens // self.block_size)
-        # Any worker may be given every session at once; a little slack for the warm-up.
-        num_blocks = per_session * self.max_concurrency + 64
         env = {
             "OMP_NUM_THREADS": str(self.worker_threads),
             "MKL_NUM_THREADS": str(self.worker_threads),
@@ -51,7 +55,7 @@ class ClusterOptions:
             quant=self.quant,
             max_running=max(64, self.max_concurrency),
             prefill_token_budget=self.prefill_token_budget,
-            num_blocks=num_blocks,
+            num_blocks=self.num_blocks,
             block_size=self.block_size,
             kv_views=self.kv_views,
             telemetry=True,
@@ -80,6 +84,18 @@ class BenchCluster:
 
     def stop(self) -> None:
         self.cluster.stop()
+
+    def worker_memory(self) -> dict[str, dict[str, int]]:
+        """Each worker process's resident memory now and its peak (VmRSS, VmHWM), in bytes."""
+        out = {}
+        for name, proc in self.cluster.procs.items():
+            if not name.startswith("worker-"):
+                continue
+            fields = dict(
+                line.split(":", 1) for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines() if ":" in line
+            )
+            out[name] = {str(k): int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM") if k in fields}
+        return out
 
     def run(self, sessions: Sequence[Session], concurrency: int, breakdown: bool) -> dict:
         name = self.options.name

@@ -10,12 +10,13 @@ can help the one and wreck the other, so the harness picks the workers' threads 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
 from kvfleet_models.config import LlamaConfig
+from kvfleet_models.gguf_blocks import BlockTensor
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
 from worker_svc.kv_views_mode import KVViewsMode
 from worker_svc.local import LocalSteps
@@ -24,7 +25,7 @@ from worker_svc.model.cpu_backend import use_cpu_threads
 
 def batch1_decode(
     cfg: LlamaConfig,
-    weights: dict[str, np.ndarray],
+    weights: Mapping[str, np.ndarray | BlockTensor],
     device: str,
     dtype: str,
     kv_views: str,
@@ -77,6 +78,8 @@ def batch1_decode(
             use_cpu_threads(1, engine.model.host_blas, engine.model)
         torch.set_num_threads(saved)
     return {
+        "weight_bytes": engine.weight_bytes,  # what a batch-1 step reads: the roofline's bytes
+        "kv_block_bytes": engine.cache.kv.nbytes // engine.config.num_blocks,
         "tok_s_by_threads": out,
         "best_tok_s": max(out.values()),
         "prompt_len": prompt_len,

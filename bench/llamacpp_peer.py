@@ -83,7 +83,7 @@ class LlamaCppPeer:
 
         self._lc = lc
         lc.llama_backend_init()
-        _quiet(lc)
+        quiet(lc)
         mparams = lc.llama_model_default_params()
         self._model = lc.llama_model_load_from_file(str(gguf).encode(), mparams)
         if not self._model:
@@ -196,7 +196,7 @@ class LlamaCppPeer:
         return PeerRun(len(sessions), concurrency, total, wall, iterations), outputs
 
 
-def _quiet(lc: Any) -> None:
+def quiet(lc: Any) -> None:
     """llama.cpp logs every load to stderr; keep only its errors."""
 
     @lc.llama_log_callback
@@ -204,5 +204,5 @@ def _quiet(lc: Any) -> None:
         if level == 4:  # GGML_LOG_LEVEL_ERROR (5, CONT, continues any level: the load's dots)
             print(text.decode(errors="replace"), end="")
 
-    _quiet.callback = _log  # type: ignore[attr-defined]  # ctypes callbacks must outlive their use
+    quiet.callback = _log  # type: ignore[attr-defined]  # ctypes callbacks must outlive their use
     lc.llama_log_set(_log, ctypes.c_void_p())

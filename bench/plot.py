@@ -66,8 +66,10 @@ def plot_results(doc: dict, json_path: str | Path) -> tuple[Path, Path]:
         if ax.lines:
             ax.legend(fontsize="x-small")
     cfg, machine = doc.get("config", {}), doc.get("machine", {})
+    modes = cfg.get("modes", [])
+    what = f"modes {' / '.join(modes)}" if len(modes) > 1 else str(cfg.get("dtype"))
     fig.suptitle(
-        f"kvfleet bench: {cfg.get('model')} {cfg.get('dtype')} on {machine.get('device')} "
+        f"kvfleet bench: {cfg.get('model')} {what} on {machine.get('device')} "
         f"({machine.get('cores')} cores), kv_views {cfg.get('kv_views')}, "
         f"prefill budget {cfg.get('prefill_token_budget')}",
         fontsize="medium",

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from bench import report
+from bench.bench_modes import CPU_MODES, QUICK_HELP, pick_modes
 from bench.cluster import BenchCluster, ClusterOptions, default_worker_threads
 from bench.plot import plot_results
 from bench.workload import Session, WorkloadSpec, mixed_sessions
@@ -37,8 +38,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (cluster, peer and limits)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--quant", default="none", choices=["none", "int8", "gguf"], help="the workers' --quant")
+    p.add_argument(
+        "--modes",
+        default=None,
+        help=f"engine modes measured side by side, of {','.join(CPU_MODES)} (default: all of them on a "
+        "CPU, float32 elsewhere; --dtype / --quant name one mode instead)",
+    )
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="one mode's dtype")
+    p.add_argument("--quant", default=None, choices=["none", "int8", "gguf"], help="one mode's --quant")
+    p.add_argument("--quick", action="store_true", help="a short run: " + QUICK_HELP)
     p.add_argument("--concurrency", type=_ints, default=(1, 8, 32))
     p.add_argument(
         "--sessions",
@@ -47,7 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="sessions per concurrency, in the same order (default: two static "
         "batches' worth at 8 and 32, so that a freed slot has a session to take)",
     )
-    p.add_argument("--workers", type=_ints, default=(1, 2), help="cluster sizes to measure")
+    p.add_argument(
+        "--workers", type=_ints, default=None, help="cluster sizes to measure (default 1,2 for one mode, 1 for several)"
+    )
     p.add_argument(
         "--worker-threads", default="auto", help="intra-op threads per worker process (auto: see bench/README.md)"
     )
@@ -61,13 +71,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-tokens", type=_ints, default=(16, 128), help="LOW,HIGH")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep-repeats", type=int, default=3)
-    p.add_argument("--skip", default="", help="comma list of parts to skip: limits,engine,cluster,peer,llamacpp,sweep")
+    p.add_argument(
+        "--skip", default="", help="comma list of parts to skip: limits,engine,cluster,peer,llamacpp,sweep,quality"
+    )
     p.add_argument("--llamacpp-threads", type=int, default=0, help="llama.cpp's threads (0 = every core)")
     p.add_argument("--out", default=str(DEFAULT_OUT))
     a = p.parse_args(argv)
+    if a.quick:
+        a.sessions, a.sweep_repeats = tuple(min(c, n) for c, n in zip(a.concurrency, a.sessions)), 1
     if len(a.sessions) != len(a.concurrency):
         p.error("--sessions needs one count per --concurrency value")
     a.skip = {s.strip() for s in a.skip.split(",") if s.strip()}
+    try:
+        a.modes = pick_modes(a.modes, a.dtype, a.quant, a.device)
+    except ValueError as e:
+        p.error(str(e))
+    a.workers = a.workers or ((1, 2) if len(a.modes) == 1 else (1,))
+    # The transformers peer: float32 ("the transformers float32 peer") unless one mode names a dtype.
+    a.peer_dtype = a.modes[0].dtype if len(a.modes) == 1 else "float32"
     return a
 
 
@@ -110,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         },
         "config": {
             "model": a.model,
-            "dtype": a.dtype,
-            "quant": a.quant,
+            "modes": [m.name for m in a.modes],
+            "dtype": a.peer_dtype,  # the transformers peer's
+            "quant": a.modes[0].quant if len(a.modes) == 1 else "none",
             "kv_views": a.kv_views,
             "prefill_token_budget": a.prefill_budget,
             "seed": a.seed,
@@ -120,10 +142,12 @@ def main(argv: list[str] | None = None) -> int:
             "sessions": dict(zip(map(str, a.concurrency), a.sessions)),
         },
     }
-    # Bytes a decoded token reads per weight, in the workers' mode (int8: one byte; its per-row
-    # scales add under 0.1 %).
-    bytes_per_param = 1 if a.quant == "int8" else torch.empty((), dtype=getattr(torch, a.dtype)).element_size()
+    # The machine's CPU and the kernel level our int8 / gguf products run at (the quality table
+    # gives each level's figures).
+    if a.device == "cpu":
+        from bench.quality import cpu_info
 
+        doc["machine"]["cpu"] = cpu_info()
     if "limits" not in a.skip:
         from bench.roofline import decode_bounds, matmul_gflops, memory_bandwidth_gbs
 
@@ -133,13 +157,18 @@ def main(argv: list[str] | None = None) -> int:
         doc["limits"] = {
             "bandwidth_gbs": bw,
             "matmul_gflops": fl,
-            **decode_bounds(cfg, bytes_per_param, bw["best"], fl["best"]),
+            **decode_bounds(cfg, 4, bw["best"], fl["best"]),  # float32's; each mode's: report.roofline
         }
     if "engine" not in a.skip:
         from bench.engine_probe import batch1_decode
+        from kvfleet_models.registry import load_model_blocks
 
-        say("engine alone: batch-1 decode at each thread count")
-        doc["engine_batch1"] = batch1_decode(cfg, weights, a.device, a.dtype, a.kv_views, threads, quant=a.quant)
+        doc["engine_batch1"] = {}
+        for m in a.modes:
+            say(f"engine alone, {m.name}: batch-1 decode at each thread count")
+            w = load_model_blocks(a.model)[1] if m.quant == "gguf" else weights
+            doc["engine_batch1"][m.name] = batch1_decode(cfg, w, a.device, m.dtype, a.kv_views, threads, quant=m.quant)
+            del w
     del weights
 
     clusters: list[BenchCluster] = []
@@ -149,19 +178,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if "cluster" not in a.skip:
             warm = [Session(s.prompt[:16], 4) for s in workload[:4]]
-            for w in a.workers:
+            for m, w in [(m, w) for m in a.modes for w in a.workers]:
                 n = (
                     int(a.worker_threads)
                     if a.worker_threads != "auto"
-                    else default_worker_threads(a.device, w, cores, doc.get("engine_batch1"))
+                    else default_worker_threads(a.device, w, cores, doc.get("engine_batch1", {}).get(m.name))
                 )
                 opts = ClusterOptions(
                     workers=w,
                     worker_threads=n,
                     model=a.model,
                     device=a.device,
-                    dtype=a.dtype,
-                    quant=a.quant,
+                    dtype=m.dtype,
+                    quant=m.quant,
+                    mode=m.name if len(a.modes) > 1 else "",
                     kv_views=a.kv_views,
                     prefill_token_budget=a.prefill_budget,
                     max_concurrency=max(a.concurrency),
@@ -172,16 +202,19 @@ def main(argv: list[str] | None = None) -> int:
                 clusters.append(c)
                 c.start(warm)
                 doc.setdefault("clusters", {})[opts.name] = {
+                    "mode": m.name,
                     "workers": w,
                     "worker_threads": n,
+                    "num_blocks": opts.num_blocks,
                     "log_dir": str(c.cluster.log_dir),
                     "idle_memory": c.idle_memory,
+                    "worker_memory_idle": c.worker_memory(),  # after the warm-up, before any load
                 }
         if "peer" not in a.skip:
             from bench.peer import load_peer, pick_threads
 
             say("loading the peer (transformers, same GGUF)")
-            peer = load_peer(a.model, a.device, a.dtype)
+            peer = load_peer(a.model, a.device, a.peer_dtype)
             doc["peer_threads"] = pick_threads(peer, workload, a.device, a.peer_threads or threads)
             say(f"peer threads: {doc['peer_threads']}")
         if "llamacpp" not in a.skip:
@@ -216,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                 run, _ = llama.run(sessions, conc, a.prefill_budget, progress=_prefixed(say, f"llama.cpp c={conc}: "))
                 results.setdefault("llama.cpp", []).append({**run.row(), "loadavg_1m_before": load})
                 say.advance(message=f"llama.cpp c={conc}: {run.tok_per_s:.1f} tok/s")
+        for c in clusters:
+            doc["clusters"][c.options.name]["worker_memory_after"] = c.worker_memory()
     finally:
         for c in clusters:
             c.stop()
@@ -231,11 +266,29 @@ def main(argv: list[str] | None = None) -> int:
         doc["tiny_sweep"] = sweep_ticks_per_s(
             repeats=a.sweep_repeats, extra_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}, progress=say
         )
+    if "quality" not in a.skip and a.device == "cpu" and a.model == "smollm2-135m":
+        from bench import quality
+        from bench.peer import gguf_path
+        from worker_svc.model.q8 import runnable_levels
+
+        # The whole text at every level takes ~10 minutes on 2 busy cores: the bench takes the
+        # best level and, with --quick, a slice (python -m bench.quality runs all of it).
+        tokens = quality.QUICK_TOKENS if a.quick else 0
+        say(f"quality: teacher-forced, {tokens or 'all'} tokens, level {runnable_levels()[-1]}")
+        path = gguf_path(a.model)
+        levels = runnable_levels()[-1:]
+        bar = quality.progress_for(levels, True)
+        doc["quality"] = quality.measure(path, path, levels, tokens, cores, True, bar)
+        bar.close()
     doc["ratios"] = report.ratios(doc, breakdown_concurrency=a.breakdown_concurrency)
     doc["targets"] = report.targets(doc)
     doc["total_s"] = round(say.elapsed_s, 1)
     say.close()
     print(report.table(doc))
+    if "quality" in doc:
+        from bench.quality_table import table as quality_table
+
+        print("\n" + quality_table(doc["quality"]))
     Path(a.out).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     png, svg = plot_results(doc, a.out)
     print(f"wrote {a.out}, {png} and {svg}", file=sys.stderr)

@@ -83,13 +83,21 @@ def teacher_forced(
             st = replace(st, sample_rows=torch.arange(n, device=model.device))  # every row
             logits = model.forward(st, engine.cache, engine.views, PhaseTimes())  # [n, V]
             targets = torch.tensor(ids[start + 1 : start + n + 1])
-            rows = len(targets)  # the last chunk's last token has no target
-            logp = torch.log_softmax(logits[:rows].double(), dim=-1)
-            nll.append(-logp.gather(1, targets[:, None])[:, 0].cpu().numpy())
-            top1.append(torch.argmax(logits[:rows], dim=-1).cpu().numpy())
+            part = score(logits[: len(targets)], targets)  # the last chunk's last token has no target
+            top1.append(part.top1)
+            nll.append(part.nll)
     finally:
         engine.release([session_id])
     return TeacherForced(np.concatenate(top1), np.concatenate(nll))
+
+
+def score(logits: torch.Tensor, targets: torch.Tensor) -> TeacherForced:
+    """Each row's argmax and the NLL of its target: logits [n, V] after each prefix, targets
+    [n] the tokens that followed. Shared with bench/quality.py, which scores llama.cpp's logits
+    the same way."""
+    logp = torch.log_softmax(logits.double(), dim=-1)  # float64: a 2,000-position mean of small NLLs
+    nll = -logp.gather(1, targets.to(logits.device)[:, None].long())[:, 0]
+    return TeacherForced(torch.argmax(logits, dim=-1).cpu().numpy(), nll.cpu().numpy())
 
 
 def compare(base: TeacherForced, test: TeacherForced) -> Agreement:
