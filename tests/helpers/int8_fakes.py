@@ -11,6 +11,9 @@ class Unrounded:
     def __init__(self, w: torch.Tensor) -> None:
         self.w, self.nbytes = w.clone(), 4 * w.numel()
 
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        return self.w.index_select(0, index)
+
     def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         y = x @ self.w.t()
         return y if out is None else out.add_(y)

@@ -26,7 +26,7 @@ from worker_svc.model import q8
 
 GREEDY = SamplingSpec()
 # Untied GQA and tied MHA: the o-projection fold differs when query heads share a kv head, and
-# a tied head keeps a float table for the lookup.
+# a tied head's lookup reads the int8 head's rows.
 GQA = GQA_CFG
 TIED = LlamaConfig(
     name="tiny-tied",
@@ -110,12 +110,12 @@ def test_int8_sizes_threads_and_info() -> None:
     assert q.parameter_count == f32.parameter_count == sum(w.size for w in weights.values())
     matrices = [m for layer in q.model.layers for m in layer.matrices()] + [q.model.lm_head]
     assert all(m.q8 is not None and m.kn is None and m.nk is None for m in matrices)
-    # int8 products (rows padded to blocks of 32) + a scale per block, float32 norms and the
-    # tied head's float lookup table.
-    embed = weights["model.embed_tokens.weight"].size
+    # int8 products (rows padded to blocks of 32) + a scale per block and float32 norms: the
+    # tied head is the lookup table too, no float copy beside it.
     vectors = q.parameter_count - sum(m.numel for m in matrices)
     padded = [m.shape[0] * -(-m.shape[1] // 32) * 32 for m in matrices]
-    assert q.weight_bytes == sum(n + 4 * n // 32 for n in padded) + 4 * (vectors + embed)
+    assert q.weight_bytes == sum(n + 4 * n // 32 for n in padded) + 4 * vectors
+    assert q.model.embed is None
     assert q.kv_bytes_per_token == f32.kv_bytes_per_token
     info = info_to_pb("w", cfg, q, 4, 16, "i0")
     assert isinstance(info, pb.WorkerInfo) and info.quant == "int8" and info.dtype == "float32"
@@ -189,7 +189,12 @@ def test_int8_is_a_transform_of_the_weights_that_leaves_its_input_alone() -> Non
     quantized, level = int8.quantize(TIED, weights)
     assert level in (*q8.LEVELS, "torch")
     assert all(m.q8 is not None and m.nk is None for layer in quantized.layers for m in layer.matrices())
-    assert quantized.lm_head.q8 is not None and quantized.embed is not None  # tied: the float table stays
+    assert quantized.lm_head.q8 is not None and quantized.embed is None  # tied: the int8 head alone
+    # Its lookup: the head's rows dequantized, the smoothing undone, near the float rows.
+    tokens = torch.tensor([0, 5, TIED.vocab_size - 1])
+    want = model.lm_head.nk.index_select(0, tokens)
+    got = quantized.embed_rows(tokens)
+    assert got.shape == want.shape and (got - want).abs().max() <= 0.01 * want.abs().max()
     after = [m.nk for layer in model.layers for m in layer.matrices()]
     assert all(torch.equal(a, b) for a, b in zip(before, after)) and model.lm_head.q8 is None
     tree = ast.parse(Path(int8.__file__).read_text())

@@ -11,8 +11,9 @@ On the 2-core Intel Xeon (AVX-512 VNNI): int8 at the avx512 / avx2 / scalar leve
 0.965 / 0.964, bfloat16 0.980 / 1.0003. Int8 and --quant gguf are measured at every kernel
 level the CPU runs: the whole text at the best level (the one a worker serves with), and the
 text's first 1,025 tokens at every other level (AVX2 under AVX-512; the scalar fallback, 3x
-slower than AVX2: 47 s for the whole text on the Xeon). Int8 on that slice: scalar 0.964 /
-x1.0003, avx2 0.967 / x0.9997 (the whole text: 0.964 / x0.9999 and 0.965 / x1.0006).
+slower than AVX2: 47 s for the whole text on the Xeon). Int8 with its tied embedding read from
+the int8 head: avx512 0.967 / x0.9993 on the whole text, on the slice avx2 0.972 / x0.9975 and
+scalar 0.962 / x1.0011.
 """
 
 from __future__ import annotations

@@ -162,7 +162,8 @@ def quantize(
         weights,
         layers=layers,
         norm=weights.norm / s_head,
-        embed=weights.embed if weights.embed is not None else head,  # tied: the lookup keeps the float table
+        embed=weights.embed,  # None where tied: the rows are read from the int8 head below
+        embed_unsmooth=(1.0 / s_head) if weights.embed is None else None,
         lm_head=q8(head * s_head),
     )
     return quantized, kernels.level if kernels is not None else "torch"

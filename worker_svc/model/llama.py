@@ -39,8 +39,9 @@ Weights are prepared once for this forward, not kept in the checkpoint's form:
     on GPUs everything stays bfloat16;
   * with ``quant="int8"`` (CPU, float32) every projection and the LM head are int8 weights in
     blocks of 32 with their own scales (``q8``, inputs quantized alike per call); attention, norms, RoPE and the
-    KV cache stay float32, attention on numpy's BLAS as in the float32 path. The embedding stays
-    float32 for the lookup (a tied head is then a float table plus its int8 copy).
+    KV cache stay float32, attention on numpy's BLAS as in the float32 path. An untied embedding stays
+    a float32 table; a tied one is the int8 head alone, a row looked up dequantized and its
+    smoothing undone (``ModelWeights.embed_rows``): no float copy beside the packed one.
 
 On a CPU the small ops between the products (the RMS norms, each fused with the residual add
 before it, RoPE, a decode group's attention) are hand-fused C (``fused``) where a C
@@ -378,6 +379,7 @@ class LlamaModel:
         self.layers, self.norm, self.embed = prepared.layers, prepared.norm, prepared.embed
         self.lm_head, self.rotary, self.local_rotary = prepared.lm_head, prepared.rotary, prepared.local_rotary
         self.embed_scale = prepared.embed_scale
+        self._weights = prepared  # its embed_rows: the lookup of a float table or an int8 tied head
         self.fused: fused.FusedOps | None = None
         # The C ops work on float32 CPU tensors: every CPU mode's activations are float32.
         if self.plan.fused_ops:
@@ -408,8 +410,8 @@ class LlamaModel:
 
     def sizes(self) -> tuple[int, int]:
         """(parameters, bytes) of the weights, each distinct parameter counted once: a tied
-        head is the embedding's parameters (its bytes every copy it is held in: under int8 the
-        float table plus the int8 copy, under bfloat16 on a CPU the rows plus oneDNN's)."""
+        head is the embedding's parameters (its bytes every copy it is held in: under bfloat16 on a
+        CPU the rows plus oneDNN's; under int8 the one int8 copy, whose rows the lookup reads)."""
         matrices = [self.lm_head] + [m for layer in self.layers for m in layer.matrices()]
         vectors = [self.norm] + [v for layer in self.layers for v in layer.vectors()]
         params = sum(m.numel for m in matrices) + sum(v.numel() for v in vectors)
@@ -427,12 +429,9 @@ class LlamaModel:
         return params, nbytes
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.embed_blocks is not None:  # quant="gguf": only these rows dequantized
-            rows = self.embed_blocks.rows(tokens)  # [T, hidden]
-        else:
-            table = self.embed if self.embed is not None else self.lm_head.nk
-            assert table is not None
-            rows = table.index_select(0, tokens)  # [T, hidden]
+        if self.embed_blocks is None:  # a float table, or int8's tied head: only these rows read
+            return self._weights.embed_rows(tokens).to(self.act_dtype)  # [T, hidden]
+        rows = self.embed_blocks.rows(tokens)  # quant="gguf": only these rows dequantized
         if self.embed_scale is not None:  # Gemma: in the table's dtype, as transformers
             rows = rows * self.embed_scale.to(rows.dtype)
         return rows.to(self.act_dtype)

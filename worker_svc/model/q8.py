@@ -85,6 +85,12 @@ class Q8Weight:
             return y if out is None else out.add_(y)
         return self.kernels.linear(x, self, out)
 
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """float32 [T, K] of the rows ``index`` [T] alone (a tied int8 head read as the embedding)."""
+        kp = self.qs.shape[1]
+        qs = self.qs.index_select(0, index).view(-1, kp // QK, QK).float()
+        return (qs * self.scales.index_select(0, index)[:, :, None]).view(-1, kp)[:, : self.in_features]
+
     @property
     def out_features(self) -> int:
         return self.qs.shape[0]

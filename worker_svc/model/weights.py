@@ -51,21 +51,23 @@ class ModelWeights:
     # Gemma: sqrt(hidden) as a 0-d tensor of the weights' dtype (transformers rounds it to the
     # embedding's dtype), multiplying each looked-up row; None: rows as they are.
     embed_scale: torch.Tensor | None = None
+    # A tied head quantized to int8 (int8.quantize): no float table is kept; a row is the head's
+    # row dequantized times this [hidden], 1 / the head's smoothing scale.
+    embed_unsmooth: torch.Tensor | None = None
 
     def rotary_of(self, local: bool) -> torch.Tensor:
         return self.local_rotary if local and self.local_rotary is not None else self.rotary
 
     def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
         """[T, hidden] the (scaled) embedding rows of ``tokens`` [T]."""
-        rows = self.lookup.index_select(0, tokens)
+        if self.embed is None and self.lm_head.q8 is not None:
+            assert self.embed_unsmooth is not None, "an int8 tied head needs its smoothing to undo"
+            rows = self.lm_head.q8.rows(tokens) * self.embed_unsmooth
+        else:
+            table = self.embed if self.embed is not None else self.lm_head.nk  # a float tied head's own rows
+            assert table is not None
+            rows = table.index_select(0, tokens)
         return rows if self.embed_scale is None else rows * self.embed_scale.to(rows.dtype)
-
-    @property
-    def lookup(self) -> torch.Tensor:
-        """The embedding rows (the head's own, for a tied head kept in float)."""
-        table = self.embed if self.embed is not None else self.lm_head.nk
-        assert table is not None, "a quantized tied head keeps its float table in embed"
-        return table
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
