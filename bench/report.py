@@ -80,8 +80,12 @@ def rss_bound(doc: dict, cluster: str) -> dict | None:
     info = doc.get("clusters", {}).get(cluster, {})
     rows = info.get("idle_memory")
     if rows:  # the workers' own figures (GetStats RSS, GetInfo weights and pool): bench.memory
-        worst = max(rows, key=lambda m: m["rss_bytes"] / m["bound_bytes"])
-        return {"rss_bytes": worst["rss_bytes"], "bound_bytes": worst["bound_bytes"]}
+        # The bound holds the worker's own memory (private_bytes; RSS where a run predates it).
+        def held(m: dict) -> int:
+            return m.get("private_bytes") or m["rss_bytes"]
+
+        worst = max(rows, key=lambda m: held(m) / m["bound_bytes"])
+        return {"rss_bytes": held(worst), "bound_bytes": worst["bound_bytes"]}
     # A results file from before the workers reported their pool: the engine probe's figures.
     probe = doc.get("engine_batch1", {}).get(info.get("mode", ""))
     idle = info.get("worker_memory_idle")
@@ -194,7 +198,8 @@ def table(doc: dict) -> str:
         for m in c.get("idle_memory", []):  # bench.memory's rows: issue 25's bound
             headroom = m["bound_bytes"] - m["weight_bytes"] - m["kv_pool_bytes"]
             lines.append(
-                f"{name} {m['worker']} at idle: RSS {m['rss_bytes'] / 1e6:.0f} MB, bound {m['bound_bytes'] / 1e6:.0f} MB "
+                f"{name} {m['worker']} at idle: RSS {m['rss_bytes'] / 1e6:.0f} MB, its own "
+                f"{m.get('private_bytes', 0) / 1e6:.0f} MB, bound {m['bound_bytes'] / 1e6:.0f} MB "
                 f"(weights {m['weight_bytes'] / 1e6:.0f} + KV pool {m['kv_pool_bytes'] / 1e6:.0f} + {headroom / 1e6:.0f})"
                 + ("" if m["within_bound"] else " OVER")
             )

@@ -19,7 +19,7 @@ import numpy as np
 from kvfleet.v1 import worker_pb2 as pb
 from kvfleet.v1 import worker_pb2_grpc as pb_grpc
 from kvfleet_common import grpcutil
-from kvfleet_common.procinfo import resident_bytes
+from kvfleet_common.procinfo import private_bytes, resident_bytes
 from kvfleet_common.security import WorkerAuthInterceptor, authorize_peer
 from kvfleet_common.tracing import extract_context
 from kvfleet_models.config import LlamaConfig
@@ -228,6 +228,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             rss_bytes=resident_bytes(),
+            private_bytes=private_bytes(),
         )
 
 
@@ -272,7 +273,12 @@ def build_engine(
     del weights, model  # the checkpoint's arrays: the engine holds its own (a caller's load is its own)
     release_freed_memory()
     plan = MemoryPlan(engine.weight_bytes, config.quant if config.quant != "none" else config.dtype, kv)
-    log.info("memory: %s; resident now %.0f MB", plan.describe(), resident_bytes() / 1e6)
+    log.info(
+        "memory: %s; resident now %.0f MB, of which its own %.0f MB",
+        plan.describe(),
+        resident_bytes() / 1e6,
+        private_bytes() / 1e6,
+    )
     return cfg, engine
 
 

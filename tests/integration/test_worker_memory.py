@@ -100,6 +100,11 @@ def test_a_real_worker_s_idle_memory_is_within_its_weights_pool_and_headroom() -
     got = idle_memory(SMOLLM2, list(MODES), num_blocks=64)
     for mode, m in got.items():
         assert m.within, f"{mode}: {m.row()}"
+        assert 0 < m.private_bytes <= m.rss_bytes, m.row()
+        # Tighter than the promise, so that a float copy beside packed weights (int8's 113 MB
+        # tied head, say) fails: the worker's own memory beyond weights and pool measured
+        # 236-245 MB in every mode (Intel Xeon, 2026-12-05).
+        assert m.private_bytes <= m.weight_bytes + m.kv_pool_bytes + 300 * 10**6, f"{mode}: {m.row()}"
     # weight_bytes is the serving format's size, not the float checkpoint's.
     w = {mode: m.weight_bytes for mode, m in got.items()}
     assert w["gguf"] < w["int8"] < w["bfloat16"] < w["float32"], w
