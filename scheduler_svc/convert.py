@@ -204,6 +204,7 @@ def add_worker_pb(resp: spb.ListWorkersResponse, view: WorkerView) -> None:
         weight_bytes=info.weight_bytes,
         kv_bytes_per_token=info.kv_bytes_per_token,
         rss_bytes=view.rss_bytes,
+        private_bytes=view.private_bytes,
     )
 
 

@@ -47,7 +47,7 @@ class WorkerFleet:
         # alongside the next tick's steps), so forgetting costs no round trip of its own. Their
         # blocks are free at once: the core owns them.
         self._pending_release: dict[str, list[str]] = {}
-        self._rss_bytes: dict[str, int] = {}  # each worker's resident memory, from its GetStats
+        self._rss_bytes: dict[str, tuple[int, int]] = {}  # each worker's (RSS, its own part), from its GetStats
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self._clients.values()), return_exceptions=True)
@@ -188,7 +188,7 @@ class WorkerFleet:
         except WorkerCallFailed as exc:
             log.warning("could not read worker %s's stats: %s", worker_id, exc)
             return
-        self._rss_bytes[worker_id] = held.rss_bytes
+        self._rss_bytes[worker_id] = (held.rss_bytes, held.private_bytes)
 
     # ---- views ---------------------------------------------------------------------------------------
 
@@ -201,8 +201,8 @@ class WorkerFleet:
                 views.append(WorkerView(client, False, 0, 0, 0))
                 continue
             held = sum(self._core.session(s).kv_tokens for s in slot.sessions)
-            rss = self._rss_bytes.get(wid, 0)
-            views.append(WorkerView(client, slot.live, len(slot.sessions), held, slot.reserved_tokens, rss))
+            rss, own = self._rss_bytes.get(wid, (0, 0))
+            views.append(WorkerView(client, slot.live, len(slot.sessions), held, slot.reserved_tokens, rss, own))
         return views
 
     def model_info(self) -> wpb.WorkerInfo | None:

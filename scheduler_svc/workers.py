@@ -64,6 +64,7 @@ class HeldSessions:
     used_blocks: int
     free_blocks: int
     rss_bytes: int = 0  # the worker process's resident memory
+    private_bytes: int = 0  # of which its own (RSS less shared library pages)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class WorkerView:
     kv_tokens: int
     reserved_tokens: int
     rss_bytes: int = 0  # as the worker last reported it (0: not yet)
+    private_bytes: int = 0  # the same, its own part
 
 
 @dataclass
@@ -189,7 +191,7 @@ class WorkerClient:
             s = await self.stub.GetStats(wpb.GetStatsRequest(), timeout=timeout, metadata=self.auth)
         except grpc.aio.AioRpcError as exc:
             raise WorkerCallFailed(self.address, exc.code(), exc.details() or "") from exc
-        return HeldSessions(s.active_sessions, s.used_blocks, s.free_blocks, s.rss_bytes)
+        return HeldSessions(s.active_sessions, s.used_blocks, s.free_blocks, s.rss_bytes, s.private_bytes)
 
     async def close(self) -> None:
         await self.channel.close()

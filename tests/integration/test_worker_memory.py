@@ -37,6 +37,7 @@ def test_resident_memory_is_reported_by_the_worker_and_the_scheduler(capsys: pyt
     assert int(row["kv_pool_bytes"]) == pool > 0
     assert int(row["rss_bound_bytes"]) == int(row["weight_bytes"]) + pool + RSS_HEADROOM_BYTES
     assert 0 < int(row["rss_bytes"]) <= int(row["rss_bound_bytes"]), row
+    assert 0 < int(row["private_bytes"]) <= int(row["rss_bytes"]), row  # its own part, which the bound holds
 
 
 def _logits(model: LlamaModel, threads: int) -> np.ndarray:
