@@ -96,6 +96,7 @@ def test_zero_rows_and_blocks() -> None:
 
 
 def test_levels_follow_the_cpu_flags_and_are_refused_beyond_them(monkeypatch) -> None:
+    monkeypatch.delenv(q8.LEVEL_ENV, raising=False)  # the default is under test, not the caller's choice
     assert q8.runnable_levels(CpuFeatures(frozenset())) == ("scalar",)
     assert q8.runnable_levels(CpuFeatures(frozenset({"avx2", "fma"}))) == ("scalar", "avx2")
     vnni = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
