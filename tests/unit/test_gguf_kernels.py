@@ -26,6 +26,7 @@ import torch
 from kvfleet_models.gguf_blocks import FORMATS, QK_K, BlockTensor
 from tests.helpers import kquants
 from worker_svc.model import gguf_quant, q8
+from worker_svc.model.gguf_packed import RowGroups
 
 K_FORMATS = [f for f in FORMATS if FORMATS[f].block_weights == QK_K]
 
@@ -56,8 +57,9 @@ def _input(m: int, k: int, seed: int) -> torch.Tensor:
     return torch.randn(m, k, generator=g) * torch.rand(k, generator=g).pow(4) * 50
 
 
-# (N, K): K of 1 and 3 blocks (odd), 2 blocks, N not a multiple of 4; smollm2's qkv and down.
-SHAPES = [(7, 32), (5, 96), (13, 64), (960, 576), (576, 1536)]
+# (N, K): K of 1 and 3 blocks (odd), 2 blocks, N not a multiple of 4; two groups of 16 rows
+# and 3 more (gguf_packed); smollm2's qkv and down.
+SHAPES = [(7, 32), (5, 96), (13, 64), (35, 96), (960, 576), (576, 1536)]
 # The K formats: 1, 3 (odd) and 2 super-blocks; down_proj's (576 is no multiple of 256).
 K_SHAPES = [(7, 256), (5, 768), (13, 512), (576, 1536)]
 CASES = [(f, n, k) for f in FORMATS for n, k in (K_SHAPES if f in K_FORMATS else SHAPES)]
@@ -122,7 +124,7 @@ def test_c_input_quantizer_equals_the_references(level: str) -> None:
 
 @pytest.mark.parametrize("level", q8.LEVELS)
 @pytest.mark.parametrize("fmt, n, k", CASES)
-@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("m", [1, 3, 6, 17])
 def test_every_level_equals_the_reference(level: str, fmt: str, n: int, k: int, m: int) -> None:
     kernels = _kernels(level)
     w = gguf_quant.stack([(_blocks(fmt, _weight(n, k, seed=n + k)), 1.0)], kernels)
@@ -161,16 +163,45 @@ def test_q8_0_weights_at_minus_128_do_not_overflow(level: str) -> None:
     """A file's Q8_0 may hold -128 (the gguf package never writes it, other quantizers may):
     |w| is taken as unsigned, so -128 * -127 is exact at every level."""
     kernels = _kernels(level)
-    k = 96
-    data = np.zeros((2, k // 32 * 34), dtype=np.uint8)
-    blocks = data.reshape(2, k // 32, 34)
+    k, n = 96, 18  # a group of 16 rows and two in the file's layout, each path both ways
+    data = np.zeros((n, k // 32 * 34), dtype=np.uint8)
+    blocks = data.reshape(n, k // 32, 34)
     blocks[:, :, 0:2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)  # d = 1
-    blocks[0, :, 2:] = np.uint8(0x80)  # every weight -128
-    blocks[1, :, 2:] = np.uint8(127)
+    blocks[0::2, :, 2:] = np.uint8(0x80)  # every weight -128
+    blocks[1::2, :, 2:] = np.uint8(127)
     w = gguf_quant.stack([(BlockTensor(FORMATS["Q8_0"], data, k), 1.0)], kernels)
     x = torch.full((1, k), -1.0)  # quantized to -127, scale 1/127
     got = w.linear(x)
-    np.testing.assert_allclose(got.numpy(), [[128.0 * k, -127.0 * k]], rtol=1e-6)
+    np.testing.assert_allclose(got.numpy(), [[128.0 * k, -127.0 * k] * (n // 2)], rtol=1e-6)
+
+
+@pytest.mark.parametrize("level", q8.LEVELS)
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+def test_simd_levels_keep_row_groups_of_the_same_bytes(level: str, fmt: str) -> None:
+    """At the SIMD levels a Q8_0 / Q4 weight is stored in groups of 16 rows (gguf_packed): the
+    file's bytes, reordered, none added; its rows read back as the file's (the reference
+    product and the tied lookup read them so), whole and by index. The scalar level keeps
+    the file's layout."""
+    kernels = _kernels(level)
+    blocks = _blocks(fmt, _weight(35, 96, seed=10))
+    w = gguf_quant.stack([(blocks, 1.0)], kernels)
+    part = w.parts[0]
+    if level == "scalar":
+        assert isinstance(part, BlockTensor)
+        return
+    assert isinstance(part, RowGroups) and part.groups == 2 and part.nbytes == blocks.nbytes
+    assert not np.array_equal(part.packed[: 32 * blocks.data.shape[1]], blocks.data[:32].reshape(-1))
+    assert np.array_equal(part.data, blocks.data)
+    index = np.array([34, 0, 17, 15, 16, 34])
+    assert np.array_equal(part.file_rows(index), blocks.data[index])
+    assert np.array_equal(part.dequantize(index), blocks.dequantize(index))
+    # the layout itself: row 5's block 1 has its d at lane 5 of group 0's block 1, and its
+    # payload bytes 4..7 in chunk 1 at lane 5
+    bb, head = FORMATS[fmt].block_bytes, 2 if fmt != "Q4_1" else 4
+    group_block = part.packed[16 * bb : 32 * bb]
+    assert bytes(group_block[10:12]) == bytes(blocks.data[5, bb : bb + 2])
+    at = 16 * head + 64 + 5 * 4
+    assert bytes(group_block[at : at + 4]) == bytes(blocks.data[5, bb + head + 4 : bb + head + 8])
 
 
 def test_tied_lookup_dequantizes_only_the_rows_read() -> None:

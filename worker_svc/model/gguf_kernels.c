@@ -239,6 +239,73 @@ static void gemm(dot_fn dot, dot4_fn dot4, dotd_fn dotd, dotd6_fn dotd6, float (
         gemm(DOT, DOT4, DOTD, DOTD6, HALF, qtype, w, n, k, a, s, sums, m, scale, y, ldy, accumulate);      \
     }
 
+/* Row groups (gguf_packed.py): Q8_0 / Q4_0 / Q4_1 at the SIMD levels keep each 16 rows' blocks
+ * interleaved, block by block: the 16 fp16 d (then Q4_1's 16 fp16 m), then the payload in
+ * chunks of 4 bytes a row (chunk c: bytes 4c..4c+3 of each row's block, 64 bytes). A chunk
+ * is then one vector whose 32-bit lanes are the 16 rows, multiplied by the 4 activations it
+ * pairs with broadcast (Q8_0's chunk i and a Q4 block's low nibbles of chunk i: activations
+ * 4i..4i+3; its high nibbles: 16 + 4i..): the rows come out side by side, the scales load as
+ * one vector, and nothing is summed across lanes. The last n % 16 rows follow in the file's
+ * layout and take the row-at-a-time path. */
+#define GROUP 16
+#define GROUP_RMAX 4 /* activation rows one call of a group kernel takes */
+/* out [R * 16]: R (<= GROUP_RMAX) activation rows (a, s, sums from the first, k / nb apart)
+ * times the 16 rows of the group at g. */
+typedef void (*group_fn)(int qtype, int R, const uint8_t *g, long nb, const int8_t *a, long k, const float *s,
+                         const int32_t *sums, float *out);
+
+/* Groups are shared out among OpenMP threads; a group's blocks (at most 26 KB for K = 1536 at
+ * Q8_0) stay in L1 while the activation rows pass over them GROUP_RMAX at a time. */
+static void gemm16(group_fn group, dot_fn dot, dot4_fn dot4, dotd_fn dotd, dotd6_fn dotd6,
+                   float (*half)(const uint8_t *), int qtype, const uint8_t *w, long n, long k, const int8_t *a,
+                   const float *s, const int32_t *sums, long m, const float *scale, float *y, long ldy,
+                   int accumulate) {
+    const long nb = k / QK, groups = n / GROUP, group_bytes = nb * GROUP * BLOCK_BYTES[qtype];
+#pragma omp parallel for schedule(static)
+    for (long g = 0; g < groups; g++) {
+        float out[GROUP_RMAX * GROUP];
+        for (long r0 = 0; r0 < m; r0 += GROUP_RMAX) {
+            const int rows = m - r0 < GROUP_RMAX ? (int)(m - r0) : GROUP_RMAX;
+            group(qtype, rows, w + g * group_bytes, nb, a + r0 * k, k, s + r0 * nb, sums + r0 * nb, out);
+            for (int r = 0; r < rows; r++)
+                for (int j = 0; j < GROUP; j++)
+                    put(y, ldy, r0 + r, g * GROUP + j, out[r * GROUP + j], scale, accumulate);
+        }
+    }
+    if (n > groups * GROUP)
+        gemm(dot, dot4, dotd, dotd6, half, qtype, w + groups * group_bytes, n - groups * GROUP, k, a, s, sums, m,
+             scale ? scale + groups * GROUP : NULL, y + groups * GROUP, ldy, accumulate);
+}
+
+/* A block's head: fp16 d for the 16 rows, then Q4_1's fp16 m. */
+#define GROUP_HEAD(qtype) ((qtype) == KV_Q4_1 ? 4 * GROUP : 2 * GROUP)
+/* The multiple of the activations' block sum taken from a block's integer product to leave
+ * it exact: 8 for Q4_0 (w = d (q - 8)), 128 for Q8_0 where it is read as u8 w + 128 (avx512);
+ * Q4_1's m term is a float one. */
+#define GROUP_OFFSET(qtype, biased) ((qtype) == KV_Q4_0 ? 8 : (qtype) == KV_Q8_0 && (biased) ? 128 : 0)
+/* One copy of a group kernel per format and row count (constants, so their branches fold). */
+#define GROUP_DISPATCH(T)                                                   \
+    switch (qtype * 8 + R) {                                                \
+    case KV_Q8_0 * 8 + 1: T(KV_Q8_0, 1, g, nb, a, k, s, sums, out); break; \
+    case KV_Q8_0 * 8 + 2: T(KV_Q8_0, 2, g, nb, a, k, s, sums, out); break; \
+    case KV_Q8_0 * 8 + 3: T(KV_Q8_0, 3, g, nb, a, k, s, sums, out); break; \
+    case KV_Q8_0 * 8 + 4: T(KV_Q8_0, 4, g, nb, a, k, s, sums, out); break; \
+    case KV_Q4_0 * 8 + 1: T(KV_Q4_0, 1, g, nb, a, k, s, sums, out); break; \
+    case KV_Q4_0 * 8 + 2: T(KV_Q4_0, 2, g, nb, a, k, s, sums, out); break; \
+    case KV_Q4_0 * 8 + 3: T(KV_Q4_0, 3, g, nb, a, k, s, sums, out); break; \
+    case KV_Q4_0 * 8 + 4: T(KV_Q4_0, 4, g, nb, a, k, s, sums, out); break; \
+    case KV_Q4_1 * 8 + 1: T(KV_Q4_1, 1, g, nb, a, k, s, sums, out); break; \
+    case KV_Q4_1 * 8 + 2: T(KV_Q4_1, 2, g, nb, a, k, s, sums, out); break; \
+    case KV_Q4_1 * 8 + 3: T(KV_Q4_1, 3, g, nb, a, k, s, sums, out); break; \
+    default: T(KV_Q4_1, 4, g, nb, a, k, s, sums, out);                      \
+    }
+
+#define KV_GGUF_GEMM16(NAME, GROUPFN, DOT, DOT4, DOTD, DOTD6, HALF)                                         \
+    void NAME(int qtype, const uint8_t *w, long n, long k, const int8_t *a, const float *s, const int32_t *sums, \
+              long m, const float *scale, float *y, long ldy, int accumulate) {                               \
+        gemm16(GROUPFN, DOT, DOT4, DOTD, DOTD6, HALF, qtype, w, n, k, a, s, sums, m, scale, y, ldy, accumulate); \
+    }
+
 static float dotd_scalar(int is_signed, const int8_t *q, const float *d, const float *mn, const int8_t *a,
                          const float *s, const int32_t *sums, long nb) {
     float acc = 0.0f;
@@ -554,6 +621,70 @@ __attribute__((target(AVX2_TARGET))) static void dot4_avx2(int qtype, const uint
 }
 KV_GGUF_GEMM(kv_gguf_gemm_avx2, dot_avx2, dot4_avx2, dotd_avx2, dotd6_avx2, half_f16c)
 
+/* A group's 16 rows as two halves of 8 (the low and high 32 bytes of each chunk). Q4: the
+ * nibbles (u8) against 4 activations broadcast, by vpmaddubsw, a block's 8 pair sums added in
+ * int16 (16 products of at most 15 * 127: 30480) before vpmaddwd; Q8_0: |w| against
+ * a * sign(w), each chunk widened to int32 at once (a pair reaches 2 * 128 * 127). */
+__attribute__((target(AVX2_TARGET), always_inline)) static inline void group_avx2_t(
+    const int qtype, const int R, const uint8_t *g, long nb, const int8_t *a, long k, const float *s,
+    const int32_t *sums, float *out) {
+    const long bs = GROUP * BLOCK_BYTES[qtype], head = GROUP_HEAD(qtype);
+    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[GROUP_RMAX];
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        for (long b = 0; b < nb; b++) {
+            const uint8_t *blk = g + b * bs, *pay = blk + head + 32 * h;
+            __m256i p[GROUP_RMAX];
+            if (qtype == KV_Q8_0) {
+                for (int r = 0; r < R; r++) p[r] = _mm256_setzero_si256();
+                for (int i = 0; i < 8; i++) {
+                    const __m256i wv = _mm256_loadu_si256((const __m256i *)(pay + 64 * i)), u = _mm256_abs_epi8(wv);
+                    for (int r = 0; r < R; r++) {
+                        int32_t a4;
+                        memcpy(&a4, a + r * k + b * QK + 4 * i, 4);
+                        const __m256i v = _mm256_sign_epi8(_mm256_set1_epi32(a4), wv);
+                        p[r] = _mm256_add_epi32(p[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), ones));
+                    }
+                }
+            } else {
+                __m256i lo[GROUP_RMAX], hi[GROUP_RMAX];
+                for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_si256();
+                for (int c = 0; c < 4; c++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(pay + 64 * c));
+                    const __m256i ql = _mm256_and_si256(v, m4), qh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    for (int r = 0; r < R; r++) {
+                        int32_t al, ah;
+                        memcpy(&al, a + r * k + b * QK + 4 * c, 4);
+                        memcpy(&ah, a + r * k + b * QK + 16 + 4 * c, 4);
+                        lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(ql, _mm256_set1_epi32(al)));
+                        hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(qh, _mm256_set1_epi32(ah)));
+                    }
+                }
+                for (int r = 0; r < R; r++) p[r] = _mm256_madd_epi16(_mm256_add_epi16(lo[r], hi[r]), ones);
+            }
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+            for (int r = 0; r < R; r++) {
+                const float sr = s[r * nb + b];
+                const int32_t sum = sums[r * nb + b];
+                __m256i pr = p[r];
+                if (GROUP_OFFSET(qtype, 0)) pr = _mm256_sub_epi32(pr, _mm256_set1_epi32(GROUP_OFFSET(qtype, 0) * sum));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pr), _mm256_mul_ps(d, _mm256_set1_ps(sr)), acc[r]);
+                if (qtype == KV_Q4_1)
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h))),
+                                             _mm256_set1_ps(sr * (float)sum), acc[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * GROUP + 8 * h, acc[r]);
+    }
+}
+__attribute__((target(AVX2_TARGET))) static void group_avx2(int qtype, int R, const uint8_t *g, long nb,
+                                                            const int8_t *a, long k, const float *s,
+                                                            const int32_t *sums, float *out) {
+    GROUP_DISPATCH(group_avx2_t)
+}
+KV_GGUF_GEMM16(kv_gguf_gemm16_avx2, group_avx2, dot_avx2, dot4_avx2, dotd_avx2, dotd6_avx2, half_f16c)
+
 #if KV_Q8_LEVELS >= 2
 #define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
 
@@ -704,5 +835,72 @@ __attribute__((target(AVX512_TARGET))) static void dot4_avx512(int qtype, const 
     }
 }
 KV_GGUF_GEMM(kv_gguf_gemm_avx512, dot_avx512, dot4_avx512, dotd_avx512, dotd6_avx512, half_f16c)
+
+/* A group's 16 rows in one register: vpdpbusd of a chunk against 4 activations broadcast,
+ * two chains of int32 sums a block (even and odd chunks). Q8_0's values are read as u8
+ * (w + 128, one xor), the 128 A it adds taken off in int32. */
+__attribute__((target(AVX512_TARGET), always_inline)) static inline void group_avx512_t(
+    const int qtype, const int R, const uint8_t *g, long nb, const int8_t *a, long k, const float *s,
+    const int32_t *sums, float *out) {
+    const long bs = GROUP * BLOCK_BYTES[qtype], head = GROUP_HEAD(qtype);
+    const __m512i m4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[GROUP_RMAX];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * bs, *pay = blk + head;
+        __m512i p0[GROUP_RMAX], p1[GROUP_RMAX];
+        for (int r = 0; r < R; r++) p0[r] = p1[r] = _mm512_setzero_si512();
+        for (int c = 0; c < (qtype == KV_Q8_0 ? 8 : 4); c += 2) {
+            __m512i w0, w1, w2, w3; /* chunks i0, i1 and (Q4) their high nibbles, activations 4i apart */
+            int i0, i1, i2, i3;
+            const __m512i v0 = _mm512_loadu_si512((const void *)(pay + 64 * c));
+            const __m512i v1 = _mm512_loadu_si512((const void *)(pay + 64 * (c + 1)));
+            if (qtype == KV_Q8_0) {
+                w0 = _mm512_xor_si512(v0, flip), w1 = _mm512_xor_si512(v1, flip);
+                i0 = c, i1 = c + 1;
+                for (int r = 0; r < R; r++) {
+                    int32_t x0, x1;
+                    memcpy(&x0, a + r * k + b * QK + 4 * i0, 4);
+                    memcpy(&x1, a + r * k + b * QK + 4 * i1, 4);
+                    p0[r] = _mm512_dpbusd_epi32(p0[r], w0, _mm512_set1_epi32(x0));
+                    p1[r] = _mm512_dpbusd_epi32(p1[r], w1, _mm512_set1_epi32(x1));
+                }
+            } else {
+                w0 = _mm512_and_si512(v0, m4), w1 = _mm512_and_si512(v1, m4);
+                w2 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4), w3 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4);
+                i0 = c, i1 = c + 1, i2 = c + 4, i3 = c + 5;
+                for (int r = 0; r < R; r++) {
+                    int32_t x0, x1, x2, x3;
+                    memcpy(&x0, a + r * k + b * QK + 4 * i0, 4);
+                    memcpy(&x1, a + r * k + b * QK + 4 * i1, 4);
+                    memcpy(&x2, a + r * k + b * QK + 4 * i2, 4);
+                    memcpy(&x3, a + r * k + b * QK + 4 * i3, 4);
+                    p0[r] = _mm512_dpbusd_epi32(p0[r], w0, _mm512_set1_epi32(x0));
+                    p1[r] = _mm512_dpbusd_epi32(p1[r], w1, _mm512_set1_epi32(x1));
+                    p0[r] = _mm512_dpbusd_epi32(p0[r], w2, _mm512_set1_epi32(x2));
+                    p1[r] = _mm512_dpbusd_epi32(p1[r], w3, _mm512_set1_epi32(x3));
+                }
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        for (int r = 0; r < R; r++) {
+            const float sr = s[r * nb + b];
+            const int32_t sum = sums[r * nb + b];
+            __m512i pr = _mm512_add_epi32(p0[r], p1[r]);
+            if (GROUP_OFFSET(qtype, 1)) pr = _mm512_sub_epi32(pr, _mm512_set1_epi32(GROUP_OFFSET(qtype, 1) * sum));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pr), _mm512_mul_ps(d, _mm512_set1_ps(sr)), acc[r]);
+            if (qtype == KV_Q4_1)
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32))),
+                                         _mm512_set1_ps(sr * (float)sum), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * GROUP, acc[r]);
+}
+__attribute__((target(AVX512_TARGET))) static void group_avx512(int qtype, int R, const uint8_t *g, long nb,
+                                                                const int8_t *a, long k, const float *s,
+                                                                const int32_t *sums, float *out) {
+    GROUP_DISPATCH(group_avx512_t)
+}
+KV_GGUF_GEMM16(kv_gguf_gemm16_avx512, group_avx512, dot_avx512, dot4_avx512, dotd_avx512, dotd6_avx512, half_f16c)
 #endif /* KV_Q8_LEVELS >= 2 */
 #endif /* KV_X86 && KV_Q8_LEVELS >= 1 */

@@ -28,6 +28,7 @@ import torch
 
 from kvfleet_models.gguf_blocks import QK, BlockTensor
 from worker_svc.model import fused, native
+from worker_svc.model.gguf_packed import GROUPED_FORMATS, RowGroups, group_rows
 from worker_svc.model.q8 import LEVELS, load_level
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class GGUFWeight:
     """A weight [N, K]: ``parts`` stacked along N, each with its float32 [rows] output scale
     or None; the products run on ``kernels`` (None: the float64 reference, slow)."""
 
-    parts: tuple[BlockTensor, ...]
+    parts: tuple[BlockTensor | RowGroups, ...]
     scales: tuple[np.ndarray | None, ...]
     kernels: GGUFKernels | None = field(default=None, compare=False)
 
@@ -73,7 +74,9 @@ class GGUFWeight:
 
 def stack(parts: list[tuple[BlockTensor, float]], kernels: GGUFKernels | None) -> GGUFWeight:
     """One weight of ``parts`` (each with its output scale) stacked along the output rows;
-    adjacent parts of one format share one run of rows (the bytes are copied once, here)."""
+    adjacent parts of one format share one run of rows (the bytes are copied once, here).
+    Where ``kernels`` multiply row groups (the SIMD levels), a run of Q8_0 / Q4_0 / Q4_1 is
+    kept in that layout (``gguf_packed``), in place of the file's."""
     if len({p.cols for p, _ in parts}) != 1:
         raise ValueError("stacked parts must have the same number of columns")
     merged: list[list[tuple[BlockTensor, float]]] = []
@@ -82,12 +85,14 @@ def stack(parts: list[tuple[BlockTensor, float]], kernels: GGUFKernels | None) -
             merged[-1].append(part)
         else:
             merged.append([part])
-    tensors: list[BlockTensor] = []
+    tensors: list[BlockTensor | RowGroups] = []
     scales: list[np.ndarray | None] = []
     for run in merged:
         fmt, cols = run[0][0].format, run[0][0].cols
         data = run[0][0].data if len(run) == 1 else np.concatenate([p.data for p, _ in run])
-        tensors.append(BlockTensor(fmt, data, cols))
+        tensor = BlockTensor(fmt, data, cols)
+        grouped = kernels is not None and kernels.groups_rows and fmt.name in GROUPED_FORMATS
+        tensors.append(group_rows(tensor) if grouped else tensor)
         if all(s == 1.0 for _, s in run):
             scales.append(None)
         else:
@@ -131,6 +136,12 @@ class GGUFKernels:
         self._gemm = getattr(lib, f"kv_gguf_gemm_{level}")
         self._gemm.argtypes = [ctypes.c_int, _P, _L, _L, _P, _P, _P, _L, _P, _P, _L, ctypes.c_int]
         self._gemm.restype = None
+        # The SIMD levels multiply row groups (gguf_packed): the weights are stored that way.
+        self.groups_rows = level != "scalar"
+        if self.groups_rows:
+            self._gemm16 = getattr(lib, f"kv_gguf_gemm16_{level}")
+            self._gemm16.argtypes = self._gemm.argtypes
+            self._gemm16.restype = None
         self._quantize = lib.kv_gguf_quantize
         self._quantize.argtypes = [_P, _L, _L, _L, _P, _P, _P]
         self._quantize.restype = None
@@ -172,8 +183,9 @@ class GGUFKernels:
         col = 0
         for part, scale in zip(w.parts, w.scales):
             rows = part.shape[0]
-            self._gemm(
-                part.format.code, part.data.ctypes.data, rows, k, a.data_ptr(), s.data_ptr(), sums.data_ptr(), m,
+            gemm, data = (self._gemm16, part.packed) if isinstance(part, RowGroups) else (self._gemm, part.data)
+            gemm(
+                part.format.code, data.ctypes.data, rows, k, a.data_ptr(), s.data_ptr(), sums.data_ptr(), m,
                 None if scale is None else scale.ctypes.data, y.data_ptr() + 4 * col, y.stride(0), int(out is not None),
             )  # fmt: skip
             col += rows
