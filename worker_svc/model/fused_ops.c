@@ -72,51 +72,48 @@ void kv_rope(float *qk, long stride, const float *rot, long rows, long heads, lo
  *   k, v: row n, key s at k + n * n_stride + s * s_stride (D contiguous floats).
  *   lens: [B] keys each item sees (its first lens[b] keys; the rest of the padded S are
  *   never read), or NULL for all `keys`. Item of row n: n / hkv ("bh" order, bh = 1) or
- *   n % items ("hb" order). scratch: G * keys floats per thread (kv_max_threads).
+ *   n % items ("hb" order). scratch: keys floats per thread (kv_max_threads) at least.
  * softmax over the item's keys of q.k, then the probabilities times V: what torch's masked
- * path computes (a masked key's probability is exactly 0 there). Rows are shared among the
- * threads of an OpenMP region from 4 rows up: built against the libgomp torch loaded (the
+ * path computes (a masked key's probability is exactly 0 there). The (row, query head) pairs
+ * are shared among the threads of an OpenMP region from 4 up (a batch-1 decode has one row
+ * per kv head, with G query heads each): built against the libgomp torch loaded (the
  * same soname), that region is torch's own pool, so no second pool spins against it. */
 void kv_decode_attention(const float *q, const float *k, const float *v, long n_stride, long s_stride,
                          const long *lens, long rows, long groups, long keys, long dim, long hkv, long items,
                          int bh, float *scratch, float *out) {
-#pragma omp parallel for schedule(static) if (rows >= 4)
-    for (long n = 0; n < rows; n++) {
+    const long units = rows * groups;
+#pragma omp parallel for schedule(static) if (units >= 4)
+    for (long u = 0; u < units; u++) {
+        const long n = u / groups, g = u % groups;
 #ifdef _OPENMP
-        float *sc = scratch + omp_get_thread_num() * groups * keys;
+        float *p = scratch + omp_get_thread_num() * keys;
 #else
-        float *sc = scratch;
+        float *p = scratch;
 #endif
         const float *kn = k + n * n_stride, *vn = v + n * n_stride;
-        const float *qn = q + n * groups * dim;
+        const float *qg = q + u * dim;
         const long len = lens ? lens[bh ? n / hkv : n % items] : keys;
         for (long s = 0; s < len; s++) {
             const float *ks = kn + s * s_stride;
-            for (long g = 0; g < groups; g++) {
-                const float *qg = qn + g * dim;
-                float dot = 0.0f;
+            float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                for (long d = 0; d < dim; d++) dot += qg[d] * ks[d];
-                sc[g * keys + s] = dot;
-            }
+            for (long d = 0; d < dim; d++) dot += qg[d] * ks[d];
+            p[s] = dot;
         }
-        for (long g = 0; g < groups; g++) {
-            float *p = sc + g * keys;
-            float mx = -INFINITY, sum = 0.0f;
-            for (long s = 0; s < len; s++) mx = p[s] > mx ? p[s] : mx;
-            for (long s = 0; s < len; s++) {
-                p[s] = expf(p[s] - mx);
-                sum += p[s];
-            }
-            const float inv = 1.0f / sum;
-            float *o = out + (n * groups + g) * dim;
-            for (long d = 0; d < dim; d++) o[d] = 0.0f;
-            for (long s = 0; s < len; s++) {
-                const float ps = p[s] * inv;
-                const float *vs = vn + s * s_stride;
+        float mx = -INFINITY, sum = 0.0f;
+        for (long s = 0; s < len; s++) mx = p[s] > mx ? p[s] : mx;
+        for (long s = 0; s < len; s++) {
+            p[s] = expf(p[s] - mx);
+            sum += p[s];
+        }
+        const float inv = 1.0f / sum;
+        float *o = out + u * dim;
+        for (long d = 0; d < dim; d++) o[d] = 0.0f;
+        for (long s = 0; s < len; s++) {
+            const float ps = p[s] * inv;
+            const float *vs = vn + s * s_stride;
 #pragma omp simd
-                for (long d = 0; d < dim; d++) o[d] += ps * vs[d];
-            }
+            for (long d = 0; d < dim; d++) o[d] += ps * vs[d];
         }
     }
 }

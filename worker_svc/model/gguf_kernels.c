@@ -33,6 +33,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -92,6 +93,7 @@ static inline int q6k_high_shift(int c) { return 2 * (c & 3); }
  * float32, sums [M, K / 32] int32. Rounds half to even (rintf). */
 void kv_gguf_quantize(const float *x, long m, long k, long ldx, int8_t *a, float *s, int32_t *sums) {
     const long nb = k / QK;
+#pragma omp parallel for schedule(static) if (m >= 8)
     for (long r = 0; r < m; r++) {
         for (long b = 0; b < nb; b++) {
             const float *xb = x + r * ldx + b * QK;
@@ -239,6 +241,42 @@ static void gemm(dot_fn dot, dot4_fn dot4, dotd_fn dotd, dotd6_fn dotd6, float (
         gemm(DOT, DOT4, DOTD, DOTD6, HALF, qtype, w, n, k, a, s, sums, m, scale, y, ldy, accumulate);      \
     }
 
+
+/* A whole product in one call: x [M, K] float32 (row stride ldx) quantized once (into this
+ * thread's buffer, kept between calls), then times each of a weight's nparts parts (stacked
+ * along N: codes, data, rows, grouped or not, scale or NULL), into y [M, N] (row stride ldy),
+ * added to it where accumulate. Returns 0, or -1 where the buffer cannot be had. */
+typedef void (*gemm_fn)(int qtype, const uint8_t *w, long n, long k, const int8_t *a, const float *s,
+                        const int32_t *sums, long m, const float *scale, float *y, long ldy, int accumulate);
+static int linear(gemm_fn plain, gemm_fn grouped_fn, int nparts, const int *codes, const uint8_t *const *data,
+                  const long *rows, const int *grouped, const float *const *scales, long k, const float *x, long ldx,
+                  long m, float *y, long ldy, int accumulate) {
+    static __thread int8_t *buf = NULL;
+    static __thread size_t cap = 0;
+    const long nb = k / QK;
+    const size_t need = (size_t)(m * k) + (size_t)(m * nb) * (sizeof(float) + sizeof(int32_t));
+    if (need > cap) {
+        free(buf);
+        buf = malloc(need);
+        cap = buf ? need : 0;
+        if (!buf) return -1;
+    }
+    int8_t *a = buf; /* M K bytes, a multiple of 32: the scales after it stay aligned */
+    float *s = (float *)(buf + m * k);
+    int32_t *sums = (int32_t *)(s + m * nb);
+    kv_gguf_quantize(x, m, k, ldx, a, s, sums);
+    for (int p = 0, col = 0; p < nparts; col += (int)rows[p], p++)
+        (grouped[p] ? grouped_fn : plain)(codes[p], data[p], rows[p], k, a, s, sums, m, scales[p], y + col, ldy,
+                                          accumulate);
+    return 0;
+}
+#define KV_GGUF_LINEAR(NAME, PLAIN, GROUPED)                                                                 \
+    int NAME(int nparts, const int *codes, const uint8_t *const *data, const long *rows, const int *grouped,  \
+             const float *const *scales, long k, const float *x, long ldx, long m, float *y, long ldy,        \
+             int accumulate) {                                                                                \
+        return linear(PLAIN, GROUPED, nparts, codes, data, rows, grouped, scales, k, x, ldx, m, y, ldy, accumulate); \
+    }
+
 /* Row groups (gguf_packed.py): Q8_0 / Q4_0 / Q4_1 at the SIMD levels keep each 16 rows' blocks
  * interleaved, block by block: the 16 fp16 d (then Q4_1's 16 fp16 m), then the payload in
  * chunks of 4 bytes a row (chunk c: bytes 4c..4c+3 of each row's block, 64 bytes). A chunk
@@ -256,7 +294,7 @@ typedef void (*group_fn)(int qtype, int R, const uint8_t *g, long nb, const int8
 
 /* Groups are shared out among OpenMP threads; a group's blocks (at most 26 KB for K = 1536 at
  * Q8_0) stay in L1 while the activation rows pass over them GROUP_RMAX at a time. */
-static void gemm16(group_fn group, dot_fn dot, dot4_fn dot4, dotd_fn dotd, dotd6_fn dotd6,
+__attribute__((unused)) static void gemm16(group_fn group, dot_fn dot, dot4_fn dot4, dotd_fn dotd, dotd6_fn dotd6,
                    float (*half)(const uint8_t *), int qtype, const uint8_t *w, long n, long k, const int8_t *a,
                    const float *s, const int32_t *sums, long m, const float *scale, float *y, long ldy,
                    int accumulate) {
@@ -397,6 +435,7 @@ static void dot4_scalar(int qtype, const uint8_t *w, long row_bytes, const int8_
     for (int j = 0; j < 4; j++) out[j] = dot_scalar(qtype, w + j * row_bytes, a, s, sums, nb);
 }
 KV_GGUF_GEMM(kv_gguf_gemm_scalar, dot_scalar, dot4_scalar, dotd_scalar, dotd6_scalar, half_to_float)
+KV_GGUF_LINEAR(kv_gguf_linear_scalar, kv_gguf_gemm_scalar, kv_gguf_gemm_scalar)
 
 #if defined(KV_X86) && KV_Q8_LEVELS >= 1
 #define AVX2_TARGET "avx2,fma,f16c"
@@ -684,6 +723,7 @@ __attribute__((target(AVX2_TARGET))) static void group_avx2(int qtype, int R, co
     GROUP_DISPATCH(group_avx2_t)
 }
 KV_GGUF_GEMM16(kv_gguf_gemm16_avx2, group_avx2, dot_avx2, dot4_avx2, dotd_avx2, dotd6_avx2, half_f16c)
+KV_GGUF_LINEAR(kv_gguf_linear_avx2, kv_gguf_gemm_avx2, kv_gguf_gemm16_avx2)
 
 #if KV_Q8_LEVELS >= 2
 #define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
@@ -902,5 +942,6 @@ __attribute__((target(AVX512_TARGET))) static void group_avx512(int qtype, int R
     GROUP_DISPATCH(group_avx512_t)
 }
 KV_GGUF_GEMM16(kv_gguf_gemm16_avx512, group_avx512, dot_avx512, dot4_avx512, dotd_avx512, dotd6_avx512, half_f16c)
+KV_GGUF_LINEAR(kv_gguf_linear_avx512, kv_gguf_gemm_avx512, kv_gguf_gemm16_avx512)
 #endif /* KV_Q8_LEVELS >= 2 */
 #endif /* KV_X86 && KV_Q8_LEVELS >= 1 */

@@ -45,6 +45,12 @@ class GGUFWeight:
     parts: tuple[BlockTensor | RowGroups, ...]
     scales: tuple[np.ndarray | None, ...]
     kernels: GGUFKernels | None = field(default=None, compare=False)
+    # The C call's arguments for the parts, made once (GGUFKernels.plan).
+    plan: tuple[ctypes.Array, ...] = field(default=(), init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.kernels is not None:
+            object.__setattr__(self, "plan", self.kernels.plan(self))
 
     @property
     def in_features(self) -> int:
@@ -133,15 +139,11 @@ class GGUFKernels:
         if level not in LEVELS:
             raise ValueError(f"gguf kernel level must be one of {list(LEVELS)}, got {level!r}")
         self.level, self.path, self.origin = level, path, origin
-        self._gemm = getattr(lib, f"kv_gguf_gemm_{level}")
-        self._gemm.argtypes = [ctypes.c_int, _P, _L, _L, _P, _P, _P, _L, _P, _P, _L, ctypes.c_int]
-        self._gemm.restype = None
         # The SIMD levels multiply row groups (gguf_packed): the weights are stored that way.
         self.groups_rows = level != "scalar"
-        if self.groups_rows:
-            self._gemm16 = getattr(lib, f"kv_gguf_gemm16_{level}")
-            self._gemm16.argtypes = self._gemm.argtypes
-            self._gemm16.restype = None
+        self._linear = getattr(lib, f"kv_gguf_linear_{level}")
+        self._linear.argtypes = [ctypes.c_int, _P, _P, _P, _P, _P, _L, _P, _L, _L, _P, _L, ctypes.c_int]
+        self._linear.restype = ctypes.c_int
         self._quantize = lib.kv_gguf_quantize
         self._quantize.argtypes = [_P, _L, _L, _L, _P, _P, _P]
         self._quantize.restype = None
@@ -169,9 +171,23 @@ class GGUFKernels:
         self._quantize(x.data_ptr(), m, k, x.stride(0), a.data_ptr(), s.data_ptr(), sums.data_ptr())
         return a, s, sums
 
+    def plan(self, w: GGUFWeight) -> tuple[ctypes.Array, ...]:
+        """The per-part arrays ``kv_gguf_linear_*`` reads (format codes, data, rows, grouped or
+        not, scales); they point into ``w``'s own arrays, which live as long as it."""
+        parts = w.parts
+        data = [p.packed if isinstance(p, RowGroups) else p.data for p in parts]
+        return (
+            (ctypes.c_int * len(parts))(*(p.format.code for p in parts)),
+            (ctypes.c_void_p * len(parts))(*(d.ctypes.data for d in data)),
+            (ctypes.c_long * len(parts))(*(p.shape[0] for p in parts)),
+            (ctypes.c_int * len(parts))(*(isinstance(p, RowGroups) for p in parts)),
+            (ctypes.c_void_p * len(parts))(*(None if sc is None else sc.ctypes.data for sc in w.scales)),
+        )
+
     def linear(self, x: torch.Tensor, w: GGUFWeight, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] float32 (rows contiguous) times w -> [M, N] float32; with ``out`` [M, N]
-        (rows contiguous) the product is added to it in place and ``out`` returned."""
+        (rows contiguous) the product is added to it in place and ``out`` returned. One C
+        call: x quantized once, then every part."""
         k, n = w.in_features, w.out_features
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
             raise ValueError(f"x must be float32 [M, {k}] with contiguous rows, got {tuple(x.shape)}")
@@ -179,16 +195,14 @@ class GGUFKernels:
         y = out if out is not None else torch.empty(m, n, dtype=torch.float32)
         if y.dtype != torch.float32 or y.stride(1) != 1 or tuple(y.shape) != (m, n):
             raise ValueError("out must be float32 [M, N] with contiguous rows")
-        a, s, sums = self.quantize_input(x)  # once, for every part
-        col = 0
-        for part, scale in zip(w.parts, w.scales):
-            rows = part.shape[0]
-            gemm, data = (self._gemm16, part.packed) if isinstance(part, RowGroups) else (self._gemm, part.data)
-            gemm(
-                part.format.code, data.ctypes.data, rows, k, a.data_ptr(), s.data_ptr(), sums.data_ptr(), m,
-                None if scale is None else scale.ctypes.data, y.data_ptr() + 4 * col, y.stride(0), int(out is not None),
-            )  # fmt: skip
-            col += rows
+        if w.kernels is not self:
+            raise ValueError("the weight was stacked for other kernels")
+        codes, data, rows, grouped, scales = w.plan
+        if self._linear(
+            len(codes), codes, data, rows, grouped, scales, k, x.data_ptr(), x.stride(0), m, y.data_ptr(),
+            y.stride(0), int(out is not None),
+        ):  # fmt: skip
+            raise MemoryError(f"no memory for a [{m}, {k}] product's quantized input")
         return y
 
 
