@@ -92,14 +92,15 @@ def test_rope_rotates_only_q_and_k_in_place(ops: fused.FusedOps) -> None:
 
 
 @pytest.mark.parametrize("order", ["bh", "hb"])
-def test_decode_attention_matches_masked_softmax(ops: fused.FusedOps, order: str) -> None:
+@pytest.mark.parametrize("items, hkv", [(3, 2), (1, 3)])  # (1, 3): a batch-1 decode, 3 rows x 3 heads
+def test_decode_attention_matches_masked_softmax(ops: fused.FusedOps, order: str, items: int, hkv: int) -> None:
     """Items of different lengths in a padded, strided slab view: the lengths do what the
-    additive mask does in torch's path."""
-    items, hkv, g, d, s = 3, 2, 3, 16, 11
+    additive mask does in torch's path. The (row, head) pairs are shared among torch's threads."""
+    g, d, s = 3, 16, 11
     slab = _rand(2, items * hkv, 32, d, seed=7)  # capacity 32, S = 11 used: rows are strided
     kv = slab[:, :, :s]
     q3 = _rand(items * hkv, g, d, seed=8)
-    lens = torch.tensor([11, 4, 7], dtype=torch.int64)
+    lens = torch.tensor([11, 4, 7][:items], dtype=torch.int64)
     item_of_row = [n // hkv if order == "bh" else n % items for n in range(items * hkv)]
     allowed = torch.arange(s)[None, :] < lens[item_of_row][:, None]  # [N, S]
     scores = q3 @ kv[0].transpose(1, 2) + torch.where(allowed, 0.0, float("-inf"))[:, None, :]

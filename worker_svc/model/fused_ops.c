@@ -9,6 +9,8 @@
  * vectorised with `omp simd`; exponentials are libm's expf, one call per element.
  */
 #include <math.h>
+#include <stdint.h>
+#include <string.h>
 #include <stddef.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -67,6 +69,33 @@ void kv_rope(float *qk, long stride, const float *rot, long rows, long heads, lo
     }
 }
 
+/* e^x for x <= 0 (softmax's scores less their maximum) in plain arithmetic, so that a loop of
+ * it vectorizes (libm's expf is a call per element: it was most of a c=32 decode's attention).
+ * x = n ln2 + r with n = round(x / ln2) (the 1.5 * 2^23 trick rounds to nearest) and |r| <=
+ * ln2 / 2, ln2 in two parts so that r is exact; e^r by its Taylor series to r^7 / 7! (the
+ * remainder under 6e-9 there); 2^n put into the exponent bits. Below -87 the result is held
+ * at e^-87 (1.6e-38, against the sum's >= 1) so that 2^n stays a normal float. */
+static inline float exp_nonpositive(float x) {
+    const float magic = 12582912.0f; /* 1.5 * 2^23 */
+    x = x < -87.0f ? -87.0f : x;
+    const float t = x * 1.44269504088896341f + magic;
+    const float n = t - magic;
+    float r = x - n * 0.693145751953125f; /* ln2's high part: n times it is exact */
+    r = r - n * 1.42860682030941723e-6f;  /* its low part */
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
 /* Attention of one query per item (a decode group), grouped-query heads sharing K/V.
  *   q: [N, G, D] contiguous (N = items x kv heads, q pre-scaled); out: [N, G, D].
  *   k, v: row n, key s at k + n * n_stride + s * s_stride (D contiguous floats).
@@ -102,8 +131,9 @@ void kv_decode_attention(const float *q, const float *k, const float *v, long n_
         }
         float mx = -INFINITY, sum = 0.0f;
         for (long s = 0; s < len; s++) mx = p[s] > mx ? p[s] : mx;
+#pragma omp simd reduction(+ : sum)
         for (long s = 0; s < len; s++) {
-            p[s] = expf(p[s] - mx);
+            p[s] = exp_nonpositive(p[s] - mx);
             sum += p[s];
         }
         const float inv = 1.0f / sum;
