@@ -166,6 +166,22 @@ class RebuildViews:
         return False
 
 
+@dataclass(frozen=True)
+class SlabRows:
+    """A group's K/V left in the persistent slab: ``slab`` [2, R, Hkv, S, D] and the group's
+    rows (int64 [B], ascending). The fused decode attention reads the rows where they lie;
+    ``merged`` gathers them (a copy of every row: at c=32 with prefills mixed in, the decode
+    group's scattered rows made this gather a tenth of a step)."""
+
+    slab: torch.Tensor
+    rows: torch.Tensor
+
+    def merged(self) -> torch.Tensor:
+        kv = self.slab[:, self.rows]
+        two, b, hkv, s, d = kv.shape
+        return kv.reshape(two, b * hkv, s, d)
+
+
 class PersistentViews:
     """Per-session contiguous K/V kept across steps, as the rows of one slab.
 
@@ -264,15 +280,15 @@ class PersistentViews:
         """Copy only this step's new tokens into their rows. kv: [T, 2, Hkv, D]."""
         self.slab[layer][:, self._tok_rows, :, self._tok_pos] = kv
 
-    def keys_values(self, layer: int, group: int) -> torch.Tensor:
-        """[2, B * Hkv, S, D] for the group-th group of ``begin_step`` (a view when rows are
-        consecutive)."""
+    def keys_values(self, layer: int, group: int) -> torch.Tensor | SlabRows:
+        """[2, B * Hkv, S, D] for the group-th group of ``begin_step``, a view, when its rows are
+        consecutive; else the slab and the rows (``SlabRows``), gathered only by a caller that
+        cannot read them where they lie."""
         where, length = self._groups[group], self._lengths[group]
         slab = self.slab[layer]  # [2, rows, Hkv, cap, D]
-        if isinstance(where, tuple):
-            kv = slab[:, where[0] : where[1], :, :length]
-        else:
-            kv = slab[:, where, :, :length]
+        if not isinstance(where, tuple):
+            return SlabRows(slab[:, :, :, :length], where)
+        kv = slab[:, where[0] : where[1], :, :length]
         two, b, hkv, s, d = kv.shape
         return kv.reshape(two, b * hkv, s, d)  # a view: (row, head) strides merge
 

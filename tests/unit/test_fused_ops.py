@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from kvfleet_models.tiny import tiny_weights
 from tests.unit.model_configs import GQA_CFG
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
+from worker_svc.kv_cache import PersistentViews, SlabRows
 from worker_svc.local import LocalSteps
 from worker_svc.model import fused, native
 from worker_svc.model.llama import LlamaModel
@@ -115,6 +116,59 @@ def test_decode_attention_matches_masked_softmax(ops: fused.FusedOps, order: str
     )
     with pytest.raises(ValueError, match="lens"):
         ops.decode_attention(q3, kv, lens.int(), order == "bh", items, hkv)
+
+
+def test_decode_attention_reads_scattered_slab_rows(ops: fused.FusedOps) -> None:
+    """Items in rows 4, 0 and 2 of a persistent slab [2, R, Hkv, cap, D] (S cut from its
+    capacity): read where they lie, the result is the gathered-rows call's, bit for bit."""
+    items, hkv, g, d, s = 3, 2, 3, 16, 11
+    slab = _rand(2, 6, hkv, 32, d, seed=9)[:, :, :, :s]
+    rows = torch.tensor([0, 2, 4], dtype=torch.int64)
+    q3 = _rand(items * hkv, g, d, seed=10)
+    lens = torch.tensor([11, 4, 7], dtype=torch.int64)
+    gathered = slab[:, rows].reshape(2, items * hkv, s, d)
+    want = ops.decode_attention(q3, gathered, lens, True, items, hkv)
+    assert torch.equal(ops.decode_attention(q3, slab, lens, True, items, hkv, rows), want)
+    with pytest.raises(ValueError, match="bh order"):
+        ops.decode_attention(q3, slab, lens, False, items, hkv, rows)
+    with pytest.raises(ValueError, match="past the slab"):
+        ops.decode_attention(q3, slab, lens, True, items, hkv, torch.tensor([0, 2, 6]))
+
+
+def test_a_decode_group_in_scattered_persistent_rows_equals_rebuild(ops: fused.FusedOps, monkeypatch) -> None:
+    """Sessions in rows 0, 1, 2; the middle one's second prompt chunk in the same step as the
+    others' decodes: the decode group's rows (0, 2) are read from the slab in place
+    (``SlabRows``), and the logits equal the rebuild mode's, which gathers whole blocks."""
+    seen: list[bool] = []
+    keys_values = PersistentViews.keys_values
+
+    def spy(self, layer, group):  # type: ignore[no-untyped-def]
+        kv = keys_values(self, layer, group)
+        seen.append(isinstance(kv, SlabRows))
+        return kv
+
+    monkeypatch.setattr(PersistentViews, "keys_values", spy)
+    prompts = {sid: tuple((5 * i + n) % CFG.vocab_size for i in range(n)) for sid, n in (("a", 7), ("b", 10), ("c", 5))}
+    logits = {}
+    for kv_views in ("rebuild", "persistent"):
+        steps = LocalSteps(Engine(CFG, WEIGHTS, EngineConfig(block_size=4, num_blocks=64, kv_views=kv_views)))
+        first = steps.step(
+            [
+                PrefillItem("a", prompts["a"], 0, True, GREEDY),
+                PrefillItem("b", prompts["b"][:4], 0, False, GREEDY),
+                PrefillItem("c", prompts["c"], 0, True, GREEDY),
+            ],
+            [],
+        )
+        tokens = {r.session_id: r.token_id for r in first.results if r.token_id is not None}
+        out = steps.step(
+            [PrefillItem("b", prompts["b"][4:], 4, True, GREEDY)],
+            [DecodeItem("a", tokens["a"], 7, GREEDY, 1), DecodeItem("c", tokens["c"], 5, GREEDY, 1)],
+            return_logits=True,
+        )
+        logits[kv_views] = out.logits
+    assert any(seen), "the decode group's rows were consecutive: the scattered case was not reached"
+    np.testing.assert_allclose(logits["persistent"], logits["rebuild"], atol=1e-6, rtol=0)
 
 
 def _mixed_steps(engine: Engine) -> np.ndarray:

@@ -68,7 +68,7 @@ class FusedOps:
         self._max_threads = lib.kv_max_threads
         self._max_threads.argtypes, self._max_threads.restype = [], _L
         self._attn = lib.kv_decode_attention
-        self._attn.argtypes = [_F, _F, _F, _L, _L, _F, _L, _L, _L, _L, _L, _L, ctypes.c_int, _F, _F]
+        self._attn.argtypes = [_F, _F, _F, _L, _L, _F, _L, _L, _L, _L, _L, _L, ctypes.c_int, _F, _F, _F, _L, _L]
         for fn in (self._rms, self._add_rms, self._rope, self._attn):
             fn.restype = None
 
@@ -90,23 +90,45 @@ class FusedOps:
         self._rope(_ptr(qkv), qkv.stride(0), _ptr(rot), qkv.shape[0], heads, half)
 
     def decode_attention(
-        self, q3: torch.Tensor, kv: torch.Tensor, lens: torch.Tensor | None, bh: bool, items: int, hkv: int
+        self,
+        q3: torch.Tensor,
+        kv: torch.Tensor,
+        lens: torch.Tensor | None,
+        bh: bool,
+        items: int,
+        hkv: int,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One query per item: q3 [N, G, D] contiguous; kv [2, N, S, D] with D contiguous;
         lens [B] int64 (keys each item sees, in attention order) or None for all S.
+        With ``rows`` (int64 [B], bh order only) kv is instead a slab [2, R, Hkv, S, D] and
+        item b's keys are its row rows[b], read where they lie (no gather).
         Returns [N, G, D]."""
         n, g, d = q3.shape
-        s = kv.shape[2]
-        k, v = kv[0], kv[1]
-        if k.stride(2) != 1 or k.stride() != v.stride():
-            raise ValueError("K/V rows must be contiguous along D, with the same strides")
+        if rows is None:
+            s = kv.shape[2]
+            k, v = kv[0], kv[1]
+            if k.stride(2) != 1 or k.stride() != v.stride():
+                raise ValueError("K/V rows must be contiguous along D, with the same strides")
+            strides = (k.stride(0), k.stride(1), 0, 0)
+        else:
+            s = kv.shape[3]
+            k, v = kv[0], kv[1]
+            if not bh or k.stride(3) != 1 or k.stride() != v.stride() or kv.shape[2] != hkv:
+                raise ValueError("slab rows need bh order, [2, R, Hkv, S, D] with D contiguous")
+            if rows.dtype != torch.int64 or not rows.is_contiguous() or rows.shape[0] != items:
+                raise ValueError("rows must be contiguous int64, one per item")
+            if items and int(rows.max()) >= kv.shape[1]:
+                raise ValueError("a row is past the slab")
+            strides = (0, k.stride(2), k.stride(0), k.stride(1))
         if lens is not None and (lens.dtype != torch.int64 or not lens.is_contiguous() or lens.shape[0] * hkv != n):
             raise ValueError("lens must be contiguous int64, one per item (each at most S: the caller's check)")
         out = torch.empty_like(q3)
         scratch = torch.empty(s * self._max_threads(), dtype=torch.float32)
         self._attn(
-            _ptr(q3), _ptr(k), _ptr(v), k.stride(0), k.stride(1), _ptr(lens) if lens is not None else None,
+            _ptr(q3), _ptr(k), _ptr(v), strides[0], strides[1], _ptr(lens) if lens is not None else None,
             n, g, s, d, hkv, items, int(bh), _ptr(scratch), _ptr(out),
+            _ptr(rows) if rows is not None else None, strides[2], strides[3],
         )  # fmt: skip
         return out
 

@@ -102,6 +102,8 @@ static inline float exp_nonpositive(float x) {
  *   lens: [B] keys each item sees (its first lens[b] keys; the rest of the padded S are
  *   never read), or NULL for all `keys`. Item of row n: n / hkv ("bh" order, bh = 1) or
  *   n % items ("hb" order). scratch: keys floats per thread (kv_max_threads) at least.
+ *   item_rows: NULL, or (bh order) each item's row of a [rows, Hkv, S, D] slab: row n's keys
+ *   then lie at k + item_rows[n / hkv] * item_stride + (n % hkv) * head_stride (n_stride unused).
  * softmax over the item's keys of q.k, then the probabilities times V: what torch's masked
  * path computes (a masked key's probability is exactly 0 there). The (row, query head) pairs
  * are shared among the threads of an OpenMP region from 4 up (a batch-1 decode has one row
@@ -109,7 +111,8 @@ static inline float exp_nonpositive(float x) {
  * same soname), that region is torch's own pool, so no second pool spins against it. */
 void kv_decode_attention(const float *q, const float *k, const float *v, long n_stride, long s_stride,
                          const long *lens, long rows, long groups, long keys, long dim, long hkv, long items,
-                         int bh, float *scratch, float *out) {
+                         int bh, float *scratch, float *out, const long *item_rows, long item_stride,
+                         long head_stride) {
     const long units = rows * groups;
 #pragma omp parallel for schedule(static) if (units >= 4)
     for (long u = 0; u < units; u++) {
@@ -119,7 +122,10 @@ void kv_decode_attention(const float *q, const float *k, const float *v, long n_
 #else
         float *p = scratch;
 #endif
-        const float *kn = k + n * n_stride, *vn = v + n * n_stride;
+        /* item_rows (bh order only): item b's keys lie in row item_rows[b] of a slab, head h at
+         * head_stride within it, so a group of scattered rows is read where it lies */
+        const long at = item_rows ? item_rows[n / hkv] * item_stride + (n % hkv) * head_stride : n * n_stride;
+        const float *kn = k + at, *vn = v + at;
         const float *qg = q + u * dim;
         const long len = lens ? lens[bh ? n / hkv : n % items] : keys;
         for (long s = 0; s < len; s++) {

@@ -67,7 +67,7 @@ import torch
 from kvfleet_models.config import LlamaConfig
 from kvfleet_models.gguf_blocks import BlockTensor
 from kvfleet_models.rope import rope_frequencies
-from worker_svc.kv_cache import AttnGroup, KVViews, PagedKVCache
+from worker_svc.kv_cache import AttnGroup, KVViews, PagedKVCache, SlabRows
 from worker_svc.model import fused, gguf_quant, int8
 from worker_svc.model.cpu_backend import QUANT_MODES, Matrix, attention_core, matmul, matmul_add_, pack_bf16, torch_rows
 from worker_svc.model.gguf_quant import GGUFKernels, GGUFWeight
@@ -474,11 +474,24 @@ class LlamaModel:
             return
         rope_(qkv, rot, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
 
-    def _attention(self, q: torch.Tensor, kv: torch.Tensor, gt: GroupTensors) -> torch.Tensor:
-        """q: [T_g, Hq * D] the group's queries; kv: [2, N, S, D]. Returns [T_g, Hq * D]."""
+    def _attention(self, q: torch.Tensor, kv: torch.Tensor | SlabRows, gt: GroupTensors) -> torch.Tensor:
+        """q: [T_g, Hq * D] the group's queries; kv: [2, N, S, D], or the persistent slab's rows
+        (read in place by the fused decode path, gathered for the others). Returns [T_g, Hq * D]."""
         cfg = self.cfg
         hkv, d = cfg.num_kv_heads, cfg.head_dim
         g, b, n = cfg.num_heads // hkv, gt.batch, gt.query_len
+        torch_items = self.torch_attention_items if n > 1 else self.torch_decode_items
+        use_torch = gt.bias is not None and (b >= torch_items or not self.host_attention)
+        fused_decode = (
+            not use_torch and self.fused is not None and n == 1 and (gt.mask is None or gt.kv_lens is not None)
+        )
+        rows: torch.Tensor | None = None
+        if isinstance(kv, SlabRows):
+            if fused_decode and gt.group.order == "bh":
+                rows = kv.rows
+                kv = kv.slab
+            else:
+                kv = kv.merged()
         if gt.pad_index is not None:
             q = q.new_zeros((b * n, q.shape[1])).index_copy_(0, gt.pad_index, q)
         q5 = q.view(b, n, hkv, g, d)
@@ -486,11 +499,12 @@ class LlamaModel:
             q3 = q5.permute(0, 2, 3, 1, 4).reshape(b * hkv, g * n, d)  # [B*Hkv, G*Q, D]
         else:
             q3 = q5.permute(2, 0, 3, 1, 4).reshape(hkv * b, g * n, d)  # [Hkv*B, G*Q, D]
-        torch_items = self.torch_attention_items if n > 1 else self.torch_decode_items
-        if gt.bias is not None and (b >= torch_items or not self.host_attention):
+        if use_torch:
+            assert gt.bias is not None
             o3 = self._torch_attention(q3, kv, gt.bias)
-        elif self.fused is not None and n == 1 and (gt.mask is None or gt.kv_lens is not None):
-            o3 = self.fused.decode_attention(q3.contiguous(), kv, gt.kv_lens, gt.group.order == "bh", b, hkv)
+        elif fused_decode:
+            assert self.fused is not None
+            o3 = self.fused.decode_attention(q3.contiguous(), kv, gt.kv_lens, gt.group.order == "bh", b, hkv, rows)
         elif self.host_attention:
             o3 = attention_core(q3, kv, gt.mask, gt.group.order, b, n, hkv, g)  # [N, G*Q, D]
         else:
