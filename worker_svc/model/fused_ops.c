@@ -96,6 +96,51 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+#define KV_ATTEND_MAX_DIM 256
+/* One (row, query head) of a decode attention: softmax over the first len keys of q.k, then
+ * the probabilities times V, into o [dim]; p: len floats of scratch. Inlined with dim a
+ * constant (64, 128), the output row is a local array the compiler keeps in registers across
+ * the keys, instead of loading and storing o for every key. */
+__attribute__((always_inline)) static inline void attend(const float *qg, const float *kn, const float *vn,
+                                                         long s_stride, long len, const long dim, float *p, float *o) {
+    for (long s = 0; s < len; s++) {
+        const float *ks = kn + s * s_stride;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (long d = 0; d < dim; d++) dot += qg[d] * ks[d];
+        p[s] = dot;
+    }
+    float mx = -INFINITY, sum = 0.0f;
+    for (long s = 0; s < len; s++) mx = p[s] > mx ? p[s] : mx;
+#pragma omp simd reduction(+ : sum)
+    for (long s = 0; s < len; s++) {
+        p[s] = exp_nonpositive(p[s] - mx);
+        sum += p[s];
+    }
+    const float inv = 1.0f / sum;
+    float acc[KV_ATTEND_MAX_DIM];
+    const long width = dim <= KV_ATTEND_MAX_DIM ? dim : KV_ATTEND_MAX_DIM;
+    for (long d = 0; d < width; d++) acc[d] = 0.0f;
+    for (long s = 0; s < len; s++) {
+        const float ps = p[s] * inv;
+        const float *vs = vn + s * s_stride;
+#pragma omp simd
+        for (long d = 0; d < width; d++) acc[d] += ps * vs[d];
+    }
+    for (long d = 0; d < width; d++) o[d] = acc[d];
+    for (long c = width; c < dim; c += KV_ATTEND_MAX_DIM) { /* a head wider than the array, in slices */
+        const long w = dim - c < KV_ATTEND_MAX_DIM ? dim - c : KV_ATTEND_MAX_DIM;
+        for (long d = 0; d < w; d++) acc[d] = 0.0f;
+        for (long s = 0; s < len; s++) {
+            const float ps = p[s] * inv;
+            const float *vs = vn + s * s_stride + c;
+#pragma omp simd
+            for (long d = 0; d < w; d++) acc[d] += ps * vs[d];
+        }
+        for (long d = 0; d < w; d++) o[c + d] = acc[d];
+    }
+}
+
 /* Attention of one query per item (a decode group), grouped-query heads sharing K/V.
  *   q: [N, G, D] contiguous (N = items x kv heads, q pre-scaled); out: [N, G, D].
  *   k, v: row n, key s at k + n * n_stride + s * s_stride (D contiguous floats).
@@ -116,7 +161,7 @@ void kv_decode_attention(const float *q, const float *k, const float *v, long n_
     const long units = rows * groups;
 #pragma omp parallel for schedule(static) if (units >= 4)
     for (long u = 0; u < units; u++) {
-        const long n = u / groups, g = u % groups;
+        const long n = u / groups;
 #ifdef _OPENMP
         float *p = scratch + omp_get_thread_num() * keys;
 #else
@@ -128,28 +173,12 @@ void kv_decode_attention(const float *q, const float *k, const float *v, long n_
         const float *kn = k + at, *vn = v + at;
         const float *qg = q + u * dim;
         const long len = lens ? lens[bh ? n / hkv : n % items] : keys;
-        for (long s = 0; s < len; s++) {
-            const float *ks = kn + s * s_stride;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (long d = 0; d < dim; d++) dot += qg[d] * ks[d];
-            p[s] = dot;
-        }
-        float mx = -INFINITY, sum = 0.0f;
-        for (long s = 0; s < len; s++) mx = p[s] > mx ? p[s] : mx;
-#pragma omp simd reduction(+ : sum)
-        for (long s = 0; s < len; s++) {
-            p[s] = exp_nonpositive(p[s] - mx);
-            sum += p[s];
-        }
-        const float inv = 1.0f / sum;
         float *o = out + u * dim;
-        for (long d = 0; d < dim; d++) o[d] = 0.0f;
-        for (long s = 0; s < len; s++) {
-            const float ps = p[s] * inv;
-            const float *vs = vn + s * s_stride;
-#pragma omp simd
-            for (long d = 0; d < dim; d++) o[d] += ps * vs[d];
-        }
+        if (dim == 64) /* the usual head sizes as constants: see attend */
+            attend(qg, kn, vn, s_stride, len, 64, p, o);
+        else if (dim == 128)
+            attend(qg, kn, vn, s_stride, len, 128, p, o);
+        else
+            attend(qg, kn, vn, s_stride, len, dim, p, o);
     }
 }
