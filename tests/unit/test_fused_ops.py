@@ -93,15 +93,24 @@ def test_rope_rotates_only_q_and_k_in_place(ops: fused.FusedOps) -> None:
 
 
 @pytest.mark.parametrize("order", ["bh", "hb"])
-@pytest.mark.parametrize("items, hkv", [(3, 2), (1, 3)])  # (1, 3): a batch-1 decode, 3 rows x 3 heads
-def test_decode_attention_matches_masked_softmax(ops: fused.FusedOps, order: str, items: int, hkv: int) -> None:
+@pytest.mark.parametrize(
+    "items, hkv, d, s",
+    [
+        (3, 2, 16, 11),
+        (1, 3, 16, 11),  # a batch-1 decode: 3 rows x 3 heads, shared among the threads by (row, head)
+        (4, 3, 64, 37),  # 12 rows of head size 64: on AVX-512 a row's heads together, 16 keys at a time
+    ],
+)
+def test_decode_attention_matches_masked_softmax(
+    ops: fused.FusedOps, order: str, items: int, hkv: int, d: int, s: int
+) -> None:
     """Items of different lengths in a padded, strided slab view: the lengths do what the
-    additive mask does in torch's path. The (row, head) pairs are shared among torch's threads."""
-    g, d, s = 3, 16, 11
-    slab = _rand(2, items * hkv, 32, d, seed=7)  # capacity 32, S = 11 used: rows are strided
+    additive mask does in torch's path."""
+    g = 3
+    slab = _rand(2, items * hkv, 48, d, seed=7)  # capacity 48, S used: rows are strided
     kv = slab[:, :, :s]
     q3 = _rand(items * hkv, g, d, seed=8)
-    lens = torch.tensor([11, 4, 7][:items], dtype=torch.int64)
+    lens = torch.tensor([s, 4, s - 4, 17][:items], dtype=torch.int64)
     item_of_row = [n // hkv if order == "bh" else n % items for n in range(items * hkv)]
     allowed = torch.arange(s)[None, :] < lens[item_of_row][:, None]  # [N, S]
     scores = q3 @ kv[0].transpose(1, 2) + torch.where(allowed, 0.0, float("-inf"))[:, None, :]
@@ -118,14 +127,15 @@ def test_decode_attention_matches_masked_softmax(ops: fused.FusedOps, order: str
         ops.decode_attention(q3, kv, lens.int(), order == "bh", items, hkv)
 
 
-def test_decode_attention_reads_scattered_slab_rows(ops: fused.FusedOps) -> None:
-    """Items in rows 4, 0 and 2 of a persistent slab [2, R, Hkv, cap, D] (S cut from its
+@pytest.mark.parametrize("hkv, d, s", [(2, 16, 11), (3, 64, 37)])
+def test_decode_attention_reads_scattered_slab_rows(ops: fused.FusedOps, hkv: int, d: int, s: int) -> None:
+    """Items in rows 0, 2 and 4 of a persistent slab [2, R, Hkv, cap, D] (S cut from its
     capacity): read where they lie, the result is the gathered-rows call's, bit for bit."""
-    items, hkv, g, d, s = 3, 2, 3, 16, 11
-    slab = _rand(2, 6, hkv, 32, d, seed=9)[:, :, :, :s]
+    items, g = 3, 3
+    slab = _rand(2, 6, hkv, 48, d, seed=9)[:, :, :, :s]
     rows = torch.tensor([0, 2, 4], dtype=torch.int64)
     q3 = _rand(items * hkv, g, d, seed=10)
-    lens = torch.tensor([11, 4, 7], dtype=torch.int64)
+    lens = torch.tensor([s, 4, s - 4], dtype=torch.int64)
     gathered = slab[:, rows].reshape(2, items * hkv, s, d)
     want = ops.decode_attention(q3, gathered, lens, True, items, hkv)
     assert torch.equal(ops.decode_attention(q3, slab, lens, True, items, hkv, rows), want)

@@ -124,7 +124,7 @@ class FusedOps:
         if lens is not None and (lens.dtype != torch.int64 or not lens.is_contiguous() or lens.shape[0] * hkv != n):
             raise ValueError("lens must be contiguous int64, one per item (each at most S: the caller's check)")
         out = torch.empty_like(q3)
-        scratch = torch.empty(s * self._max_threads(), dtype=torch.float32)
+        scratch = torch.empty(g * s * self._max_threads(), dtype=torch.float32)
         self._attn(
             _ptr(q3), _ptr(k), _ptr(v), strides[0], strides[1], _ptr(lens) if lens is not None else None,
             n, g, s, d, hkv, items, int(bh), _ptr(scratch), _ptr(out),
