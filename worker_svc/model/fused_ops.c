@@ -96,6 +96,18 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+/* Scores p [len] -> e^(p - max p) in place; returns 1 / their sum (softmax's normaliser). */
+static inline float exp_scores(float *p, long len) {
+    float mx = -INFINITY, sum = 0.0f;
+    for (long s = 0; s < len; s++) mx = p[s] > mx ? p[s] : mx;
+#pragma omp simd reduction(+ : sum)
+    for (long s = 0; s < len; s++) {
+        p[s] = exp_nonpositive(p[s] - mx);
+        sum += p[s];
+    }
+    return 1.0f / sum;
+}
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 /* Lane j of the result: the sum of t[j]'s 16 lanes (16 horizontal sums in 45 instructions,
@@ -114,6 +126,23 @@ static inline __m512 sums16(const __m512 t[16]) {
 }
 #endif
 
+#ifdef __AVX512F__
+/* The dot products of a 64-wide query with 16 keys (ks, s_stride floats apart), as a vector:
+ * each key's 64 products in one register, then the 16 sums at once. */
+static inline __m512 dots16(const float *qg, const float *ks, long s_stride) {
+    const __m512 q0 = _mm512_loadu_ps(qg), q1 = _mm512_loadu_ps(qg + 16), q2 = _mm512_loadu_ps(qg + 32),
+                 q3 = _mm512_loadu_ps(qg + 48);
+    __m512 t[16];
+    for (int j = 0; j < 16; j++) {
+        const float *k = ks + j * s_stride;
+        t[j] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48),
+                               _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32),
+                                               _mm512_fmadd_ps(q1, _mm512_loadu_ps(k + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(k)))));
+    }
+    return sums16(t);
+}
+#endif
+
 #define KV_ATTEND_MAX_DIM 256
 /* One (row, query head) of a decode attention: softmax over the first len keys of q.k, then
  * the probabilities times V, into o [dim]; p: len floats of scratch. Inlined with dim a
@@ -124,19 +153,7 @@ __attribute__((always_inline)) static inline void attend(const float *qg, const 
     long s = 0;
 #ifdef __AVX512F__
     if (dim == 64) { /* 16 keys at a time: each key's 64 products in one vector, then 16 sums at once */
-        const __m512 q0 = _mm512_loadu_ps(qg), q1 = _mm512_loadu_ps(qg + 16), q2 = _mm512_loadu_ps(qg + 32),
-                     q3 = _mm512_loadu_ps(qg + 48);
-        for (; s + 16 <= len; s += 16) {
-            __m512 t[16];
-            for (int j = 0; j < 16; j++) {
-                const float *ks = kn + (s + j) * s_stride;
-                t[j] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(ks + 48),
-                                       _mm512_fmadd_ps(q2, _mm512_loadu_ps(ks + 32),
-                                                       _mm512_fmadd_ps(q1, _mm512_loadu_ps(ks + 16),
-                                                                       _mm512_mul_ps(q0, _mm512_loadu_ps(ks)))));
-            }
-            _mm512_storeu_ps(p + s, sums16(t));
-        }
+        for (; s + 16 <= len; s += 16) _mm512_storeu_ps(p + s, dots16(qg, kn + s * s_stride, s_stride));
     }
 #endif
     for (; s < len; s++) {
@@ -146,14 +163,7 @@ __attribute__((always_inline)) static inline void attend(const float *qg, const 
         for (long d = 0; d < dim; d++) dot += qg[d] * ks[d];
         p[s] = dot;
     }
-    float mx = -INFINITY, sum = 0.0f;
-    for (long s = 0; s < len; s++) mx = p[s] > mx ? p[s] : mx;
-#pragma omp simd reduction(+ : sum)
-    for (long s = 0; s < len; s++) {
-        p[s] = exp_nonpositive(p[s] - mx);
-        sum += p[s];
-    }
-    const float inv = 1.0f / sum;
+    const float inv = exp_scores(p, len);
     float acc[KV_ATTEND_MAX_DIM];
     const long width = dim <= KV_ATTEND_MAX_DIM ? dim : KV_ATTEND_MAX_DIM;
     for (long d = 0; d < width; d++) acc[d] = 0.0f;
@@ -186,20 +196,7 @@ __attribute__((always_inline)) static inline void attend_row64(const float *q, c
                                                                float *p, float *o) {
     long s = 0;
     for (; s + 16 <= len; s += 16) {
-        for (long g = 0; g < G; g++) {
-            const float *qg = q + g * 64;
-            const __m512 q0 = _mm512_loadu_ps(qg), q1 = _mm512_loadu_ps(qg + 16), q2 = _mm512_loadu_ps(qg + 32),
-                         q3 = _mm512_loadu_ps(qg + 48);
-            __m512 t[16];
-            for (int j = 0; j < 16; j++) {
-                const float *ks = kn + (s + j) * s_stride;
-                t[j] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(ks + 48),
-                                       _mm512_fmadd_ps(q2, _mm512_loadu_ps(ks + 32),
-                                                       _mm512_fmadd_ps(q1, _mm512_loadu_ps(ks + 16),
-                                                                       _mm512_mul_ps(q0, _mm512_loadu_ps(ks)))));
-            }
-            _mm512_storeu_ps(p + g * keys + s, sums16(t));
-        }
+        for (long g = 0; g < G; g++) _mm512_storeu_ps(p + g * keys + s, dots16(q + g * 64, kn + s * s_stride, s_stride));
     }
     for (; s < len; s++) {
         const float *ks = kn + s * s_stride;
@@ -212,14 +209,8 @@ __attribute__((always_inline)) static inline void attend_row64(const float *q, c
         }
     }
     for (long g = 0; g < G; g++) { /* softmax in place, normalised */
-        float *pg = p + g * keys, mx = -INFINITY, sum = 0.0f;
-        for (long t = 0; t < len; t++) mx = pg[t] > mx ? pg[t] : mx;
-#pragma omp simd reduction(+ : sum)
-        for (long t = 0; t < len; t++) {
-            pg[t] = exp_nonpositive(pg[t] - mx);
-            sum += pg[t];
-        }
-        const float inv = 1.0f / sum;
+        float *pg = p + g * keys;
+        const float inv = exp_scores(pg, len);
 #pragma omp simd
         for (long t = 0; t < len; t++) pg[t] *= inv;
     }
