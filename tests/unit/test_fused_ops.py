@@ -6,6 +6,7 @@ compile a checkout without one makes (into the tests' cache folder). No timing i
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, Sam
 from worker_svc.kv_cache import PersistentViews, SlabRows
 from worker_svc.local import LocalSteps
 from worker_svc.model import fused, native
+from worker_svc.model.cpu_features import cpu_features
 from worker_svc.model.llama import LlamaModel
 
 NO_OPS = "no C compiler here: the fallback tests cover this machine"
@@ -179,6 +181,36 @@ def test_a_decode_group_in_scattered_persistent_rows_equals_rebuild(ops: fused.F
         logits[kv_views] = out.logits
     assert any(seen), "the decode group's rows were consecutive: the scattered case was not reached"
     np.testing.assert_allclose(logits["persistent"], logits["rebuild"], atol=1e-6, rtol=0)
+
+
+def test_decode_attention_of_an_avx2_build_equals_the_native_one(ops: fused.FusedOps, tmp_path: Path) -> None:
+    """fused_ops.c is built -march=native: on an AVX-512 CPU head size 64 takes its AVX-512
+    path (16 keys' sums at once, a row's heads together), on an AVX2-only one the plain C
+    loops. The AVX2 build (x86-64-v3), made here, is held to the same results as the native
+    one and as torch, so the level this CPU does not pick is tested too."""
+    if not cpu_features().avx2:
+        pytest.skip("this CPU does not run AVX2 code")
+    spec = native.LibSpec(
+        "fused_ops_avx2", "fused_ops.c", ("-O3", "-march=x86-64-v3", "-fopenmp-simd", "-shared", "-fPIC")
+    )
+    path = tmp_path / "fused_ops_avx2.so"
+    try:
+        native.compile_library(spec, path, fused.torch_uses_libgomp())
+    except RuntimeError as e:
+        pytest.skip(f"the compiler cannot build for x86-64-v3: {e}")
+    avx2 = fused.FusedOps(ctypes.CDLL(str(path)), path)
+    for items, hkv, s in ((4, 3, 37), (1, 3, 70)):  # the row path (12 rows) and the (row, head) one
+        g, d = 3, 64
+        kv = _rand(2, items * hkv, s, d, seed=11)
+        q3 = _rand(items * hkv, g, d, seed=12)
+        lens = torch.tensor([s, 5, s - 4, 20][:items], dtype=torch.int64)
+        allowed = torch.arange(s)[None, :] < lens[[n // hkv for n in range(items * hkv)]][:, None]
+        want = (
+            torch.softmax(q3 @ kv[0].transpose(1, 2) + torch.where(allowed, 0.0, float("-inf"))[:, None, :], -1) @ kv[1]
+        )
+        got = avx2.decode_attention(q3, kv, lens, True, items, hkv)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, ops.decode_attention(q3, kv, lens, True, items, hkv), rtol=1e-5, atol=1e-5)
 
 
 def _mixed_steps(engine: Engine) -> np.ndarray:
