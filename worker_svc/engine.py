@@ -154,7 +154,7 @@ class EngineConfig:
     # ``use_cpu_threads`` for how they are split between torch and the host BLAS.
     num_threads: int = 0
     # "none" | "int8" | "gguf": the products' weights (int8 = blocks of 32 with their own
-    # scales, each input quantized alike, integer products: worker_svc/model/q8.py; gguf = a
+    # scales, float32 inputs (weight-only): worker_svc/model/q8.py; gguf = a
     # GGUF's own Q8_0/Q4_0/Q4_1 blocks, inputs quantized alike: worker_svc/model/gguf_quant.py,
     # the weights from load_model_blocks; CPU and float32 only).
     # Quality: tests/unit/test_quant_quality.py.

@@ -110,10 +110,10 @@ def test_int8_sizes_threads_and_info() -> None:
     assert q.parameter_count == f32.parameter_count == sum(w.size for w in weights.values())
     matrices = [m for layer in q.model.layers for m in layer.matrices()] + [q.model.lm_head]
     assert all(m.q8 is not None and m.kn is None and m.nk is None for m in matrices)
-    # int8 products (rows padded to blocks of 32) + a scale per block and float32 norms: the
-    # tied head is the lookup table too, no float copy beside it.
+    # int8 products (rows padded to blocks of 32, row counts to groups of 16) + a scale per
+    # block and float32 norms: the tied head is the lookup table too, no float copy beside it.
     vectors = q.parameter_count - sum(m.numel for m in matrices)
-    padded = [m.shape[0] * -(-m.shape[1] // 32) * 32 for m in matrices]
+    padded = [-(-m.shape[0] // 16) * 16 * -(-m.shape[1] // 32) * 32 for m in matrices]
     assert q.weight_bytes == sum(n + 4 * n // 32 for n in padded) + 4 * vectors
     assert q.model.embed is None
     assert q.kv_bytes_per_token == f32.kv_bytes_per_token

@@ -1,8 +1,8 @@
-"""The int8 block products (``worker_svc/model/q8.py``) at every kernel level this CPU runs.
+"""The weight-only int8 block products (``worker_svc/model/q8.py``) at every kernel level this
+CPU runs.
 
-Each level's integer dot products are exact, so every level must equal the float64 reference
-(input quantized per block, times the dequantized weight) up to float32 rounding; levels the
-CPU cannot run are skipped with the reason. Each level's library is the package's build where
+Every level must equal the float64 reference (the float32 input times the dequantized weight)
+up to float32 rounding; levels the CPU cannot run are skipped with the reason. Each level's library is the package's build where
 there is one (``make install``, a wheel), and a checkout's first-use compile equals it.
 """
 
@@ -25,14 +25,14 @@ def _kernels(level: str) -> q8.Q8Kernels:
     return q8.Q8Kernels.load(level)
 
 
-# (N, K): N not a multiple of the 4-row tile, K not a multiple of 32, an odd number of blocks
-# (the AVX-512 path takes two at a time), and smollm2's shapes.
-SHAPES = [(7, 48), (5, 32), (12, 96), (960, 576), (576, 1536)]
+# (N, K): N under, over and at whole groups of 16 rows (the padding rows are never written),
+# K not a multiple of 32 (x is read only up to K) and below one block, and smollm2's shapes.
+SHAPES = [(7, 48), (5, 20), (35, 96), (960, 576), (576, 1536)]
 
 
 @pytest.mark.parametrize("level", q8.LEVELS)
 @pytest.mark.parametrize("n, k", SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("m", [1, 2, 3, 9, 17])  # each row-tile size of both SIMD levels, and passes of several
 def test_every_level_equals_the_reference(level, n, k, m) -> None:
     kernels = _kernels(level)
     g = torch.Generator().manual_seed(n * 1000 + k + m)
@@ -46,19 +46,19 @@ def test_every_level_equals_the_reference(level, n, k, m) -> None:
 
 
 @pytest.mark.parametrize("level", q8.LEVELS)
-def test_products_at_full_range_do_not_saturate(level) -> None:
-    """Every input and weight at +-127, all products of a pair the same sign: each 16-bit pair
-    sum is 2 * 127 * 127 = 32258, the most the AVX2 path can meet; the result is the exact
-    integer sum (fbgemm's AVX2 kernels, with u8 inputs up to 255, saturate here)."""
+def test_weights_at_full_range_and_exact_sums(level) -> None:
+    """Weights at +-127 in every block and small-integer inputs: every product and partial sum
+    is an integer a float32 holds exactly, so each level must give the exact result (a
+    saturating or truncating widening of -127, or a lost tail column, shows here)."""
     kernels = _kernels(level)
-    k = 96
-    w = q8.quantize_blocks(torch.ones(4, k), kernels)
+    k = 100  # three whole blocks and a block of 4 columns
     signs = torch.tensor([1.0, -1.0]).repeat(k // 2)
-    x = torch.stack([torch.ones(k), -torch.ones(k), signs])
-    got = w.linear(x)
-    assert torch.equal(got[0], torch.full((4,), 96.0))
-    assert torch.equal(got[1], torch.full((4,), -96.0))
-    assert torch.equal(got[2], torch.zeros(4))
+    w = q8.quantize_blocks(torch.stack([torch.ones(k), -torch.ones(k), signs] * 6), kernels)  # 18 rows
+    assert int(w.row_blocks()[0][:, :k].abs().min()) == 127
+    x = torch.stack([torch.ones(k), torch.arange(k, dtype=torch.float32) - 50])
+    got = w.linear(x).double()
+    want = x.double() @ torch.stack([torch.ones(k), -torch.ones(k), signs] * 6).double().t()
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("level", q8.LEVELS)
@@ -74,24 +74,29 @@ def test_accumulate_into_out_and_strided_rows(level) -> None:
     np.testing.assert_allclose(h.numpy(), expect.numpy(), rtol=0, atol=1e-5 * float(expect.abs().max()))
 
 
-@pytest.mark.parametrize("level", q8.LEVELS)
-def test_c_input_quantizer_matches_the_weight_quantizer(level) -> None:
-    """The C quantizer (run inside every product) and ``quantize_blocks`` agree exactly,
-    halves rounded to even, and pad K with zeros."""
-    kernels = _kernels(level)
+def test_the_grouped_layout_holds_each_row_and_block() -> None:
+    """``quantize_blocks`` rounds half to even per row and block of 32, and its groups of 16
+    rows read back, row by row, as those blocks (the zero padding of K and of N included)."""
     g = torch.Generator().manual_seed(9)
-    x = torch.randn(4, 70, generator=g) * 3
-    x[0, :32] = torch.arange(32) - 12.7  # block max 19.3 -> scale 19.3/127: many ties near .5
-    xq, xd = kernels.quantize_input(x)
-    ref = q8.quantize_blocks(x)
-    assert torch.equal(xq, ref.qs) and xq.shape == (4, 96)
-    assert torch.equal(xq[:, 70:], torch.zeros(4, 26, dtype=torch.int8))
-    np.testing.assert_allclose(xd.numpy(), ref.scales.numpy(), rtol=1e-7)
+    w = torch.randn(20, 70, generator=g) * 3
+    w[0, :32] = torch.arange(32) - 12.7  # block max 19.3 -> scale 19.3/127: many ties near .5
+    q = q8.quantize_blocks(w)
+    assert q.qs.shape == (2, 3, 32, 16) and q.scales.shape == (2, 3, 16)  # 20 rows -> 2 groups
+    scales = torch.cat([w, torch.zeros(20, 26)], 1).view(20, 3, 32).abs().amax(2) / 127
+    qs = torch.round(torch.cat([w, torch.zeros(20, 26)], 1).view(20, 3, 32) / scales[:, :, None]).to(torch.int8)
+    got_qs, got_scales = q.row_blocks()
+    assert torch.equal(got_qs, qs.view(20, 96)) and torch.equal(got_scales, scales)
+    assert torch.equal(q.qs[1, :, :, 4:], torch.zeros(3, 32, 12, dtype=torch.int8))  # rows 20-31: padding
+    assert torch.equal(q.scales[1, :, 4:], torch.zeros(3, 12))
+    index = torch.tensor([19, 0, 16, 3])
+    assert torch.equal(q.rows(index), q8.dequantize(q)[index])
+    assert (q8.dequantize(q) - w).abs().max() <= scales.max() / 2 + 1e-6
 
 
 def test_zero_rows_and_blocks() -> None:
     w = q8.quantize_blocks(torch.zeros(4, 64), q8.Q8Kernels.load("scalar"))
-    assert torch.equal(w.scales, torch.zeros(4, 2)) and torch.equal(w.qs, torch.zeros(4, 64, dtype=torch.int8))
+    qs, scales = w.row_blocks()
+    assert torch.equal(scales, torch.zeros(4, 2)) and torch.equal(qs, torch.zeros(4, 64, dtype=torch.int8))
     assert torch.equal(w.linear(torch.randn(2, 64)), torch.zeros(2, 4))
 
 

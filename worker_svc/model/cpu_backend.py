@@ -13,10 +13,9 @@ bfloat16 on a CPU: oneDNN's linear with the weight reordered once into its block
 (measured, the 30 layers' products on 2 threads: 1 row 19.0 -> 13.4 ms, 32 rows 21.9 ->
 16.6 ms, 256 rows 48.7 -> 33.2 ms), with float32 activations cast around it.
 
-With ``quant="int8"`` (CPU, float32 activations) every product is int8 in blocks of 32
-instead (``q8``): weights with one scale per row and block, each call's input quantized the
-same way, integer dot products at the CPU's best kernel level. A layer's four products then
-read 4x fewer bytes.
+With ``quant="int8"`` (CPU, float32 activations) every product's weight is int8 in blocks of
+32 instead (``q8``), one scale per row and block, widened to float in the kernel at the CPU's
+best level; the activations are not rounded. A layer's four products then read ~3.6x fewer bytes.
 
 With ``quant="gguf"`` (a GGUF model, CPU, float32 activations) every product runs on the file's
 own quantized blocks (``gguf_quant``: Q8_0, Q4_0, Q4_1), inputs quantized per block of 32 to

@@ -1,13 +1,13 @@
-"""Int8 weights for the CPU: activation smoothing, then int8 blocks of 32 (``q8``).
+"""Int8 weights for the CPU: channel smoothing, then weight-only int8 blocks of 32 (``q8``).
 
-Llama's activations have a few outlier channels (the same hidden dimensions in every layer:
-on smollm2 the down projection's input peaks at 480 where its median channel is 5, the MLP
-input at 32 against 0.65). With one int8 scale per token those channels leave the others a
-few levels, which measured 0.90 top-1 agreement with float32 where int8 weights alone gave
-0.956. So, as in SmoothQuant, each product's input channel j is divided by
-``s_j = max|x_j|^a / max|W_:j|^(1-a)`` and the weight's column multiplied by it: the product is
-unchanged and the range moves from the activation into the weights, whose per-row scales
-absorb it (and likewise the per-block scales of ``q8``). The division costs nothing at run time, folded into whatever makes the input:
+``--quant int8`` keeps float32 activations: each product's weight is int8 with a scale per row
+and block of 32 columns, widened to float in the kernel. Before rounding, each product's input
+channel j is divided by ``s_j = max|x_j|^a / max|W_:j|^(1-a)`` and the weight's column
+multiplied by it (SmoothQuant's migration; with float activations it works as AWQ's does: the
+columns that meet Llama's outlier activation channels, on smollm2 the down projection's input
+peaks at 480 where its median channel is 5, are scaled up before rounding, so their relative
+rounding error, which those large inputs multiply, shrinks). The product is unchanged before
+rounding; the division costs nothing at run time, folded into whatever makes the input:
   * qkv and gate/up: the RMS norm's weight before them (and the final norm before the head);
   * o: the v rows of qkv and V's bias (attention output is a convex mix of V rows, so scaling
     V's channel scales its output channel; the s of query heads sharing a kv head are their max);
@@ -18,12 +18,14 @@ before the residual add, and a product's input still comes from the norm or rows
 The KV cache then holds the scaled V (internal to this engine). ``max|x_j|`` comes from one
 float32 forward at load over 512 seeded random token ids drawn with p(id) ~ 1 / (id + 10):
 BPE vocabularies put frequent tokens first, so that resembles text without needing a
-tokenizer or a corpus. Measured on smollm2 (top-1 agreement with float32 / perplexity ratio
-on tests/data/heldout.txt), with fbgemm's per-row int8 (one scale per weight row and per token,
-the products before ``q8``): no smoothing 0.898 / 1.034; smoothing calibrated on uniform random
-ids 0.913 / 1.031, on real text (ARCHITECTURE.md) 0.925 / 1.016, on these ids 0.928 / 1.010.
-With ``q8``'s blocks of 32 (weights and inputs), on the 2-core AMD EPYC (AVX2): no smoothing
-0.956 / 1.011, smoothing 0.963 / 1.000; int8 weights with float32 activations 0.974 / 0.998.
+tokenizer or a corpus.
+
+Measured on smollm2 (top-1 agreement with float32 / perplexity ratio, the whole of
+tests/data/heldout.txt, 2-core Intel Xeon), weight-only int8 blocks of 32: with smoothing
+0.973 / x0.998, without 0.976 / x1.006 (the perplexity is the finer measure; 0.003 of
+agreement is 7 positions). Before, with the inputs rounded to int8 blocks of 32 as well (W8A8):
+smoothing 0.963-0.967 / x1.000, none 0.956 / x1.011; fbgemm's per-row int8 (one scale per row
+and per token) 0.898 without smoothing and 0.928 with it.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def quantize(
     cfg: LlamaConfig, weights: ModelWeights, seed: int = 0, kernels: Q8Kernels | None = None
 ) -> tuple[ModelWeights, str]:
     """The weights with every float product (torch layout, [out, in]) replaced by a smoothed
-    int8 one, the norms taking the folded divisions: a transform applied before the model is
+    weight-only int8 one, the norms taking the folded divisions: a transform applied before the model is
     built. ``kernels``: the C products (default: the best level this CPU runs, or torch's
     reference product where they cannot be built). Returns (weights, the products' kernel
     level: "torch" for the reference)."""

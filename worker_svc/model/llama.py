@@ -38,7 +38,7 @@ Weights are prepared once for this forward, not kept in the checkpoint's form:
     few) against 25 ms this way with oneDNN's packed products (``python -m bench.modes``);
     on GPUs everything stays bfloat16;
   * with ``quant="int8"`` (CPU, float32) every projection and the LM head are int8 weights in
-    blocks of 32 with their own scales (``q8``, inputs quantized alike per call); attention, norms, RoPE and the
+    blocks of 32 with their own scales (``q8``, weight-only: the inputs stay float32); attention, norms, RoPE and the
     KV cache stay float32, attention on numpy's BLAS as in the float32 path. An untied embedding stays
     a float32 table; a tied one is the int8 head alone, a row looked up dequantized and its
     smoothing undone (``ModelWeights.embed_rows``): no float copy beside the packed one.

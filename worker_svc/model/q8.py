@@ -1,8 +1,8 @@
-"""Int8 weight products in blocks of 32 (``q8_kernels.c``), at the CPU's best level.
+"""Weight-only int8 products in blocks of 32 (``q8_kernels.c``), at the CPU's best level.
 
 ``--quant int8`` stores each product's weight [N, K] as int8 with one float32 scale per row and
-block of 32 columns (``Q8Weight``); every call quantizes its float32 input the same way and
-multiplies in integers (see the C file for the arithmetic per level). The kernel's level is
+block of 32 columns (``Q8Weight``, rows in groups of 16); the activations stay float32, each
+int8 column widened to float and multiplied in (see the C file for the layout and levels). The kernel's level is
 picked once, at load (``Q8Kernels.load``): the best of avx512 (AVX-512 VNNI), avx2 and scalar
 that this CPU runs, or the one ``KVFLEET_Q8_LEVEL`` names (a lower one, for tests and
 comparisons; a level the CPU cannot run is refused).
@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = native.Q8["scalar"].source_path
 QK = 32
+GROUP_ROWS = 16  # rows per group in the kernels' layout
 LEVELS = native.Q8_LEVELS  # lowest first
 LEVEL_ENV = "KVFLEET_Q8_LEVEL"
 K = TypeVar("K")  # a kernel family loaded at one level
@@ -69,12 +70,15 @@ def runnable_levels(features: CpuFeatures | None = None) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Q8Weight:
-    """A weight [N, K] in blocks of 32: ``qs`` int8 [N, Kp] in [-127, 127] (Kp = K rounded up
-    to 32, the padding zero), ``scales`` float32 [N, Kp / 32] (block max |w| / 127), and the
-    kernels its products run on."""
+    """A weight [N, K] as int8 in [-127, 127] with one float32 scale per row and block of 32
+    columns (block max |w| / 127), in the kernels' layout (see ``q8_kernels.c``): rows in
+    groups of 16 (N padded with zero rows), each group block by block, column by column:
+    ``qs`` int8 [G, Kp / 32, 32, 16], ``scales`` float32 [G, Kp / 32, 16] (Kp = K rounded up
+    to 32, the padding zero); and the kernels its products run on."""
 
     qs: torch.Tensor
     scales: torch.Tensor
+    out_features: int
     in_features: int
     kernels: Q8Kernels | None = field(default=None, compare=False)
 
@@ -85,15 +89,19 @@ class Q8Weight:
             return y if out is None else out.add_(y)
         return self.kernels.linear(x, self, out)
 
+    def row_blocks(self, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int8 [R, Kp], float32 [R, Kp / 32]) of the rows ``index`` (default: all N), in
+        row-major order (copies)."""
+        idx = torch.arange(self.out_features) if index is None else index
+        group, lane = idx // GROUP_ROWS, idx % GROUP_ROWS
+        qs = self.qs.permute(0, 3, 1, 2)[group, lane]  # [R, nb, 32]
+        return qs.reshape(idx.shape[0], -1), self.scales.permute(0, 2, 1)[group, lane]
+
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """float32 [T, K] of the rows ``index`` [T] alone (a tied int8 head read as the embedding)."""
-        kp = self.qs.shape[1]
-        qs = self.qs.index_select(0, index).view(-1, kp // QK, QK).float()
-        return (qs * self.scales.index_select(0, index)[:, :, None]).view(-1, kp)[:, : self.in_features]
-
-    @property
-    def out_features(self) -> int:
-        return self.qs.shape[0]
+        qs, scales = self.row_blocks(index)
+        full = qs.view(index.shape[0], -1, QK).float() * scales[:, :, None]
+        return full.view(index.shape[0], -1)[:, : self.in_features]
 
     @property
     def nbytes(self) -> int:
@@ -101,31 +109,31 @@ class Q8Weight:
 
 
 def quantize_blocks(w: torch.Tensor, kernels: Q8Kernels | None = None) -> Q8Weight:
-    """w: float [N, K] -> its int8 blocks, rounded half to even as the C input quantizer."""
+    """w: float [N, K] -> its int8 blocks (rounded half to even), in groups of 16 rows."""
     n, k = w.shape
-    kp = -(-k // QK) * QK
-    padded = torch.zeros(n, kp, dtype=torch.float32)
-    padded[:, :k] = w.float()
-    blocks = padded.view(n, kp // QK, QK)
-    scales = blocks.abs().amax(dim=2) / 127.0  # [N, Kp/32]
+    kp, np_ = -(-k // QK) * QK, -(-n // GROUP_ROWS) * GROUP_ROWS
+    padded = torch.zeros(np_, kp, dtype=torch.float32)
+    padded[:n, :k] = w.float()
+    blocks = padded.view(np_, kp // QK, QK)
+    scales = blocks.abs().amax(dim=2) / 127.0  # [Np, nb]
     inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
     qs = torch.round(blocks * inv[:, :, None]).clamp_(-127, 127).to(torch.int8)
-    return Q8Weight(qs.view(n, kp).contiguous(), scales.contiguous(), k, kernels)
+    g, nb = np_ // GROUP_ROWS, kp // QK
+    grouped = qs.view(g, GROUP_ROWS, nb, QK).permute(0, 2, 3, 1).contiguous()  # [G, nb, 32, 16]
+    group_scales = scales.view(g, GROUP_ROWS, nb).permute(0, 2, 1).contiguous()  # [G, nb, 16]
+    return Q8Weight(grouped, group_scales, n, k, kernels)
 
 
 def dequantize(w: Q8Weight) -> torch.Tensor:
     """The float32 [N, K] the blocks stand for (tests, and the reference product)."""
-    n, kp = w.qs.shape
-    full = w.qs.view(n, kp // QK, QK).float() * w.scales[:, :, None]
-    return full.view(n, kp)[:, : w.in_features]
+    return w.rows(torch.arange(w.out_features))
 
 
 def reference_linear(x: torch.Tensor, w: Q8Weight) -> torch.Tensor:
-    """What every level computes, in float64: x quantized per row and block of 32 (as the C
-    quantizer does), times the dequantized weight. x [M, K] -> [M, N] float32. Also the
-    product where the C kernels cannot be built (slow: it dequantizes on every call)."""
-    xq = quantize_blocks(x)
-    return (dequantize(xq).double() @ dequantize(w).double().t()).float()
+    """What every level computes, in float64: x times the dequantized weight. x [M, K] ->
+    [M, N] float32. Also the product where the C kernels cannot be built (slow: it
+    dequantizes on every call)."""
+    return (x.double() @ dequantize(w).double().t()).float()
 
 
 def with_kernels(w: Q8Weight, kernels: Q8Kernels | None) -> Q8Weight:
@@ -142,11 +150,8 @@ class Q8Kernels:
             raise ValueError(f"q8 level must be one of {list(LEVELS)}, got {level!r}")
         self.level, self.path, self.origin = level, path, origin
         self._linear = getattr(lib, f"kv_q8_linear_{level}")
-        self._linear.argtypes = [_P, _L, _L, _L, _P, _P, _L, _P, _L, ctypes.c_int, _P]
+        self._linear.argtypes = [_P, _L, _L, _L, _P, _P, _L, _P, _L, ctypes.c_int]
         self._linear.restype = None
-        self._quantize = lib.kv_q8_quantize
-        self._quantize.argtypes = [_P, _L, _L, _L, _P, _P]
-        self._quantize.restype = None
 
     @staticmethod
     def load(level: str | None = None) -> Q8Kernels:
@@ -162,31 +167,18 @@ class Q8Kernels:
 
         return load_level("int8", level, at)
 
-    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The C input quantizer on its own (the products run it inside): x [M, K] float32
-        -> (int8 [M, Kp], float32 scales [M, Kp / 32])."""
-        m, k = x.shape
-        kp = -(-k // QK) * QK
-        xq = torch.empty(m, kp, dtype=torch.int8)
-        xd = torch.empty(m, kp // QK, dtype=torch.float32)
-        self._quantize(x.data_ptr(), m, k, x.stride(0), xq.data_ptr(), xd.data_ptr())
-        return xq, xd
-
     def linear(self, x: torch.Tensor, w: Q8Weight, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] float32 (rows contiguous) times w -> [M, N] float32; with ``out`` [M, N]
         (rows contiguous) the product is added to it in place and ``out`` returned."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features or x.stride(1) != 1:
             raise ValueError(f"x must be float32 [M, {w.in_features}] with contiguous rows, got {tuple(x.shape)}")
-        m, kp = x.shape[0], w.qs.shape[1]
-        accumulate = out is not None
+        m = x.shape[0]
         y = out if out is not None else torch.empty(m, w.out_features, dtype=torch.float32)
-        if y.stride(1) != 1 or tuple(y.shape) != (m, w.out_features):
+        if y.dtype != torch.float32 or y.stride(1) != 1 or tuple(y.shape) != (m, w.out_features):
             raise ValueError("out must be float32 [M, N] with contiguous rows")
-        scratch = torch.empty(m * kp + 4 * m * (kp // QK) + 4, dtype=torch.uint8)
-        base = scratch.data_ptr()
         self._linear(
             x.data_ptr(), m, w.in_features, x.stride(0), w.qs.data_ptr(), w.scales.data_ptr(),
-            w.out_features, y.data_ptr(), y.stride(0), int(accumulate), base + (-(base + m * kp) % 4),
+            w.out_features, y.data_ptr(), y.stride(0), int(out is not None),
         )  # fmt: skip
         return y
 

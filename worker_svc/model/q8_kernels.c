@@ -1,27 +1,30 @@
-/* Int8 weight products for the CPU, in blocks of 32 (see q8.py, which builds and loads this).
+/* Weight-only int8 products for the CPU (see q8.py, which builds and loads this).
  *
- * A weight matrix [N, K] is stored as int8 values in [-127, 127] with one float32 scale per
- * row and block of 32 columns (K padded with zeros to a multiple of 32). Each call quantizes
- * its float32 input the same way (per row and block of 32: scale = max|x| / 127), so one
- * block's dot product is an exact integer sum of 32 int8 products, scaled by the two blocks'
- * scales and added up in float32. Fine-grained input scales keep the quiet channels of a row
- * their resolution next to the outlier channels of Llama's activations.
+ * A weight matrix [N, K] is int8 in [-127, 127] with one float32 scale per row and block of 32
+ * columns; the activations stay float32 (no input rounding: int8 weights with float inputs
+ * measured 0.973 top-1 agreement with float32 on SmolLM2 where int8 inputs too gave 0.964).
+ *
+ * Layout (q8.py, Q8Weight): the rows in groups of 16 (N padded with zero rows to a multiple of
+ * 16), and within a group, block by block, the 32 columns one after the other, each column the
+ * 16 rows' bytes: wq [G][nb][32][16] int8, wd [G][nb][16] float32. So one column of a group is
+ * one 16-byte load that widens to a vector of 16 floats (one lane per row), multiplied by a
+ * broadcast input value: no horizontal sums, and the same converted column serves several
+ * input rows. A block's partial sums are then scaled by its 16 scales at once:
+ *     y[r][i] = sum_b wd[b][i] * sum_{c < 32} wq[b][c][i] * x[r][32 b + c].
+ * K is padded to whole blocks with zero weights, but x is read only up to K.
  *
  * One function per instruction set, chosen once by the caller (q8.py):
- *   scalar   plain C: any CPU, and the reference the others are tested against;
- *   avx2     vpmaddubsw on |x| (u8) and w * sign(x) (s8): both at most 127 in magnitude, so an
- *            adjacent pair's sum (at most 2 * 127 * 127 = 32258) never saturates its int16 lane
- *            (fbgemm's AVX2 path feeds u8 inputs up to 255 there and does saturate);
- *   avx512   vpdpbusd (AVX-512 VNNI): the same u8 x s8 products summed straight into int32,
- *            two blocks per 512-bit register.
- * The integer sums are exact at every level; only the float32 order of adding up the blocks
- * differs (tests compare the levels within float rounding).
+ *   scalar   plain C over the same layout, for any CPU: a block widened once into floats with
+ *            its scales folded in, then multiplied by up to 64 input rows;
+ *   avx2     8 rows a register (a group in two halves), up to 4 input rows a pass;
+ *   avx512   16 rows a register, up to 8 input rows a pass.
+ * The "avx512" level is the one the int8 and GGUF families share (AVX-512 with VNNI); these
+ * products use AVX-512F alone.
  *
  * KV_Q8_LEVELS (0, 1 or 2; default 2) builds the levels up to scalar, avx2 or avx512: the
  * package builds one library per level (native.py), so a compiler that lacks a level's
  * instructions still builds the lower ones.
  */
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__x86_64__) || defined(_M_X64)
@@ -33,179 +36,189 @@
 #define KV_Q8_LEVELS 2
 #endif
 #define QK 32
+#define GR 16 /* rows in a group */
 
-/* x [M, K] float32 (row stride ldx) -> xq [M, Kp] int8, xd [M, Kp / 32] float32, Kp = K
- * rounded up to 32 (the padding is zero). Rounds half to even (rintf), as numpy's rint. */
-void kv_q8_quantize(const float *x, long m, long k, long ldx, int8_t *xq, float *xd) {
-    const long kp = (k + QK - 1) / QK * QK, nb = kp / QK;
-    for (long r = 0; r < m; r++) {
-        const float *xr = x + r * ldx;
-        int8_t *qr = xq + r * kp;
-        for (long b = 0; b < nb; b++) {
-            const long lo = b * QK, hi = lo + QK < k ? lo + QK : k;
-            float amax = 0.0f;
-            for (long j = lo; j < hi; j++) amax = fmaxf(amax, fabsf(xr[j]));
-            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-            xd[r * nb + b] = d;
-            for (long j = lo; j < hi; j++) qr[j] = (int8_t)rintf(xr[j] * inv);
-            for (long j = hi; j < lo + QK; j++) qr[j] = 0;
-        }
-    }
+/* y rows [r0, r0 + rows) of a group g's 16 outputs (only the first `live` are real rows):
+ * one function per level, same arguments. */
+typedef void (*group_fn)(const int8_t *gq, const float *gd, long nb, long k, const float *x, long ldx, long rows,
+                         float *y, long ldy, long live, int accumulate);
+
+static void store_rows(const float *s, float *y, long live, int accumulate) {
+    for (long i = 0; i < live; i++) y[i] = accumulate ? y[i] + s[i] : s[i];
 }
 
-/* One weight row times one input row (nb blocks), and four weight rows (kp bytes apart) times
- * one input row: the tile shares each input block's load and |x| among four rows. */
-typedef float (*dot_fn)(const int8_t *w, const float *wd, const int8_t *x, const float *xd, long nb);
-typedef void (*dot4_fn)(const int8_t *w, long kp, const float *wd, const int8_t *x, const float *xd, long nb,
-                        float out[4]);
-
-/* y [M, N] (row stride ldy) = (accumulate ? y : 0) + x w^T, x given quantized as above;
- * w: wq [N, Kp] int8, wd [N, Kp / 32]. Tiles of four weight rows are shared out among OpenMP
- * threads, each tile (4 * Kp bytes, kept in L1) multiplied with every input row. */
-static void gemm(dot_fn dot, dot4_fn dot4, const int8_t *wq, const float *wd, long n, long kp,
-                 const int8_t *xq, const float *xd, long m, float *y, long ldy, int accumulate) {
-    const long nb = kp / QK, tiles = (n + 3) / 4;
-#pragma omp parallel for schedule(static)
-    for (long t = 0; t < tiles; t++) {
-        const long i0 = t * 4, rows = n - i0 < 4 ? n - i0 : 4;
-        for (long r = 0; r < m; r++) {
-            float s[4];
-            if (rows == 4) {
-                dot4(wq + i0 * kp, kp, wd + i0 * nb, xq + r * kp, xd + r * nb, nb, s);
-            } else {
-                for (long j = 0; j < rows; j++)
-                    s[j] = dot(wq + (i0 + j) * kp, wd + (i0 + j) * nb, xq + r * kp, xd + r * nb, nb);
-            }
-            float *yr = y + r * ldy + i0;
-            for (long j = 0; j < rows; j++) yr[j] = accumulate ? yr[j] + s[j] : s[j];
-        }
-    }
-}
-
-/* The whole product in one call (one ctypes call per product): x [M, K] float32 (row stride
- * ldx) is quantized into scratch (M * Kp bytes, then M * Kp / 32 floats, 4-byte aligned),
- * then multiplied with w (see gemm). */
-#define KV_Q8_LINEAR(NAME, DOT, DOT4)                                                                    \
-    void NAME(const float *x, long m, long k, long ldx, const int8_t *wq, const float *wd, long n, \
-              float *y, long ldy, int accumulate, void *scratch) {                                \
-        const long kp = (k + QK - 1) / QK * QK;                                                    \
-        int8_t *xq = (int8_t *)scratch;                                                            \
-        float *xd = (float *)(xq + m * kp);                                                        \
-        kv_q8_quantize(x, m, k, ldx, xq, xd);                                                      \
-        gemm(DOT, DOT4, wq, wd, n, kp, xq, xd, m, y, ldy, accumulate);                                \
-    }
-
-static float dot_scalar(const int8_t *w, const float *wd, const int8_t *x, const float *xd, long nb) {
-    float acc = 0.0f;
+#define SCALAR_TILE 64
+/* Plain C for any CPU: each block of the group is widened once, its scales folded in, into a
+ * float [32][16] table (2 KB, in L1) that every input row of the tile then multiplies: the
+ * widening is the costly part without SIMD, and one 16-float row of partial sums a row is what
+ * the compiler's baseline vectors hold. */
+static void group_scalar(const int8_t *gq, const float *gd, long nb, long k, const float *x, long ldx, long rows,
+                         float *y, long ldy, long live, int accumulate) {
+    float acc[SCALAR_TILE][GR], wf[QK][GR];
+    memset(acc, 0, sizeof(float) * GR * (size_t)rows);
     for (long b = 0; b < nb; b++) {
-        int32_t s = 0;
-        for (int j = 0; j < QK; j++) s += (int32_t)w[b * QK + j] * (int32_t)x[b * QK + j];
-        acc += (float)s * (wd[b] * xd[b]);
+        const long cols = k - b * QK < QK ? k - b * QK : QK;
+        const int8_t *q = gq + b * QK * GR;
+        for (long c = 0; c < cols; c++)
+            for (int i = 0; i < GR; i++) wf[c][i] = (float)q[c * GR + i] * gd[b * GR + i];
+        long r = 0;
+        for (; r + 1 < rows; r += 2) { /* two rows: two independent chains of adds */
+            const float *x0 = x + r * ldx + b * QK, *x1 = x0 + ldx;
+            float a0[GR], a1[GR];
+            memcpy(a0, acc[r], sizeof a0);
+            memcpy(a1, acc[r + 1], sizeof a1);
+            for (long c = 0; c < cols; c++)
+                for (int i = 0; i < GR; i++) {
+                    a0[i] += wf[c][i] * x0[c];
+                    a1[i] += wf[c][i] * x1[c];
+                }
+            memcpy(acc[r], a0, sizeof a0);
+            memcpy(acc[r + 1], a1, sizeof a1);
+        }
+        if (r < rows) {
+            const float *xr = x + r * ldx + b * QK;
+            for (long c = 0; c < cols; c++)
+                for (int i = 0; i < GR; i++) acc[r][i] += wf[c][i] * xr[c];
+        }
     }
-    return acc;
+    for (long r = 0; r < rows; r++) store_rows(acc[r], y + r * ldy, live, accumulate);
 }
-static void dot4_scalar(const int8_t *w, long kp, const float *wd, const int8_t *x, const float *xd, long nb,
-                        float out[4]) {
-    for (int j = 0; j < 4; j++) out[j] = dot_scalar(w + j * kp, wd + j * nb, x, xd, nb);
+
+/* y [M, N] (row stride ldy) = (accumulate ? y : 0) + x w^T: the groups shared out among the
+ * OpenMP threads; each group (nb * 576 bytes: 27 KB for K = 1536) stays in cache while every
+ * input row passes over it. */
+static void linear(group_fn fn, long row_tile, const float *x, long m, long k, long ldx, const int8_t *wq,
+                   const float *wd, long n, float *y, long ldy, int accumulate) {
+    const long nb = (k + QK - 1) / QK, groups = (n + GR - 1) / GR;
+#pragma omp parallel for schedule(static)
+    for (long g = 0; g < groups; g++) {
+        const long live = n - g * GR < GR ? n - g * GR : GR;
+        for (long r = 0; r < m; r += row_tile) {
+            const long rows = m - r < row_tile ? m - r : row_tile;
+            fn(wq + g * nb * QK * GR, wd + g * nb * GR, nb, k, x + r * ldx, ldx, rows, y + r * ldy + g * GR, ldy,
+               live, accumulate);
+        }
+    }
 }
-KV_Q8_LINEAR(kv_q8_linear_scalar, dot_scalar, dot4_scalar)
+
+void kv_q8_linear_scalar(const float *x, long m, long k, long ldx, const int8_t *wq, const float *wd, long n,
+                         float *y, long ldy, int accumulate) {
+    linear(group_scalar, SCALAR_TILE, x, m, k, ldx, wq, wd, n, y, ldy, accumulate);
+}
 
 #if defined(KV_X86) && KV_Q8_LEVELS >= 1
-__attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-__attribute__((target("avx2,fma"))) static float dot_avx2(const int8_t *w, const float *wd, const int8_t *x,
-                                                          const float *xd, long nb) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc = _mm256_setzero_ps();
+#define AVX2_TILE 4
+/* One half of a group (8 rows, `half` 0 or 1) for R input rows; R is a constant in each
+ * caller (group_avx2's switch), so the partial sums stay in registers; U = 4 / R chains a row
+ * as in rows_avx512. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void half_avx2(
+    const int8_t *gq, const float *gd, long nb, long k, const float *x, long ldx, const long R, int half, float *s) {
+    const long U = R >= 4 ? 1 : 4 / R;
+    __m256 acc[AVX2_TILE], part[AVX2_TILE][4];
+    for (long r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (long b = 0; b < nb; b++) {
-        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + b * QK));
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + b * QK));
-        const __m256i ax = _mm256_sign_epi8(xv, xv); /* |x| as u8 */
-        const __m256i sw = _mm256_sign_epi8(wv, xv); /* w * sign(x) */
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sw), ones); /* 8 x int32 */
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(wd[b] * xd[b]), acc);
-    }
-    return hsum256(acc);
-}
-__attribute__((target("avx2,fma"))) static void dot4_avx2(const int8_t *w, long kp, const float *wd,
-                                                           const int8_t *x, const float *xd, long nb,
-                                                           float out[4]) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (long b = 0; b < nb; b++) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + b * QK));
-        const __m256i ax = _mm256_sign_epi8(xv, xv);
-        for (int j = 0; j < 4; j++) {
-            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + j * kp + b * QK));
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, xv)), ones);
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(wd[j * nb + b] * xd[b]), acc[j]);
+        const long cols = k - b * QK < QK ? k - b * QK : QK;
+        const int8_t *q = gq + b * QK * GR + half * 8;
+        const float *xb = x + b * QK;
+        for (long r = 0; r < R; r++)
+            for (long u = 0; u < U; u++) part[r][u] = _mm256_setzero_ps();
+        long c = 0;
+        for (; c + U <= cols; c += U)
+            for (long u = 0; u < U; u++) {
+                const __m128i raw = _mm_loadl_epi64((const __m128i *)(q + (c + u) * GR));
+                const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+                for (long r = 0; r < R; r++)
+                    part[r][u] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(xb + r * ldx + c + u), part[r][u]);
+            }
+        for (; c < cols; c++) {
+            const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + c * GR))));
+            for (long r = 0; r < R; r++) part[r][0] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(xb + r * ldx + c), part[r][0]);
+        }
+        const __m256 d = _mm256_loadu_ps(gd + b * GR + half * 8);
+        for (long r = 0; r < R; r++) {
+            __m256 sum = part[r][0];
+            for (long u = 1; u < U; u++) sum = _mm256_add_ps(sum, part[r][u]);
+            acc[r] = _mm256_fmadd_ps(sum, d, acc[r]);
         }
     }
-    /* the four sums at once: pairwise adds, then the two 128-bit halves */
-    const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
-    const __m256 s = _mm256_hadd_ps(s01, s23);
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+    for (long r = 0; r < R; r++) _mm256_storeu_ps(s + r * GR + half * 8, acc[r]);
 }
-KV_Q8_LINEAR(kv_q8_linear_avx2, dot_avx2, dot4_avx2)
+__attribute__((target("avx2,fma"))) static void group_avx2(const int8_t *gq, const float *gd, long nb, long k,
+                                                           const float *x, long ldx, long rows, float *y, long ldy,
+                                                           long live, int accumulate) {
+    float s[AVX2_TILE * GR];
+    for (int half = 0; half < 2; half++) {
+        switch (rows) {
+        case 1: half_avx2(gq, gd, nb, k, x, ldx, 1, half, s); break;
+        case 2: half_avx2(gq, gd, nb, k, x, ldx, 2, half, s); break;
+        case 3: half_avx2(gq, gd, nb, k, x, ldx, 3, half, s); break;
+        default: half_avx2(gq, gd, nb, k, x, ldx, 4, half, s); break;
+        }
+    }
+    for (long r = 0; r < rows; r++) store_rows(s + r * GR, y + r * ldy, live, accumulate);
+}
+void kv_q8_linear_avx2(const float *x, long m, long k, long ldx, const int8_t *wq, const float *wd, long n,
+                       float *y, long ldy, int accumulate) {
+    linear(group_avx2, AVX2_TILE, x, m, k, ldx, wq, wd, n, y, ldy, accumulate);
+}
 
 #if KV_Q8_LEVELS >= 2
-
-#define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"
-__attribute__((target(AVX512_TARGET))) static float dot_avx512(const int8_t *w, const float *wd, const int8_t *x,
-                                                               const float *xd, long nb) {
-    const __m512i zero = _mm512_setzero_si512();
-    __m512 acc = _mm512_setzero_ps();
-    long b = 0;
-    for (; b + 1 < nb; b += 2) { /* two blocks: int32 lanes 0-7 the first, 8-15 the second */
-        const __m512i wv = _mm512_loadu_si512((const void *)(w + b * QK));
-        const __m512i xv = _mm512_loadu_si512((const void *)(x + b * QK));
-        const __mmask64 neg = _mm512_movepi8_mask(xv);
-        const __m512i ax = _mm512_abs_epi8(xv);
-        const __m512i sw = _mm512_mask_sub_epi8(wv, neg, zero, wv);
-        const __m512i p = _mm512_dpbusd_epi32(zero, ax, sw);
-        const __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(wd[b] * xd[b]), _mm512_set1_ps(wd[b + 1] * xd[b + 1]));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc);
-    }
-    float tail = 0.0f;
-    if (b < nb) { /* an odd last block */
-        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + b * QK));
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + b * QK));
-        const __mmask32 neg = _mm256_movepi8_mask(xv);
-        const __m256i ax = _mm256_abs_epi8(xv);
-        const __m256i sw = _mm256_mask_sub_epi8(wv, neg, _mm256_setzero_si256(), wv);
-        const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sw);
-        tail = hsum256(_mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(wd[b] * xd[b])));
-    }
-    return _mm512_reduce_add_ps(acc) + tail;
-}
-__attribute__((target(AVX512_TARGET))) static void dot4_avx512(const int8_t *w, long kp, const float *wd,
-                                                               const int8_t *x, const float *xd, long nb,
-                                                               float out[4]) {
-    const __m512i zero = _mm512_setzero_si512();
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    long b = 0;
-    for (; b + 1 < nb; b += 2) {
-        const __m512i xv = _mm512_loadu_si512((const void *)(x + b * QK));
-        const __mmask64 neg = _mm512_movepi8_mask(xv);
-        const __m512i ax = _mm512_abs_epi8(xv);
-        for (int j = 0; j < 4; j++) {
-            const __m512i wv = _mm512_loadu_si512((const void *)(w + j * kp + b * QK));
-            const __m512i p = _mm512_dpbusd_epi32(zero, ax, _mm512_mask_sub_epi8(wv, neg, zero, wv));
-            const float *d = wd + j * nb + b;
-            const __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d[0] * xd[b]), _mm512_set1_ps(d[1] * xd[b + 1]));
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[j]);
+#define AVX512_TILE 8
+/* A group for R input rows (R constant in each caller, as in half_avx2). With few rows one
+ * chain of FMAs a row would wait on the FMA latency column after column, so the columns are
+ * dealt to U = 4 / R chains (at least 1), added up at the block's end. */
+__attribute__((target("avx512f,avx2,fma"), always_inline)) static inline void rows_avx512(
+    const int8_t *gq, const float *gd, long nb, long k, const float *x, long ldx, const long R, float *y, long ldy,
+    long live, int accumulate) {
+    const long U = R >= 4 ? 1 : 4 / R;
+    __m512 acc[AVX512_TILE], part[AVX512_TILE][4];
+    for (long r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const long cols = k - b * QK < QK ? k - b * QK : QK;
+        const int8_t *q = gq + b * QK * GR;
+        const float *xb = x + b * QK;
+        for (long r = 0; r < R; r++)
+            for (long u = 0; u < U; u++) part[r][u] = _mm512_setzero_ps();
+        long c = 0;
+        for (; c + U <= cols; c += U)
+            for (long u = 0; u < U; u++) {
+                const __m128i raw = _mm_loadu_si128((const __m128i *)(q + (c + u) * GR));
+                const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+                for (long r = 0; r < R; r++)
+                    part[r][u] = _mm512_fmadd_ps(w, _mm512_set1_ps(xb[r * ldx + c + u]), part[r][u]);
+            }
+        for (; c < cols; c++) {
+            const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + c * GR))));
+            for (long r = 0; r < R; r++) part[r][0] = _mm512_fmadd_ps(w, _mm512_set1_ps(xb[r * ldx + c]), part[r][0]);
+        }
+        const __m512 d = _mm512_loadu_ps(gd + b * GR);
+        for (long r = 0; r < R; r++) {
+            __m512 sum = part[r][0];
+            for (long u = 1; u < U; u++) sum = _mm512_add_ps(sum, part[r][u]);
+            acc[r] = _mm512_fmadd_ps(sum, d, acc[r]);
         }
     }
-    for (int j = 0; j < 4; j++) {
-        out[j] = _mm512_reduce_add_ps(acc[j]);
-        if (b < nb) out[j] += dot_avx512(w + j * kp + b * QK, wd + j * nb + b, x + b * QK, xd + b, 1);
+    const __mmask16 mask = (__mmask16)((1u << live) - 1u);
+    for (long r = 0; r < R; r++) {
+        float *yr = y + r * ldy;
+        const __m512 prev = accumulate ? _mm512_maskz_loadu_ps(mask, yr) : _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(yr, mask, _mm512_add_ps(prev, acc[r]));
     }
 }
-KV_Q8_LINEAR(kv_q8_linear_avx512, dot_avx512, dot4_avx512)
+__attribute__((target("avx512f,avx2,fma"))) static void group_avx512(const int8_t *gq, const float *gd, long nb,
+                                                                     long k, const float *x, long ldx, long rows,
+                                                                     float *y, long ldy, long live, int accumulate) {
+    switch (rows) {
+#define ROWS_CASE(R) \
+    case R: rows_avx512(gq, gd, nb, k, x, ldx, R, y, ldy, live, accumulate); break;
+        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
+    default: rows_avx512(gq, gd, nb, k, x, ldx, 8, y, ldy, live, accumulate); break;
+#undef ROWS_CASE
+    }
+}
+void kv_q8_linear_avx512(const float *x, long m, long k, long ldx, const int8_t *wq, const float *wd, long n,
+                         float *y, long ldy, int accumulate) {
+    linear(group_avx512, AVX512_TILE, x, m, k, ldx, wq, wd, n, y, ldy, accumulate);
+}
 #endif /* KV_Q8_LEVELS >= 2 */
 #endif /* KV_X86 && KV_Q8_LEVELS >= 1 */
