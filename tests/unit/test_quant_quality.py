@@ -7,13 +7,14 @@ README promises of each mode, whatever the CPU: bfloat16 >= 0.95 / <= 1.01, int8
 <= 1.02. Measured on the 2-core AMD EPYC with AVX2 only: bfloat16 weights 0.978 / 1.0006; int8
 (blocks of 32, avx2 kernels) 0.963 / 1.000. A broken mode fails them: fbgemm's per-row int8 on
 that CPU (saturating AVX2 products) measured 0.897 / 1.039, and with 7-bit inputs 0.880.
-On the 2-core Intel Xeon (AVX-512 VNNI): int8 at the avx512 / avx2 / scalar levels 0.967 /
-0.965 / 0.964, bfloat16 0.980 / 1.0003. Int8 and --quant gguf are measured at every kernel
+On the 2-core Intel Xeon (AVX-512 VNNI): bfloat16 0.980 / 1.0003; int8 (weight-only since
+session 14: float32 inputs, int8 weight blocks of 32) 0.9733 / x0.9984 at every level on the
+whole text, 0.9707 / x0.9985 on the slice below (W8A8 before: 0.967 / 0.965 / 0.964 at avx512
+/ avx2 / scalar). Int8 and --quant gguf are measured at every kernel
 level the CPU runs: the whole text at the best level (the one a worker serves with), and the
 text's first 1,025 tokens at every other level (AVX2 under AVX-512; the scalar fallback, 3x
-slower than AVX2: 47 s for the whole text on the Xeon). Int8 with its tied embedding read from
-the int8 head: avx512 0.967 / x0.9993 on the whole text, on the slice avx2 0.972 / x0.9975 and
-scalar 0.962 / x1.0011.
+slower than AVX2: 47 s for the whole text on the Xeon). Int8's tied embedding is read from
+the int8 head (W8A8 then: avx512 0.967 / x0.9993 on the whole text).
 """
 
 from __future__ import annotations
