@@ -14,8 +14,9 @@
  * K is padded to whole blocks with zero weights, but x is read only up to K.
  *
  * One function per instruction set, chosen once by the caller (q8.py):
- *   scalar   plain C over the same layout, for any CPU: a block widened once into floats with
- *            its scales folded in, then multiplied by up to 64 input rows;
+ *   scalar   C over the same layout for any CPU (4-float vectors of the GCC / Clang vector
+ *            extension): a block widened once into floats with its scales folded in, then
+ *            multiplied by up to 64 input rows;
  *   avx2     8 rows a register (a group in two halves), up to 4 input rows a pass;
  *   avx512   16 rows a register, up to 8 input rows a pass.
  * The "avx512" level is the one the int8 and GGUF families share (AVX-512 with VNNI); these
@@ -48,40 +49,48 @@ static void store_rows(const float *s, float *y, long live, int accumulate) {
 }
 
 #define SCALAR_TILE 64
+/* 4 floats as one value (GCC / Clang vector extension: SSE2 on any x86-64, NEON on ARM). */
+typedef float v4f __attribute__((vector_size(16)));
+
 /* Plain C for any CPU: each block of the group is widened once, its scales folded in, into a
- * float [32][16] table (2 KB, in L1) that every input row of the tile then multiplies: the
- * widening is the costly part without SIMD, and one 16-float row of partial sums a row is what
- * the compiler's baseline vectors hold. */
+ * float [32][16] table (2 KB, in L1) that every input row of the tile then multiplies, two
+ * rows at a time so that each table load serves both and their sums are independent chains:
+ * the widening is the costly part without SIMD. */
 static void group_scalar(const int8_t *gq, const float *gd, long nb, long k, const float *x, long ldx, long rows,
                          float *y, long ldy, long live, int accumulate) {
-    float acc[SCALAR_TILE][GR], wf[QK][GR];
-    memset(acc, 0, sizeof(float) * GR * (size_t)rows);
+    v4f acc[SCALAR_TILE][GR / 4], wf[QK][GR / 4];
+    memset(acc, 0, sizeof(v4f) * (GR / 4) * (size_t)rows);
     for (long b = 0; b < nb; b++) {
         const long cols = k - b * QK < QK ? k - b * QK : QK;
         const int8_t *q = gq + b * QK * GR;
         for (long c = 0; c < cols; c++)
-            for (int i = 0; i < GR; i++) wf[c][i] = (float)q[c * GR + i] * gd[b * GR + i];
+            for (int i = 0; i < GR; i++) wf[c][i / 4][i % 4] = (float)q[c * GR + i] * gd[b * GR + i];
         long r = 0;
-        for (; r + 1 < rows; r += 2) { /* two rows: two independent chains of adds */
+        for (; r + 1 < rows; r += 2) {
             const float *x0 = x + r * ldx + b * QK, *x1 = x0 + ldx;
-            float a0[GR], a1[GR];
-            memcpy(a0, acc[r], sizeof a0);
-            memcpy(a1, acc[r + 1], sizeof a1);
-            for (long c = 0; c < cols; c++)
-                for (int i = 0; i < GR; i++) {
-                    a0[i] += wf[c][i] * x0[c];
-                    a1[i] += wf[c][i] * x1[c];
-                }
-            memcpy(acc[r], a0, sizeof a0);
-            memcpy(acc[r + 1], a1, sizeof a1);
+            v4f a0 = acc[r][0], a1 = acc[r][1], a2 = acc[r][2], a3 = acc[r][3];
+            v4f b0 = acc[r + 1][0], b1 = acc[r + 1][1], b2 = acc[r + 1][2], b3 = acc[r + 1][3];
+            for (long c = 0; c < cols; c++) {
+                const v4f u = {x0[c], x0[c], x0[c], x0[c]}, v = {x1[c], x1[c], x1[c], x1[c]};
+                a0 += wf[c][0] * u, a1 += wf[c][1] * u, a2 += wf[c][2] * u, a3 += wf[c][3] * u;
+                b0 += wf[c][0] * v, b1 += wf[c][1] * v, b2 += wf[c][2] * v, b3 += wf[c][3] * v;
+            }
+            acc[r][0] = a0, acc[r][1] = a1, acc[r][2] = a2, acc[r][3] = a3;
+            acc[r + 1][0] = b0, acc[r + 1][1] = b1, acc[r + 1][2] = b2, acc[r + 1][3] = b3;
         }
         if (r < rows) {
             const float *xr = x + r * ldx + b * QK;
-            for (long c = 0; c < cols; c++)
-                for (int i = 0; i < GR; i++) acc[r][i] += wf[c][i] * xr[c];
+            for (long c = 0; c < cols; c++) {
+                const v4f u = {xr[c], xr[c], xr[c], xr[c]};
+                for (int j = 0; j < GR / 4; j++) acc[r][j] += wf[c][j] * u;
+            }
         }
     }
-    for (long r = 0; r < rows; r++) store_rows(acc[r], y + r * ldy, live, accumulate);
+    for (long r = 0; r < rows; r++) {
+        float s[GR];
+        memcpy(s, acc[r], sizeof s);
+        store_rows(s, y + r * ldy, live, accumulate);
+    }
 }
 
 /* y [M, N] (row stride ldy) = (accumulate ? y : 0) + x w^T: the groups shared out among the
