@@ -147,6 +147,7 @@ class SpanEncoder:
         if attributes is None or links is None or span.events:
             return _field(_FIELD2, _encode_span(span).SerializeToString())
         ctx = span.get_span_context()
+        assert ctx is not None  # an ended span has its context
         parent = span.parent
         parts = [_TRACE_ID, ctx.trace_id.to_bytes(16, "big"), _SPAN_ID, ctx.span_id.to_bytes(8, "big")]
         state = ctx.trace_state
@@ -183,7 +184,8 @@ class SpanEncoder:
         if field is None:
             if len(self._statuses) >= 64:
                 self._statuses.clear()
-            field = self._statuses[key] = _field(_STATUS, Status(code=code, message=description).SerializeToString())
+            pb = Status(code=code, message=description)  # type: ignore[arg-type]  # (None: unset, as the SDK)
+            field = self._statuses[key] = _field(_STATUS, pb.SerializeToString())
         return field
 
     def _attributes(self, attributes: Any) -> list[bytes] | None:

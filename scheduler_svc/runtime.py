@@ -146,7 +146,16 @@ class SchedulerRuntime:
         returns them with their requests. Cancelling one cancels all. Raises AdmissionRejected."""
         choices = request.choices(n, secrets.token_hex(8))
         k = len(choices)
-        return self.submit(choices, [operation] * k, parent=parent, request_ids=[request_id] * k), choices
+        sub = self.submit(choices, [operation] * k, parent=parent, request_ids=[request_id] * k)
+        log.debug(
+            "session %s: %d prompt tokens, up to %d new%s",
+            ", ".join(sub.session_ids),
+            len(request.prompt_ids),
+            request.max_new_tokens,
+            f", {n} choices" if n > 1 else "",
+            extra={"request_id": request_id} if request_id else None,
+        )
+        return sub, choices
 
     def submit(
         self,
