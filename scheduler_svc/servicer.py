@@ -111,10 +111,11 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         bind_session(sub.session_ids[0])
         label = f"session {sub.session_ids[0]}" if n == 1 else f"sessions {', '.join(sub.session_ids)}"
         try:
-            async with contextlib.aclosing(self._stream(sub, choices, context, label, True)) as events:
-                async for index, msg in events:
-                    msg.request_id, msg.index = rid, index
-                    yield msg
+            async with contextlib.aclosing(self._stream(sub, choices, context, label, True)) as batches:
+                async for batch in batches:
+                    for index, msg in batch:
+                        msg.request_id, msg.index = rid, index
+                        yield msg
         finally:
             if rid:
                 log.debug("request %s done", rid, extra={"request_id": rid})
@@ -139,33 +140,42 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         rids = [r.request_id for r in request.sessions]
         sub = await self._submit(context, lambda: self._runtime.submit(reqs, operations, policy, arm, None, rids))
         wid = sub.workload_id or ""
-        async with contextlib.aclosing(self._stream(sub, reqs, context, f"workload {wid}", False)) as events:
-            async for index, msg in events:
-                msg.request_id = request.sessions[index].request_id
-                yield spb.WorkloadEvent(workload_id=wid, session_index=index, event=msg)
+        async with contextlib.aclosing(self._stream(sub, reqs, context, f"workload {wid}", False)) as batches:
+            async for batch in batches:
+                events = []
+                for i, msg in batch:
+                    msg.request_id = request.sessions[i].request_id
+                    events.append(spb.WorkloadEvent(workload_id=wid, session_index=i, event=msg))
+                if request.batch_events:  # one message for the batch (see WorkloadRequest.batch_events)
+                    yield spb.WorkloadEvent(workload_id=wid, batch=events)
+                else:
+                    for ev in events:
+                        yield ev
         stats = self._runtime.workload_stats(wid)
         assert stats is not None, "a workload whose sessions all finished has its stats"
         yield spb.WorkloadEvent(workload_id=wid, done=True, stats=convert.workload_stats_to_pb(stats))
 
     async def _stream(
         self, sub: Submission, sreqs: Sequence[SessionRequest], context, label: str, prompt_ids: bool
-    ) -> AsyncGenerator[tuple[int, spb.GenerateEvent], None]:
+    ) -> AsyncGenerator[list[tuple[int, spb.GenerateEvent]], None]:
         """The events of a submission's sessions, one message per session per batch of events,
-        until every session has finished; (session index, message), the first with the prompt's
-        text when it was asked for (echo) and its ids when `prompt_ids`. Shared by Generate and SubmitWorkload: the client's deadline,
+        until every session has finished; per batch [(session index, message)], a session's first
+        with the prompt's text when it was asked for (echo) and its ids when `prompt_ids`. Shared by Generate and SubmitWorkload: the client's deadline,
         dropped sessions and a client that goes away are handled here, once."""
         index = {sid: i for i, sid in enumerate(sub.session_ids)}
         unseen = set(sub.session_ids)
         open_ids = set(sub.session_ids)
         try:
             async for batch in batches(sub.events, context.time_remaining):
+                out = []
                 for sid, evs in by_session(batch).items():
                     first = sreqs[index[sid]] if sid in unseen else None  # the first carries the prompt
                     unseen.discard(sid)
                     msg = spb.GenerateEvent(session_id=sid)
                     if convert.fill_event(msg, evs, first, prompt_ids):
                         open_ids.discard(sid)
-                    yield index[sid], msg
+                    out.append((index[sid], msg))
+                yield out
                 if not open_ids:
                     return
         except asyncio.TimeoutError:  # (end_stream cancels the unfinished sessions)
