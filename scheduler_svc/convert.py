@@ -141,7 +141,7 @@ def step_results(resp: wpb.StepResponse) -> dict[str, StepResult]:
             token_id=r.token_id if r.has_token else None,
             kv_tokens=r.kv_tokens,
             logprob=r.logprob if r.has_logprob else None,
-            top_logprobs=tuple((t.token_id, t.logprob) for t in r.top_logprobs),
+            top_logprobs=tuple((t.token_id, t.logprob) for t in r.top_logprobs) if r.top_logprobs else (),
             constraint_done=r.constraint_done,
             error=r.error,
         )

@@ -407,6 +407,8 @@ class SchedulerRuntime:
             span.end()
 
     def _arm_of(self, session_ids: Iterable[str]) -> ExperimentArm | None:
+        if not self._arms:  # no experiment running (twice a tick, over every session otherwise)
+            return None
         return self._arms.shared(self._core.session(s).workload_id for s in session_ids)
 
     async def _dispatch(self, plan: TickPlan, span: Span) -> Answers:
@@ -441,8 +443,9 @@ class SchedulerRuntime:
             decode += d
             if p or d:  # a tick's answers (settled-only outcomes carry no tokens)
                 self._observe.tick_answered(p, d)
+            if out.tokens:
+                self._observe.session_tokens([sid for sid, _ in out.tokens])
             for sid, token in out.tokens:
-                self._observe.session_token(sid)
                 produced = self._output.token(sid, token, out.logprobs.get(sid))
                 self._publish(
                     SessionEvent(
