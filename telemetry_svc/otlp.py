@@ -153,6 +153,18 @@ def detail(span: Span, resource: dict[str, Any], bounded: dict[str, Any] | None 
     return out
 
 
+def _plain_detail_key(span: Span) -> tuple | None:
+    """What a span's detail is made of when that is only its kind, status and links without
+    attributes (a tick's step spans: one shared detail), else None (detail() builds it)."""
+    if span.events or span.dropped_events_count or span.dropped_links_count or span.dropped_attributes_count:
+        return None
+    links = span.links
+    if len(links) > MAX_LINKS or any(link.attributes for link in links):
+        return None
+    status = span.status
+    return span.kind, status.code, status.message, tuple((link.trace_id, link.span_id) for link in links)
+
+
 def count_spans(request: ExportTraceServiceRequest) -> int:
     return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
 
@@ -166,6 +178,8 @@ def convert(request: ExportTraceServiceRequest) -> Conversion:
         service = str(res.get(SERVICE_NAME_ATTR, ""))
         res_exp, res_arm = res.get(EXPERIMENT_ID_ATTR, ""), res.get(EXPERIMENT_ARM_ATTR, "")
         bounded = _bounded_resource(res)
+        # Spans of equal plain details share one dict (the store then encodes it once).
+        shared: dict[tuple, dict[str, Any]] = {}
         for ss in rs.scope_spans:
             for span in ss.spans:
                 attrs = attributes(span.attributes)
@@ -177,6 +191,11 @@ def convert(request: ExportTraceServiceRequest) -> Conversion:
                     if len(problems) < _MAX_PROBLEMS:
                         problems.append(f"span {span.name!r} ({span.span_id.hex() or '-'}): {problem}")
                     continue
+                key = _plain_detail_key(span)
+                if key is None:
+                    span_detail = detail(span, res, bounded)
+                else:
+                    span_detail = shared.get(key) or shared.setdefault(key, detail(span, res, bounded))
                 rows.append(
                     SpanRecord(
                         trace_id=span.trace_id.hex(),
@@ -189,7 +208,7 @@ def convert(request: ExportTraceServiceRequest) -> Conversion:
                         experiment_id=str(exp),
                         arm=str(arm),
                         attributes=attrs,
-                        detail=detail(span, res, bounded),
+                        detail=span_detail,
                     )
                 )
     return Conversion(tuple(rows), rejected, tuple(problems))
