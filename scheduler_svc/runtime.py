@@ -153,7 +153,8 @@ class SchedulerRuntime:
             len(request.prompt_ids),
             request.max_new_tokens,
             f", {n} choices" if n > 1 else "",
-            extra={"request_id": request_id} if request_id else None,
+            # (The servicer binds the session to its call's log lines only once this returns.)
+            extra={"session_id": sub.session_ids[0], **({"request_id": request_id} if request_id else {})},
         )
         return sub, choices
 
