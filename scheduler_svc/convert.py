@@ -15,11 +15,13 @@ from scheduler_svc.core import (
     FinishReason,
     PrefillWork,
     Sampling,
+    SessionRequest,
     StepResult,
     StepStatus,
     WorkloadPolicy,
 )
 from scheduler_svc.core.stats import TelemetrySnapshot, WorkloadStats
+from scheduler_svc.experiments import ExperimentArm
 
 if TYPE_CHECKING:  # (each imports this module, or one that does)
     from scheduler_svc.output import LogprobText
@@ -90,6 +92,13 @@ def _sampling_to_wpb(s: Sampling) -> wpb.Sampling:
     )
 
 
+def arm_from_pb(req: spb.WorkloadRequest) -> ExperimentArm | None:
+    """The workload's experiment arm (None: no experiment); ValueError for one out of the rules."""
+    if not req.HasField("experiment"):
+        return None
+    return ExperimentArm(req.experiment.id, req.experiment.arm, req.experiment.lever)
+
+
 def policy_from_pb(req: spb.WorkloadRequest) -> WorkloadPolicy:
     return WorkloadPolicy(
         max_running=req.policy.max_running or None,
@@ -132,7 +141,7 @@ def step_results(resp: wpb.StepResponse) -> dict[str, StepResult]:
             token_id=r.token_id if r.has_token else None,
             kv_tokens=r.kv_tokens,
             logprob=r.logprob if r.has_logprob else None,
-            top_logprobs=tuple((t.token_id, t.logprob) for t in r.top_logprobs),
+            top_logprobs=tuple((t.token_id, t.logprob) for t in r.top_logprobs) if r.top_logprobs else (),
             constraint_done=r.constraint_done,
             error=r.error,
         )
@@ -148,8 +157,17 @@ def workload_stats_to_pb(s: WorkloadStats) -> spb.WorkloadStats:
     return spb.WorkloadStats(**s.__dict__)
 
 
-def fill_event(msg: spb.GenerateEvent, batch: Iterable[SessionEvent]) -> bool:
-    """One session's batch of events as one message; whether the session finished."""
+def fill_event(
+    msg: spb.GenerateEvent, batch: Iterable[SessionEvent], first: SessionRequest | None = None, prompt_ids: bool = False
+) -> bool:
+    """One session's batch of events as one message; whether the session finished. `first`:
+    the session's request, when this is its first message, which carries the prompt's text
+    (when echo asked for it) and, with `prompt_ids`, its ids."""
+    if first is not None:
+        if prompt_ids:
+            msg.prompt_token_ids.extend(first.prompt_ids)
+        if first.echo_text is not None:
+            msg.prompt_text = first.echo_text
     finished = False
     for ev in batch:
         if ev.token is not None:

@@ -53,6 +53,10 @@ class ExperimentArms:
     def end(self, workload_id: str) -> None:
         self._by_workload.pop(workload_id, None)
 
+    def __bool__(self) -> bool:
+        """Whether any running workload is an arm."""
+        return bool(self._by_workload)
+
     def of_workload(self, workload_id: str | None) -> ExperimentArm | None:
         return self._by_workload.get(workload_id) if workload_id is not None else None
 

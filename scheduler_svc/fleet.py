@@ -63,10 +63,11 @@ class WorkerFleet:
         self, plan: TickPlan, span: Span, arm_of: Callable[[Iterable[str]], ExperimentArm | None]
     ) -> tuple[list[str], asyncio.Future[list[Any]]]:
         """Start every worker's step call now (each numbered in the order sent), and the releases
-        of workers with no step; returns the workers stepped and all the calls gathered."""
+        of workers with no step; returns the workers stepped and all the calls gathered (the
+        steps' answers first, in that order)."""
         by_worker = plan.by_worker()
         ids = list(by_worker)
-        steps = []
+        steps: list[Awaitable[object]] = []
         for w in ids:
             prefill, decode = by_worker[w]
             steps.append(
@@ -80,7 +81,9 @@ class WorkerFleet:
                 )
             )
         others, self._pending_release = self._pending_release, {}
-        return ids, asyncio.gather(*steps, self._release(others), return_exceptions=True)
+        if others:  # (most ticks release nothing apart: no task for it then)
+            steps.append(self._release(others))
+        return ids, asyncio.gather(*steps, return_exceptions=True)
 
     def answers(self, plan: TickPlan, ids: list[str], gathered: list[Any]) -> Answers:
         """The step calls' answers (`gathered`: one per worker in `ids`, then the releases'), by

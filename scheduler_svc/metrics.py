@@ -9,7 +9,7 @@ queue, prefill and decode time; e2e = arrival -> last token.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from opentelemetry.context import Context
@@ -120,6 +120,7 @@ class SchedulerMetrics(SessionObserver):
         self._snapshot: TelemetrySnapshot | None = None
         self._seen_rejections: dict[str, int] = {}
         self._times: dict[str, _Times] = {}
+        self._finished_by: dict[str, Counter] = {}
         r.register(SnapshotCollector(self._readings))
 
     # ---- fed by the tick loop (the event loop's thread) -------------------------------------
@@ -135,8 +136,8 @@ class SchedulerMetrics(SessionObserver):
             t.admitted = time.monotonic()
             self.queue_time.observe(t.admitted - t.arrival)
 
-    def token(self, session_id: str) -> None:
-        now = time.monotonic()
+    def token(self, session_id: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
         t = self._times.get(session_id)
         if t is None:
             return
@@ -157,7 +158,10 @@ class SchedulerMetrics(SessionObserver):
                 self.decode_time.observe(t.last_token - t.first_token)
         self.request_prompt_tokens.observe(prompt_tokens)
         self.request_generation_tokens.observe(generated_tokens)
-        self._finished.labels(model_name=self._model, finished_reason=reason).inc()
+        counter = self._finished_by.get(reason)
+        if counter is None:  # a labelled child looked up once per reason, not per session
+            counter = self._finished_by[reason] = self._finished.labels(model_name=self._model, finished_reason=reason)
+        counter.inc()
 
     # ---- the runtime's events (SessionObserver) ------------------------------------------------
 
@@ -177,6 +181,11 @@ class SchedulerMetrics(SessionObserver):
 
     def session_token(self, session_id: str) -> None:
         self.token(session_id)
+
+    def session_tokens(self, session_ids: Sequence[str]) -> None:
+        now = time.monotonic()  # one tick's tokens arrived together
+        for sid in session_ids:
+            self.token(sid, now)
 
     def session_ended(self, session_id: str, reason: str, usage: Usage) -> None:
         self.finished_session(session_id, reason, usage.input_tokens, usage.output_tokens)

@@ -39,6 +39,12 @@ class SessionObserver:
     def session_token(self, session_id: str) -> None:
         pass
 
+    def session_tokens(self, session_ids: Sequence[str]) -> None:
+        """One token each for these sessions, delivered together (a tick's); an observer may
+        take them at once (one clock read), or one by one as here."""
+        for sid in session_ids:
+            self.session_token(sid)
+
     def session_ended(self, session_id: str, reason: str, usage: Usage) -> None:
         """Finished (reason: a finish reason) or given up on (reason: the drop's cause)."""
 
@@ -101,6 +107,10 @@ class Observers(SessionObserver):
     def session_token(self, session_id: str) -> None:
         for m in self.members:
             m.session_token(session_id)
+
+    def session_tokens(self, session_ids: Sequence[str]) -> None:
+        for m in self.members:
+            m.session_tokens(session_ids)
 
     def session_ended(self, session_id: str, reason: str, usage: Usage) -> None:
         for m in self.members:

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -25,7 +25,10 @@ log = logging.getLogger(__name__)
 
 
 class PromptError(ValueError):
-    """A prompt the scheduler cannot turn into token ids; the message says what to fix."""
+    """A prompt the scheduler cannot turn into token ids; the message says what to fix, and
+    `where` which of a workload's sessions it is ("session 3: "; "" for a lone request)."""
+
+    where = ""
 
 
 class NoTokenizer(PromptError):
@@ -334,6 +337,19 @@ class PromptResolver:
             sreq = replace(sreq, echo_text=await asyncio.to_thread(self.prompt_text, req, sreq))
         return sreq
 
+    async def resolve_workload(self, sessions: Sequence[spb.GenerateRequest], owner: str) -> list[SessionRequest]:
+        """A workload's sessions: every session's cheap checks before any is tokenized, then
+        each resolved. A PromptError names its session in `where`."""
+        for check in (check_workload_session, self.precheck):
+            for i, r in enumerate(sessions):
+                with _session(i):
+                    check(r)
+        out = []
+        for i, r in enumerate(sessions):
+            with _session(i):
+                out.append(await self.resolve(r, owner))
+        return out
+
     def precheck(self, req: spb.GenerateRequest) -> None:
         """The options and the limits: counts and sizes, no token id read, nothing tokenized."""
         check_options(req)
@@ -392,6 +408,15 @@ class PromptResolver:
     def token_text(self, token: int) -> str:
         """One token's text, as logprobs show it ("" for a model without a tokenizer)."""
         return str(self.tokenizer.decode([token])) if self.tokenizer is not None else ""
+
+
+@contextlib.contextmanager
+def _session(index: int) -> Iterator[None]:
+    try:
+        yield
+    except PromptError as exc:
+        exc.where = f"session {index}: "
+        raise
 
 
 def chat_bytes(chat: spb.ChatMessages) -> int:

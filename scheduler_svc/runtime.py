@@ -146,7 +146,17 @@ class SchedulerRuntime:
         returns them with their requests. Cancelling one cancels all. Raises AdmissionRejected."""
         choices = request.choices(n, secrets.token_hex(8))
         k = len(choices)
-        return self.submit(choices, [operation] * k, parent=parent, request_ids=[request_id] * k), choices
+        sub = self.submit(choices, [operation] * k, parent=parent, request_ids=[request_id] * k)
+        log.debug(
+            "session %s: %d prompt tokens, up to %d new%s",
+            ", ".join(sub.session_ids),
+            len(request.prompt_ids),
+            request.max_new_tokens,
+            f", {n} choices" if n > 1 else "",
+            # (The servicer binds the session to its call's log lines only once this returns.)
+            extra={"session_id": sub.session_ids[0], **({"request_id": request_id} if request_id else {})},
+        )
+        return sub, choices
 
     def submit(
         self,
@@ -398,6 +408,8 @@ class SchedulerRuntime:
             span.end()
 
     def _arm_of(self, session_ids: Iterable[str]) -> ExperimentArm | None:
+        if not self._arms:  # no experiment running (twice a tick, over every session otherwise)
+            return None
         return self._arms.shared(self._core.session(s).workload_id for s in session_ids)
 
     async def _dispatch(self, plan: TickPlan, span: Span) -> Answers:
@@ -432,8 +444,9 @@ class SchedulerRuntime:
             decode += d
             if p or d:  # a tick's answers (settled-only outcomes carry no tokens)
                 self._observe.tick_answered(p, d)
+            if out.tokens:
+                self._observe.session_tokens([sid for sid, _ in out.tokens])
             for sid, token in out.tokens:
-                self._observe.session_token(sid)
                 produced = self._output.token(sid, token, out.logprobs.get(sid))
                 self._publish(
                     SessionEvent(

@@ -21,10 +21,10 @@ from kvfleet_common.tracing import extract_context
 from kvfleet_common.version import kvfleet_version
 from scheduler_svc import convert
 from scheduler_svc.core import AdmissionRejected, DropCause, NotSessionOwner, RejectReason, SessionRequest
-from scheduler_svc.experiments import ExperimentArm, ExperimentWriters
-from scheduler_svc.prompts import NoTokenizer, PromptError, PromptRejected, PromptResolver, check_workload_session
+from scheduler_svc.experiments import ExperimentWriters
+from scheduler_svc.prompts import NoTokenizer, PromptError, PromptRejected, PromptResolver
 from scheduler_svc.runtime import SchedulerRuntime
-from scheduler_svc.streams import SessionDropped, SessionEvent, StreamCutOff, Submission, batches
+from scheduler_svc.streams import SessionDropped, StreamCutOff, Submission, batches, by_session
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -73,19 +73,13 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                 "the scheduler is shutting down and takes no new sessions; retry against another scheduler",
             )
 
-    async def _resolved(self, req: spb.GenerateRequest, context, owner: str, where: str = "") -> SessionRequest:
-        try:
-            return await self._prompts.resolve(req, owner)
-        except PromptError as exc:
-            await self._refuse(exc, context, where)
-            raise  # unreachable: abort raises
-
-    async def _refuse(self, exc: PromptError, context, where: str) -> None:
+    async def _refuse(self, exc: PromptError, context) -> None:
+        """A prompt refused (exc.where: which of a workload's sessions) as INVALID_ARGUMENT."""
         if isinstance(exc, PromptRejected):  # the core's own refusal, made early: the core's wording
             self._runtime.record_rejection(exc.reason)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.reason.value}: {where}{exc}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.reason.value}: {exc.where}{exc}")
         self._runtime.record_rejection(RejectReason.INVALID_REQUEST)
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}{exc}")
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.where}{exc}")
 
     async def _submit(self, context, submit: Callable[[], _T]) -> _T:
         try:
@@ -105,27 +99,23 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         # the task's context ends with the call.
         otel_context.attach(parent)
         bind_request(request.request_id)  # on this call's log lines from here on (validated below)
-        sreq = await self._resolved(request, context, caller_identity(context))
+        try:
+            sreq = await self._prompts.resolve(request, caller_identity(context))
+        except PromptError as exc:
+            await self._refuse(exc, context)
         n = max(request.n, 1)
         sub, choices = await self._submit(
             context, lambda: self._runtime.generate(sreq, n, _operation(request), parent, request.request_id)
         )
         rid = request.request_id
         bind_session(sub.session_ids[0])
-        log.debug(
-            "session %s: %d prompt tokens, up to %d new%s",
-            ", ".join(sub.session_ids),
-            len(sreq.prompt_ids),
-            sreq.max_new_tokens,
-            f", {n} choices" if n > 1 else "",
-            extra={"request_id": rid} if rid else None,
-        )
         label = f"session {sub.session_ids[0]}" if n == 1 else f"sessions {', '.join(sub.session_ids)}"
         try:
-            async with contextlib.aclosing(self._stream(sub, choices, context, label, True)) as events:
-                async for index, msg in events:
-                    msg.request_id, msg.index = rid, index
-                    yield msg
+            async with contextlib.aclosing(self._stream(sub, choices, context, label, True)) as batches:
+                async for batch in batches:
+                    for index, msg in batch:
+                        msg.request_id, msg.index = rid, index
+                        yield msg
         finally:
             if rid:
                 log.debug("request %s done", rid, extra={"request_id": rid})
@@ -137,65 +127,58 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
             refusal = self._experiments.refusal(context.invocation_metadata(), peer_common_names(context))
             if refusal is not None:
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
-        # The cheap checks of every session before any session is tokenized.
-        for check in (check_workload_session, self._prompts.precheck):
-            for i, r in enumerate(request.sessions):
-                try:
-                    check(r)
-                except PromptError as exc:
-                    await self._refuse(exc, context, f"session {i}: ")
-        reqs = [await self._resolved(r, context, owner, f"session {i}: ") for i, r in enumerate(request.sessions)]
-        arm = None
-        if request.HasField("experiment"):
-            try:
-                arm = ExperimentArm(request.experiment.id, request.experiment.arm, request.experiment.lever)
-            except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:  # every session's cheap checks before any session is tokenized
+            reqs = await self._prompts.resolve_workload(request.sessions, owner)
+        except PromptError as exc:
+            await self._refuse(exc, context)
+        try:
+            arm = convert.arm_from_pb(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         operations = [_operation(r) for r in request.sessions]
         policy = convert.policy_from_pb(request)
         rids = [r.request_id for r in request.sessions]
         sub = await self._submit(context, lambda: self._runtime.submit(reqs, operations, policy, arm, None, rids))
         wid = sub.workload_id or ""
-        async with contextlib.aclosing(self._stream(sub, reqs, context, f"workload {wid}", False)) as events:
-            async for index, msg in events:
-                msg.request_id = request.sessions[index].request_id
-                yield spb.WorkloadEvent(workload_id=wid, session_index=index, event=msg)
+        async with contextlib.aclosing(self._stream(sub, reqs, context, f"workload {wid}", False)) as batches:
+            async for batch in batches:
+                events = []
+                for i, msg in batch:
+                    msg.request_id = request.sessions[i].request_id
+                    events.append(spb.WorkloadEvent(workload_id=wid, session_index=i, event=msg))
+                if request.batch_events:  # one message for the batch (see WorkloadRequest.batch_events)
+                    yield spb.WorkloadEvent(workload_id=wid, batch=events)
+                else:
+                    for ev in events:
+                        yield ev
         stats = self._runtime.workload_stats(wid)
         assert stats is not None, "a workload whose sessions all finished has its stats"
         yield spb.WorkloadEvent(workload_id=wid, done=True, stats=convert.workload_stats_to_pb(stats))
 
     async def _stream(
         self, sub: Submission, sreqs: Sequence[SessionRequest], context, label: str, prompt_ids: bool
-    ) -> AsyncGenerator[tuple[int, spb.GenerateEvent], None]:
+    ) -> AsyncGenerator[list[tuple[int, spb.GenerateEvent]], None]:
         """The events of a submission's sessions, one message per session per batch of events,
-        until every session has finished; (session index, message), the first with the prompt's
-        text when it was asked for (echo) and its ids when `prompt_ids`. Shared by Generate and SubmitWorkload: the client's deadline,
+        until every session has finished; per batch [(session index, message)], a session's first
+        with the prompt's text when it was asked for (echo) and its ids when `prompt_ids`. Shared by Generate and SubmitWorkload: the client's deadline,
         dropped sessions and a client that goes away are handled here, once."""
         index = {sid: i for i, sid in enumerate(sub.session_ids)}
         unseen = set(sub.session_ids)
         open_ids = set(sub.session_ids)
         try:
             async for batch in batches(sub.events, context.time_remaining):
-                by_session: dict[str, list[SessionEvent]] = {}
-                for ev in batch:
-                    by_session.setdefault(ev.session_id, []).append(ev)
-                for sid, evs in by_session.items():
+                out = []
+                for sid, evs in by_session(batch).items():
+                    first = sreqs[index[sid]] if sid in unseen else None  # the first carries the prompt
+                    unseen.discard(sid)
                     msg = spb.GenerateEvent(session_id=sid)
-                    if sid in unseen:  # the session's first message
-                        unseen.discard(sid)
-                        sreq = sreqs[index[sid]]
-                        if prompt_ids:
-                            msg.prompt_token_ids.extend(sreq.prompt_ids)
-                        if sreq.echo_text is not None:
-                            msg.prompt_text = sreq.echo_text
-                    if convert.fill_event(msg, evs):
+                    if convert.fill_event(msg, evs, first, prompt_ids):
                         open_ids.discard(sid)
-                    yield index[sid], msg
+                    out.append((index[sid], msg))
+                yield out
                 if not open_ids:
                     return
-        except asyncio.TimeoutError:
-            for sid in open_ids:
-                self._runtime.cancel(sid)
+        except asyncio.TimeoutError:  # (end_stream cancels the unfinished sessions)
             await context.abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"{label} did not finish before the client's deadline"
             )

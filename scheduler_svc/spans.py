@@ -14,14 +14,15 @@ root of its own, linked to each of them.
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode
 
 from kvfleet_common.finished_spans import FinishedSpans
-from scheduler_svc.core.plan import DecodeWork, PrefillWork, TickPlan
+from scheduler_svc.core.plan import TickPlan
 from scheduler_svc.core.types import Sampling, SessionRequest
 from scheduler_svc.experiments import ExperimentArm
 from scheduler_svc.observers import SessionObserver
@@ -208,17 +209,22 @@ class SchedulerSpans(SessionObserver):
         chunk) or `step_decode` child of its session span, over the tick's dispatch, linked to
         the tick span (which, for a tick of several sessions, is a trace of its own)."""
         link = (Link(tick.get_span_context()),)
-        items: list[PrefillWork | DecodeWork] = [*plan.prefill, *plan.decode]
-        for work in items:
+        self._steps.children(self._step_items(plan), link, start_ns, end_ns)
+
+    def _step_items(self, plan: TickPlan) -> Iterator[tuple[SpanContext, str, dict[str, int | str]]]:
+        tick = plan.tick
+        for work in plan.prefill:
             spans = self._sessions.get(work.session_id)
-            if spans is None:
-                continue
-            attrs: dict[str, int | str] = {"kvfleet.tick": plan.tick, "kvfleet.worker.id": work.worker_id}
-            if isinstance(work, PrefillWork):
-                name = "step_prefill"
-                attrs["kvfleet.step.tokens"] = len(work.token_ids)
-                attrs["kvfleet.step.start_position"] = work.start_position
-            else:
-                name = "step_decode"
-                attrs["kvfleet.step.position"] = work.position
-            self._steps.child(spans.root.get_span_context(), name, attrs, link, start_ns, end_ns)
+            if spans is not None:
+                attrs: dict[str, int | str] = {
+                    "kvfleet.tick": tick,
+                    "kvfleet.worker.id": work.worker_id,
+                    "kvfleet.step.tokens": len(work.token_ids),
+                    "kvfleet.step.start_position": work.start_position,
+                }
+                yield spans.root.get_span_context(), "step_prefill", attrs
+        for d in plan.decode:
+            spans = self._sessions.get(d.session_id)
+            if spans is not None:
+                attrs = {"kvfleet.tick": tick, "kvfleet.worker.id": d.worker_id, "kvfleet.step.position": d.position}
+                yield spans.root.get_span_context(), "step_decode", attrs

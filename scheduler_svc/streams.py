@@ -69,3 +69,11 @@ async def batches(
         if dropped:
             raise SessionDropped(dropped[0].dropped, dropped[0].drop_cause)
         yield batch
+
+
+def by_session(batch: list[SessionEvent]) -> dict[str, list[SessionEvent]]:
+    """A batch's events by session, each session's in order (one message each)."""
+    out: dict[str, list[SessionEvent]] = {}
+    for ev in batch:
+        out.setdefault(ev.session_id, []).append(ev)
+    return out

@@ -91,36 +91,78 @@ def _problem(span: Span, experiment_id: str, arm: Any) -> str | None:
     return next((c for c in checks if c), None)
 
 
-def detail(span: Span, resource: dict[str, Any]) -> dict[str, Any]:
-    """Kind, status, events, links and the resource's attributes, bounded (see MAX_*)."""
+_ZERO_TRACE, _ZERO_SPAN = bytes(16), bytes(8)
+
+
+def _valid(span: Span, experiment_id: str, arm: Any) -> bool:
+    """_problem(...) is None, checked in one expression (every span is checked)."""
+    parent = span.parent_span_id
+    start, end = span.start_time_unix_nano, span.end_time_unix_nano
+    return bool(
+        len(span.trace_id) == 16
+        and span.trace_id != _ZERO_TRACE
+        and len(span.span_id) == 8
+        and span.span_id != _ZERO_SPAN
+        and (not parent or (len(parent) == 8 and parent != _ZERO_SPAN))
+        and span.name
+        and start
+        and start <= end <= _MAX_NS
+        and (arm == "" or (arm in _ARM_VALUES and experiment_id))
+    )
+
+
+def _bounded_resource(resource: dict[str, Any]) -> dict[str, Any]:
+    return dict(list(resource.items())[:MAX_RESOURCE_ATTRIBUTES])
+
+
+def detail(span: Span, resource: dict[str, Any], bounded: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Kind, status, events, links and the resource's attributes, bounded (see MAX_*);
+    `bounded`: the resource's attributes bounded already (one resource, many spans)."""
     out: dict[str, Any] = {}
-    if span.kind in _KINDS:
-        out["kind"] = _KINDS[span.kind]
-    if span.status.code in _STATUS:
-        out["status"] = {"code": _STATUS[span.status.code], "message": span.status.message}
-    events = [
-        {"time_ns": e.time_unix_nano, "name": e.name, "attributes": attributes(e.attributes)}
-        for e in span.events[:MAX_EVENTS]
-    ]
-    links = [
-        {"trace_id": link.trace_id.hex(), "span_id": link.span_id.hex(), "attributes": attributes(link.attributes)}
-        for link in span.links[:MAX_LINKS]
-    ]
-    if events:
-        out["events"] = events
-    if links:
-        out["links"] = links
+    kind = _KINDS.get(span.kind)
+    if kind is not None:
+        out["kind"] = kind
+    status = span.status
+    if status.code in _STATUS:
+        out["status"] = {"code": _STATUS[status.code], "message": status.message}
+    n_events, n_links = len(span.events), len(span.links)
+    if n_events:
+        out["events"] = [
+            {"time_ns": e.time_unix_nano, "name": e.name, "attributes": attributes(e.attributes)}
+            for e in span.events[:MAX_EVENTS]
+        ]
+    if n_links:
+        out["links"] = [
+            {
+                "trace_id": link.trace_id.hex(),
+                "span_id": link.span_id.hex(),
+                "attributes": attributes(link.attributes) if link.attributes else {},
+            }
+            for link in span.links[:MAX_LINKS]
+        ]
     if resource:
-        out["resource"] = dict(list(resource.items())[:MAX_RESOURCE_ATTRIBUTES])
-    dropped = {
-        "events": span.dropped_events_count + max(len(span.events) - MAX_EVENTS, 0),
-        "links": span.dropped_links_count + max(len(span.links) - MAX_LINKS, 0),
-        "attributes": span.dropped_attributes_count,
-        "resource_attributes": max(len(resource) - MAX_RESOURCE_ATTRIBUTES, 0),
-    }
-    if any(dropped.values()):
-        out["dropped"] = {k: v for k, v in dropped.items() if v}
+        out["resource"] = dict(bounded) if bounded is not None else _bounded_resource(resource)
+    dropped = (
+        ("events", span.dropped_events_count + max(n_events - MAX_EVENTS, 0)),
+        ("links", span.dropped_links_count + max(n_links - MAX_LINKS, 0)),
+        ("attributes", span.dropped_attributes_count),
+        ("resource_attributes", max(len(resource) - MAX_RESOURCE_ATTRIBUTES, 0)),
+    )
+    if any(n for _, n in dropped):
+        out["dropped"] = {k: n for k, n in dropped if n}
     return out
+
+
+def _plain_detail_key(span: Span) -> tuple | None:
+    """What a span's detail is made of when that is only its kind, status and links without
+    attributes (a tick's step spans: one shared detail), else None (detail() builds it)."""
+    if span.events or span.dropped_events_count or span.dropped_links_count or span.dropped_attributes_count:
+        return None
+    links = span.links
+    if len(links) > MAX_LINKS or any(link.attributes for link in links):
+        return None
+    status = span.status
+    return span.kind, status.code, status.message, tuple((link.trace_id, link.span_id) for link in links)
 
 
 def count_spans(request: ExportTraceServiceRequest) -> int:
@@ -134,17 +176,26 @@ def convert(request: ExportTraceServiceRequest) -> Conversion:
     for rs in request.resource_spans:
         res = attributes(rs.resource.attributes)
         service = str(res.get(SERVICE_NAME_ATTR, ""))
+        res_exp, res_arm = res.get(EXPERIMENT_ID_ATTR, ""), res.get(EXPERIMENT_ARM_ATTR, "")
+        bounded = _bounded_resource(res)
+        # Spans of equal plain details share one dict (the store then encodes it once).
+        shared: dict[tuple, dict[str, Any]] = {}
         for ss in rs.scope_spans:
             for span in ss.spans:
                 attrs = attributes(span.attributes)
-                exp = attrs.get(EXPERIMENT_ID_ATTR, res.get(EXPERIMENT_ID_ATTR, ""))
-                arm = attrs.get(EXPERIMENT_ARM_ATTR, res.get(EXPERIMENT_ARM_ATTR, ""))
-                problem = _problem(span, str(exp), arm)
+                exp = attrs.get(EXPERIMENT_ID_ATTR, res_exp)
+                arm = attrs.get(EXPERIMENT_ARM_ATTR, res_arm)
+                problem = None if _valid(span, str(exp), arm) else _problem(span, str(exp), arm)
                 if problem:
                     rejected += 1
                     if len(problems) < _MAX_PROBLEMS:
                         problems.append(f"span {span.name!r} ({span.span_id.hex() or '-'}): {problem}")
                     continue
+                key = _plain_detail_key(span)
+                if key is None:
+                    span_detail = detail(span, res, bounded)
+                else:
+                    span_detail = shared.get(key) or shared.setdefault(key, detail(span, res, bounded))
                 rows.append(
                     SpanRecord(
                         trace_id=span.trace_id.hex(),
@@ -157,7 +208,7 @@ def convert(request: ExportTraceServiceRequest) -> Conversion:
                         experiment_id=str(exp),
                         arm=str(arm),
                         attributes=attrs,
-                        detail=detail(span, res),
+                        detail=span_detail,
                     )
                 )
     return Conversion(tuple(rows), rejected, tuple(problems))

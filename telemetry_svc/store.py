@@ -82,6 +82,9 @@ CREATE INDEX IF NOT EXISTS spans_service_name_start ON spans (service, name, sta
 DROP INDEX IF EXISTS spans_name;
 """
 
+# json.dumps(value, sort_keys=True), without building an encoder for each call (two a span).
+_json = json.JSONEncoder(sort_keys=True).encode
+
 _SPAN_COLUMNS = (
     "trace_id, span_id, parent_span_id, name, service, start_ns, end_ns, duration_ns, experiment_id, arm, attributes, "
     "detail"
@@ -255,10 +258,17 @@ class SqliteSpanStore:
     def add_spans(self, rows: Sequence[SpanRecord]) -> int:
         """Store rows in one transaction; returns how many were new (duplicates are ignored)."""
         now = time.time_ns()
+        details: dict[int, str] = {}  # by id: rows may share one detail (otlp.convert)
+
+        def detail_json(d: Mapping[str, Any]) -> str:
+            got = details.get(id(d))
+            if got is None:
+                got = details[id(d)] = _json(dict(d))
+            return got
+
         values = [
             (r.trace_id, r.span_id, r.parent_span_id, r.name, r.service, r.start_ns, r.end_ns, r.duration_ns,
-             r.experiment_id, r.arm, json.dumps(dict(r.attributes), sort_keys=True),
-             json.dumps(dict(r.detail), sort_keys=True), now)
+             r.experiment_id, r.arm, _json(dict(r.attributes)), detail_json(r.detail), now)
             for r in rows
         ]  # fmt: skip
         with self._lock:

@@ -69,12 +69,12 @@ class _Planner:
         prefill: list[PrefillWork] = []
         for sid in st.running:
             session = st.sessions[sid]
-            phase, _, generated = st.expected(session)
+            phase, position, generated = st.expected(session)
             if phase == Phase.DECODE:
                 # Decode batch: sessions whose prefill finished in an earlier tick (one still out
                 # counts as done), unless the tick still out gives them their last token.
                 if generated < session.request.max_new_tokens:
-                    decode.append(self._decode_work(session))
+                    decode.append(self._decode_work(session, position, generated))
             else:
                 # Chunked prefills already under way go first.
                 chunk = self._prefill_chunk(session, budget)
@@ -235,8 +235,8 @@ class _Planner:
             epoch=session.epoch,
         )
 
-    def _decode_work(self, session: Session) -> DecodeWork:
-        _, position, generated = self._st.expected(session)
+    def _decode_work(self, session: Session, position: int, generated: int) -> DecodeWork:
+        """(position, generated: as `CoreState.expected` has them for the session.)"""
         ahead = session.session_id in self._st.ahead  # its latest token is still being sampled
         return DecodeWork(
             session_id=session.session_id,

@@ -153,6 +153,31 @@ def test_no_worker_is_unavailable():
         assert code == grpc.StatusCode.UNAVAILABLE and "no_worker" in details
 
 
+def test_batched_workload_events_are_the_events_one_by_one(cluster):
+    """WorkloadRequest.batch_events: a delivery's events in one message (kvfleet's client asks for
+    it and unpacks); a client that does not ask gets them one per message, the same events."""
+    sessions = [build_request([3 + k, 1, 4], 5, ignore_eos=True, request_id=f"r{k}") for k in range(4)]
+    with SchedulerClient(cluster.address) as client:
+
+        def events(batch: bool) -> tuple[list[spb.WorkloadEvent], list[tuple[int, list[int], str]]]:
+            raw = list(client.stub.SubmitWorkload(spb.WorkloadRequest(sessions=sessions, batch_events=batch)))
+            flat = [e for ev in raw for e in (ev.batch or [ev])]
+            tokens: dict[int, list[int]] = {}
+            for e in flat[:-1]:
+                assert not e.batch and e.event.request_id == f"r{e.session_index}"
+                tokens.setdefault(e.session_index, []).extend(e.event.token_ids)
+            assert flat[-1].done and flat[-1].stats.sessions == 4
+            return raw, sorted((i, t, f"r{i}") for i, t in tokens.items())
+
+        raw_one, one = events(False)
+        raw_batched, batched = events(True)
+        assert batched == one and all(len(t) == 5 for _, t, _ in one)
+        assert len(raw_batched) < len(raw_one)  # several sessions' events per message
+        assert any(len(ev.batch) > 1 for ev in raw_batched)
+        unpacked = list(client.submit_workload(spb.WorkloadRequest(sessions=sessions)))
+        assert all(not ev.batch for ev in unpacked) and unpacked[-1].done
+
+
 def test_cancel_unknown_session_is_not_found(cluster):
     with SchedulerClient(cluster.address) as client:
         code, details = _code(lambda: client.cancel("s-nope"))

@@ -101,3 +101,27 @@ def test_a_remote_parent_and_a_child_of_the_written_span() -> None:
     root = writer.child(INVALID_SPAN_CONTEXT, "worker_step", {}, (), 1, 2)
     (alone,) = [s for s in exporter.get_finished_spans() if s.context == root]
     assert alone.parent is None and root.is_valid and root.trace_id != tick.trace_id
+
+
+def test_children_are_the_spans_child_writes() -> None:
+    """children(): a tick's spans at once, each what child() writes; an unsampled parent's dropped."""
+    for sampler in (ParentBased(ALWAYS_ON), TraceIdRatioBased(1.0)):  # the fast path and the SDK's
+        provider, exporter = _provider(sampler)
+        tracer = provider.get_tracer("kvfleet.scheduler")
+        a, b, tick = tracer.start_span("a"), tracer.start_span("b"), tracer.start_span("tick")
+        unsampled = SpanContext(5, 6, is_remote=False)  # trace flags 0: not sampled
+        links = (Link(tick.get_span_context()),)
+        writer = FinishedSpans("kvfleet.scheduler", provider)
+        items = [
+            (a.get_span_context(), "step_prefill", {"kvfleet.step.tokens": 4}),
+            (unsampled, "step_decode", {"kvfleet.step.position": 1}),
+            (b.get_span_context(), "step_decode", {"kvfleet.step.position": 9}),
+        ]
+        for parent, name, attrs in items:
+            writer.child(parent, name, attrs, links, 10, 20)
+        writer.children(items, links, 10, 20)
+        spans = exporter.get_finished_spans()
+        # Parent-based: the unsampled parent's child is dropped either way; the ratio sampler keeps it.
+        assert len(spans) == (4 if writer._fast else 6)
+        half = len(spans) // 2
+        assert [_fields(s) for s in spans[:half]] == [_fields(s) for s in spans[half:]]

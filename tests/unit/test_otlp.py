@@ -110,3 +110,27 @@ def test_kind_status_events_links_and_resource_are_kept_and_bounded() -> None:
     # A plain span carries nothing it did not send.
     (plain,) = convert(_req([_span()])).rows
     assert plain.detail == {}
+
+
+def test_spans_of_equal_plain_details_share_one_and_it_is_each_ones_detail() -> None:
+    """A tick's step spans carry the same kind, status and link: convert builds that detail once
+    (the store encodes it once); a span with more (events, link attributes) gets its own."""
+    from opentelemetry.proto.trace.v1.trace_pb2 import Status
+
+    from telemetry_svc.otlp import detail
+
+    tick = Span.Link(trace_id=b"\x01" * 16, span_id=b"\x09" * 8)
+    spans = [_span(span_id=bytes([3 + k]) * 8, kind=Span.SPAN_KIND_INTERNAL, links=[tick]) for k in range(3)] + [
+        _span(
+            span_id=b"\x07" * 8,
+            links=[Span.Link(trace_id=b"\x01" * 16, span_id=b"\x09" * 8, attributes=[_kv("a", int_value=1)])],
+        ),
+        _span(span_id=b"\x08" * 8, links=[tick], events=[Span.Event(time_unix_nano=5, name="e")]),
+        _span(span_id=b"\x0a" * 8, links=[tick], status=Status(code=Status.STATUS_CODE_ERROR, message="x")),
+    ]
+    req = _req(spans, [_kv("service.name", string_value="s")])
+    rows = convert(req).rows
+    res = {"service.name": "s"}
+    assert [r.detail for r in rows] == [detail(s, res) for s in spans]
+    assert rows[0].detail is rows[1].detail is rows[2].detail
+    assert len({id(r.detail) for r in rows[2:]}) == 4
