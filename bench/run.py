@@ -51,9 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--sessions",
         type=_ints,
-        default=(2, 16, 64),
-        help="sessions per concurrency, in the same order (default: two static "
-        "batches' worth at 8 and 32, so that a freed slot has a session to take)",
+        default=(6, 16, 64),
+        help="sessions per concurrency, in the same order (default: six at c=1, whose rate is the "
+        "batch-1 target's, and two static batches' worth at 8 and 32, so that a freed slot has a "
+        "session to take)",
     )
     p.add_argument(
         "--workers", type=_ints, default=None, help="cluster sizes to measure (default 1,2 for one mode, 1 for several)"
