@@ -29,10 +29,9 @@ import numpy as np
 from kvfleet_models.config import FREQ_FACTORS, LlamaConfig, RopeScaling
 from kvfleet_models.errors import ModelLoadError, check_weights
 from kvfleet_models.gguf_blocks import FORMATS, BlockTensor
+from kvfleet_models.gguf_file import FLOAT32, GgufFile
 
 log = logging.getLogger(__name__)
-
-GGUF_MAGIC = b"GGUF"
 
 
 @dataclass(frozen=True)
@@ -98,78 +97,42 @@ _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def open_gguf(path: str | Path) -> Any:
-    """A ``gguf.GGUFReader`` on ``path``, or ModelLoadError saying why the file is unusable."""
-    import gguf  # deferred: only GGUF users pay for the import
-
-    path = Path(path)
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: no such file")
-    with path.open("rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise ModelLoadError(f"{path}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the reader throws ValueError/IndexError/... on a damaged file
-        raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
-    # The reader maps tensors lazily; a tensor running past the end of the file shows up here.
-    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
-    if end > path.stat().st_size:
-        raise ModelLoadError(f"{path}: truncated GGUF file ({path.stat().st_size} bytes, tensors need {end})")
-    return reader
+def open_gguf(path: str | Path) -> GgufFile:
+    """``path`` parsed (``gguf_file.GgufFile``), or ModelLoadError saying why it is unusable."""
+    return GgufFile(path)
 
 
-def field_value(reader: Any, key: str, default: Any = None) -> Any:
-    """A metadata value as a Python str/int/float/bool, or a list of them for arrays.
-
-    Read from the raw ``parts`` rather than ``ReaderField.contents()``, which older gguf
-    releases lack.
-    """
-    import gguf
-
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-
-    def decode(part: np.ndarray, vtype: Any) -> Any:
-        if vtype == gguf.GGUFValueType.STRING:
-            return bytes(part).decode("utf-8")
-        return part.tolist()[0]
-
-    if field.types[0] == gguf.GGUFValueType.ARRAY:
-        return [decode(field.parts[i], field.types[-1]) for i in field.data]
-    return decode(field.parts[field.data[0]], field.types[0])
+def field_value(reader: GgufFile, key: str, default: Any = None) -> Any:
+    """A metadata value as a Python str/int/float/bool, or a list of them for arrays."""
+    return reader.values.get(key, default)
 
 
-def _required(reader: Any, key: str, path: Path) -> Any:
+def _required(reader: GgufFile, key: str, path: Path) -> Any:
     value = field_value(reader, key)
     if value is None:
         raise ModelLoadError(f"{path}: GGUF metadata lacks {key!r}")
     return value
 
 
-def _float(reader: Any, key: str, default: float) -> float:
+def _float(reader: GgufFile, key: str, default: float) -> float:
     """A float metadata value; float32 ones as the shortest decimal that rounds to them (the
     value the converter was given: 1e-06, not 9.99999997e-07)."""
-    import gguf
-
     value = field_value(reader, key)
     if value is None:
         return default
-    if reader.fields[key].types[0] == gguf.GGUFValueType.FLOAT32:
+    if reader.types[key] == FLOAT32:
         return float(str(np.float32(value)))
     return float(value)
 
 
-def _architecture(reader: Any, path: Path) -> tuple[str, Architecture]:
+def _architecture(reader: GgufFile, path: Path) -> tuple[str, Architecture]:
     arch = field_value(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelLoadError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
     return str(arch), ARCHITECTURES[arch]
 
 
-def _rope_table(reader: Any, name: str, pairs: int, path: Path) -> tuple[float, ...] | None:
+def _rope_table(reader: GgufFile, name: str, pairs: int, path: Path) -> tuple[float, ...] | None:
     tensor = next((t for t in reader.tensors if t.name == name), None)
     if tensor is None:
         return None
@@ -179,7 +142,7 @@ def _rope_table(reader: Any, name: str, pairs: int, path: Path) -> tuple[float, 
     return tuple(float(str(v)) for v in values)  # float32: the shortest decimal, as ``_float``
 
 
-def _rope(reader: Any, arch: str, head_dim: int, context: int, path: Path) -> tuple[RopeScaling | None, int]:
+def _rope(reader: GgufFile, arch: str, head_dim: int, context: int, path: Path) -> tuple[RopeScaling | None, int]:
     """(the RoPE scaling, the context served) from ``{arch}.rope.scaling.*`` and the RoPE
     tables llama.cpp's converter writes: ``rope_freqs`` (llama3), ``rope_factors_short``
     with ``attn_factor`` (Phi-3 longrope, served up to its original context as the Hugging
@@ -219,14 +182,14 @@ def _rope(reader: Any, arch: str, head_dim: int, context: int, path: Path) -> tu
                 original_max_position=original,
                 beta_fast=_float(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0),
                 beta_slow=_float(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0),
-                attention_factor=_float(reader, key, 1.0) if key in reader.fields else None,
+                attention_factor=_float(reader, key, 1.0) if key in reader.values else None,
             ), context
     except ValueError as e:
         raise ModelLoadError(f"{path}: bad RoPE scaling {kind!r}: {e}") from None
     raise ModelLoadError(f"{path}: RoPE scaling {kind!r} is not supported (supported: none, linear, yarn, rope_freqs)")
 
 
-def _gemma_options(reader: Any, arch: str, window: int, head_dim: int, hidden_per_head: int) -> dict[str, Any]:
+def _gemma_options(reader: GgufFile, arch: str, window: int, head_dim: int, hidden_per_head: int) -> dict[str, Any]:
     """LlamaConfig options of a gemma3 file, as llama.cpp reads them: without a window every
     layer is global (one RoPE); with one, every 6th layer."""
     layers = int(field_value(reader, f"{arch}.block_count", 0))
@@ -246,7 +209,7 @@ def _gemma_options(reader: Any, arch: str, window: int, head_dim: int, hidden_pe
     }
 
 
-def config_from_metadata(reader: Any, path: Path) -> LlamaConfig:
+def config_from_metadata(reader: GgufFile, path: Path) -> LlamaConfig:
     """The LlamaConfig a GGUF file's ``{arch}.*`` metadata (and RoPE tables) describe."""
     arch, spec = _architecture(reader, path)
     heads = int(_required(reader, f"{arch}.attention.head_count", path))

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfleet_models.errors import ModelLoadError
+from kvfleet_models.gguf_file import GgufFile
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class GgufVocab:
     unknown_id: int | None
 
     @classmethod
-    def read(cls, reader: Any, path: Path) -> GgufVocab:
+    def read(cls, reader: GgufFile, path: Path) -> GgufVocab:
         from kvfleet_models.gguf_loader import field_value
 
         model = field_value(reader, "tokenizer.ggml.model")

@@ -221,12 +221,10 @@ def test_gemma3_metadata_is_read_as_llama_cpp_reads_it(
     local_theta: float,
     scalar: float,
 ) -> None:
-    import gguf
-
-    from kvfleet_models.gguf_loader import config_from_metadata
+    from kvfleet_models.gguf_loader import config_from_metadata, open_gguf
 
     path = _gemma3_metadata_only(tmp_path / "g.gguf", layers, extra)
-    cfg = config_from_metadata(gguf.GGUFReader(path), path)
+    cfg = config_from_metadata(open_gguf(path), path)
     assert (cfg.family, cfg.sliding_window, cfg.sliding_layers) == ("gemma3_text", window, local_layers)
     assert (cfg.local_rope_theta, cfg.query_pre_attn_scalar) == (local_theta, scalar)
     assert (cfg.hidden_act, cfg.scaled_embedding, cfg.sandwich_norms, cfg.qk_norm) == ("gelu_tanh", True, True, True)
