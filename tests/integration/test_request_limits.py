@@ -56,19 +56,22 @@ class _Streams:
         return out
 
 
-# Sends the 100k-stop-string request once per line read, from its own process: its encoding
-# (and the client's share of the transfer) then costs this process, where the scheduler and the
-# measured stream run, nothing. Answers "CODE details" per line.
+# Sends the 100k-stop-string request once per line read, from its own process, as bytes
+# serialized once: the sender's CPU during a refusal is then a socket write, and what the
+# windows measure is the scheduler's own cost (receiving and refusing), not the test's
+# encoding competing for the cores. Answers "CODE details" per line.
 _REFUSALS = """
 import sys
-from kvfleet.client import SchedulerClient, build_request
-request = build_request([1, 2, 3], 8, stop=[f"stop{i}" for i in range(100_000)])
-with SchedulerClient(sys.argv[1]) as client:
+import grpc
+from kvfleet.client import build_request
+payload = build_request([1, 2, 3], 8, stop=[f"stop{i}" for i in range(100_000)]).SerializeToString()
+with grpc.insecure_channel(sys.argv[1]) as channel:
+    generate = channel.unary_stream("/kvfleet.v1.Scheduler/Generate")  # bytes in, bytes out
     for _ in sys.stdin:
         try:
-            list(client.stream(request, timeout=60))
+            list(generate(payload, timeout=60))
             print("OK", flush=True)
-        except Exception as exc:
+        except grpc.RpcError as exc:
             print(exc.code().name, exc.details().replace(chr(10), " "), flush=True)
 """
 
@@ -76,10 +79,12 @@ with SchedulerClient(sys.argv[1]) as client:
 def test_100k_stop_strings_are_refused_before_any_work_and_other_streams_keep_their_pace(cluster, monkeypatch):
     """The refusal comes from the size check alone: nothing after it runs (no session request
     built, nothing submitted), which is what makes it cheap. A stream running meanwhile keeps its
-    pace. No wall-clock bound (a loaded machine breaks those): the same stream's token gaps that
-    overlap a refusal are compared with its gaps between refusals, taken in turns so that both
-    see the same load. The scheduler must decode the ~1 MB message (in this process, holding the
-    GIL, as any server must): that cost, measured in the same turns, is allowed for, no more."""
+    pace. No wall-clock bound (a loaded machine breaks those): turns alternate, a quiet one then
+    one with a refusal, so both see the same load; in each refusal's window the stream's longest
+    gap (a stall shows as one long gap, whatever the others do) is compared with its longest gap
+    in a window as long at the start of the quiet turn before it. The scheduler must decode the
+    ~1 MB message (in this process, holding the GIL, as any server must): that cost, measured in
+    the same turns, is allowed for, no more."""
     work: list[str] = []
     session_request, submit = PromptResolver.session_request, SchedulerRuntime.submit
 
@@ -95,6 +100,7 @@ def test_100k_stop_strings_are_refused_before_any_work_and_other_streams_keep_th
     monkeypatch.setattr(SchedulerRuntime, "submit", counted_submit)
     encoded = build_request([1, 2, 3], 8, stop=[f"stop{i}" for i in range(100_000)]).SerializeToString()
     windows: list[tuple[float, float]] = []
+    quiet: list[float] = []  # when each quiet turn began
     decode: list[float] = []  # seconds to decode the refused message, each turn
     sender = subprocess.Popen(
         [sys.executable, "-c", _REFUSALS, cluster.address],
@@ -111,6 +117,7 @@ def test_100k_stop_strings_are_refused_before_any_work_and_other_streams_keep_th
         try:
             streams.wait_events(5)
             for _ in range(20):
+                quiet.append(time.perf_counter())
                 streams.wait_events(6)  # a turn without a refusal ...
                 t0 = time.perf_counter()
                 spb.GenerateRequest.FromString(encoded)
@@ -131,14 +138,29 @@ def test_100k_stop_strings_are_refused_before_any_work_and_other_streams_keep_th
     assert not any("100000" in w for w in work), work
     assert work and all(w in ("session_request(0 stop strings)", "submit(1)") for w in work), work
     assert rejected == len(windows)
-    during, between = [], []
-    for start, end, per_token in streams.gaps():
-        (during if any(start < w1 and end > w0 for w0, w1 in windows) else between).append(per_token)
-    assert len(during) >= len(windows) and len(between) >= 5 * len(windows), (len(during), len(between))
-    slack = statistics.median(decode) + 0.002
-    assert statistics.median(during) <= 2 * statistics.median(between) + slack, (
+    gaps = streams.gaps()
+    # A gap that overlaps a refusal belongs to it, not to the quiet turn it runs on into.
+    quiet_gaps = [g for g in gaps if not any(g[0] < w1 and g[1] > w0 for w0, w1 in windows)]
+
+    def longest(among: list[tuple[float, float, float]], w0: float, w1: float) -> float | None:
+        inside = [per_token for start, end, per_token in among if start < w1 and end > w0]
+        return max(inside) if inside else None
+
+    during, control = [], []
+    for (w0, w1), q in zip(windows, quiet):
+        d, c = longest(gaps, w0, w1), longest(quiet_gaps, q, min(q + (w1 - w0), w0))
+        if d is not None and c is not None:
+            during.append(d)
+            control.append(c)
+    assert len(during) >= 0.75 * len(windows), (len(during), len(windows))
+    # A refusal that did work (a stop-string automaton over 100k strings, say) holds the
+    # scheduler for tens of ms: one gap of that size in its window. Checked by putting a 30 ms
+    # C call holding the GIL into the refusal: this fails. Allowed: the decode, and the GIL's
+    # switch interval (the handler's thread, once it has the GIL, keeps it that long).
+    slack = statistics.median(decode) + sys.getswitchinterval() + 0.002
+    assert statistics.median(during) <= 2 * statistics.median(control) + slack, (
         statistics.median(during),
-        statistics.median(between),
+        statistics.median(control),
         slack,
         [round(w1 - w0, 4) for w0, w1 in windows],
     )
