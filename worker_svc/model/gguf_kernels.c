@@ -29,7 +29,9 @@
  *   scalar  plain C, with its own fp16 conversion: the reference;
  *   avx2    vpmaddubsw: the nibbles (u8) against the activations (s8) for Q4_*, and for Q8_0
  *           |w| (u8, up to 128) against a * sign(w): a pair sums to at most 2 * 128 * 127;
- *   avx512  vpdpbusd (AVX-512 VNNI) on the same operands, two blocks per 512-bit register.
+ *   avx512  vpdpbusd (AVX-512 VNNI) on the same operands, two blocks per 512-bit register;
+ *   amx     avx512, with the row groups' products of 16 or more activation rows on AMX tiles
+ *           (KV_GGUF_AMX; see kv_gguf_gemm16_amx), the same floats as avx512.
  */
 #include <math.h>
 #include <stdint.h>
