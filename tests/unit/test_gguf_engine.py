@@ -20,7 +20,9 @@ manner: Q6_K for v, down and the embedding / head, Q4_K for the rest. Two refere
     ``FLOAT_TOL`` of the largest, and the greedy tokens equal wherever float32's top-1 margin
     exceeds twice the step's largest logit difference (after a near tie the two may part).
 
-Also: the weights are the file's bytes (no float copy), and what is refused, with its message.
+Also: the weights are the file's bytes (no float copy), and what is refused, with its message;
+and on SmolLM2's own file (Q4_1, the embedding Q8_0), the amx level's logits, through prefill
+chunks and decode batches of 16 rows and more (its tiles), equal the avx512 level's.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ from kvfleet_models.gguf_blocks import BlockTensor
 from kvfleet_models.registry import load_model, load_model_blocks
 from tests.helpers.families import CASES, Case, make_checkpoint, prompts
 from tests.helpers.gguf_families import write_gguf
+from tests.helpers.models import SMOLLM2, needs_smollm2
 from tests.unit.test_families import _drive
 from worker_svc.engine import Engine, EngineConfig
-from worker_svc.model import gguf_quant, q8
+from worker_svc.model import gguf_quant
 
 # Each matrix's format: every format in the attention and MLP products, mixed within qkv and
 # gate_up; the head Q4_0 where untied, the embedding Q8_0 (smollm2's).
@@ -73,10 +76,15 @@ def _engine(path: Path, quant: str) -> Engine:
     return Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=64, quant=quant))
 
 
-@pytest.mark.parametrize("level", q8.LEVELS)
+def _skip_unless_runnable(level: str) -> None:
+    runnable = gguf_quant.runnable_levels()
+    if level not in runnable:
+        pytest.skip(f"this CPU does not run the {level} kernels (it runs {', '.join(runnable)})")
+
+
+@pytest.mark.parametrize("level", gguf_quant.LEVELS)
 def test_every_level_equals_the_float64_emulation(gguf_file: Path, level: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if level not in q8.runnable_levels():
-        pytest.skip(f"this CPU does not run the {level} kernels (it runs {', '.join(q8.runnable_levels())})")
+    _skip_unless_runnable(level)
     if gguf_file.stem == "gemma3" or gguf_file.stem.endswith("-k"):
         # gemma3's sandwich norms, and the 256-wide K files (avx512 measured 0.8 % off while
         # every product was within 3e-7 of its reference): see the test below
@@ -94,15 +102,15 @@ def test_every_level_equals_the_float64_emulation(gguf_file: Path, level: str, m
         np.testing.assert_allclose(got[0], want[0], rtol=0, atol=EMULATION_TOL * float(np.abs(want[0]).max()))
 
 
-@pytest.mark.parametrize("level", q8.LEVELS)
+@pytest.mark.parametrize("level", gguf_quant.LEVELS)
 def test_every_product_in_the_engine_equals_its_float64_reference(
     gguf_file: Path, level: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each product a prefill and a decode run (every layer's parts, q's scale, ``out``
     accumulated), against the float64 reference on that product's own input: the check the
-    end-to-end emulation makes, immune to a rounding flip carried on to later products."""
-    if level not in q8.runnable_levels():
-        pytest.skip(f"this CPU does not run the {level} kernels (it runs {', '.join(q8.runnable_levels())})")
+    end-to-end emulation makes, immune to a rounding flip carried on to later products. (The
+    steps of ``_drive`` reach 16 rows and more: the amx level's tiles run.)"""
+    _skip_unless_runnable(level)
     monkeypatch.setenv("KVFLEET_Q8_LEVEL", level)
     run = gguf_quant.GGUFKernels.linear
     formats: set[str] = set()
@@ -199,5 +207,27 @@ def test_worker_builds_the_gguf_engine(gguf_file: Path) -> None:
     from worker_svc.server import build_engine
 
     _, engine = build_engine(WorkerConfig(model=str(gguf_file), quant="gguf", num_blocks=8, metrics_port=0))
-    assert engine.quant == "gguf" and engine.model.kernel_level in q8.runnable_levels()
+    assert engine.quant == "gguf" and engine.model.kernel_level == gguf_quant.runnable_levels()[-1]
     assert isinstance(load_model_blocks(str(gguf_file))[1]["model.layers.0.mlp.down_proj.weight"], BlockTensor)
+
+
+@needs_smollm2
+def test_smollm2_logits_at_the_amx_level_equal_the_avx512_levels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2's Q4_1 file, prompts of 40, 33 and 21 tokens in chunks (16-25 rows a step) and
+    then their decodes beside the others' prefill: every product's floats are the same at both
+    levels, so the logits and tokens are too (up to threads' order, which does not enter here:
+    each output element is summed by one thread)."""
+    _skip_unless_runnable("amx")
+    cfg, weights = load_model_blocks(SMOLLM2)
+    rng = np.random.default_rng(5)
+    plan = [rng.integers(100, 49000, size=n).tolist() for n in (40, 33, 21)]
+    runs = {}
+    for level in ("avx512", "amx"):
+        monkeypatch.setenv("KVFLEET_Q8_LEVEL", level)
+        engine = Engine(cfg, weights, EngineConfig(block_size=16, num_blocks=16, quant="gguf"))
+        assert engine.model.kernel_level == level
+        runs[level] = _drive(engine, plan, 4)
+    (tokens, logits), (tokens_amx, logits_amx) = runs["avx512"], runs["amx"]
+    assert tokens_amx == tokens
+    for want, got in zip(logits, logits_amx):
+        np.testing.assert_array_equal(got, want)

@@ -12,9 +12,14 @@ reference rounding), the K formats (Q4_K, Q6_K), which it does not write, by our
     activations quantized as the C does) to float32 rounding: the integer sums are exact, only
     the order of adding up the blocks' float terms differs. Shapes: K a multiple of 32 with an
     odd number of blocks (the AVX-512 path takes two at a time), N not a multiple of 4, M = 1,
-    3, 17, and smollm2's own; for the K formats K of 1, 2 and 3 super-blocks and down_proj's.
+    3, 17, and smollm2's own; for the K formats K of 1, 2 and 3 super-blocks and down_proj's;
+  * the amx level (AMX tiles from 16 activation rows) on its own shapes: M of one tile, one and
+    a few rows past it (those rows take the avx512 group kernel), a padded last tile, many
+    tiles; N with and without rows past the groups; K of one block, an odd number, and more
+    blocks than it unpacks at once. There it equals the avx512 level exactly: the integer sums
+    are exact and the float steps are the same, in the same order.
 
-Levels this CPU cannot run are skipped, with the reason.
+Levels this CPU cannot run (or, for amx, this process may not use) are skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ K_FORMATS = [f for f in FORMATS if FORMATS[f].block_weights == QK_K]
 
 
 def _kernels(level: str) -> gguf_quant.GGUFKernels:
-    if level not in q8.runnable_levels():
-        pytest.skip(f"this CPU does not run the {level} kernels (it runs {', '.join(q8.runnable_levels())})")
+    runnable = gguf_quant.runnable_levels()
+    if level not in runnable:
+        pytest.skip(f"this CPU does not run the {level} kernels (it runs {', '.join(runnable)})")
     return gguf_quant.GGUFKernels.load(level)
 
 
@@ -100,7 +106,7 @@ def test_our_reading_of_random_k_blocks_equals_the_gguf_packages(fmt: str) -> No
     np.testing.assert_allclose(blocks.dequantize(dtype=np.float64), theirs, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("level", q8.LEVELS)
+@pytest.mark.parametrize("level", gguf_quant.LEVELS)
 @pytest.mark.parametrize("fmt", K_FORMATS)
 @pytest.mark.parametrize("m", [1, 4])
 def test_random_k_blocks_at_every_level(level: str, fmt: str, m: int) -> None:
@@ -112,7 +118,7 @@ def test_random_k_blocks_at_every_level(level: str, fmt: str, m: int) -> None:
     np.testing.assert_allclose(w.linear(x).numpy(), ref.numpy(), rtol=0, atol=2e-6 * float(ref.abs().max()) * 768**0.5)
 
 
-@pytest.mark.parametrize("level", q8.LEVELS)
+@pytest.mark.parametrize("level", gguf_quant.LEVELS)
 def test_c_input_quantizer_equals_the_references(level: str) -> None:
     kernels = _kernels(level)
     x = _input(5, 160, seed=2)
@@ -122,7 +128,7 @@ def test_c_input_quantizer_equals_the_references(level: str) -> None:
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("level", q8.LEVELS)
+@pytest.mark.parametrize("level", gguf_quant.LEVELS)
 @pytest.mark.parametrize("fmt, n, k", CASES)
 @pytest.mark.parametrize("m", [1, 3, 6, 17])
 def test_every_level_equals_the_reference(level: str, fmt: str, n: int, k: int, m: int) -> None:
@@ -135,7 +141,7 @@ def test_every_level_equals_the_reference(level: str, fmt: str, n: int, k: int, 
     np.testing.assert_allclose(got.numpy(), ref.numpy(), rtol=0, atol=2e-6 * float(ref.abs().max()) * k**0.5)
 
 
-@pytest.mark.parametrize("level", q8.LEVELS)
+@pytest.mark.parametrize("level", gguf_quant.LEVELS)
 def test_stacked_parts_scales_and_accumulate(level: str) -> None:
     """q, k, v of different formats stacked (two runs: Q4_1 q+k merged, then Q8_0 v), q's rows
     scaled; the product added into a strided ``out`` leaves its other columns alone."""
@@ -158,10 +164,12 @@ def test_stacked_parts_scales_and_accumulate(level: str) -> None:
     assert torch.equal(wide[:, :2], torch.ones(3, 2)) and torch.equal(wide[:, 18:], torch.ones(3, 2))
 
 
-@pytest.mark.parametrize("level", q8.LEVELS)
-def test_q8_0_weights_at_minus_128_do_not_overflow(level: str) -> None:
+@pytest.mark.parametrize("level", gguf_quant.LEVELS)
+@pytest.mark.parametrize("m", [1, 16, 35])
+def test_q8_0_weights_at_minus_128_do_not_overflow(level: str, m: int) -> None:
     """A file's Q8_0 may hold -128 (the gguf package never writes it, other quantizers may):
-    |w| is taken as unsigned, so -128 * -127 is exact at every level."""
+    |w| is taken as unsigned (amx: s8 x s8 in int32), so -128 * -127 is exact at every level,
+    for one row, a tile of 16 and tiles with rows past them."""
     kernels = _kernels(level)
     k, n = 96, 18  # a group of 16 rows and two in the file's layout, each path both ways
     data = np.zeros((n, k // 32 * 34), dtype=np.uint8)
@@ -170,12 +178,12 @@ def test_q8_0_weights_at_minus_128_do_not_overflow(level: str) -> None:
     blocks[0::2, :, 2:] = np.uint8(0x80)  # every weight -128
     blocks[1::2, :, 2:] = np.uint8(127)
     w = gguf_quant.stack([(BlockTensor(FORMATS["Q8_0"], data, k), 1.0)], kernels)
-    x = torch.full((1, k), -1.0)  # quantized to -127, scale 1/127
+    x = torch.full((m, k), -1.0)  # quantized to -127, scale 1/127
     got = w.linear(x)
-    np.testing.assert_allclose(got.numpy(), [[128.0 * k, -127.0 * k] * (n // 2)], rtol=1e-6)
+    np.testing.assert_allclose(got.numpy(), [[128.0 * k, -127.0 * k] * (n // 2)] * m, rtol=1e-6)
 
 
-@pytest.mark.parametrize("level", q8.LEVELS)
+@pytest.mark.parametrize("level", gguf_quant.LEVELS)
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
 def test_simd_levels_keep_row_groups_of_the_same_bytes(level: str, fmt: str) -> None:
     """At the SIMD levels a Q8_0 / Q4 weight is stored in groups of 16 rows (gguf_packed): the
@@ -221,7 +229,76 @@ def test_without_the_c_library_products_fall_back_to_the_reference() -> None:
 def test_a_level_beyond_the_cpu_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     # The CPU's levels are read where both kernel families pick theirs (q8.load_level).
     monkeypatch.setattr(q8, "runnable_levels", lambda: ("scalar",))
+    assert gguf_quant.runnable_levels() == ("scalar",)  # amx only above avx512
     with pytest.raises(ValueError, match="'avx2' is not one this CPU runs"):
         gguf_quant.GGUFKernels.load("avx2")
+    with pytest.raises(ValueError, match="'amx' is not one this CPU runs"):
+        gguf_quant.GGUFKernels.load("amx")
     monkeypatch.setenv("KVFLEET_Q8_LEVEL", "scalar")
     assert gguf_quant.GGUFKernels.load().level == "scalar"
+
+
+# The amx level's shapes (N, K): one group; two and 3 rows past them; K of one block, of 3 (odd),
+# smollm2's 576 and 1536, and 2304 (72 blocks: more than the 64 a group unpacks at once).
+AMX_SHAPES = [(16, 32), (35, 96), (48, 576), (21, 1536), (32, 2304)]
+# M: under a tile (avx512), one tile, 1 and 4 rows past it (avx512 for those rows), 13 past two
+# (a padded tile), 256 (smollm2's prefill chunk).
+AMX_ROWS = [15, 16, 17, 20, 45, 256]
+
+
+def _amx_pair() -> tuple[gguf_quant.GGUFKernels, gguf_quant.GGUFKernels]:
+    return _kernels("amx"), _kernels("avx512")
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("n, k", AMX_SHAPES)
+def test_amx_equals_the_reference_and_the_avx512_level(fmt: str, n: int, k: int) -> None:
+    amx, avx512 = _amx_pair()
+    blocks = _blocks(fmt, _weight(n, k, seed=n + 3 * k))
+    w, w512 = gguf_quant.stack([(blocks, 1.0)], amx), gguf_quant.stack([(blocks, 1.0)], avx512)
+    for m in AMX_ROWS:
+        x = _input(m, k, seed=n * 1000 + k + m)
+        ref = gguf_quant.reference_linear(x, w)
+        got = w.linear(x)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        np.testing.assert_allclose(got.numpy(), ref.numpy(), rtol=0, atol=2e-6 * float(ref.abs().max()) * k**0.5)
+        assert torch.equal(got, w512.linear(x)), (fmt, n, k, m)
+
+
+def test_amx_scales_and_accumulates_as_avx512() -> None:
+    """Stacked parts of every grouped format and a Q4_K one (which amx multiplies as avx512
+    does), q's rows scaled, added into a strided ``out``: the same floats as avx512."""
+    amx, avx512 = _amx_pair()
+    parts = [("Q4_1", 48, 0.125), ("Q4_0", 16, 1.0), ("Q8_0", 20, 1.0), ("Q4_K", 16, 1.0)]
+    blocks = [(_blocks(f, _weight(n, 256, seed=i)), sc) for i, (f, n, sc) in enumerate(parts)]
+    w, w512 = gguf_quant.stack(blocks, amx), gguf_quant.stack(blocks, avx512)
+    x = _input(37, 256, seed=11)
+    wide = torch.ones(37, 104)
+    out, out512 = wide.clone()[:, 2:102], wide.clone()[:, 2:102]
+    w.linear(x, out=out)
+    w512.linear(x, out=out512)
+    assert torch.equal(out, out512)
+    ref = gguf_quant.reference_linear(x, w) + 1.0
+    np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=0, atol=2e-5 * float(ref.abs().max()))
+
+
+def test_amx_is_the_default_where_usable_and_refused_where_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    _amx_pair()  # (skips where this CPU or process has no AMX)
+    assert gguf_quant.runnable_levels()[-2:] == ("avx512", "amx")
+    monkeypatch.delenv("KVFLEET_Q8_LEVEL", raising=False)
+    assert gguf_quant.GGUFKernels.load().level == "amx"
+    # KVFLEET_Q8_LEVEL=amx caps the int8 kernels, which have no amx level, at their best
+    monkeypatch.setenv("KVFLEET_Q8_LEVEL", "amx")
+    assert q8.Q8Kernels.load().level == "avx512" and gguf_quant.GGUFKernels.load().level == "amx"
+    monkeypatch.setenv("KVFLEET_Q8_LEVEL", "avx512")
+    assert gguf_quant.GGUFKernels.load().level == "avx512"
+    # a process Linux refused the tile state: no amx level, the default falls back to avx512
+    monkeypatch.delenv("KVFLEET_Q8_LEVEL")
+    monkeypatch.setattr(gguf_quant, "amx_usable", lambda: False)
+    assert "amx" not in gguf_quant.runnable_levels()
+    assert gguf_quant.GGUFKernels.load().level == "avx512"
+    with pytest.raises(ValueError, match="'amx' is not one this CPU runs"):
+        gguf_quant.GGUFKernels.load("amx")
+    found, lib = gguf_quant._library("amx")
+    with pytest.raises(ValueError, match="may not use the AMX tiles"):
+        gguf_quant.GGUFKernels(lib, "amx", found.path)

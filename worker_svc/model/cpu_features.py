@@ -1,10 +1,25 @@
-"""What this CPU can run, read once: the SIMD flags that pick a kernel level (``q8``)."""
+"""What this CPU can run, read once: the SIMD flags that pick a kernel level (``q8``), and
+whether this process may use the AMX tiles."""
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import platform
+import sys
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# Linux gives a process the AMX tile state (8 KB more in every signal frame and context
+# switch) only when asked: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once, for all
+# its threads; a tile instruction before that is SIGILL.
+_SYS_ARCH_PRCTL = 158  # x86_64
+_ARCH_GET_XCOMP_PERM = 0x1022
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
 
 
 @dataclass(frozen=True)
@@ -47,3 +62,25 @@ def cpu_features() -> CpuFeatures:
         if line.startswith("flags"):
             return CpuFeatures(frozenset(line.partition(":")[2].split()))
     return CpuFeatures(frozenset())
+
+
+@cache
+def amx_usable() -> bool:
+    """Whether this process may run AMX tile instructions: the CPU has AMX-INT8 and Linux
+    granted the tile state (asked here, once per process; a kernel before 5.16, or a hypervisor
+    that does not pass the state through, refuses). The answer is logged."""
+    if not cpu_features().amx or not sys.platform.startswith("linux") or platform.machine() != "x86_64":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        if libc.syscall(ctypes.c_long(_SYS_ARCH_PRCTL), ctypes.c_long(_ARCH_REQ_XCOMP_PERM),
+                        ctypes.c_long(_XFEATURE_XTILEDATA)) != 0:  # fmt: skip
+            log.info("AMX: the kernel refused the tile state (errno %d)", ctypes.get_errno())
+            return False
+        granted = ctypes.c_ulong(0)
+        libc.syscall(ctypes.c_long(_SYS_ARCH_PRCTL), ctypes.c_long(_ARCH_GET_XCOMP_PERM), ctypes.byref(granted))
+    except (OSError, AttributeError) as e:
+        log.info("AMX: cannot ask for the tile state: %s", e)
+        return False
+    return bool(granted.value >> _XFEATURE_XTILEDATA & 1)

@@ -29,7 +29,9 @@
  *   scalar  plain C, with its own fp16 conversion: the reference;
  *   avx2    vpmaddubsw: the nibbles (u8) against the activations (s8) for Q4_*, and for Q8_0
  *           |w| (u8, up to 128) against a * sign(w): a pair sums to at most 2 * 128 * 127;
- *   avx512  vpdpbusd (AVX-512 VNNI) on the same operands, two blocks per 512-bit register.
+ *   avx512  vpdpbusd (AVX-512 VNNI) on the same operands, two blocks per 512-bit register;
+ *   amx     avx512, with the row groups' products of 16 or more activation rows on AMX tiles
+ *           (KV_GGUF_AMX; see kv_gguf_gemm16_amx), the same floats as avx512.
  */
 #include <math.h>
 #include <stdint.h>
@@ -245,36 +247,45 @@ static void gemm(dot_fn dot, dot4_fn dot4, dotd_fn dotd, dotd6_fn dotd6, float (
 /* A whole product in one call: x [M, K] float32 (row stride ldx) quantized once (into this
  * thread's buffer, kept between calls), then times each of a weight's nparts parts (stacked
  * along N: codes, data, rows, grouped or not, scale or NULL), into y [M, N] (row stride ldy),
- * added to it where accumulate. Returns 0, or -1 where the buffer cannot be had. */
+ * added to it where accumulate. The quantized rows are padded with zero rows up to a multiple
+ * of pad (the AMX level's tiles read 16 rows at a time). Returns 0, or -1 where the buffer
+ * cannot be had. */
 typedef void (*gemm_fn)(int qtype, const uint8_t *w, long n, long k, const int8_t *a, const float *s,
                         const int32_t *sums, long m, const float *scale, float *y, long ldy, int accumulate);
-static int linear(gemm_fn plain, gemm_fn grouped_fn, int nparts, const int *codes, const uint8_t *const *data,
-                  const long *rows, const int *grouped, const float *const *scales, long k, const float *x, long ldx,
-                  long m, float *y, long ldy, int accumulate) {
+typedef void (*quantize_fn)(const float *x, long m, long k, long ldx, int8_t *a, float *s, int32_t *sums);
+static int linear(quantize_fn quantize, gemm_fn plain, gemm_fn grouped_fn, long pad, int nparts, const int *codes,
+                  const uint8_t *const *data, const long *rows, const int *grouped, const float *const *scales, long k,
+                  const float *x, long ldx, long m, float *y, long ldy, int accumulate) {
     static __thread int8_t *buf = NULL;
     static __thread size_t cap = 0;
-    const long nb = k / QK;
-    const size_t need = (size_t)(m * k) + (size_t)(m * nb) * (sizeof(float) + sizeof(int32_t));
+    const long nb = k / QK, mp = (m + pad - 1) / pad * pad;
+    const size_t need = (size_t)(mp * k) + (size_t)(mp * nb) * (sizeof(float) + sizeof(int32_t));
     if (need > cap) {
         free(buf);
         buf = malloc(need);
         cap = buf ? need : 0;
         if (!buf) return -1;
     }
-    int8_t *a = buf; /* M K bytes, a multiple of 32: the scales after it stay aligned */
-    float *s = (float *)(buf + m * k);
-    int32_t *sums = (int32_t *)(s + m * nb);
-    kv_gguf_quantize(x, m, k, ldx, a, s, sums);
+    int8_t *a = buf; /* Mp K bytes, a multiple of 32: the scales after it stay aligned */
+    float *s = (float *)(buf + mp * k);
+    int32_t *sums = (int32_t *)(s + mp * nb);
+    quantize(x, m, k, ldx, a, s, sums);
+    if (mp > m) {
+        memset(a + m * k, 0, (size_t)((mp - m) * k));
+        memset(s + m * nb, 0, (size_t)((mp - m) * nb) * sizeof(float));
+        memset(sums + m * nb, 0, (size_t)((mp - m) * nb) * sizeof(int32_t));
+    }
     for (int p = 0, col = 0; p < nparts; col += (int)rows[p], p++)
         (grouped[p] ? grouped_fn : plain)(codes[p], data[p], rows[p], k, a, s, sums, m, scales[p], y + col, ldy,
                                           accumulate);
     return 0;
 }
-#define KV_GGUF_LINEAR(NAME, PLAIN, GROUPED)                                                                 \
+#define KV_GGUF_LINEAR(NAME, QUANTIZE, PLAIN, GROUPED, PAD)                                                  \
     int NAME(int nparts, const int *codes, const uint8_t *const *data, const long *rows, const int *grouped,  \
              const float *const *scales, long k, const float *x, long ldx, long m, float *y, long ldy,        \
              int accumulate) {                                                                                \
-        return linear(PLAIN, GROUPED, nparts, codes, data, rows, grouped, scales, k, x, ldx, m, y, ldy, accumulate); \
+        return linear(QUANTIZE, PLAIN, GROUPED, PAD, nparts, codes, data, rows, grouped, scales, k, x, ldx, m, \
+                      y, ldy, accumulate);                                                                    \
     }
 
 /* Row groups (gguf_packed.py): Q8_0 / Q4_0 / Q4_1 at the SIMD levels keep each 16 rows' blocks
@@ -435,7 +446,7 @@ static void dot4_scalar(int qtype, const uint8_t *w, long row_bytes, const int8_
     for (int j = 0; j < 4; j++) out[j] = dot_scalar(qtype, w + j * row_bytes, a, s, sums, nb);
 }
 KV_GGUF_GEMM(kv_gguf_gemm_scalar, dot_scalar, dot4_scalar, dotd_scalar, dotd6_scalar, half_to_float)
-KV_GGUF_LINEAR(kv_gguf_linear_scalar, kv_gguf_gemm_scalar, kv_gguf_gemm_scalar)
+KV_GGUF_LINEAR(kv_gguf_linear_scalar, kv_gguf_quantize, kv_gguf_gemm_scalar, kv_gguf_gemm_scalar, 1)
 
 #if defined(KV_X86) && KV_Q8_LEVELS >= 1
 #define AVX2_TARGET "avx2,fma,f16c"
@@ -723,10 +734,34 @@ __attribute__((target(AVX2_TARGET))) static void group_avx2(int qtype, int R, co
     GROUP_DISPATCH(group_avx2_t)
 }
 KV_GGUF_GEMM16(kv_gguf_gemm16_avx2, group_avx2, dot_avx2, dot4_avx2, dotd_avx2, dotd6_avx2, half_f16c)
-KV_GGUF_LINEAR(kv_gguf_linear_avx2, kv_gguf_gemm_avx2, kv_gguf_gemm16_avx2)
+KV_GGUF_LINEAR(kv_gguf_linear_avx2, kv_gguf_quantize, kv_gguf_gemm_avx2, kv_gguf_gemm16_avx2, 1)
 
 #if KV_Q8_LEVELS >= 2
 #define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
+
+/* kv_gguf_quantize with 512-bit vectors, the same values: the block's max |x| reduced exactly,
+ * the same float d and 1 / d, x / d rounded half to even by vcvtps2dq (the default rounding
+ * mode, as rintf), the int8 values and their sum exact. (The plain C one calls libm's rintf per
+ * value: at 256 rows x 1536 that was 0.85 ms, as much as the product.) */
+__attribute__((target(AVX512_TARGET))) void kv_gguf_quantize_avx512(const float *x, long m, long k, long ldx,
+                                                                    int8_t *a, float *s, int32_t *sums) {
+    const long nb = k / QK;
+#pragma omp parallel for schedule(static) if (m >= 8)
+    for (long r = 0; r < m; r++) {
+        for (long b = 0; b < nb; b++) {
+            const float *xb = x + r * ldx + b * QK;
+            const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(inv)));
+            const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(inv)));
+            _mm_storeu_si128((__m128i *)(a + r * k + b * QK), _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(a + r * k + b * QK + 16), _mm512_cvtepi32_epi8(q1));
+            s[r * nb + b] = d;
+            sums[r * nb + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        }
+    }
+}
 
 /* Two blocks' 32 weights each as 64 u8 operands (Q8_0: |w|) and the 64 activations to pair
  * with them (Q8_0: a * sign(w)). */
@@ -942,6 +977,210 @@ __attribute__((target(AVX512_TARGET))) static void group_avx512(int qtype, int R
     GROUP_DISPATCH(group_avx512_t)
 }
 KV_GGUF_GEMM16(kv_gguf_gemm16_avx512, group_avx512, dot_avx512, dot4_avx512, dotd_avx512, dotd6_avx512, half_f16c)
-KV_GGUF_LINEAR(kv_gguf_linear_avx512, kv_gguf_gemm_avx512, kv_gguf_gemm16_avx512)
+KV_GGUF_LINEAR(kv_gguf_linear_avx512, kv_gguf_quantize_avx512, kv_gguf_gemm_avx512, kv_gguf_gemm16_avx512, 1)
+
+#ifdef KV_GGUF_AMX
+/* The AMX level: the avx512 level, with the row groups' products for 16 or more activation rows
+ * on the tile unit. A group block's payload, 4-byte chunks of the 16 rows (64 bytes a chunk),
+ * is exactly a B tile of TDPBSSD in its VNNI layout: B row c holds weights 4c..4c+3 of each of
+ * the 16 weight rows. So one block of 16 activation rows x 16 weight rows is
+ *   A  the activations' block, 16 rows of 32 s8 (straight from a, row stride k),
+ *   B  the block's weights as s8, 8 rows of 64 bytes: Q8_0's payload as it lies; the Q4
+ *      nibbles unpacked once per group (low nibbles of chunk c to row c, high to row 4 + c),
+ *      Q4_0's as q - 8 (-8..7), which takes its -8 A term into the integer sum,
+ *   C  = A B, 16 x 16 int32: each activation row's 16 weight-row sums side by side, as the
+ * avx512 kernel's vector of a row; then the same float steps as there (C row times d s, and
+ * Q4_1's m s A), so the two levels' results are the same floats. K is one block (32) a
+ * product: each block has its own scales. The unit does a block in a few ns; what bounds it
+ * is converting and scaling C (3 vector ops a row and block, 4 for Q4_1). */
+#define AMX_TARGET AVX512_TARGET ",amx-tile,amx-int8"
+#define AMX_ROWS 16 /* activation rows a tile (linear pads the quantized rows to a multiple) */
+#define AMX_MIN_ROWS 16 /* fewer activation rows take the avx512 groups (measured: bench/README.md) */
+#define AMX_TAIL 5 /* the last m % 16 rows, when fewer, too: one avx512 pass (measured: a tile costs 5-7 rows) */
+#define AMX_KC 64 /* blocks of a group unpacked at once (32 KB); a longer row unpacks per tile */
+#define AMX_BLOCK (8 * 64) /* a block's B tile: 8 rows of 64 bytes */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+/* Palette 1. tmm0, tmm1: C (16 rows of 16 int32); tmm2, tmm3: A (16 rows of 32 bytes);
+ * tmm4, tmm5: B (8 rows of 64 bytes). Two of each: two blocks in flight. */
+static const amx_config AMX_CONFIG __attribute__((aligned(64))) = {
+    1, 0, {0}, {64, 64, 32, 32, 64, 64}, {16, 16, 16, 16, 8, 8}};
+/* gcc's tile intrinsics are asm statements that name no memory: this barrier keeps the
+ * compiler's stores that a tile load reads before it, and its loads of a tile store after. */
+#define AMX_FENCE() __asm__ volatile("" ::: "memory")
+
+/* Blocks b0..b0+kb-1 of a Q4 group's payload as B tiles (AMX_BLOCK bytes a block) at out. */
+__attribute__((target(AMX_TARGET), always_inline)) static inline void amx_unpack_t(const int qtype,
+                                                                                 const uint8_t *g, long b0, long kb,
+                                                                                 int8_t *out) {
+    const long bs = GROUP * BLOCK_BYTES[qtype];
+    const __m512i m4 = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
+    for (long b = 0; b < kb; b++) {
+        const uint8_t *pay = g + (b0 + b) * bs + GROUP_HEAD(qtype);
+        int8_t *o = out + b * AMX_BLOCK;
+        for (int c = 0; c < 4; c++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(pay + 64 * c));
+            __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            if (qtype == KV_Q4_0) lo = _mm512_sub_epi8(lo, eight), hi = _mm512_sub_epi8(hi, eight);
+            _mm512_storeu_si512((void *)(o + 64 * c), lo);
+            _mm512_storeu_si512((void *)(o + 64 * (4 + c)), hi);
+        }
+    }
+    AMX_FENCE();
+}
+
+/* One block's C (16 activation rows x 16 weight rows, int32) into acc, as group_avx512_t;
+ * sa [rows, nb]: Q4_1's s A per activation row and block, made once a product (the same float
+ * as group_avx512_t's), so that each step here is one vector op with its operand broadcast
+ * from memory: these 3 (Q4_1: 4) ops a row run on one port of this CPU, and bound the level. */
+__attribute__((target(AMX_TARGET), always_inline)) static inline void amx_scale_t(const int qtype, const int32_t *c,
+                                                                                const uint8_t *blk, long b, long nb,
+                                                                                const float *s, const float *sa,
+                                                                                __m512 acc[AMX_ROWS]) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+    const __m512 mn = qtype == KV_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32))) : d;
+#pragma GCC unroll 16
+    for (int r = 0; r < AMX_ROWS; r++) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)(c + r * GROUP))),
+                                 _mm512_mul_ps(d, _mm512_set1_ps(s[r * nb + b])), acc[r]);
+        if (qtype == KV_Q4_1) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sa[r * nb + b]), acc[r]);
+    }
+}
+
+/* The tile products of blocks j and (where two) j + 1 of an activation tile into c[0], c[1]. */
+#define AMX_PAIR(j, two, c)                                                   \
+    do {                                                                      \
+        _tile_loadd(2, a + (b0 + (j)) * QK, k);                               \
+        _tile_loadd(4, bt + (j) * bstride, 64);                               \
+        _tile_zero(0);                                                        \
+        _tile_dpbssd(0, 2, 4);                                                \
+        if (two) {                                                            \
+            _tile_loadd(3, a + (b0 + (j) + 1) * QK, k);                       \
+            _tile_loadd(5, bt + ((j) + 1) * bstride, 64);                     \
+            _tile_zero(1);                                                    \
+            _tile_dpbssd(1, 3, 5);                                            \
+        }                                                                     \
+        _tile_stored(0, (c)[0], 64);                                          \
+        if (two) _tile_stored(1, (c)[1], 64);                                 \
+        AMX_FENCE();                                                          \
+    } while (0)
+
+/* acc += one activation tile (a, s, sa at its first row) times blocks b0..b0+kb-1 of the
+ * group at g, their B tiles at bt, bstride bytes apart. A pair of blocks' tiles is stored
+ * ahead of the scaling of the pair before it (measured: 5 % faster than in turn). */
+__attribute__((target(AMX_TARGET), always_inline)) static inline void amx_blocks_t(
+    const int qtype, const uint8_t *g, const int8_t *bt, long bstride, long b0, long kb, const int8_t *a, long k,
+    const float *s, const float *sa, long nb, __m512 acc[AMX_ROWS]) {
+    const long bs = GROUP * BLOCK_BYTES[qtype];
+    int32_t c[2][2][AMX_ROWS * GROUP] __attribute__((aligned(64)));
+    AMX_PAIR(0, kb > 1, c[0]);
+    for (long j = 0; j < kb; j += 2) {
+        const int p = (int)(j >> 1) & 1;
+        if (j + 2 < kb) AMX_PAIR(j + 2, j + 3 < kb, c[p ^ 1]);
+        amx_scale_t(qtype, c[p][0], g + (b0 + j) * bs, b0 + j, nb, s, sa, acc);
+        if (j + 1 < kb) amx_scale_t(qtype, c[p][1], g + (b0 + j + 1) * bs, b0 + j + 1, nb, s, sa, acc);
+    }
+}
+
+/* One group of 16 weight rows times every activation tile: out columns col..col+15. The Q4
+ * nibbles are unpacked once (rows up to AMX_KC blocks) into unpacked, then read by each tile. */
+__attribute__((target(AMX_TARGET), always_inline)) static inline void amx_group_t(
+    const int qtype, const uint8_t *g, long nb, const int8_t *a, long k, const float *s, const int32_t *sums,
+    const float *sa, long m, const float *scale, float *y, long ldy, int accumulate, int8_t *unpacked) {
+    const long bs = GROUP * BLOCK_BYTES[qtype];
+    const int once = nb <= AMX_KC;
+    /* a last tile of fewer than AMX_TAIL rows costs more than the avx512 group kernel on them */
+    const long tiled = m % AMX_ROWS >= AMX_TAIL ? m : m / AMX_ROWS * AMX_ROWS;
+    if (qtype != KV_Q8_0 && once) amx_unpack_t(qtype, g, 0, nb, unpacked);
+    for (long r0 = tiled; r0 < m; r0 += GROUP_RMAX) {
+        float out[GROUP_RMAX * GROUP];
+        const int rows = m - r0 < GROUP_RMAX ? (int)(m - r0) : GROUP_RMAX;
+        group_avx512(qtype, rows, g, nb, a + r0 * k, k, s + r0 * nb, sums + r0 * nb, out);
+        for (int r = 0; r < rows; r++)
+            for (int j = 0; j < GROUP; j++) put(y, ldy, r0 + r, j, out[r * GROUP + j], scale, accumulate);
+    }
+    for (long r0 = 0; r0 < tiled; r0 += AMX_ROWS) {
+        __m512 acc[AMX_ROWS];
+#pragma GCC unroll 16
+        for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
+        for (long b0 = 0; b0 < nb; b0 += AMX_KC) {
+            const long kb = nb - b0 < AMX_KC ? nb - b0 : AMX_KC;
+            if (qtype == KV_Q8_0) {
+                amx_blocks_t(qtype, g, (const int8_t *)(g + b0 * bs + GROUP_HEAD(qtype)), bs, b0, kb, a + r0 * k, k,
+                             s + r0 * nb, sa + r0 * nb, nb, acc);
+            } else {
+                if (!once) amx_unpack_t(qtype, g, b0, kb, unpacked);
+                amx_blocks_t(qtype, g, unpacked, AMX_BLOCK, b0, kb, a + r0 * k, k, s + r0 * nb, sa + r0 * nb, nb,
+                             acc);
+            }
+        }
+        const long rows = tiled - r0 < AMX_ROWS ? tiled - r0 : AMX_ROWS; /* the padding rows are dropped */
+        const __m512 sc = scale ? _mm512_loadu_ps(scale) : _mm512_set1_ps(1.0f);
+#pragma GCC unroll 16
+        for (int r = 0; r < AMX_ROWS; r++) { /* put()'s steps, 16 columns at once (constant r: acc in registers) */
+            if (r >= rows) break;
+            float *yr = y + (r0 + r) * ldy;
+            __m512 v = scale ? _mm512_mul_ps(acc[r], sc) : acc[r];
+            if (accumulate) v = _mm512_add_ps(_mm512_loadu_ps(yr), v);
+            _mm512_storeu_ps(yr, v);
+        }
+    }
+}
+__attribute__((target(AMX_TARGET))) static void amx_group(int qtype, const uint8_t *g, long nb, const int8_t *a,
+                                                          long k, const float *s, const int32_t *sums,
+                                                          const float *sa, long m, const float *scale, float *y,
+                                                          long ldy, int accumulate, int8_t *unpacked) {
+    switch (qtype) {
+    case KV_Q8_0: amx_group_t(KV_Q8_0, g, nb, a, k, s, sums, sa, m, scale, y, ldy, accumulate, unpacked); break;
+    case KV_Q4_0: amx_group_t(KV_Q4_0, g, nb, a, k, s, sums, sa, m, scale, y, ldy, accumulate, unpacked); break;
+    default: amx_group_t(KV_Q4_1, g, nb, a, k, s, sums, sa, m, scale, y, ldy, accumulate, unpacked);
+    }
+}
+
+/* As kv_gguf_gemm16_avx512, with the groups on the tiles from AMX_MIN_ROWS activation rows
+ * (a, s and sums padded with zero rows to a multiple of 16: linear's pad). Each OpenMP thread
+ * loads the tile configuration for itself and releases the tiles after (a thread holding
+ * tile state costs every context switch its 8 KB). The caller has had the process's
+ * permission to use the tiles (arch_prctl, cpu_features.amx_usable). */
+__attribute__((target(AMX_TARGET))) void kv_gguf_gemm16_amx(int qtype, const uint8_t *w, long n, long k,
+                                                            const int8_t *a, const float *s, const int32_t *sums,
+                                                            long m, const float *scale, float *y, long ldy,
+                                                            int accumulate) {
+    static __thread float *sa_buf = NULL; /* this (the calling) thread's: the team reads it through sa */
+    static __thread size_t cap = 0;
+    const long nb = k / QK, groups = n / GROUP, group_bytes = nb * GROUP * BLOCK_BYTES[qtype];
+    const long mp = (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+    if (qtype == KV_Q4_1 && m >= AMX_MIN_ROWS && (size_t)(mp * nb) > cap) {
+        free(sa_buf);
+        sa_buf = malloc((size_t)(mp * nb) * sizeof(float));
+        cap = sa_buf ? (size_t)(mp * nb) : 0;
+    }
+    float *const sa = sa_buf;
+    if (m < AMX_MIN_ROWS || (qtype == KV_Q4_1 && !sa)) { /* (no memory for sa: the avx512 groups) */
+        kv_gguf_gemm16_avx512(qtype, w, n, k, a, s, sums, m, scale, y, ldy, accumulate);
+        return;
+    }
+    if (qtype == KV_Q4_1)
+        for (long i = 0; i < mp * nb; i++) sa[i] = s[i] * (float)sums[i];
+#pragma omp parallel
+    {
+        int8_t unpacked[qtype == KV_Q8_0 ? 64 : AMX_KC * AMX_BLOCK] __attribute__((aligned(64)));
+        _tile_loadconfig(&AMX_CONFIG);
+#pragma omp for schedule(static)
+        for (long g = 0; g < groups; g++)
+            amx_group(qtype, w + g * group_bytes, nb, a, k, s, sums, sa, m, scale ? scale + g * GROUP : NULL,
+                      y + g * GROUP, ldy, accumulate, unpacked);
+        _tile_release();
+    }
+    if (n > groups * GROUP)
+        kv_gguf_gemm_avx512(qtype, w + groups * group_bytes, n - groups * GROUP, k, a, s, sums, m,
+                            scale ? scale + groups * GROUP : NULL, y + groups * GROUP, ldy, accumulate);
+}
+KV_GGUF_LINEAR(kv_gguf_linear_amx, kv_gguf_quantize_avx512, kv_gguf_gemm_avx512, kv_gguf_gemm16_amx, AMX_ROWS)
+#endif /* KV_GGUF_AMX */
 #endif /* KV_Q8_LEVELS >= 2 */
 #endif /* KV_X86 && KV_Q8_LEVELS >= 1 */

@@ -4,8 +4,10 @@ The weights stay as the file has them (``kvfleet_models.gguf_blocks.BlockTensor`
 Q4_1, Q4_K, Q6_K), with no float copy beside them; every call quantizes its float32 input per row
 and block of 32 to int8 with the block's integer sum (llama.cpp's Q8_1 scheme for activations:
 Q4_1's and Q4_K's min terms need the sum; Q4_K's sub-blocks of 32 are the activations' blocks,
-Q6_K's groups of 16 halves of them, so every product is exact in integers per scale) and multiplies in integers at the kernel level picked once at load,
-the q8 kernels' levels (scalar / avx2 / avx512 VNNI, ``KVFLEET_Q8_LEVEL`` forcing a lower one).
+Q6_K's groups of 16 halves of them, so every product is exact in integers per scale) and multiplies in integers at the kernel level picked once at load:
+the q8 kernels' levels (scalar / avx2 / avx512 VNNI) and amx (avx512 with the row groups'
+products for 16 or more activation rows on AMX tiles, where the CPU has AMX-INT8 and Linux
+grants this process the tile state), ``KVFLEET_Q8_LEVEL`` forcing a lower one.
 
 A projection of the model may be several tensors stacked along its output (q, k and v; gate
 and up): a ``GGUFWeight`` is those parts, adjacent parts of one format merged into one, each
@@ -27,14 +29,23 @@ import numpy as np
 import torch
 
 from kvfleet_models.gguf_blocks import QK, BlockTensor
-from worker_svc.model import fused, native
+from worker_svc.model import fused, native, q8
+from worker_svc.model.cpu_features import amx_usable
 from worker_svc.model.gguf_packed import GROUPED_FORMATS, RowGroups, group_rows
-from worker_svc.model.q8 import LEVELS, load_level
+from worker_svc.model.q8 import load_level
 
 log = logging.getLogger(__name__)
 
 _P = ctypes.c_void_p
 _L = ctypes.c_long
+LEVELS = native.GGUF_LEVELS  # lowest first
+
+
+def runnable_levels() -> tuple[str, ...]:
+    """The levels this CPU runs, lowest first: the int8 kernels' (``q8.runnable_levels``), and
+    amx above avx512 where this process may use the tiles (``cpu_features.amx_usable``)."""
+    ok = q8.runnable_levels()
+    return (*ok, "amx") if "avx512" in ok and amx_usable() else ok
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,13 +149,16 @@ class GGUFKernels:
     ) -> None:
         if level not in LEVELS:
             raise ValueError(f"gguf kernel level must be one of {list(LEVELS)}, got {level!r}")
+        if level == "amx" and not amx_usable():  # a tile instruction would be SIGILL
+            raise ValueError("this process may not use the AMX tiles (cpu_features.amx_usable)")
         self.level, self.path, self.origin = level, path, origin
         # The SIMD levels multiply row groups (gguf_packed): the weights are stored that way.
         self.groups_rows = level != "scalar"
         self._linear = getattr(lib, f"kv_gguf_linear_{level}")
         self._linear.argtypes = [ctypes.c_int, _P, _P, _P, _P, _P, _L, _P, _L, _L, _P, _L, ctypes.c_int]
         self._linear.restype = ctypes.c_int
-        self._quantize = lib.kv_gguf_quantize
+        # the levels with AVX-512 quantize their input with it (the same values)
+        self._quantize = lib.kv_gguf_quantize_avx512 if level in ("avx512", "amx") else lib.kv_gguf_quantize
         self._quantize.argtypes = [_P, _L, _L, _L, _P, _P, _P]
         self._quantize.restype = None
 
@@ -159,7 +173,7 @@ class GGUFKernels:
             log.info("gguf kernels %s from %s (%s)", level, found.path, found.origin.value)
             return GGUFKernels(lib, level, found.path, found.origin)
 
-        return load_level("gguf", level, at)
+        return load_level("gguf", level, at, runnable_levels, LEVELS)
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The C input quantizer on its own: x [M, K] float32 -> (int8 [M, K], float32

@@ -67,11 +67,15 @@ Q8 = {
     level: LibSpec(f"q8_{level}", "q8_kernels.c", ("-O3", "-shared", "-fPIC", f"-DKV_Q8_LEVELS={i}"))
     for i, level in enumerate(Q8_LEVELS)
 }
-# The GGUF block products (``gguf_kernels.c``, ``gguf_quant``): the same levels, built the same way.
+# The GGUF block products (``gguf_kernels.c``, ``gguf_quant``): the same levels, built the same
+# way, and one more, amx: the avx512 library's levels with the row groups' products on AMX tiles
+# (KV_GGUF_AMX), so a compiler that cannot build avx512 (or AMX) leaves it out too.
+GGUF_LEVELS = (*Q8_LEVELS, "amx")  # lowest first
 GGUF = {
     level: LibSpec(f"gguf_{level}", "gguf_kernels.c", ("-O3", "-shared", "-fPIC", f"-DKV_Q8_LEVELS={i}"))
     for i, level in enumerate(Q8_LEVELS)
 }
+GGUF["amx"] = LibSpec("gguf_amx", "gguf_kernels.c", (*GGUF["avx512"].flags, "-DKV_GGUF_AMX"))
 LIBRARIES = (FUSED, *Q8.values(), *GGUF.values())
 
 

@@ -36,23 +36,39 @@ SOURCE = native.Q8["scalar"].source_path
 QK = 32
 GROUP_ROWS = 16  # rows per group in the kernels' layout
 LEVELS = native.Q8_LEVELS  # lowest first
+ALL_LEVELS = native.GGUF_LEVELS  # every family's levels, lowest first (the gguf blocks' add amx)
 LEVEL_ENV = "KVFLEET_Q8_LEVEL"
 K = TypeVar("K")  # a kernel family loaded at one level
 _P = ctypes.c_void_p
 _L = ctypes.c_long
 
 
-def load_level(kind: str, level: str | None, at: Callable[[str], K]) -> K:
+def load_level(
+    kind: str,
+    level: str | None,
+    at: Callable[[str], K],
+    runnable: Callable[[], tuple[str, ...]] | None = None,
+    levels: tuple[str, ...] = LEVELS,
+) -> K:
     """``at(level)`` for a family of kernels (int8 blocks, GGUF blocks) at ``level``, default
-    ``KVFLEET_Q8_LEVEL``, else the best this CPU runs that has a library. ValueError for a level
-    this CPU cannot run; RuntimeError where no level's library is installed or can be built."""
-    level = level or os.environ.get(LEVEL_ENV)
+    ``KVFLEET_Q8_LEVEL``, else the best this CPU runs that has a library. ``levels`` are the
+    family's (lowest first) and ``runnable()`` those of them this CPU runs (default: this
+    module's). ``KVFLEET_Q8_LEVEL`` naming a level the family lacks (amx, for the int8 blocks)
+    caps it: the family's best runnable level below that one. ValueError for a level this CPU
+    cannot run; RuntimeError where no level's library is installed or can be built."""
+    ok = (runnable or runnable_levels)()
+    env = os.environ.get(LEVEL_ENV) if level is None else None
+    if env and env not in levels and env in ALL_LEVELS:
+        below = [lv for lv in ok if ALL_LEVELS.index(lv) < ALL_LEVELS.index(env)]
+        level = below[-1] if below else env
+    else:
+        level = level or env
     if level is not None:
-        if level not in runnable_levels():
-            raise ValueError(f"{kind} kernel level {level!r} is not one this CPU runs ({', '.join(runnable_levels())})")
+        if level not in ok:
+            raise ValueError(f"{kind} kernel level {level!r} is not one this CPU runs ({', '.join(ok)})")
         return at(level)
     errors = []
-    for best in reversed(runnable_levels()):
+    for best in reversed(ok):
         try:
             return at(best)
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
