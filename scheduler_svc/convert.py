@@ -214,6 +214,7 @@ def add_worker_pb(resp: spb.ListWorkersResponse, view: WorkerView) -> None:
         device=info.device,
         dtype=info.dtype,
         quant=info.quant or "none",
+        kernels=info.kernels,
         sessions=view.sessions,
         kv_tokens=view.kv_tokens,
         kv_capacity_tokens=info.kv_capacity_tokens,

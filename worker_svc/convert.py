@@ -196,6 +196,7 @@ def info_to_pb(
         weight_bytes=engine.weight_bytes,
         parameter_count=engine.parameter_count,
         quant=engine.quant,
+        kernels=engine.model.kernel_level,
         instance_id=instance_id,
         prefix_caching=engine.config.prefix_caching,
     )

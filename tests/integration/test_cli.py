@@ -1,6 +1,7 @@
 """The CLI as a user runs it: a local cluster of real processes, the sweep, the JSON file."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -102,14 +103,22 @@ def test_cli_reports_a_rejection_clearly(cluster):
     assert "INVALID_ARGUMENT" in proc.stderr and "max_new_tokens" in proc.stderr
 
 
-def test_up_starts_int8_workers_when_asked():
+def test_up_starts_int8_workers_when_asked(capsys):
     # `kvfleet up --quant int8` reaches the workers (ClusterSpec.quant -> worker --quant), they
-    # report it, and they serve.
+    # report it and the kernel level they picked at load (GetInfo -> ListWorkers -> `kvfleet
+    # workers`), and they serve.
+    from kvfleet.cli import main
     from kvfleet.client import SchedulerClient, build_request
     from kvfleet.local_cluster import ClusterSpec, LocalCluster
+    from worker_svc.model import q8
 
+    level = os.environ.get("KVFLEET_Q8_LEVEL") or q8.available_levels()[-1]  # what the worker picks
     with LocalCluster(ClusterSpec(workers=1, model="tiny", quant="int8", telemetry=False)) as c:
         with SchedulerClient(c.scheduler_address) as client:
             (w,) = client.list_workers()
-            assert (w.dtype, w.quant) == ("float32", "int8")
+            assert (w.dtype, w.quant, w.kernels) == ("float32", "int8", level)
             assert len(client.generate(build_request([1, 2, 3], 5, ignore_eos=True)).token_ids) == 5
+        capsys.readouterr()
+        assert main(["workers", "--scheduler", c.scheduler_address]) == 0
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert (row["quant"], row["kernels"]) == ("int8", level)

@@ -40,6 +40,7 @@ from tests.helpers.families import CASES, Case, make_checkpoint, prompts
 from tests.helpers.gguf_families import write_gguf
 from tests.helpers.models import SMOLLM2, needs_smollm2
 from tests.unit.test_families import _drive
+from worker_svc.convert import info_to_pb
 from worker_svc.engine import Engine, EngineConfig
 from worker_svc.model import gguf_quant
 
@@ -206,8 +207,9 @@ def test_worker_builds_the_gguf_engine(gguf_file: Path) -> None:
     from worker_svc.config import WorkerConfig
     from worker_svc.server import build_engine
 
-    _, engine = build_engine(WorkerConfig(model=str(gguf_file), quant="gguf", num_blocks=8, metrics_port=0))
+    cfg, engine = build_engine(WorkerConfig(model=str(gguf_file), quant="gguf", num_blocks=8, metrics_port=0))
     assert engine.quant == "gguf" and engine.model.kernel_level == gguf_quant.runnable_levels()[-1]
+    assert info_to_pb("w", cfg, engine, 8, 16, "i0").kernels == engine.model.kernel_level  # GetInfo says it
     assert isinstance(load_model_blocks(str(gguf_file))[1]["model.layers.0.mlp.down_proj.weight"], BlockTensor)
 
 

@@ -119,7 +119,11 @@ def test_int8_sizes_threads_and_info() -> None:
     assert q.kv_bytes_per_token == f32.kv_bytes_per_token
     info = info_to_pb("w", cfg, q, 4, 16, "i0")
     assert isinstance(info, pb.WorkerInfo) and info.quant == "int8" and info.dtype == "float32"
-    assert info_to_pb("w", cfg, f32, 4, 16, "i0").quant == "none"
+    assert info.kernels == q.model.kernel_level != ""  # the level its products picked at load
+    assert (info_to_pb("w", cfg, f32, 4, 16, "i0").quant, info_to_pb("w", cfg, f32, 4, 16, "i0").kernels) == (
+        "none",
+        "",
+    )
 
 
 def _onednn_bf16() -> bool:
