@@ -40,8 +40,16 @@ SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile"
 QUICK_TOKENS = 1025
 
 
+def int8_levels(levels: Sequence[str]) -> list[str]:
+    """Of ``levels``, those int8 has (it has no amx level); its best where it has none of them."""
+    from worker_svc.model import q8
+
+    return [lv for lv in levels if lv in q8.LEVELS] or list(q8.runnable_levels()[-1:])
+
+
 def cpu_info() -> dict:
-    from worker_svc.model.q8 import runnable_levels
+    from worker_svc.model import q8
+    from worker_svc.model.gguf_quant import runnable_levels
 
     model, flags = "unknown", set[str]()
     try:
@@ -53,13 +61,14 @@ def cpu_info() -> dict:
                 flags = set(value.split())
     except OSError:
         pass
-    levels = runnable_levels()
+    levels, forced = runnable_levels(), os.environ.get("KVFLEET_Q8_LEVEL")
     return {
         "model": model,
         "cores": len(os.sched_getaffinity(0)),
         "simd": [f for f in SIMD_FLAGS if f in flags],
-        "levels": list(levels),
-        "default_level": os.environ.get("KVFLEET_Q8_LEVEL") or levels[-1],
+        "levels": list(levels),  # gguf's: int8's and amx where the tiles may be used
+        "default_level": forced or levels[-1],
+        "int8_level": forced if forced in q8.LEVELS else q8.runnable_levels()[-1],
     }
 
 
@@ -181,7 +190,7 @@ def measure(
     rows = [_agreement_row("kvfleet", "float32", "float32", "-", f32, f32, secs)]
     progress.advance(message=f"float32 perplexity {rows[0].ppl:.3f}")
     runs: list[tuple[str, Path, str]] = [("gguf", gguf, label)]
-    for level in levels:
+    for level in int8_levels(levels):
         progress(f"int8 at {level}")
         got, secs = _ours(base, "int8", level, ids, loaded)
         rows.append(_agreement_row("kvfleet", "int8", "int8 blocks of 32", level, f32, got, secs, "Q8_0 (requantized)"))
@@ -239,17 +248,19 @@ def measure(
 def progress_for(levels: Sequence[str], requant: bool) -> Progress:
     """A bar over ``measure``'s runs: float32, int8 and gguf per level (gguf per file), llama.cpp per file."""
     files = 2 if requant else 1
-    return for_terminal("bench.quality", total=1 + len(levels) * (1 + files) + files)
+    return for_terminal("bench.quality", total=1 + len(int8_levels(levels)) + len(levels) * files + files)
 
 
 def main(argv: list[str] | None = None) -> int:
     from kvfleet_models.registry import default_model_file
-    from worker_svc.model.q8 import runnable_levels
+    from worker_svc.model.gguf_quant import runnable_levels
 
     p = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__.split("\n")[0])
     p.add_argument("--gguf", type=Path, default=None, help="the GGUF measured (default: SmolLM2-135M's)")
     p.add_argument("--base", type=Path, default=None, help="the GGUF whose float32 is the reference (default: --gguf)")
-    p.add_argument("--levels", default="", help="our kernel levels (default: every level this CPU runs)")
+    p.add_argument(
+        "--levels", default="", help="our kernel levels (default: every level this CPU runs; int8 takes those it has)"
+    )
     p.add_argument("--tokens", type=int, default=0, help="the text's first N tokens (0: all)")
     p.add_argument("--no-requant", action="store_true", help="skip the Q8_0 copy (llama.cpp's and our gguf on it)")
     p.add_argument("--quick", action="store_true", help=f"the best level only, the first {QUICK_TOKENS} tokens")

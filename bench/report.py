@@ -181,7 +181,8 @@ def table(doc: dict) -> str:
     cpu = doc["machine"].get("cpu")
     if cpu:
         lines.append(
-            f"cpu: {cpu['model']}, SIMD {' '.join(cpu['simd'])}; int8/gguf kernel level {cpu['default_level']} "
+            f"cpu: {cpu['model']}, SIMD {' '.join(cpu['simd'])}; gguf kernel level {cpu['default_level']}, int8 "
+            f"{cpu.get('int8_level', cpu['default_level'])} "
             f"(runs {', '.join(cpu['levels'])})"
         )
     lim = doc.get("limits")

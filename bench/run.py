@@ -270,12 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     if "quality" not in a.skip and a.device == "cpu" and a.model == "smollm2-135m":
         from bench import quality
         from bench.peer import gguf_path
-        from worker_svc.model.q8 import runnable_levels
+        from worker_svc.model.gguf_quant import runnable_levels
 
         # The whole text at every level takes ~10 minutes on 2 busy cores: the bench takes the
         # best level and, with --quick, a slice (python -m bench.quality runs all of it).
         tokens = quality.QUICK_TOKENS if a.quick else 0
-        say(f"quality: teacher-forced, {tokens or 'all'} tokens, level {runnable_levels()[-1]}")
+        say(f"quality: teacher-forced, {tokens or 'all'} tokens, level {runnable_levels()[-1]} (int8: its best)")
         path = gguf_path(a.model)
         levels = runnable_levels()[-1:]
         bar = quality.progress_for(levels, True)

@@ -153,3 +153,13 @@ def test_modes_table_rows_and_roofline() -> None:
     assert line is not None and line["step_ms"] == pytest.approx(5.0)  # 100 MB at 20 GB/s
     lines = report.modes_table(doc)
     assert any(x.lstrip().startswith("cluster-1w-gguf") and "5.00" in x and "0.90" in x for x in lines)
+
+
+def test_int8_runs_at_the_levels_it_has_and_gguf_at_every_one() -> None:
+    from bench.quality import int8_levels
+    from worker_svc.model import q8
+
+    best = list(q8.runnable_levels()[-1:])
+    assert int8_levels(["amx"]) == best  # int8 has no amx level: its best instead
+    assert int8_levels(["scalar", "avx2", "avx512", "amx"]) == ["scalar", "avx2", "avx512"]
+    assert int8_levels(["scalar"]) == ["scalar"]
