@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench: skipping the llama.cpp peer: {llamacpp_missing}", file=sys.stderr)
         a.skip.add("llamacpp")
     systems = (
-        (0 if "cluster" in a.skip else len(a.workers))
+        (0 if "cluster" in a.skip else len(a.modes) * len(a.workers))  # a cluster per mode and worker count
         + (0 if "peer" in a.skip else 1)
         + (0 if "llamacpp" in a.skip else 1)
     )
