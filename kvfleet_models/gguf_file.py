@@ -43,6 +43,7 @@ _SCALARS: dict[int, tuple[str, str]] = {
     INT64: ("<q", "<i8"),
     FLOAT64: ("<d", "<f8"),
 }
+_STRUCTS = {vtype: struct.Struct(fmt) for vtype, (fmt, _) in _SCALARS.items()}
 # Tensor types read as numbers rather than bytes of blocks (as gguf-py's reader gives them).
 _PLAIN_TENSORS = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8"}
 
@@ -158,9 +159,9 @@ class GgufFile:
         return view
 
     def _scalar(self, vtype: int) -> Any:
-        fmt = _SCALARS[vtype][0]
-        (value,) = struct.unpack_from(fmt, self._buf, self._pos)
-        self._pos += struct.calcsize(fmt)
+        unpack = _STRUCTS[vtype]
+        (value,) = unpack.unpack_from(self._buf, self._pos)
+        self._pos += unpack.size
         return value
 
     def _string(self) -> str:

@@ -1,7 +1,6 @@
 """The CLI as a user runs it: a local cluster of real processes, the sweep, the JSON file."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -103,7 +102,7 @@ def test_cli_reports_a_rejection_clearly(cluster):
     assert "INVALID_ARGUMENT" in proc.stderr and "max_new_tokens" in proc.stderr
 
 
-def test_up_starts_int8_workers_when_asked(capsys):
+def test_up_starts_int8_workers_when_asked(capsys, monkeypatch):
     # `kvfleet up --quant int8` reaches the workers (ClusterSpec.quant -> worker --quant), they
     # report it and the kernel level they picked at load (GetInfo -> ListWorkers -> `kvfleet
     # workers`), and they serve.
@@ -112,7 +111,8 @@ def test_up_starts_int8_workers_when_asked(capsys):
     from kvfleet.local_cluster import ClusterSpec, LocalCluster
     from worker_svc.model import q8
 
-    level = os.environ.get("KVFLEET_Q8_LEVEL") or q8.available_levels()[-1]  # what the worker picks
+    monkeypatch.delenv("KVFLEET_Q8_LEVEL", raising=False)  # the workers inherit the caller's
+    level = q8.available_levels()[-1]  # what a worker picks by default
     with LocalCluster(ClusterSpec(workers=1, model="tiny", quant="int8", telemetry=False)) as c:
         with SchedulerClient(c.scheduler_address) as client:
             (w,) = client.list_workers()
