@@ -30,6 +30,7 @@ class ClusterOptions:
     max_session_tokens: int  # longest prompt + output of the workload
     block_size: int = 16
     quant: str = "none"
+    kv_dtype: str = "auto"  # workers' --kv-dtype
     mode: str = ""  # the engine mode's name where a run measures several side by side
 
     @property
@@ -58,6 +59,7 @@ class ClusterOptions:
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             kv_views=self.kv_views,
+            kv_dtype=self.kv_dtype,
             telemetry=True,
             extra_env=env,
         )

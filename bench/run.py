@@ -67,6 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--kv-views", default="persistent", choices=["rebuild", "persistent"])
     p.add_argument("--prefill-budget", type=int, default=256, help="scheduler prefill tokens per tick")
+    p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", "float32", "float16"],
+        help="workers' KV cache element type (auto: float16 for the reduced-precision CPU modes)",
+    )
     p.add_argument("--breakdown-concurrency", type=int, default=32)
     p.add_argument("--prompt-tokens", type=_ints, default=(16, 256), help="LOW,HIGH")
     p.add_argument("--output-tokens", type=_ints, default=(16, 128), help="LOW,HIGH")
@@ -137,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             "quant": a.modes[0].quant if len(a.modes) == 1 else "none",
             "kv_views": a.kv_views,
             "prefill_token_budget": a.prefill_budget,
+            "kv_dtype": a.kv_dtype,
             "seed": a.seed,
             "prompt_tokens": list(spec.prompt_tokens),
             "output_tokens": list(spec.output_tokens),
@@ -195,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                     mode=m.name if len(a.modes) > 1 else "",
                     kv_views=a.kv_views,
                     prefill_token_budget=a.prefill_budget,
+                    kv_dtype=a.kv_dtype,
                     max_concurrency=max(a.concurrency),
                     max_session_tokens=spec.prompt_tokens[1] + spec.output_tokens[1],
                 )

@@ -33,7 +33,7 @@ def _ints(text: str) -> tuple[int, ...]:
 def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None, overlap: bool | None = None) -> None:
     """overlap: the local cluster's overlapped scheduling by default (None: the scheduler's)."""
     from kvfleet.local_cluster import ClusterSpec
-    from worker_svc.kv_memory import DEFAULT_POOL_TEXT
+    from worker_svc.kv_memory import DEFAULT_POOL_TEXT, KV_DTYPES
 
     d = ClusterSpec()  # every flag's default is the cluster's (which are the services')
     p.add_argument("--model", default=model or d.model, help="tiny | smollm2-135m | a .gguf file | a HF directory")
@@ -79,6 +79,13 @@ def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None, ove
         help="each worker's KV pool by memory instead of --num-blocks: 2GiB, 512MB, or 0.25 (of the available memory)",
     )
     p.add_argument(
+        "--kv-dtype",
+        default=d.kv_dtype,
+        choices=list(KV_DTYPES),
+        help="workers' KV cache element type: auto = float32 for float32 weights, float16 for bfloat16, int8 "
+        "and gguf on a CPU",
+    )
+    p.add_argument(
         "--max-model-len",
         type=int,
         default=d.max_model_len,
@@ -102,6 +109,7 @@ def _spec(a: argparse.Namespace, port: int = 0):
         num_blocks=a.num_blocks,
         threads=a.threads,
         kv_cache_memory=a.kv_cache_memory,
+        kv_dtype=a.kv_dtype,
         max_model_len=a.max_model_len,
         log_format=getattr(a, "log_format", ""),
         log_level=getattr(a, "log_level", ""),

@@ -69,6 +69,7 @@ class ClusterSpec:
     overlap_scheduling: bool = SchedulerConfig.overlap_scheduling
     num_blocks: int = WorkerConfig.num_blocks
     kv_cache_memory: str = WorkerConfig.kv_cache_memory  # each worker's KV pool by memory (wins)
+    kv_dtype: str = WorkerConfig.kv_dtype  # workers' --kv-dtype: auto | float32 | float16
     block_size: int = WorkerConfig.block_size
     max_model_len: int = WorkerConfig.max_model_len  # workers' --max-model-len (0 = the model's own)
     kv_views: str = WorkerConfig.kv_views.value
@@ -354,6 +355,8 @@ class LocalCluster:
                 str(s.block_size),
                 "--kv-views",
                 s.kv_views,
+                "--kv-dtype",
+                s.kv_dtype,
                 *(["--kv-cache-memory", s.kv_cache_memory] if s.kv_cache_memory else []),
                 *(["--max-model-len", str(s.max_model_len)] if s.max_model_len else []),
                 *(["--threads", str(s.worker_threads)] if s.worker_threads else []),

@@ -215,6 +215,7 @@ def add_worker_pb(resp: spb.ListWorkersResponse, view: WorkerView) -> None:
         dtype=info.dtype,
         quant=info.quant or "none",
         kernels=info.kernels,
+        kv_dtype=info.kv_dtype,
         sessions=view.sessions,
         kv_tokens=view.kv_tokens,
         kv_capacity_tokens=info.kv_capacity_tokens,

@@ -7,7 +7,7 @@ import sys
 from kvfleet_common.flags import FlagParser
 from kvfleet_common.logs import setup_logging
 from worker_svc.config import WorkerConfig
-from worker_svc.kv_memory import DEFAULT_POOL_TEXT
+from worker_svc.kv_memory import DEFAULT_POOL_TEXT, KV_DTYPES
 from worker_svc.kv_views_mode import KVViewsMode
 
 
@@ -41,6 +41,15 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         env="KVFLEET_KV_CACHE_MEMORY",
         default=d.kv_cache_memory,
         help="size the KV pool by memory instead of --num-blocks: 2GiB, 512MB, or 0.25 (of the available memory)",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        env="KVFLEET_KV_DTYPE",
+        default=d.kv_dtype,
+        choices=list(KV_DTYPES),
+        help="the KV cache's element type: auto = float32 for float32 weights, float16 for the reduced-precision "
+        "CPU modes (bfloat16, int8, gguf; half the bytes a decode step's attention reads), the weights' dtype "
+        "off a CPU",
     )
     p.add_argument(
         "--kv-views", env="KVFLEET_KV_VIEWS", default=d.kv_views.value, choices=[m.value for m in KVViewsMode]
@@ -105,6 +114,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         block_size=a.block_size,
         num_blocks=a.num_blocks,
         kv_cache_memory=a.kv_cache_memory,
+        kv_dtype=a.kv_dtype,
         kv_views=KVViewsMode.parse(a.kv_views),
         metrics_port=a.metrics_port,
         num_threads=a.threads,

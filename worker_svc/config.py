@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvfleet_common.security import TlsConfig, check_worker_secret, is_loopback
+from worker_svc.kv_memory import KV_DTYPES
 from worker_svc.kv_views_mode import KVViewsMode
 
 
@@ -32,6 +33,7 @@ class WorkerConfig:
     quant: str = "none"  # none | int8 | gguf (CPU, float32 only; gguf: a GGUF model; see EngineConfig)
     prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (see EngineConfig)
     max_model_len: int = 0  # longest prompt + generated served; 0 = the model's own (see EngineConfig)
+    kv_dtype: str = "auto"  # auto | float32 | float16: the KV cache's element type (see EngineConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
     # Calls must carry this (KVFLEET_WORKER_SECRET); "" = no secret check. repr=False: kept out of logs.
     worker_secret: str = field(default="", repr=False)
@@ -52,6 +54,8 @@ class WorkerConfig:
             raise ValueError(f"quant must be none, int8 or gguf, got {self.quant!r}")
         if self.quant != "none" and self.dtype != "float32":
             raise ValueError(f"quant={self.quant} needs dtype float32 (the activations), got {self.dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.max_model_len < 0:
             raise ValueError(f"max-model-len must be >= 0 (0 = the model's own context), got {self.max_model_len}")
         if self.inline_step_s < 0:

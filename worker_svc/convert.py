@@ -197,6 +197,7 @@ def info_to_pb(
         parameter_count=engine.parameter_count,
         quant=engine.quant,
         kernels=engine.model.kernel_level,
+        kv_dtype=engine.kv_dtype_name,
         instance_id=instance_id,
         prefix_caching=engine.config.prefix_caching,
     )

@@ -32,14 +32,12 @@ from worker_svc.kv_cache import KVViews, PagedKVCache, make_views
 from worker_svc.kv_views_mode import KVViewsMode
 from worker_svc.model.cpu_backend import QUANT_MODES, use_cpu_threads
 from worker_svc.model.llama import LlamaModel, PhaseTimes
-from worker_svc.platform import DEVICE_RE, resolve_device, synchronize
+from worker_svc.platform import DEVICE_RE, DTYPES, KV_DTYPES, kv_cache_dtype, resolve_device, synchronize
 from worker_svc.runner import RunItem, run_step
 from worker_svc.sampling import ConstraintFactory, ConstraintRefused, Sampled, SamplingSpec, SessionSampling
 from worker_svc.sampling import sample_token as sample_token  # re-exported for existing callers
 
 _NO_LAST = -1  # the token of a last-sampled decode whose session has none here
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -169,12 +167,16 @@ class EngineConfig:
     # The longest sequence (prompt + generated) served: 0 = the model's own max_position; at
     # most that (the rotary tables and a scaled RoPE's original context stay the model's).
     max_model_len: int = 0
+    # The KV cache's element type: "auto" (float32 for float32 weights, float16 for the
+    # reduced-precision CPU modes, the weights' dtype off a CPU), "float32" or "float16"
+    # (worker_svc/platform.py: kv_cache_dtype).
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if not DEVICE_RE.match(self.device):
             raise ValueError(f"device must be cpu, cuda, cuda:N, xpu, xpu:N or auto, got {self.device!r}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_blocks <= 0:
@@ -187,6 +189,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 0 (0 = the model's own), got {self.max_model_len}")
         if self.quant not in QUANT_MODES:
             raise ValueError(f"quant must be one of {list(QUANT_MODES)}, got {self.quant!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.quant != "none" and (self.dtype != "float32" or self.device not in ("cpu", "auto")):
             raise ValueError(
                 f"quant={self.quant} runs on the CPU with dtype float32 "
@@ -292,7 +296,7 @@ class Engine:
         self.sampling = SessionSampling(constraint_factory)
         self.device = resolve_device(config.device)
         self.dtype_name = config.dtype
-        dtype = _DTYPES[config.dtype]
+        dtype = DTYPES[config.dtype]
         if config.quant != "none" and self.device.type != "cpu":
             raise ValueError(
                 f"quant={config.quant} runs on the CPU; device {config.device!r} resolved to {self.device}"
@@ -312,7 +316,7 @@ class Engine:
             torch_copy=False,
         )
         self.use_threads()
-        kv_dtype = self.model.act_dtype  # float32 on a CPU whatever the weights
+        kv_dtype = kv_cache_dtype(self.device, dtype, config.quant, config.kv_dtype)
         self.cache = PagedKVCache(
             cfg.num_layers, config.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, self.device
         )
@@ -325,8 +329,8 @@ class Engine:
         # Each held session's last sampled token: the input of a decode planned before it came
         # back to the scheduler (DecodeItem.last_sampled).
         self._last: dict[str, int] = {}
-        elem = torch.empty((), dtype=kv_dtype).element_size()
-        self.kv_bytes_per_token = cfg.kv_bytes_per_token(elem)
+        self.kv_dtype_name = str(kv_dtype).removeprefix("torch.")  # GetInfo's kv_dtype
+        self.kv_bytes_per_token = cfg.kv_bytes_per_token(kv_dtype.itemsize)
         self.capacity_tokens = config.num_blocks * config.block_size
         self.parameter_count, self.weight_bytes = self.model.sizes()
         self._counts = {

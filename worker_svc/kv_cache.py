@@ -74,6 +74,7 @@ class AttnGroup:
 class PagedKVCache:
     """K and V for every layer: ``kv`` [num_layers, 2, num_kv_heads, num_blocks * block_size, D].
 
+    Float32, or float16 for the reduced-precision CPU modes (``platform.kv_cache_dtype``).
     Head-major, with the block and offset axes merged into one slot axis: a write is a single
     ``index_copy_`` of the step's new tokens and a gather of whole blocks is a single
     ``index_select`` whose result is already [2, heads x items, S, D], the layout ``bmm``
@@ -106,7 +107,8 @@ class PagedKVCache:
         return self.kv[:, 1]
 
     def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """slots: [T] long; kv: [T, 2, Hkv, D] (K then V of each new token)."""
+        """slots: [T] long; kv: [T, 2, Hkv, D] (K then V of each new token), in the cache's
+        dtype (``LlamaModel.forward`` converts once for the cache and the views)."""
         self.kv[layer].index_copy_(2, slots, kv.permute(1, 2, 0, 3))
 
     def block_index(self, block_tables: tuple[tuple[int, ...], ...], blocks: int) -> torch.Tensor:

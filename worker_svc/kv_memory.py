@@ -20,6 +20,9 @@ DEFAULT_POOL_BYTES = 2**30
 DEFAULT_POOL_FRACTION = 0.25
 DEFAULT_MAX_BLOCKS = 4096
 
+# The --kv-dtype choices (the element type: worker_svc/platform.py, kv_cache_dtype).
+KV_DTYPES = ("auto", "float32", "float16")
+
 
 # For flags' help texts.
 DEFAULT_POOL_TEXT = (

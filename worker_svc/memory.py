@@ -26,6 +26,7 @@ class MemoryPlan:
     weight_bytes: int  # the weights as the forward reads them (Engine.weight_bytes)
     weight_format: str  # float32 | bfloat16 | float16 | int8 | gguf
     kv: KVPlan
+    kv_dtype: str = "float32"  # the KV cache's element type (its bytes are in kv)
 
     @property
     def bound_bytes(self) -> int:
@@ -36,7 +37,7 @@ class MemoryPlan:
         kv = self.kv
         return (
             f"weights {self.weight_bytes / MB:.0f} MB in {self.weight_format}, KV pool "
-            f"{kv.pool_bytes / MB:.0f} MB = {kv.num_blocks} blocks of {kv.block_size} tokens ({kv.source}); "
+            f"{kv.pool_bytes / MB:.0f} MB of {self.kv_dtype} = {kv.num_blocks} blocks of {kv.block_size} tokens ({kv.source}); "
             f"idle RSS bound {self.bound_bytes / MB:.0f} MB"
         )
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from worker_svc.kv_memory import KV_DTYPES
+
 DEVICE_RE = re.compile(r"^(cpu|auto|xpu|cuda|cuda:\d+|xpu:\d+)$")
 
 
@@ -57,12 +59,41 @@ def synchronize(device: torch.device) -> None:
         torch.xpu.synchronize(device)
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # --dtype
+_KV_TORCH = {"float32": torch.float32, "float16": torch.float16}
+
+
+def kv_cache_dtype(
+    device: torch.device, dtype: torch.dtype, quant: str = "none", kv_dtype: str = "auto"
+) -> torch.dtype:
+    """The KV cache's element type. On a CPU the activations are float32 whatever the weights;
+    "auto" keeps the KV float32 for float32 weights (the exact mode, held to transformers) and
+    stores float16 for the reduced-precision ones (bfloat16 weights, int8, gguf; llama.cpp's
+    default KV type too): the decode attention widens it as it reads (``fused``), and its
+    bytes, which a batch-32 decode step streams once per layer, halve. Off a CPU the KV is the
+    activations' dtype, the only one torch's attention path there takes. ValueError for a
+    choice that is not one, or that this device cannot keep."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if device.type != "cpu":
+        if kv_dtype != "auto" and _KV_TORCH[kv_dtype] != dtype:
+            raise ValueError(
+                f"kv dtype {kv_dtype} on {device.type}: the KV cache there is the weights' dtype "
+                f"({str(dtype).removeprefix('torch.')}); use auto"
+            )
+        return dtype
+    if kv_dtype == "auto":
+        return torch.float32 if dtype == torch.float32 and quant == "none" else torch.float16
+    return _KV_TORCH[kv_dtype]
+
+
 @dataclass(frozen=True)
 class BackendPlan:
     """Which kernels and dtypes a model runs with on its device: decided once, here, from the
     device and the modes asked for, so that the model reads choices instead of branching on
-    ``device.type``. On a CPU the activations (residual stream, norms, attention, the KV cache)
-    are float32 whatever the weights; elsewhere they are the weights' dtype."""
+    ``device.type``. On a CPU the activations (residual stream, norms, attention) are float32
+    whatever the weights; elsewhere they are the weights' dtype. (The KV cache's type:
+    ``kv_cache_dtype``.)"""
 
     device: torch.device
     weight_dtype: torch.dtype

@@ -248,11 +248,11 @@ def build_engine(
         cfg, weights = load_model(config.model)
     from worker_svc.kv_memory import plan_pool
     from worker_svc.memory import MemoryPlan, release_freed_memory
-    from worker_svc.platform import resolve_device
+    from worker_svc.platform import DTYPES, kv_cache_dtype, resolve_device
 
-    # The cache holds float32 on a CPU whatever the weights (see model/llama.py).
-    on_cpu = resolve_device(config.device).type == "cpu"
-    elem = 4 if on_cpu else {"float32": 4, "bfloat16": 2, "float16": 2}[config.dtype]
+    # The pool is sized in the cache's own element type (float16 in the reduced-precision CPU modes).
+    kv_dtype = kv_cache_dtype(resolve_device(config.device), DTYPES[config.dtype], config.quant, config.kv_dtype)
+    elem = kv_dtype.itemsize
     kv = plan_pool(config.num_blocks, config.kv_cache_memory, config.block_size, cfg.kv_bytes_per_token(elem))
     engine = Engine(
         cfg,
@@ -267,12 +267,14 @@ def build_engine(
             quant=config.quant,
             prefix_caching=config.prefix_caching,
             max_model_len=config.max_model_len,
+            kv_dtype=config.kv_dtype,
         ),
         constraint_factory=grammar_factory(config.model, cfg),
     )
     del weights, model  # the checkpoint's arrays: the engine holds its own (a caller's load is its own)
     release_freed_memory()
-    plan = MemoryPlan(engine.weight_bytes, config.quant if config.quant != "none" else config.dtype, kv)
+    weight_format = config.quant if config.quant != "none" else config.dtype
+    plan = MemoryPlan(engine.weight_bytes, weight_format, kv, engine.kv_dtype_name)
     log.info(
         "memory: %s; resident now %.0f MB, of which its own %.0f MB",
         plan.describe(),

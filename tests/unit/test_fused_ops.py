@@ -7,6 +7,7 @@ compile a checkout without one makes (into the tests' cache folder). No timing i
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import logging
 import os
@@ -94,6 +95,7 @@ def test_rope_rotates_only_q_and_k_in_place(ops: fused.FusedOps) -> None:
     assert torch.equal(got[:, width:], qkv[:, width:])  # v untouched
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("order", ["bh", "hb"])
 @pytest.mark.parametrize(
     "items, hkv, d, s",
@@ -101,27 +103,32 @@ def test_rope_rotates_only_q_and_k_in_place(ops: fused.FusedOps) -> None:
         (3, 2, 16, 11),
         (1, 3, 16, 11),  # a batch-1 decode: 3 rows x 3 heads, shared among the threads by (row, head)
         (4, 3, 64, 37),  # 12 rows of head size 64: on AVX-512 a row's heads together, 16 keys at a time
+        (1, 3, 64, 37),  # 3 rows of head size 64: on AVX-512 a head at a time, 16 keys at a time
+        (2, 2, 128, 21),  # head size 128, a constant of its own
+        (2, 1, 96, 19),  # any other head size
     ],
 )
 def test_decode_attention_matches_masked_softmax(
-    ops: fused.FusedOps, order: str, items: int, hkv: int, d: int, s: int
+    ops: fused.FusedOps, order: str, items: int, hkv: int, d: int, s: int, kv_dtype: torch.dtype
 ) -> None:
     """Items of different lengths in a padded, strided slab view: the lengths do what the
-    additive mask does in torch's path."""
+    additive mask does in torch's path. A float16 K/V (the reduced-precision modes' cache) is
+    widened exactly, so it is held to the same float32 reference of the float16 values."""
     g = 3
-    slab = _rand(2, items * hkv, 48, d, seed=7)  # capacity 48, S used: rows are strided
+    slab = _rand(2, items * hkv, 48, d, seed=7).to(kv_dtype)  # capacity 48, S used: rows are strided
     kv = slab[:, :, :s]
+    wide = kv.float()
     q3 = _rand(items * hkv, g, d, seed=8)
     lens = torch.tensor([s, 4, s - 4, 17][:items], dtype=torch.int64)
     item_of_row = [n // hkv if order == "bh" else n % items for n in range(items * hkv)]
     allowed = torch.arange(s)[None, :] < lens[item_of_row][:, None]  # [N, S]
-    scores = q3 @ kv[0].transpose(1, 2) + torch.where(allowed, 0.0, float("-inf"))[:, None, :]
-    want = torch.softmax(scores, -1) @ kv[1]
+    scores = q3 @ wide[0].transpose(1, 2) + torch.where(allowed, 0.0, float("-inf"))[:, None, :]
+    want = torch.softmax(scores, -1) @ wide[1]
     got = ops.decode_attention(q3, kv, lens, order == "bh", items, hkv)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(
         ops.decode_attention(q3, kv, None, order == "bh", items, hkv),
-        torch.softmax(q3 @ kv[0].transpose(1, 2), -1) @ kv[1],
+        torch.softmax(q3 @ wide[0].transpose(1, 2), -1) @ wide[1],
         rtol=1e-5,
         atol=1e-5,
     )
@@ -129,12 +136,23 @@ def test_decode_attention_matches_masked_softmax(
         ops.decode_attention(q3, kv, lens.int(), order == "bh", items, hkv)
 
 
+def test_decode_attention_refuses_other_dtypes(ops: fused.FusedOps) -> None:
+    q3, kv = _rand(2, 3, 16, seed=1), _rand(2, 2, 5, 16, seed=2)
+    with pytest.raises(ValueError, match="float32 or float16 K/V, got torch.float32 and torch.bfloat16"):
+        ops.decode_attention(q3, kv.bfloat16(), None, True, 1, 2)
+    with pytest.raises(ValueError, match="float32 queries"):
+        ops.decode_attention(q3.half(), kv.half(), None, True, 1, 2)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("hkv, d, s", [(2, 16, 11), (3, 64, 37)])
-def test_decode_attention_reads_scattered_slab_rows(ops: fused.FusedOps, hkv: int, d: int, s: int) -> None:
+def test_decode_attention_reads_scattered_slab_rows(
+    ops: fused.FusedOps, hkv: int, d: int, s: int, kv_dtype: torch.dtype
+) -> None:
     """Items in rows 0, 2 and 4 of a persistent slab [2, R, Hkv, cap, D] (S cut from its
     capacity): read where they lie, the result is the gathered-rows call's, bit for bit."""
     items, g = 3, 3
-    slab = _rand(2, 6, hkv, 48, d, seed=9)[:, :, :, :s]
+    slab = _rand(2, 6, hkv, 48, d, seed=9).to(kv_dtype)[:, :, :, :s]
     rows = torch.tensor([0, 2, 4], dtype=torch.int64)
     q3 = _rand(items * hkv, g, d, seed=10)
     lens = torch.tensor([s, 4, s - 4], dtype=torch.int64)
@@ -187,7 +205,8 @@ def test_decode_attention_of_an_avx2_build_equals_the_native_one(ops: fused.Fuse
     """fused_ops.c is built -march=native: on an AVX-512 CPU head size 64 takes its AVX-512
     path (16 keys' sums at once, a row's heads together), on an AVX2-only one the plain C
     loops. The AVX2 build (x86-64-v3), made here, is held to the same results as the native
-    one and as torch, so the level this CPU does not pick is tested too."""
+    one and as torch, so the level this CPU does not pick is tested too, with float32 K/V and
+    float16 (widened by F16C there)."""
     if not cpu_features().avx2:
         pytest.skip("this CPU does not run AVX2 code")
     spec = native.LibSpec(
@@ -199,15 +218,16 @@ def test_decode_attention_of_an_avx2_build_equals_the_native_one(ops: fused.Fuse
     except RuntimeError as e:
         pytest.skip(f"the compiler cannot build for x86-64-v3: {e}")
     avx2 = fused.FusedOps(ctypes.CDLL(str(path)), path)
-    for items, hkv, s in ((4, 3, 37), (1, 3, 70)):  # the row path (12 rows) and the (row, head) one
+    # the row path (12 rows) and the (row, head) one, in both K/V types
+    for (items, hkv, s), kv_dtype in itertools.product(((4, 3, 37), (1, 3, 70)), (torch.float32, torch.float16)):
         g, d = 3, 64
-        kv = _rand(2, items * hkv, s, d, seed=11)
+        kv = _rand(2, items * hkv, s, d, seed=11).to(kv_dtype)
+        wide = kv.float()
         q3 = _rand(items * hkv, g, d, seed=12)
         lens = torch.tensor([s, 5, s - 4, 20][:items], dtype=torch.int64)
         allowed = torch.arange(s)[None, :] < lens[[n // hkv for n in range(items * hkv)]][:, None]
-        want = (
-            torch.softmax(q3 @ kv[0].transpose(1, 2) + torch.where(allowed, 0.0, float("-inf"))[:, None, :], -1) @ kv[1]
-        )
+        mask = torch.where(allowed, 0.0, float("-inf"))[:, None, :]
+        want = torch.softmax(q3 @ wide[0].transpose(1, 2) + mask, -1) @ wide[1]
         got = avx2.decode_attention(q3, kv, lens, True, items, hkv)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got, ops.decode_attention(q3, kv, lens, True, items, hkv), rtol=1e-5, atol=1e-5)
@@ -237,14 +257,17 @@ def _mixed_steps(engine: Engine) -> np.ndarray:
 
 @pytest.mark.parametrize("kv_views", ["rebuild", "persistent"])
 @pytest.mark.parametrize(
-    "mode,atol", [({}, 1e-5), ({"quant": "int8"}, 1e-4), ({"dtype": "bfloat16"}, 1e-4)], ids=["f32", "int8", "bf16"]
+    "mode,atol",
+    [({}, 1e-5), ({"kv_dtype": "float16"}, 1e-5), ({"quant": "int8"}, 1e-4), ({"dtype": "bfloat16"}, 1e-4)],
+    ids=["f32", "f32-kv16", "int8", "bf16"],  # int8 and bf16 keep a float16 KV by default
 )
 @pytest.mark.parametrize("threads", [1, 2])
 def test_engine_with_fused_ops_matches_torch_ops(
     ops: fused.FusedOps, kv_views: str, mode: dict, atol: float, threads: int
 ) -> None:
-    """Same weights and steps with and without the C ops: the logits agree in every CPU mode
-    and thread count (2 threads sends multi-item attention groups to torch's bmm in int8 and
+    """Same weights and steps with and without the C ops: the logits agree in every CPU mode,
+    with either KV dtype (the C attention widens a float16 K/V as it reads it, torch's path
+    before its products), and thread count (2 threads sends multi-item attention groups to torch's bmm in int8 and
     bfloat16, one thread keeps them on the host path)."""
     logits = []
     for on in (True, False):

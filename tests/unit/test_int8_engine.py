@@ -71,7 +71,8 @@ def test_int8_smoothing_folds_are_exact_without_rounding(name, monkeypatch) -> N
     rows is matched by its weight column's multiplication, including through attention."""
     cfg, weights = MODELS[name]
     monkeypatch.setattr(int8, "quantize_blocks", lambda w, kernels: Unrounded(w))
-    engine = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=64, quant="int8"))
+    # The float32 KV of the exact mode: the default float16 KV rounds (held in test_kv_dtype.py).
+    engine = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=64, quant="int8", kv_dtype="float32"))
     prompt = _prompt(9, cfg.vocab_size)
     got, tokens = _logits(engine, prompt)
     ref = reference_logits(cfg, weights, list(prompt) + tokens[:-1])[len(prompt) - 1 :]
@@ -116,10 +117,11 @@ def test_int8_sizes_threads_and_info() -> None:
     padded = [-(-m.shape[0] // 16) * 16 * -(-m.shape[1] // 32) * 32 for m in matrices]
     assert q.weight_bytes == sum(n + 4 * n // 32 for n in padded) + 4 * vectors
     assert q.model.embed is None
-    assert q.kv_bytes_per_token == f32.kv_bytes_per_token
+    assert q.kv_bytes_per_token * 2 == f32.kv_bytes_per_token  # int8's KV is float16 by default
     info = info_to_pb("w", cfg, q, 4, 16, "i0")
     assert isinstance(info, pb.WorkerInfo) and info.quant == "int8" and info.dtype == "float32"
     assert info.kernels == q.model.kernel_level != ""  # the level its products picked at load
+    assert (info.kv_dtype, info_to_pb("w", cfg, f32, 4, 16, "i0").kv_dtype) == ("float16", "float32")
     assert (info_to_pb("w", cfg, f32, 4, 16, "i0").quant, info_to_pb("w", cfg, f32, 4, 16, "i0").kernels) == (
         "none",
         "",
@@ -131,7 +133,7 @@ def _onednn_bf16() -> bool:
 
 
 @pytest.mark.parametrize("path", ["onednn", "torch"])
-def test_bfloat16_on_cpu_keeps_activations_and_kv_in_float32(path, monkeypatch) -> None:
+def test_bfloat16_on_cpu_keeps_activations_in_float32_and_kv_in_float16(path, monkeypatch) -> None:
     """Both bfloat16 product paths: oneDNN's packed weights where this CPU has its bfloat16
     kernels (AVX-512 BF16 / AMX), and torch's matmul on [out, in] bfloat16 weights (forced)."""
     if path == "onednn" and not _onednn_bf16():
@@ -140,7 +142,7 @@ def test_bfloat16_on_cpu_keeps_activations_and_kv_in_float32(path, monkeypatch) 
         monkeypatch.setattr(llama, "pack_bf16", lambda w: None)
     cfg, weights = MODELS["gqa"]
     engine = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=64, dtype="bfloat16"))
-    assert engine.model.act_dtype == torch.float32 and engine.cache.kv.dtype == torch.float32
+    assert engine.model.act_dtype == torch.float32 and engine.cache.kv.dtype == torch.float16
     qkv = engine.model.layers[0].qkv
     if path == "onednn":  # oneDNN's copy replaces torch's
         assert qkv.dnn is not None and qkv.dnn.dtype == torch.bfloat16 and qkv.nk is None and qkv.kn is None

@@ -55,7 +55,10 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 class FusedOps:
-    """The C functions, each taking float32 CPU tensors (checked by the caller's layout)."""
+    """The C functions, each taking float32 CPU tensors (checked by the caller's layout); the
+    decode attention's K/V may also be float16 (the KV cache of the reduced-precision modes)."""
+
+    kv_dtypes = (torch.float32, torch.float16)
 
     def __init__(self, lib: ctypes.CDLL, path: Path, origin: native.Origin = native.Origin.COMPILED) -> None:
         self.path, self.origin = path, origin  # origin: the package's build, or a first-use compile
@@ -67,9 +70,12 @@ class FusedOps:
         self._rope.argtypes = [_F, _L, _F, _L, _L, _L]
         self._max_threads = lib.kv_max_threads
         self._max_threads.argtypes, self._max_threads.restype = [], _L
-        self._attn = lib.kv_decode_attention
-        self._attn.argtypes = [_F, _F, _F, _L, _L, _F, _L, _L, _L, _L, _L, _L, ctypes.c_int, _F, _F, _F, _L, _L]
-        for fn in (self._rms, self._add_rms, self._rope, self._attn):
+        # The decode attention's two entries: K/V float32, and K/V float16 (widened as read).
+        attn_args: list[type] = [_F, _F, _F, _L, _L, _F, _L, _L, _L, _L, _L, _L, ctypes.c_int, _F, _F, _F, _L, _L]
+        self._attn = {torch.float32: lib.kv_decode_attention, torch.float16: lib.kv_decode_attention_f16}
+        for fn in self._attn.values():
+            fn.argtypes = attn_args
+        for fn in (self._rms, self._add_rms, self._rope, *self._attn.values()):
             fn.restype = None
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -99,12 +105,16 @@ class FusedOps:
         hkv: int,
         rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One query per item: q3 [N, G, D] contiguous; kv [2, N, S, D] with D contiguous;
+        """One query per item: q3 [N, G, D] float32, contiguous; kv [2, N, S, D] float32 or
+        float16 (``kv_dtypes``), with D contiguous;
         lens [B] int64 (keys each item sees, in attention order) or None for all S.
         With ``rows`` (int64 [B], bh order only) kv is instead a slab [2, R, Hkv, S, D] and
         item b's keys are its row rows[b], read where they lie (no gather).
         Returns [N, G, D]."""
         n, g, d = q3.shape
+        attn = self._attn.get(kv.dtype)
+        if attn is None or q3.dtype != torch.float32:
+            raise ValueError(f"float32 queries and float32 or float16 K/V, got {q3.dtype} and {kv.dtype}")
         if rows is None:
             s = kv.shape[2]
             k, v = kv[0], kv[1]
@@ -125,7 +135,7 @@ class FusedOps:
             raise ValueError("lens must be contiguous int64, one per item (each at most S: the caller's check)")
         out = torch.empty_like(q3)
         scratch = torch.empty(g * s * self._max_threads(), dtype=torch.float32)
-        self._attn(
+        attn(
             _ptr(q3), _ptr(k), _ptr(v), strides[0], strides[1], _ptr(lens) if lens is not None else None,
             n, g, s, d, hkv, items, int(bh), _ptr(scratch), _ptr(out),
             _ptr(rows) if rows is not None else None, strides[2], strides[3],

@@ -5,8 +5,8 @@
  * weights through them), so a batch-1 layer's ~40 small ops cost 3-5x their warm time; one
  * call each for the norm (with the residual add before it), RoPE and a decode's attention
  * removes most of that. (A SiLU-gate here measured no faster than torch's in a step.)
- * Plain C, float32; only a decode group's attention is spread over threads. Reductions are
- * vectorised with `omp simd`; exponentials are libm's expf, one call per element.
+ * Plain C, float32 (a decode attention's K/V may also be float16); only a decode group's
+ * attention is spread over threads. Reductions are vectorised with `omp simd`.
  */
 #include <math.h>
 #include <stdint.h>
@@ -126,18 +126,34 @@ static inline __m512 sums16(const __m512 t[16]) {
 }
 #endif
 
+/* K and V are float32 or float16 (``half``: the KV cache of the reduced-precision CPU modes,
+ * as llama.cpp keeps it). Each body below takes ``half`` as a constant and is inlined into a
+ * float32 and a float16 entry, so the element type costs no branch in the loops; float16 is
+ * widened to float32 as it is loaded (F16C / AVX-512's vcvtph2ps where the CPU has them) and
+ * everything after the load is float32. */
+typedef _Float16 kv_half;
+#define KV_AT(p, i, half) ((half) ? (float)((const kv_half *)(p))[i] : ((const float *)(p))[i])
+/* The address of element i of p, p's elements float or float16. */
+#define KV_PTR(p, i, half) ((half) ? (const void *)((const kv_half *)(p) + (i)) : (const void *)((const float *)(p) + (i)))
+
 #ifdef __AVX512F__
-/* The dot products of a 64-wide query with 16 keys (ks, s_stride floats apart), as a vector:
- * each key's 64 products in one register, then the 16 sums at once. */
-static inline __m512 dots16(const float *qg, const float *ks, long s_stride) {
+static inline __m512 load16(const void *p, const int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p);
+}
+
+/* The dot products of a 64-wide query with 16 keys (ks, s_stride elements apart), as a
+ * vector: each key's 64 products in one register, then the 16 sums at once. */
+__attribute__((always_inline)) static inline __m512 dots16(const float *qg, const void *ks, long s_stride,
+                                                           const int half) {
     const __m512 q0 = _mm512_loadu_ps(qg), q1 = _mm512_loadu_ps(qg + 16), q2 = _mm512_loadu_ps(qg + 32),
                  q3 = _mm512_loadu_ps(qg + 48);
     __m512 t[16];
     for (int j = 0; j < 16; j++) {
-        const float *k = ks + j * s_stride;
-        t[j] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48),
-                               _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32),
-                                               _mm512_fmadd_ps(q1, _mm512_loadu_ps(k + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(k)))));
+        const void *k = KV_PTR(ks, j * s_stride, half);
+        t[j] = _mm512_fmadd_ps(q3, load16(KV_PTR(k, 48, half), half),
+                               _mm512_fmadd_ps(q2, load16(KV_PTR(k, 32, half), half),
+                                               _mm512_fmadd_ps(q1, load16(KV_PTR(k, 16, half), half),
+                                                               _mm512_mul_ps(q0, load16(k, half)))));
     }
     return sums16(t);
 }
@@ -148,19 +164,20 @@ static inline __m512 dots16(const float *qg, const float *ks, long s_stride) {
  * the probabilities times V, into o [dim]; p: len floats of scratch. Inlined with dim a
  * constant (64, 128), the output row is a local array the compiler keeps in registers across
  * the keys, instead of loading and storing o for every key. */
-__attribute__((always_inline)) static inline void attend(const float *qg, const float *kn, const float *vn,
-                                                         long s_stride, long len, const long dim, float *p, float *o) {
+__attribute__((always_inline)) static inline void attend(const float *qg, const void *kn, const void *vn,
+                                                         long s_stride, long len, const long dim, float *p, float *o,
+                                                         const int half) {
     long s = 0;
 #ifdef __AVX512F__
     if (dim == 64) { /* 16 keys at a time: each key's 64 products in one vector, then 16 sums at once */
-        for (; s + 16 <= len; s += 16) _mm512_storeu_ps(p + s, dots16(qg, kn + s * s_stride, s_stride));
+        for (; s + 16 <= len; s += 16) _mm512_storeu_ps(p + s, dots16(qg, KV_PTR(kn, s * s_stride, half), s_stride, half));
     }
 #endif
     for (; s < len; s++) {
-        const float *ks = kn + s * s_stride;
+        const void *ks = KV_PTR(kn, s * s_stride, half);
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (long d = 0; d < dim; d++) dot += qg[d] * ks[d];
+        for (long d = 0; d < dim; d++) dot += qg[d] * KV_AT(ks, d, half);
         p[s] = dot;
     }
     const float inv = exp_scores(p, len);
@@ -169,9 +186,9 @@ __attribute__((always_inline)) static inline void attend(const float *qg, const 
     for (long d = 0; d < width; d++) acc[d] = 0.0f;
     for (long s = 0; s < len; s++) {
         const float ps = p[s] * inv;
-        const float *vs = vn + s * s_stride;
+        const void *vs = KV_PTR(vn, s * s_stride, half);
 #pragma omp simd
-        for (long d = 0; d < width; d++) acc[d] += ps * vs[d];
+        for (long d = 0; d < width; d++) acc[d] += ps * KV_AT(vs, d, half);
     }
     for (long d = 0; d < width; d++) o[d] = acc[d];
     for (long c = width; c < dim; c += KV_ATTEND_MAX_DIM) { /* a head wider than the array, in slices */
@@ -179,9 +196,9 @@ __attribute__((always_inline)) static inline void attend(const float *qg, const 
         for (long d = 0; d < w; d++) acc[d] = 0.0f;
         for (long s = 0; s < len; s++) {
             const float ps = p[s] * inv;
-            const float *vs = vn + s * s_stride + c;
+            const void *vs = KV_PTR(vn, s * s_stride + c, half);
 #pragma omp simd
-            for (long d = 0; d < w; d++) acc[d] += ps * vs[d];
+            for (long d = 0; d < w; d++) acc[d] += ps * KV_AT(vs, d, half);
         }
         for (long d = 0; d < w; d++) o[c + d] = acc[d];
     }
@@ -191,20 +208,21 @@ __attribute__((always_inline)) static inline void attend(const float *qg, const 
 /* A row's G query heads (G <= 4) at once, head size 64: each block of 16 keys is read once and
  * stays in L1 for the G dots, and each value row once for the G outputs (one (row, head) at a
  * time read every key and value G times). p: G * keys floats; o: G * 64. */
-__attribute__((always_inline)) static inline void attend_row64(const float *q, const long G, const float *kn,
-                                                               const float *vn, long s_stride, long len, long keys,
-                                                               float *p, float *o) {
+__attribute__((always_inline)) static inline void attend_row64(const float *q, const long G, const void *kn,
+                                                               const void *vn, long s_stride, long len, long keys,
+                                                               float *p, float *o, const int half) {
     long s = 0;
     for (; s + 16 <= len; s += 16) {
-        for (long g = 0; g < G; g++) _mm512_storeu_ps(p + g * keys + s, dots16(q + g * 64, kn + s * s_stride, s_stride));
+        const void *ks = KV_PTR(kn, s * s_stride, half);
+        for (long g = 0; g < G; g++) _mm512_storeu_ps(p + g * keys + s, dots16(q + g * 64, ks, s_stride, half));
     }
     for (; s < len; s++) {
-        const float *ks = kn + s * s_stride;
+        const void *ks = KV_PTR(kn, s * s_stride, half);
         for (long g = 0; g < G; g++) {
             const float *qg = q + g * 64;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (long d = 0; d < 64; d++) dot += qg[d] * ks[d];
+            for (long d = 0; d < 64; d++) dot += qg[d] * KV_AT(ks, d, half);
             p[g * keys + s] = dot;
         }
     }
@@ -218,9 +236,9 @@ __attribute__((always_inline)) static inline void attend_row64(const float *q, c
     for (long g = 0; g < G; g++)
         for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
     for (long t = 0; t < len; t++) {
-        const float *vs = vn + t * s_stride;
-        const __m512 v0 = _mm512_loadu_ps(vs), v1 = _mm512_loadu_ps(vs + 16), v2 = _mm512_loadu_ps(vs + 32),
-                     v3 = _mm512_loadu_ps(vs + 48);
+        const void *vs = KV_PTR(vn, t * s_stride, half);
+        const __m512 v0 = load16(vs, half), v1 = load16(KV_PTR(vs, 16, half), half),
+                     v2 = load16(KV_PTR(vs, 32, half), half), v3 = load16(KV_PTR(vs, 48, half), half);
         for (long g = 0; g < G; g++) {
             const __m512 ps = _mm512_set1_ps(p[g * keys + t]);
             acc[g][0] = _mm512_fmadd_ps(ps, v0, acc[g][0]);
@@ -236,21 +254,22 @@ __attribute__((always_inline)) static inline void attend_row64(const float *q, c
 
 /* Attention of one query per item (a decode group), grouped-query heads sharing K/V.
  *   q: [N, G, D] contiguous (N = items x kv heads, q pre-scaled); out: [N, G, D].
- *   k, v: row n, key s at k + n * n_stride + s * s_stride (D contiguous floats).
+ *   k, v: row n, key s at element n * n_stride + s * s_stride (D contiguous elements), float32,
+ *   or float16 with half = 1.
  *   lens: [B] keys each item sees (its first lens[b] keys; the rest of the padded S are
  *   never read), or NULL for all `keys`. Item of row n: n / hkv ("bh" order, bh = 1) or
  *   n % items ("hb" order). scratch: G * keys floats per thread (kv_max_threads).
  *   item_rows: NULL, or (bh order) each item's row of a [rows, Hkv, S, D] slab: row n's keys
- *   then lie at k + item_rows[n / hkv] * item_stride + (n % hkv) * head_stride (n_stride unused).
+ *   then lie at element item_rows[n / hkv] * item_stride + (n % hkv) * head_stride (n_stride unused).
  * softmax over the item's keys of q.k, then the probabilities times V: what torch's masked
  * path computes (a masked key's probability is exactly 0 there). The (row, query head) pairs
  * are shared among the threads of an OpenMP region from 4 up (a batch-1 decode has one row
  * per kv head, with G query heads each): built against the libgomp torch loaded (the
  * same soname), that region is torch's own pool, so no second pool spins against it. */
-void kv_decode_attention(const float *q, const float *k, const float *v, long n_stride, long s_stride,
-                         const long *lens, long rows, long groups, long keys, long dim, long hkv, long items,
-                         int bh, float *scratch, float *out, const long *item_rows, long item_stride,
-                         long head_stride) {
+__attribute__((always_inline)) static inline void decode_attention(
+    const float *q, const void *k, const void *v, long n_stride, long s_stride, const long *lens, long rows,
+    long groups, long keys, long dim, long hkv, long items, int bh, float *scratch, float *out,
+    const long *item_rows, long item_stride, long head_stride, const int half) {
 #ifdef __AVX512F__
     /* Many rows: a row (its G heads together) per unit, each key and value read once. */
     if (dim == 64 && groups <= 4 && rows >= 8) {
@@ -265,11 +284,12 @@ void kv_decode_attention(const float *q, const float *k, const float *v, long n_
             const long len = lens ? lens[bh ? n / hkv : n % items] : keys;
             const float *qn = q + n * groups * dim;
             float *on = out + n * groups * dim;
+            const void *kn = KV_PTR(k, at, half), *vn = KV_PTR(v, at, half);
             switch (groups) { /* the head count as a constant: the accumulators stay in registers */
-            case 1: attend_row64(qn, 1, k + at, v + at, s_stride, len, keys, p, on); break;
-            case 2: attend_row64(qn, 2, k + at, v + at, s_stride, len, keys, p, on); break;
-            case 3: attend_row64(qn, 3, k + at, v + at, s_stride, len, keys, p, on); break;
-            default: attend_row64(qn, 4, k + at, v + at, s_stride, len, keys, p, on);
+            case 1: attend_row64(qn, 1, kn, vn, s_stride, len, keys, p, on, half); break;
+            case 2: attend_row64(qn, 2, kn, vn, s_stride, len, keys, p, on, half); break;
+            case 3: attend_row64(qn, 3, kn, vn, s_stride, len, keys, p, on, half); break;
+            default: attend_row64(qn, 4, kn, vn, s_stride, len, keys, p, on, half);
             }
         }
         return;
@@ -287,15 +307,32 @@ void kv_decode_attention(const float *q, const float *k, const float *v, long n_
         /* item_rows (bh order only): item b's keys lie in row item_rows[b] of a slab, head h at
          * head_stride within it, so a group of scattered rows is read where it lies */
         const long at = item_rows ? item_rows[n / hkv] * item_stride + (n % hkv) * head_stride : n * n_stride;
-        const float *kn = k + at, *vn = v + at;
+        const void *kn = KV_PTR(k, at, half), *vn = KV_PTR(v, at, half);
         const float *qg = q + u * dim;
         const long len = lens ? lens[bh ? n / hkv : n % items] : keys;
         float *o = out + u * dim;
         if (dim == 64) /* the usual head sizes as constants: see attend */
-            attend(qg, kn, vn, s_stride, len, 64, p, o);
+            attend(qg, kn, vn, s_stride, len, 64, p, o, half);
         else if (dim == 128)
-            attend(qg, kn, vn, s_stride, len, 128, p, o);
+            attend(qg, kn, vn, s_stride, len, 128, p, o, half);
         else
-            attend(qg, kn, vn, s_stride, len, dim, p, o);
+            attend(qg, kn, vn, s_stride, len, dim, p, o, half);
     }
+}
+
+/* The two entries: K/V float32, and float16. */
+void kv_decode_attention(const float *q, const float *k, const float *v, long n_stride, long s_stride,
+                         const long *lens, long rows, long groups, long keys, long dim, long hkv, long items,
+                         int bh, float *scratch, float *out, const long *item_rows, long item_stride,
+                         long head_stride) {
+    decode_attention(q, k, v, n_stride, s_stride, lens, rows, groups, keys, dim, hkv, items, bh, scratch, out,
+                     item_rows, item_stride, head_stride, 0);
+}
+
+void kv_decode_attention_f16(const float *q, const kv_half *k, const kv_half *v, long n_stride, long s_stride,
+                             const long *lens, long rows, long groups, long keys, long dim, long hkv, long items,
+                             int bh, float *scratch, float *out, const long *item_rows, long item_stride,
+                             long head_stride) {
+    decode_attention(q, k, v, n_stride, s_stride, lens, rows, groups, keys, dim, hkv, items, bh, scratch, out,
+                     item_rows, item_stride, head_stride, 1);
 }

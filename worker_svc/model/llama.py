@@ -31,15 +31,15 @@ Weights are prepared once for this forward, not kept in the checkpoint's form:
     matrix stored [in, out], and small products to torch's MKL (see ``cpu_backend`` for the
     measurements). Elsewhere (bfloat16, GPUs) only torch's matmul with [out, in]. A tied LM
     head is the embedding, not a copy of it;
-  * bfloat16 on a CPU is bfloat16 *weights*: the residual stream, norms, RoPE, attention (on
-    numpy's BLAS) and the KV cache stay float32, and each product casts its input to bfloat16
+  * bfloat16 on a CPU is bfloat16 *weights*: the residual stream, norms, RoPE and attention (on
+    numpy's BLAS) stay float32 (the KV cache is float16, see below), and each product casts its input to bfloat16
     and its output back. Measured on the 2-core EPYC (smollm2, batch-1 decode step): 35 ms
     with everything in bfloat16 (attention's bfloat16 bmm alone ~3 ms, norms and casts another
     few) against 25 ms this way with oneDNN's packed products (``python -m bench.modes``);
     on GPUs everything stays bfloat16;
   * with ``quant="int8"`` (CPU, float32) every projection and the LM head are int8 weights in
-    blocks of 32 with their own scales (``q8``, weight-only: the inputs stay float32); attention, norms, RoPE and the
-    KV cache stay float32, attention on numpy's BLAS as in the float32 path. An untied embedding stays
+    blocks of 32 with their own scales (``q8``, weight-only: the inputs stay float32); attention, norms and RoPE
+    stay float32, attention on numpy's BLAS as in the float32 path. An untied embedding stays
     a float32 table; a tied one is the int8 head alone, a row looked up dequantized and its
     smoothing undone (``ModelWeights.embed_rows``): no float copy beside the packed one.
 
@@ -50,6 +50,11 @@ attention reads each item's first keys, so a group whose window hides earlier ke
 masked attention instead (the runner gives it no ``kv_lens``). Where torch holds the
 threads (int8, bfloat16), attention groups of several items run on torch's bmm, which uses all
 of them (``use_threads``).
+
+The KV cache is float32, except in the reduced-precision CPU modes (bfloat16, int8, gguf:
+``platform.kv_cache_dtype``) where each new K/V is rounded once to float16 as it is stored:
+the fused decode attention widens it as it reads, the other paths widen a group's K/V before
+their products. Batch-32 decode attention is bound by those bytes.
 
 The step's input tensors (``StepTensors``: token ids, positions, slots, per-group masks) are
 built by ``worker_svc.runner`` from the engine's admitted items; this module only consumes them.
@@ -225,8 +230,8 @@ class LlamaModel:
         self.cfg, self.device, self.dtype = cfg, device, dtype
         if quant not in QUANT_MODES:
             raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
-        # Dtypes and kernels, decided once (worker_svc/platform.py): the residual stream, norms,
-        # attention and KV cache are float32 on a CPU whatever the weights (module docstring).
+        # Dtypes and kernels, decided once (worker_svc/platform.py): the residual stream,
+        # norms and attention are float32 on a CPU whatever the weights (module docstring).
         self.plan = plan_backend(device, dtype, quant, host_blas, fused_ops)
         self.act_dtype = self.plan.act_dtype
         self.quant = quant
@@ -492,6 +497,8 @@ class LlamaModel:
                 kv = kv.slab
             else:
                 kv = kv.merged()
+        if kv.dtype != q.dtype and not (fused_decode and self.fused is not None and kv.dtype in self.fused.kv_dtypes):
+            kv = kv.to(q.dtype)  # a float16 cache read by torch's or numpy's products: widened
         if gt.pad_index is not None:
             q = q.new_zeros((b * n, q.shape[1])).index_copy_(0, gt.pad_index, q)
         q5 = q.view(b, n, hkv, g, d)
@@ -556,6 +563,8 @@ class LlamaModel:
                 qk_norm_(qkv, w, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps)
             self._rope_(qkv, rot_local if self.local_layers[i] else rot)
             kv = qkv[:, q_width:].view(t, 2, cfg.num_kv_heads, cfg.head_dim)
+            if kv.dtype != cache.kv.dtype:  # a float16 cache (platform.kv_cache_dtype): one rounding
+                kv = kv.to(cache.kv.dtype)
 
             t0 = clock()
             cache.write(i, st.slots, kv)
