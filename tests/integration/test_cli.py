@@ -104,8 +104,8 @@ def test_cli_reports_a_rejection_clearly(cluster):
 
 def test_up_starts_int8_workers_when_asked(capsys, monkeypatch):
     # `kvfleet up --quant int8` reaches the workers (ClusterSpec.quant -> worker --quant), they
-    # report it and the kernel level they picked at load (GetInfo -> ListWorkers -> `kvfleet
-    # workers`), and they serve.
+    # report it, the kernel level they picked at load and their KV's type (GetInfo -> ListWorkers
+    # -> `kvfleet workers`), and they serve.
     from kvfleet.cli import main
     from kvfleet.client import SchedulerClient, build_request
     from kvfleet.local_cluster import ClusterSpec, LocalCluster
@@ -116,9 +116,9 @@ def test_up_starts_int8_workers_when_asked(capsys, monkeypatch):
     with LocalCluster(ClusterSpec(workers=1, model="tiny", quant="int8", telemetry=False)) as c:
         with SchedulerClient(c.scheduler_address) as client:
             (w,) = client.list_workers()
-            assert (w.dtype, w.quant, w.kernels) == ("float32", "int8", level)
+            assert (w.dtype, w.quant, w.kernels, w.kv_dtype) == ("float32", "int8", level, "float16")
             assert len(client.generate(build_request([1, 2, 3], 5, ignore_eos=True)).token_ids) == 5
         capsys.readouterr()
         assert main(["workers", "--scheduler", c.scheduler_address]) == 0
     (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert (row["quant"], row["kernels"]) == ("int8", level)
+    assert (row["quant"], row["kernels"], row["kv_dtype"]) == ("int8", level, "float16")

@@ -99,6 +99,7 @@ static inline float exp_nonpositive(float x) {
 /* Scores p [len] -> e^(p - max p) in place; returns 1 / their sum (softmax's normaliser). */
 static inline float exp_scores(float *p, long len) {
     float mx = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : mx) /* one chain of scalar max was a tenth of a decode's attention */
     for (long s = 0; s < len; s++) mx = p[s] > mx ? p[s] : mx;
 #pragma omp simd reduction(+ : sum)
     for (long s = 0; s < len; s++) {
@@ -108,8 +109,11 @@ static inline float exp_scores(float *p, long len) {
     return 1.0f / sum;
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+
+#ifdef __AVX512F__
 /* Lane j of the result: the sum of t[j]'s 16 lanes (16 horizontal sums in 45 instructions,
  * against about 8 each one at a time). Pairs first: unpack and add leave, per 128-bit lane,
  * partial sums of two vectors; a shuffle and add then the 128-bit lanes' sums of four vectors;
@@ -132,7 +136,6 @@ static inline __m512 sums16(const __m512 t[16]) {
  * widened to float32 as it is loaded (F16C / AVX-512's vcvtph2ps where the CPU has them) and
  * everything after the load is float32. */
 typedef _Float16 kv_half;
-#define KV_AT(p, i, half) ((half) ? (float)((const kv_half *)(p))[i] : ((const float *)(p))[i])
 /* The address of element i of p, p's elements float or float16. */
 #define KV_PTR(p, i, half) ((half) ? (const void *)((const kv_half *)(p) + (i)) : (const void *)((const float *)(p) + (i)))
 
@@ -159,6 +162,55 @@ __attribute__((always_inline)) static inline __m512 dots16(const float *qg, cons
 }
 #endif
 
+/* n (<= 64) float16 values into floats, with the vector conversion where the CPU has one:
+ * GCC 12 converts _Float16 one value at a time even in a vectorised loop (a chain of scalar
+ * conversions took a third of a float16 decode's attention). */
+static inline void widen(const kv_half *src, float *dst, const long n) {
+    long d = 0;
+#if defined(__AVX512F__)
+    for (; d + 16 <= n; d += 16) _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + d))));
+#elif defined(__F16C__)
+    for (; d + 8 <= n; d += 8) _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + d))));
+#endif
+    for (; d < n; d++) dst[d] = (float)src[d];
+}
+
+/* acc[d] += ps * v[d] over n elements (a float16 v widened 64 at a time). */
+__attribute__((always_inline)) static inline void axpy_row(float *acc, const float ps, const void *v, const long n,
+                                                           const int half) {
+    if (!half) {
+#pragma omp simd
+        for (long d = 0; d < n; d++) acc[d] += ps * ((const float *)v)[d];
+        return;
+    }
+    for (long c = 0; c < n; c += 64) {
+        const long m = n - c < 64 ? n - c : 64;
+        float w[64];
+        widen((const kv_half *)v + c, w, m);
+#pragma omp simd
+        for (long d = 0; d < m; d++) acc[c + d] += ps * w[d];
+    }
+}
+
+/* q . k over dim elements (a float16 k widened 64 at a time). */
+__attribute__((always_inline)) static inline float dot_row(const float *q, const void *k, const long dim,
+                                                           const int half) {
+    float dot = 0.0f;
+    if (!half) {
+#pragma omp simd reduction(+ : dot)
+        for (long d = 0; d < dim; d++) dot += q[d] * ((const float *)k)[d];
+        return dot;
+    }
+    for (long c = 0; c < dim; c += 64) {
+        const long n = dim - c < 64 ? dim - c : 64;
+        float w[64];
+        widen((const kv_half *)k + c, w, n);
+#pragma omp simd reduction(+ : dot)
+        for (long d = 0; d < n; d++) dot += q[c + d] * w[d];
+    }
+    return dot;
+}
+
 #define KV_ATTEND_MAX_DIM 256
 /* One (row, query head) of a decode attention: softmax over the first len keys of q.k, then
  * the probabilities times V, into o [dim]; p: len floats of scratch. Inlined with dim a
@@ -173,33 +225,17 @@ __attribute__((always_inline)) static inline void attend(const float *qg, const 
         for (; s + 16 <= len; s += 16) _mm512_storeu_ps(p + s, dots16(qg, KV_PTR(kn, s * s_stride, half), s_stride, half));
     }
 #endif
-    for (; s < len; s++) {
-        const void *ks = KV_PTR(kn, s * s_stride, half);
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (long d = 0; d < dim; d++) dot += qg[d] * KV_AT(ks, d, half);
-        p[s] = dot;
-    }
+    for (; s < len; s++) p[s] = dot_row(qg, KV_PTR(kn, s * s_stride, half), dim, half);
     const float inv = exp_scores(p, len);
     float acc[KV_ATTEND_MAX_DIM];
     const long width = dim <= KV_ATTEND_MAX_DIM ? dim : KV_ATTEND_MAX_DIM;
     for (long d = 0; d < width; d++) acc[d] = 0.0f;
-    for (long s = 0; s < len; s++) {
-        const float ps = p[s] * inv;
-        const void *vs = KV_PTR(vn, s * s_stride, half);
-#pragma omp simd
-        for (long d = 0; d < width; d++) acc[d] += ps * KV_AT(vs, d, half);
-    }
+    for (long s = 0; s < len; s++) axpy_row(acc, p[s] * inv, KV_PTR(vn, s * s_stride, half), width, half);
     for (long d = 0; d < width; d++) o[d] = acc[d];
     for (long c = width; c < dim; c += KV_ATTEND_MAX_DIM) { /* a head wider than the array, in slices */
         const long w = dim - c < KV_ATTEND_MAX_DIM ? dim - c : KV_ATTEND_MAX_DIM;
         for (long d = 0; d < w; d++) acc[d] = 0.0f;
-        for (long s = 0; s < len; s++) {
-            const float ps = p[s] * inv;
-            const void *vs = KV_PTR(vn, s * s_stride + c, half);
-#pragma omp simd
-            for (long d = 0; d < w; d++) acc[d] += ps * KV_AT(vs, d, half);
-        }
+        for (long s = 0; s < len; s++) axpy_row(acc, p[s] * inv, KV_PTR(vn, s * s_stride + c, half), w, half);
         for (long d = 0; d < w; d++) o[c + d] = acc[d];
     }
 }
@@ -218,13 +254,7 @@ __attribute__((always_inline)) static inline void attend_row64(const float *q, c
     }
     for (; s < len; s++) {
         const void *ks = KV_PTR(kn, s * s_stride, half);
-        for (long g = 0; g < G; g++) {
-            const float *qg = q + g * 64;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (long d = 0; d < 64; d++) dot += qg[d] * KV_AT(ks, d, half);
-            p[g * keys + s] = dot;
-        }
+        for (long g = 0; g < G; g++) p[g * keys + s] = dot_row(q + g * 64, ks, 64, half);
     }
     for (long g = 0; g < G; g++) { /* softmax in place, normalised */
         float *pg = p + g * keys;
