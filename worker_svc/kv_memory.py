@@ -12,10 +12,10 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 # The default pool must fit a laptop beside the weights: at most 1 GiB, and at most a quarter
 # of the memory available at start (a worker is one process of several: scheduler, gateway,
-# other workers). SmolLM2-135M's 45 KiB a token then gets 1456 blocks of 16 (23k tokens) where
-# the old fixed 4096 blocks took 3 GB. A small model's KV is capped at 4096 blocks (65k
-# tokens, the old default), which no workload here fills: the tiny model's 1.5 KiB a token
-# would otherwise ask for 44k blocks, a pool zeroed at start for nothing.
+# other workers). SmolLM2-135M's 45 KiB a token (float32 KV; 22.5 with float16) then gets 1456
+# blocks of 16 (23k tokens; 2912) where the old fixed 4096 blocks took 3 GB. A small model's KV is
+# capped at 4096 blocks (65k tokens, the old default), which no workload here fills: the tiny
+# model's 1.5 KiB a token would otherwise ask for 44k blocks, a pool zeroed at start for nothing.
 DEFAULT_POOL_BYTES = 2**30
 DEFAULT_POOL_FRACTION = 0.25
 DEFAULT_MAX_BLOCKS = 4096
