@@ -350,19 +350,14 @@ __attribute__((always_inline)) static inline void decode_attention(
     }
 }
 
-/* The two entries: K/V float32, and float16. */
-void kv_decode_attention(const float *q, const float *k, const float *v, long n_stride, long s_stride,
-                         const long *lens, long rows, long groups, long keys, long dim, long hkv, long items,
-                         int bh, float *scratch, float *out, const long *item_rows, long item_stride,
-                         long head_stride) {
-    decode_attention(q, k, v, n_stride, s_stride, lens, rows, groups, keys, dim, hkv, items, bh, scratch, out,
-                     item_rows, item_stride, head_stride, 0);
-}
-
-void kv_decode_attention_f16(const float *q, const kv_half *k, const kv_half *v, long n_stride, long s_stride,
-                             const long *lens, long rows, long groups, long keys, long dim, long hkv, long items,
-                             int bh, float *scratch, float *out, const long *item_rows, long item_stride,
-                             long head_stride) {
-    decode_attention(q, k, v, n_stride, s_stride, lens, rows, groups, keys, dim, hkv, items, bh, scratch, out,
-                     item_rows, item_stride, head_stride, 1);
-}
+/* The two entries, kv_decode_attention (K/V float32) and kv_decode_attention_f16 (float16): one
+ * body each, with the element type a constant. */
+#define KV_DECODE_ENTRY(NAME, T, HALF)                                                                          \
+    void NAME(const float *q, const T *k, const T *v, long n_stride, long s_stride, const long *lens, long rows, \
+              long groups, long keys, long dim, long hkv, long items, int bh, float *scratch, float *out,       \
+              const long *item_rows, long item_stride, long head_stride) {                                     \
+        decode_attention(q, k, v, n_stride, s_stride, lens, rows, groups, keys, dim, hkv, items, bh, scratch,   \
+                         out, item_rows, item_stride, head_stride, HALF);                                      \
+    }
+KV_DECODE_ENTRY(kv_decode_attention, float, 0)
+KV_DECODE_ENTRY(kv_decode_attention_f16, kv_half, 1)
