@@ -16,6 +16,10 @@ text's first 1,025 tokens at every other SIMD level (AVX2 under AVX-512), its fi
 scalar fallback where a SIMD level exists (gguf's plain-C reference kernels took 63 s for 1,025
 tokens on the Xeon; 513: 10 s, measured 0.9668 / x1.0056, int8 0.9727 / x1.0000). Int8's tied embedding is read from
 the int8 head (W8A8 then: avx512 0.967 / x0.9993 on the whole text).
+Each mode runs with its default KV cache: float16 for bfloat16, int8 and gguf since session 16
+(float32 before, and for the figures above); with it, on the Xeon's whole text, bfloat16 0.9742
+/ x1.0005, int8 0.9733 / x0.9984 at every level, gguf 0.9690 / x1.0039 at avx2 / avx512 / amx
+and 0.9637 / x1.0056 at scalar (bench/README.md, "Quality against llama.cpp's own").
 """
 
 from __future__ import annotations
