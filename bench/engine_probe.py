@@ -56,11 +56,18 @@ def batch1_decode(
         for n in threads if engine.device.type == "cpu" else [saved]:
             if engine.device.type == "cpu":
                 use_cpu_threads(n, engine.model.host_blas, engine.model)
-            driver.release(["probe"])
-            t0 = time.perf_counter()
-            token = driver.step([PrefillItem("probe", prompt, 0, True, greedy)], []).results[0].token_id
-            assert token is not None, "a last prefill chunk returns a token"
-            prefill[str(n)] = round(prompt_len / (time.perf_counter() - t0), 1)
+            # The faster of two prefills: the first at a thread count may pay one-time costs
+            # (a pool's threads starting, oneDNN's kernels for a new shape). One disturbed
+            # reading (bfloat16 at 2 threads: 936 tok/s against 1,740) gave a mode 1 thread.
+            best = 0.0
+            for _ in range(2):
+                driver.release(["probe"])
+                t0 = time.perf_counter()
+                token = driver.step([PrefillItem("probe", prompt, 0, True, greedy)], []).results[0].token_id
+                assert token is not None, "a last prefill chunk returns a token"
+                best = max(best, prompt_len / (time.perf_counter() - t0))
+            prefill[str(n)] = round(best, 1)
+            assert token is not None
             times: list[float] = []
             end = time.perf_counter() + budget_s  # a thread count that stalls is cut short
             for k in range(steps):
