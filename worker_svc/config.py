@@ -56,6 +56,12 @@ class WorkerConfig:
             raise ValueError(f"quant={self.quant} needs dtype float32 (the activations), got {self.dtype!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.kv_dtype not in ("auto", self.dtype) and self.device not in ("cpu", "auto"):
+            # before the model's load (kv_cache_dtype says the same for --device auto, after it)
+            raise ValueError(
+                f"kv dtype {self.kv_dtype} on {self.device}: the KV cache there is the weights' dtype "
+                f"({self.dtype}); use auto"
+            )
         if self.max_model_len < 0:
             raise ValueError(f"max-model-len must be >= 0 (0 = the model's own context), got {self.max_model_len}")
         if self.inline_step_s < 0:

@@ -53,6 +53,10 @@ def test_what_no_backend_keeps_is_refused_with_what_to_use() -> None:
         EngineConfig(kv_dtype="half")
     with pytest.raises(ValueError, match="kv dtype must be one of auto, float32, float16, got 'fp8'"):
         WorkerConfig(kv_dtype="fp8")
+    # a worker's flags are refused before its model loads
+    with pytest.raises(ValueError, match="kv dtype float16 on cuda:1: .* weights' dtype .bfloat16.; use auto"):
+        WorkerConfig(device="cuda:1", dtype="bfloat16", kv_dtype="float16")
+    assert WorkerConfig(device="cuda", dtype="float16", kv_dtype="float16").kv_dtype == "float16"
 
 
 def _steps(engine: Engine) -> tuple[np.ndarray, list[int]]:
