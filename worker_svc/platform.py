@@ -60,7 +60,6 @@ def synchronize(device: torch.device) -> None:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # --dtype
-_KV_TORCH = {"float32": torch.float32, "float16": torch.float16}
 
 
 def kv_cache_dtype(
@@ -76,7 +75,7 @@ def kv_cache_dtype(
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     if device.type != "cpu":
-        if kv_dtype != "auto" and _KV_TORCH[kv_dtype] != dtype:
+        if kv_dtype != "auto" and DTYPES[kv_dtype] != dtype:
             raise ValueError(
                 f"kv dtype {kv_dtype} on {device.type}: the KV cache there is the weights' dtype "
                 f"({str(dtype).removeprefix('torch.')}); use auto"
@@ -84,7 +83,7 @@ def kv_cache_dtype(
         return dtype
     if kv_dtype == "auto":
         return torch.float32 if dtype == torch.float32 and quant == "none" else torch.float16
-    return _KV_TORCH[kv_dtype]
+    return DTYPES[kv_dtype]
 
 
 @dataclass(frozen=True)
