@@ -83,11 +83,14 @@ lint: install
 typecheck: install
 	$(BIN)/python -m mypy --ignore-missing-imports $(PACKAGES)
 
-# The type check runs beside the tests: mypy takes one core for ~25 s and the suite averages
-# about one of two, so it costs no wall time; both must pass (mypy's output after the tests').
+# The tests run in TEST_PROCS processes (pytest-xdist, a test file to a process, so a module's
+# fixtures are built once), each with one core's share of OpenMP threads (tests/conftest.py).
+# The type check runs beside them (~25 s of one core); both must pass (mypy's output after the
+# tests'). `make test TEST_PROCS=1` runs the tests in one process.
+TEST_PROCS ?= 2
 test: install $(NODE_STAMP) browser lint
 	@out=$$(mktemp); $(BIN)/python -m mypy --ignore-missing-imports $(PACKAGES) >$$out 2>&1 & mypy=$$!; \
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15; tests=$$?; \
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 -n $(TEST_PROCS) --dist loadfile; tests=$$?; \
 	wait $$mypy; types=$$?; echo "mypy (exit $$types):"; cat $$out; rm -f $$out; \
 	test $$tests -eq 0 && test $$types -eq 0
 

@@ -20,6 +20,14 @@ from tests.helpers.models import SMOLLM2, require_smollm2
 
 _CACHE_KEY = pytest.StashKey[str]()
 
+# Under pytest-xdist (`make test` runs two test processes) each process, and the servers it
+# starts, gets one core's share of OpenMP threads: two processes of two threads each on two cores
+# leave OpenMP's threads spinning for descheduled peers (a gateway test went 4 -> 37 s). Tests
+# of the multi-threaded paths set their threads themselves.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """A checkout without the package's build of the C libraries compiles them on first use
@@ -34,6 +42,21 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     folder = config.stash.get(_CACHE_KEY, None)
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """The test with torch's intra-op pool at 2 threads. The C kernels share that pool and split
+    their rows among its threads: a kernel test uses this so that the split is tested whatever
+    the process's OMP_NUM_THREADS (1 under `make test`, see above; 1 on a 1-core machine)."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="session")

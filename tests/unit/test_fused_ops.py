@@ -28,6 +28,9 @@ from worker_svc.model import fused, native
 from worker_svc.model.cpu_features import cpu_features
 from worker_svc.model.llama import LlamaModel
 
+# Their rows split among 2 threads, whatever the process has (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("two_threads")
+
 NO_OPS = "no C compiler here: the fallback tests cover this machine"
 GREEDY = SamplingSpec()
 CFG = GQA_CFG

@@ -33,6 +33,9 @@ from tests.helpers import kquants
 from worker_svc.model import gguf_quant, q8
 from worker_svc.model.gguf_packed import RowGroups
 
+# Their rows split among 2 threads, whatever the process has (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("two_threads")
+
 K_FORMATS = [f for f in FORMATS if FORMATS[f].block_weights == QK_K]
 
 

@@ -18,6 +18,9 @@ import torch
 from worker_svc.model import native, q8
 from worker_svc.model.cpu_features import CpuFeatures
 
+# Their rows split among 2 threads, whatever the process has (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("two_threads")
+
 
 def _kernels(level: str) -> q8.Q8Kernels:
     if level not in q8.runnable_levels():
