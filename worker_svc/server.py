@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import secrets
 import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -52,24 +50,26 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         cfg: LlamaConfig,
         engine: Engine,
         metrics: WorkerMetrics | None = None,
-        executor: Executor | None = None,
+        executor: HostThreadExecutor | None = None,
     ) -> None:
         self._config = config
-        # Where steps that do not run inline go: the process's compute thread (``compute``)
-        # when served by ``python -m worker_svc``; None = a thread of asyncio's default pool.
+        # Where steps run: the process's compute thread (``compute``) when served by ``python -m
+        # worker_svc``, which runs them (and stats reads) one at a time, in the order queued;
+        # None = inline or a thread of asyncio's default pool, one at a time under the lock.
         self._executor = executor
         self.metrics = metrics or WorkerMetrics(engine)
         self._cfg = cfg
         self._engine = engine
-        # One mutation of the engine (step, release) at a time: its KV books and views are
-        # not thread-safe. Stats are read under it too, so they are never seen half-updated.
+        # Without a compute thread, one mutation of the engine (step, release) at a time: its KV
+        # books and views are not thread-safe. Stats are read under it too, so they are never
+        # seen half-updated.
         self._lock = asyncio.Lock()
         self._order = StepOrder()  # numbered steps run in the scheduler's order
         # The thread of a step whose RPC was cancelled (deadline expired, client gone). A
-        # thread cannot be stopped: it keeps the lock until it returns, and meanwhile GetInfo,
+        # thread cannot be stopped: the steps after it wait until it returns, and meanwhile GetInfo,
         # the scheduler's dead-worker probe, answers UNAVAILABLE so that the scheduler does not
         # take the worker back (and queue releases with short deadlines) before it is idle.
-        self._abandoned: asyncio.Future[StepOutput] | None = None
+        self._abandoned: asyncio.Future[Any] | None = None
         # The last step's seconds and tokens: a step expected to be short runs on the event
         # loop itself, since handing it to a thread and back costs as much as a tiny step.
         self._last_step = (float("inf"), 0)
@@ -143,23 +143,24 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return convert.step_to_pb(out, step_ns)
 
     async def _locked_step(self, call: convert.StepCall) -> tuple[StepOutput, int, int]:
-        """Run the step holding the lock; returns its output, wall ns and start (epoch ns: once it
-        holds the lock, so that a step queued behind another, as overlapped scheduling sends
-        them, does not count its wait as work in its span).
+        """Run the step; returns its output, wall ns and start (epoch ns: once it runs, so that
+        a step queued behind another, as overlapped scheduling sends them, does not count its
+        wait as work in its span).
+
+        With a compute thread the step is queued there at once (``_queued_step``). Without one
+        it runs holding the lock, inline or in a thread.
 
         Waiting for the lock may be cancelled (nothing has changed yet). Once the step runs in
         a thread, a cancellation no longer releases the lock: ``_abandon`` keeps it until the
         thread returns. An inline step cannot be interrupted, being synchronous.
         """
+        if self._executor is not None:
+            return await self._queued_step(self._executor, call)
         await self._lock.acquire()
         handed_over = False
         try:
             wall_start, start = time.time_ns(), time.perf_counter_ns()
-            # With a compute thread every torch call goes to it, even a tiny step: torch work on
-            # a second thread gives it a second OpenMP pool, and the compute thread's steps run
-            # up to 2x slower from then on (see ``compute``).
-            inline = self._executor is None and runs_inline(*self._last_step, call.tokens, self._config.inline_step_s)
-            if inline:
+            if runs_inline(*self._last_step, call.tokens, self._config.inline_step_s):
                 out = self._apply(call)
             else:
                 thread = self._run_step(call)
@@ -178,10 +179,38 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             if not handed_over:
                 self._lock.release()
 
-    def _run_step(self, call: convert.StepCall) -> asyncio.Future[StepOutput]:
-        """The step (after its releases) off the event loop."""
+    async def _queued_step(self, executor: HostThreadExecutor, call: convert.StepCall) -> tuple[StepOutput, int, int]:
+        """The step queued on the compute thread, which runs its calls one at a time in the order
+        they came (every torch call goes there, even a tiny step's: torch work on a second thread
+        gives it a second OpenMP pool, and the compute thread's steps run up to 2x slower from
+        then on; see ``compute``). A step sent ahead (overlapped scheduling) is queued while the
+        one before it runs and starts the moment that one ends: no round trip through this event
+        loop between them, which on a busy machine left the engine idle ~1 ms a step.
 
-        return self._off_loop(functools.partial(self._apply, call))
+        Cancelled while queued, the step never runs. Cancelled once running, it cannot be
+        stopped: ``_abandon`` marks the worker busy until it returns (the steps queued behind it
+        wait for it on the thread)."""
+        queued = executor.submit(self._timed_apply, call)
+        running = asyncio.wrap_future(queued)
+        try:
+            out, step_ns, wall_start = await asyncio.shield(running)
+        except asyncio.CancelledError:
+            if not queued.cancel():  # it runs (or just ran)
+                self._abandon(running, time.perf_counter_ns(), call.tokens, release_lock=False)
+            raise
+        self._last_step = (step_ns / 1e9, call.tokens)
+        prefill_tokens = sum(len(p.token_ids) for p in call.prefill)
+        self.metrics.observe_step(step_ns / 1e9, prefill_tokens, len(call.decode))
+        return out, step_ns, wall_start
+
+    def _timed_apply(self, call: convert.StepCall) -> tuple[StepOutput, int, int]:
+        wall_start, start = time.time_ns(), time.perf_counter_ns()
+        out = self._apply(call)
+        return out, time.perf_counter_ns() - start, wall_start
+
+    def _run_step(self, call: convert.StepCall) -> asyncio.Future[StepOutput]:
+        """The step (after its releases) in a thread (no compute thread: tests, in-process workers)."""
+        return asyncio.ensure_future(asyncio.to_thread(self._apply, call))
 
     def _apply(self, call: convert.StepCall) -> StepOutput:
         """Reset and releases, then the step itself."""
@@ -193,21 +222,18 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self._engine.release(call.release_session_ids)
         return self._engine.step(call.prefill, call.decode, kv_views=call.kv_views)
 
-    def _off_loop(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
-        if self._executor is None:
-            return asyncio.ensure_future(asyncio.to_thread(fn))
-        return asyncio.wrap_future(self._executor.submit(fn))
-
-    def _abandon(self, thread: asyncio.Future[StepOutput], start_ns: int, tokens: int) -> None:
-        """The RPC of a running step was cancelled: hold the lock until its thread returns."""
+    def _abandon(self, thread: asyncio.Future[Any], start_ns: int, tokens: int, release_lock: bool = True) -> None:
+        """The RPC of a running step was cancelled: the worker is busy (and, without a compute
+        thread, holds the lock) until its thread returns."""
         log.warning("a step's RPC was cancelled while it ran; the worker waits for it to end")
         self._abandoned = thread
 
-        def done(f: asyncio.Future[StepOutput]) -> None:
+        def done(f: asyncio.Future[Any]) -> None:
             self._abandoned = None
             self._last_step = ((time.perf_counter_ns() - start_ns) / 1e9, tokens)
             self.metrics.refresh()
-            self._lock.release()
+            if release_lock:
+                self._lock.release()
             if not f.cancelled() and f.exception() is not None:
                 log.warning("the abandoned step failed: %s", f.exception())
 
@@ -215,8 +241,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def GetStats(self, request, context):
         await authorize_peer(context, self._config.tls)
-        async with self._lock:
-            s = self._engine.stats()
+        if self._executor is not None:  # between two steps, where they run
+            s = await asyncio.wrap_future(self._executor.submit(self._engine.stats))
+        else:
+            async with self._lock:
+                s = self._engine.stats()
         return pb.WorkerStats(
             steps=s.steps,
             prefill_tokens=s.prefill_tokens,
@@ -304,7 +333,7 @@ def grammar_factory(model: str, cfg: LlamaConfig) -> Callable[[str, str], Gramma
 
 
 async def create_server(
-    config: WorkerConfig, loaded: tuple[LlamaConfig, Engine] | None = None, executor: Executor | None = None
+    config: WorkerConfig, loaded: tuple[LlamaConfig, Engine] | None = None, executor: HostThreadExecutor | None = None
 ):
     """Build and start the worker server; returns (server, port, health servicer).
     executor: where steps run (see ``WorkerServicer``)."""
@@ -340,7 +369,7 @@ async def create_server(
 async def _serve(
     config: WorkerConfig,
     loaded: tuple[LlamaConfig, Engine] | None = None,
-    executor: Executor | None = None,
+    executor: HostThreadExecutor | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
     server, port, health = await create_server(config, loaded, executor)
