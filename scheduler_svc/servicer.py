@@ -144,7 +144,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
             async for batch in batches:
                 events = []
                 for i, msg in batch:
-                    msg.request_id = request.sessions[i].request_id
+                    msg.request_id = rids[i]  # (indexing request.sessions builds a wrapper each time)
                     events.append(spb.WorkloadEvent(workload_id=wid, session_index=i, event=msg))
                 if request.batch_events:  # one message for the batch (see WorkloadRequest.batch_events)
                     yield spb.WorkloadEvent(workload_id=wid, batch=events)
