@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvfleet_common.records import record
 from scheduler_svc.core.types import SessionRequest, TokenLogprob
 from scheduler_svc.prompts import TextStream
 
@@ -34,7 +35,7 @@ class LogprobText:
     top: tuple[tuple[int, float, str], ...] = ()
 
 
-@dataclass(frozen=True)
+@record
 class TokenOutput:
     text: str  # the text this token adds ("" past a stop string, or mid-character)
     stop_hit: bool  # a stop string ended in this token's text: finish the session

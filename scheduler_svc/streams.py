@@ -9,11 +9,12 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from kvfleet_common.records import record
 from scheduler_svc.core import DropCause, FinishReason
 from scheduler_svc.output import LogprobText, Usage
 
 
-@dataclass(frozen=True)
+@record
 class SessionEvent:
     session_id: str
     token: int | None = None

@@ -25,6 +25,7 @@ from enum import Enum
 import numpy as np
 import torch
 
+from kvfleet_common.records import record
 from kvfleet_models.config import LlamaConfig
 from kvfleet_models.gguf_blocks import BlockTensor
 from worker_svc import failpoints
@@ -40,7 +41,7 @@ from worker_svc.sampling import sample_token as sample_token  # re-exported for 
 _NO_LAST = -1  # the token of a last-sampled decode whose session has none here
 
 
-@dataclass(frozen=True)
+@record
 class PrefillItem:
     session_id: str
     token_ids: tuple[int, ...]  # this chunk of the prompt
@@ -55,7 +56,7 @@ class PrefillItem:
     invalid: str = ""  # why the request cannot be run as sent (its sampling broke the rules)
 
 
-@dataclass(frozen=True)
+@record
 class DecodeItem:
     session_id: str
     token_id: int  # latest token; its K/V are appended now
@@ -76,7 +77,7 @@ class ItemStatus(Enum):
     FAILED = "failed"  # its sampling faulted (see ItemResult.error); the session was freed
 
 
-@dataclass(frozen=True)
+@record
 class ItemResult:
     session_id: str
     status: ItemStatus
@@ -201,7 +202,7 @@ class EngineConfig:
 _ENDS = (ItemStatus.REJECTED, ItemStatus.FAILED)  # statuses that end the session on this worker
 
 
-@dataclass(frozen=True)
+@record
 class _Request:
     """A prefill or decode item, in the one shape admission needs."""
 
@@ -218,7 +219,7 @@ class _Request:
     invalid: str = ""  # a problem found before the engine (see convert): REJECTED with it
 
 
-@dataclass(frozen=True)
+@record
 class _Admitted:
     """A request that passed admission, with its slice of the batch."""
 

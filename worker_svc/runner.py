@@ -10,17 +10,17 @@ forward and puts the logits back in the engine's order.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from kvfleet_common.records import record
 from kvfleet_models.config import LlamaConfig
 from worker_svc.kv_cache import AttnGroup, BatchLayout, KVViews, PagedKVCache
 from worker_svc.model.llama import TORCH_ATTENTION_NEVER, GroupTensors, LlamaModel, PhaseTimes, StepTensors
 
 
-@dataclass(frozen=True)
+@record
 class RunItem:
     """One admitted item, as the runner needs it: its new tokens and where they go."""
 

@@ -7,13 +7,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+from kvfleet_common.records import record
 from scheduler_svc.core.types import DropCause, FinishReason, Sampling, TokenLogprob
 
 if TYPE_CHECKING:
     from scheduler_svc.core.state import CoreState
 
 
-@dataclass(frozen=True)
+@record
 class PrefillWork:
     session_id: str
     worker_id: str
@@ -27,7 +28,7 @@ class PrefillWork:
     epoch: int = 0  # the session's epoch when planned: a result for an older one is stale
 
 
-@dataclass(frozen=True)
+@record
 class DecodeWork:
     session_id: str
     worker_id: str

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import Enum
 
+from kvfleet_common.records import record
+
 
 class RejectReason(str, Enum):
     QUEUE_FULL = "queue_full"
@@ -123,7 +125,7 @@ class DropCause(str, Enum):
     FAILED = "failed"  # it faulted on a worker, alone
 
 
-@dataclass(frozen=True)
+@record
 class StepResult:
     """What a worker said about one item of a step."""
 
