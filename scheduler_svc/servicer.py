@@ -142,15 +142,16 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         wid = sub.workload_id or ""
         async with contextlib.aclosing(self._stream(sub, reqs, context, f"workload {wid}", False)) as batches:
             async for batch in batches:
-                events = []
-                for i, msg in batch:
-                    msg.request_id = rids[i]  # (indexing request.sessions builds a wrapper each time)
-                    events.append(spb.WorkloadEvent(workload_id=wid, session_index=i, event=msg))
                 if request.batch_events:  # one message for the batch (see WorkloadRequest.batch_events)
-                    yield spb.WorkloadEvent(workload_id=wid, batch=events)
+                    out = spb.WorkloadEvent(workload_id=wid)
+                    for i, msg in batch:
+                        msg.request_id = rids[i]  # (indexing request.sessions builds a wrapper each time)
+                        out.batch.add(workload_id=wid, session_index=i).event.CopyFrom(msg)  # one copy
+                    yield out
                 else:
-                    for ev in events:
-                        yield ev
+                    for i, msg in batch:
+                        msg.request_id = rids[i]
+                        yield spb.WorkloadEvent(workload_id=wid, session_index=i, event=msg)
         stats = self._runtime.workload_stats(wid)
         assert stats is not None, "a workload whose sessions all finished has its stats"
         yield spb.WorkloadEvent(workload_id=wid, done=True, stats=convert.workload_stats_to_pb(stats))
