@@ -66,16 +66,27 @@ def _servicer(executor: HostThreadExecutor, recorder: Recorder) -> WorkerService
     return servicer
 
 
-def test_a_step_sent_ahead_starts_when_the_one_before_ends_without_the_event_loop(compute) -> None:
+def _held_first(compute: HostThreadExecutor) -> tuple[Recorder, WorkerServicer]:
+    """A servicer whose first step (numbered 1) holds until ``recorder.release[1]`` is set."""
     recorder = Recorder()
     recorder.hold = {1}
-    servicer = _servicer(compute, recorder)
+    return recorder, _servicer(compute, recorder)
+
+
+async def _running_and_queued(servicer: WorkerServicer, recorder: Recorder) -> tuple[asyncio.Task, asyncio.Task]:
+    """Step 1 running (held), then step 2 sent: its handler has run up to its await."""
+    first = asyncio.create_task(servicer._locked_step(_call(1)))
+    await asyncio.to_thread(recorder.started[1].wait, WAIT_S)
+    second = asyncio.create_task(servicer._locked_step(_call(2)))
+    await asyncio.sleep(0)
+    return first, second
+
+
+def test_a_step_sent_ahead_starts_when_the_one_before_ends_without_the_event_loop(compute) -> None:
+    recorder, servicer = _held_first(compute)
 
     async def run() -> list:
-        first = asyncio.create_task(servicer._locked_step(_call(1)))
-        await asyncio.to_thread(recorder.started[1].wait, WAIT_S)
-        second = asyncio.create_task(servicer._locked_step(_call(2)))
-        await asyncio.sleep(0)  # the second handler runs up to its await: queued
+        first, second = await _running_and_queued(servicer, recorder)
         recorder.release[1].set()
         # The event loop is blocked here: were the second step waiting for the loop (a lock
         # released by the first's handler), it could not start.
@@ -94,15 +105,10 @@ def compute_thread_id(executor: HostThreadExecutor) -> int:
 
 
 def test_a_step_cancelled_while_queued_never_runs(compute) -> None:
-    recorder = Recorder()
-    recorder.hold = {1}
-    servicer = _servicer(compute, recorder)
+    recorder, servicer = _held_first(compute)
 
     async def run() -> None:
-        first = asyncio.create_task(servicer._locked_step(_call(1)))
-        await asyncio.to_thread(recorder.started[1].wait, WAIT_S)
-        second = asyncio.create_task(servicer._locked_step(_call(2)))
-        await asyncio.sleep(0)
+        first, second = await _running_and_queued(servicer, recorder)
         second.cancel()
         with pytest.raises(asyncio.CancelledError):
             await second
@@ -116,9 +122,7 @@ def test_a_step_cancelled_while_queued_never_runs(compute) -> None:
 
 
 def test_a_step_cancelled_while_running_keeps_the_worker_busy_until_it_returns(compute) -> None:
-    recorder = Recorder()
-    recorder.hold = {1}
-    servicer = _servicer(compute, recorder)
+    recorder, servicer = _held_first(compute)
 
     async def run() -> None:
         first = asyncio.create_task(servicer._locked_step(_call(1)))
