@@ -171,9 +171,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     handed_over = True
                     raise
             step_ns = time.perf_counter_ns() - start
-            self._last_step = (step_ns / 1e9, call.tokens)
-            prefill_tokens = sum(len(p.token_ids) for p in call.prefill)
-            self.metrics.observe_step(step_ns / 1e9, prefill_tokens, len(call.decode))
+            self._ran(call, step_ns)
             return out, step_ns, wall_start
         finally:
             if not handed_over:
@@ -198,10 +196,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             if not queued.cancel():  # it runs (or just ran)
                 self._abandon(running, time.perf_counter_ns(), call.tokens, release_lock=False)
             raise
+        self._ran(call, step_ns)
+        return out, step_ns, wall_start
+
+    def _ran(self, call: convert.StepCall, step_ns: int) -> None:
+        """A step that ran: its time for the next inline choice, and the metrics."""
         self._last_step = (step_ns / 1e9, call.tokens)
         prefill_tokens = sum(len(p.token_ids) for p in call.prefill)
         self.metrics.observe_step(step_ns / 1e9, prefill_tokens, len(call.decode))
-        return out, step_ns, wall_start
 
     def _timed_apply(self, call: convert.StepCall) -> tuple[StepOutput, int, int]:
         wall_start, start = time.time_ns(), time.perf_counter_ns()
