@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import inspect
 import ipaddress
 import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -306,16 +307,33 @@ class WorkerAuthInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or not details.method.startswith(self._prefix):
             return handler
-        if handler.unary_unary is None:
-            # The Worker service is unary only; a streaming method added later must be gated
-            # here before it can be called at all (fail closed, never open).
-            raise TypeError(f"{details.method}: WorkerAuthInterceptor gates unary methods only")
-        check, inner = self._check, handler.unary_unary
+        check = self._check
+        if handler.unary_unary is not None:
+            unary = handler.unary_unary
 
-        async def guarded(request, context):
-            await check(context)
-            return await inner(request, context)
+            async def guarded(request, context):
+                await check(context)
+                return await unary(request, context)
 
-        return grpc.unary_unary_rpc_method_handler(
-            guarded, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-        )
+            return grpc.unary_unary_rpc_method_handler(
+                guarded,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream is not None and not inspect.isasyncgenfunction(handler.stream_stream):
+            # (A handler that writes with context.write and returns; a generator's items would
+            # need relaying here: refused below rather than served ungated.)
+            streaming = handler.stream_stream
+
+            async def guarded_stream(requests, context):
+                await check(context)  # before the first request is read
+                return await streaming(requests, context)
+
+            return grpc.stream_stream_rpc_method_handler(
+                guarded_stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        # A unary-stream or stream-unary method added later must be gated here before it can be
+        # called at all (fail closed, never open).
+        raise TypeError(f"{details.method}: WorkerAuthInterceptor gates unary and bidirectional methods only")

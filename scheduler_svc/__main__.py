@@ -95,6 +95,20 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
         action="store_false",
         help="run one tick at a time: plan, step, apply (the reference's tick figures)",
     )
+    p.add_argument(
+        "--step-stream",
+        dest="step_stream",
+        action="store_true",
+        env="KVFLEET_STEP_STREAM",
+        default=c.step_stream,
+        help="send each worker its steps over one open stream (where the worker serves it)",
+    )
+    p.add_argument(
+        "--no-step-stream",
+        dest="step_stream",
+        action="store_false",
+        help="send each step as a Step call of its own",
+    )
     p.add_argument("--step-timeout", type=float, env="KVFLEET_STEP_TIMEOUT_S", default=c.step_timeout_s)
     p.add_argument(
         "--no-worker-wait",
@@ -162,6 +176,7 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
         metrics_port=a.metrics_port,
         no_worker_wait_s=a.no_worker_wait,
         overlap_scheduling=a.overlap_scheduling,
+        step_stream=a.step_stream,
     )
 
 

@@ -28,6 +28,9 @@ class SchedulerConfig:
     # or level at every batch, most at large ones (bench/README.md, bench.control_plane). Off: one
     # tick at a time, the tick figures of the sweep reference (the tokens are the same either way).
     overlap_scheduling: bool = True
+    # Each worker's steps over one StepStream, where the worker serves it (scheduler_svc.step_stream):
+    # about half the RPC's CPU a step. Off: a unary Step call a step.
+    step_stream: bool = True
     drain_grace_s: float = 10.0
     metrics_port: int = 9400  # Prometheus /metrics; 0 = off
     tls: TlsConfig = field(default_factory=TlsConfig)  # serving, and dialling the workers

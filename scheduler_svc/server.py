@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 async def create_server(config: SchedulerConfig):
     """Connect to the workers, then build and start the server. Returns (server, port, service)."""
     core = SchedulerCore(config.limits)
-    clients = [WorkerClient.open(a, config.tls, config.worker_secret) for a in config.workers]
+    clients = [WorkerClient.open(a, config.tls, config.worker_secret, config.step_stream) for a in config.workers]
     infos = await asyncio.gather(*(c.wait_ready(config.worker_connect_timeout_s) for c in clients))
     for client, info in zip(clients, infos):
         core.add_worker(client.spec(), info.model.vocab_size, info.model.max_position)

@@ -21,6 +21,7 @@ from kvfleet_common.tracing import inject_metadata
 from scheduler_svc import convert
 from scheduler_svc.core import DecodeWork, PrefillWork, StepResult, WorkerSpec
 from scheduler_svc.experiments import ExperimentArm
+from scheduler_svc.step_stream import StepStream, StreamFailed, reply_status
 
 log = logging.getLogger(__name__)
 
@@ -96,15 +97,22 @@ class WorkerClient:
     # the client's creation time in microseconds, above any number an earlier scheduler process
     # sent, and only rises (see worker_svc.step_order).
     sent_steps: int = field(default_factory=lambda: time.time_ns() // 1000)
+    # Steps go over one StepStream when the worker serves it (WorkerInfo.step_stream), else as
+    # Step calls; the stream is opened by the first step and again after it broke.
+    stream_steps: bool = True
+    _stream: StepStream | None = field(default=None, repr=False)
 
     @classmethod
-    def open(cls, address: str, tls: TlsConfig | None = None, secret: str = "") -> "WorkerClient":
+    def open(
+        cls, address: str, tls: TlsConfig | None = None, secret: str = "", stream_steps: bool = True
+    ) -> "WorkerClient":
         channel = aio_channel(address, tls or TlsConfig(), options=grpcutil.CHANNEL_OPTIONS)
         return cls(
             address=address,
             channel=channel,
             stub=wpb_grpc.WorkerStub(channel),
             auth=tuple(worker_secret_metadata(secret)),
+            stream_steps=stream_steps,
         )
 
     @property
@@ -177,7 +185,13 @@ class WorkerClient:
             request.experiment_id = arm.experiment_id
             request.experiment_arm = arm.arm
         trace_md = inject_metadata(trace.set_span_in_context(span)) if span is not None else ()
-        return self._answer(self.stub.Step(request, timeout=timeout, metadata=(*self.auth, *trace_md)))
+        if not (self.stream_steps and self.info is not None and self.info.step_stream):
+            return self._answer(self.stub.Step(request, timeout=timeout, metadata=(*self.auth, *trace_md)))
+        request.timeout_ms = max(1, round(timeout * 1000))
+        request.trace_context.update(trace_md)
+        if self._stream is None or self._stream.broken is not None:
+            self._stream = StepStream(self.stub, self.auth)
+        return self._streamed(self._stream.send(request, timeout))
 
     async def _answer(self, call: Awaitable[wpb.StepResponse]) -> Mapping[str, StepResult]:
         try:
@@ -185,6 +199,16 @@ class WorkerClient:
         except grpc.aio.AioRpcError as exc:
             raise WorkerCallFailed(self.address, exc.code(), exc.details() or "") from exc
         return convert.step_results(resp)
+
+    async def _streamed(self, answer: Awaitable[wpb.StepReply]) -> Mapping[str, StepResult]:
+        try:
+            reply = await answer
+        except StreamFailed as exc:
+            raise WorkerCallFailed(self.address, exc.code, exc.details) from exc
+        refused = reply_status(reply)
+        if refused is not None:
+            raise WorkerCallFailed(self.address, refused.code, refused.details)
+        return convert.step_results(reply.response)
 
     async def held(self, timeout: float) -> HeldSessions:
         try:
@@ -194,4 +218,6 @@ class WorkerClient:
         return HeldSessions(s.active_sessions, s.used_blocks, s.free_blocks, s.rss_bytes, s.private_bytes)
 
     async def close(self) -> None:
+        if self._stream is not None:
+            await self._stream.close()
         await self.channel.close()

@@ -200,4 +200,5 @@ def info_to_pb(
         kv_dtype=engine.kv_dtype_name,
         instance_id=instance_id,
         prefix_caching=engine.config.prefix_caching,
+        step_stream=True,
     )

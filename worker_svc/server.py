@@ -8,7 +8,7 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -35,6 +35,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+class StepRefused(Exception):
+    """A step ends with this status (a Step call's abort; a StepReply's code on a stream)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
 
 
 def runs_inline(last_s: float, last_tokens: int, tokens: int, limit_s: float) -> bool:
@@ -93,37 +102,90 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def Step(self, request, context):
         await authorize_peer(context, self._config.tls)
+        try:
+            return await self._step(request, context.time_remaining(), context.invocation_metadata())
+        except StepRefused as exc:
+            await context.abort(exc.code, exc.details)
+
+    async def StepStream(self, requests: AsyncIterator[pb.StepRequest], context: grpc.aio.ServicerContext) -> None:
+        """Steps over one stream, each answered by a StepReply as it ends (see worker.proto). Each
+        step runs as a Step call of its own would, in its own task; cancelling the stream (the
+        caller gone, or its step deadline passed) cancels the steps not yet answered."""
+        await authorize_peer(context, self._config.tls)
+        replies: asyncio.Queue[pb.StepReply | None] = asyncio.Queue()
+        pending: set[asyncio.Task[None]] = set()
+
+        async def one(request: pb.StepRequest) -> None:
+            timeout = request.timeout_ms / 1000 if request.timeout_ms else None
+            try:
+                resp = await self._step(request, timeout, request.trace_context.items())
+            except StepRefused as exc:
+                replies.put_nowait(pb.StepReply(seq=request.seq, code=exc.code.value[0], details=exc.details))
+            except Exception as exc:  # a fault of this adapter: the step still gets its answer
+                log.exception("a streamed step failed")
+                code = grpc.StatusCode.INTERNAL.value[0]
+                replies.put_nowait(pb.StepReply(seq=request.seq, code=code, details=f"{type(exc).__name__}: {exc}"))
+            else:
+                replies.put_nowait(pb.StepReply(seq=request.seq, response=resp))
+
+        async def read() -> None:
+            # Each step is started as it is read: in the order sent, so that StepOrder sees them
+            # in that order too (a task runs up to its first await before the next is read).
+            async for request in requests:
+                task = asyncio.ensure_future(one(request))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+            if pending:
+                await asyncio.wait(pending)
+            replies.put_nowait(None)  # the caller closed its side and every step answered
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (reply := await replies.get()) is not None:
+                await context.write(reply)
+            await reader  # (its errors, if any)
+        finally:
+            reader.cancel()
+            for task in list(pending):
+                task.cancel()
+
+    async def _step(
+        self, request: pb.StepRequest, time_remaining: float | None, trace_carrier: Iterable[tuple[str, str]]
+    ) -> pb.StepResponse:
+        """One step, for Step and StepStream alike; StepRefused says with what status it ends."""
         if request.instance_id and request.instance_id != self.instance_id:
             # Before its turn: a step for the instance before a restart would wait for a
             # predecessor this instance never saw.
-            await context.abort(
+            raise StepRefused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"this worker restarted (instance {self.instance_id}; the step is for {request.instance_id}): "
                 "the KV it held is gone; read GetInfo again and recompute its sessions",
             )
         try:
             # In the scheduler's order (it may send a step before the last one answered). From
-            # here to queueing for the engine lock nothing awaits, so the order holds there.
-            await self._order.turn(request.seq, request.reset, context.time_remaining())
+            # here to queueing for the engine nothing awaits, so the order holds there.
+            await self._order.turn(request.seq, request.reset, time_remaining)
         except StaleStep as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"stale step: {exc}; it was not run")
+            raise StepRefused(grpc.StatusCode.FAILED_PRECONDITION, f"stale step: {exc}; it was not run") from None
         except TimeoutError:
-            await context.abort(
+            raise StepRefused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"step {request.seq} came but step {request.seq - 1} of this scheduler never did: the steps "
                 "cannot run in order; recompute this step's sessions",
-            )
+            ) from None
         try:
             call = convert.step_from_pb(request)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise StepRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         try:
             out, step_ns, wall_start = await self._locked_step(call)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise StepRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except Exception as exc:  # the batched forward failed; the engine freed the step's sessions
             log.exception("a step failed")
-            await context.abort(grpc.StatusCode.INTERNAL, f"the step failed on the worker: {type(exc).__name__}: {exc}")
+            raise StepRefused(
+                grpc.StatusCode.INTERNAL, f"the step failed on the worker: {type(exc).__name__}: {exc}"
+            ) from None
         # A step queued behind this one (overlapped scheduling) takes the lock and goes to the
         # compute thread first: this one's spans and answer are built while it runs.
         await asyncio.sleep(0)
@@ -137,9 +199,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if call.experiment_id:
             attrs["experiment.id"] = call.experiment_id
             attrs["experiment.arm"] = call.experiment_arm
-        emit_step_spans(
-            extract_context(context.invocation_metadata()), wall_start, out.profile, self._cfg.num_layers, attrs
-        )
+        emit_step_spans(extract_context(trace_carrier), wall_start, out.profile, self._cfg.num_layers, attrs)
         return convert.step_to_pb(out, step_ns)
 
     async def _locked_step(self, call: convert.StepCall) -> tuple[StepOutput, int, int]:

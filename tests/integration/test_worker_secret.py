@@ -27,6 +27,7 @@ def _probe(address: str, session_ids: list[str], metadata: tuple = ()) -> list[g
             lambda: stub.GetStats(wpb.GetStatsRequest(), timeout=10, metadata=metadata),
             lambda: stub.Step(wpb.StepRequest(release_session_ids=session_ids), timeout=10, metadata=metadata),
             lambda: stub.Step(wpb.StepRequest(decode=decode), timeout=10, metadata=metadata),
+            lambda: list(stub.StepStream(iter([wpb.StepRequest(decode=decode)]), timeout=10, metadata=metadata)),
         ]
         errors = []
         for call in calls:

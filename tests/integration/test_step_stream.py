@@ -1,0 +1,238 @@
+"""Steps over one StepStream keep a Step call's contract: the same answers, token-exact; a step's
+own error fails that step only; the trace context reaches the worker's spans; a step past its
+deadline fails as DEADLINE_EXCEEDED, the steps behind it are cancelled and never run, and the
+worker stays busy until the running one returns; a worker without the stream is served by Step.
+
+Real gRPC servers (tiny-model workers) on loopback ports and the scheduler's own WorkerClient;
+only the engine's step is wrapped where a test must hold a step running."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from typing import Any
+
+import grpc
+import pytest
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+from kvfleet_models.config import tiny_config
+from kvfleet_models.reference import reference_generate
+from kvfleet_models.tiny import tiny_weights
+from scheduler_svc.core import DecodeWork, PrefillWork, Sampling
+from scheduler_svc.workers import WorkerCallFailed, WorkerClient
+from worker_svc import server as worker_server
+from worker_svc.config import WorkerConfig
+
+CFG = tiny_config()
+WEIGHTS = tiny_weights(CFG, seed=0)
+PROMPTS = [[1, 2, 3], [7, 8, 9, 10], [4, 5]]
+NEW_TOKENS = 12
+WAIT_S = 30.0  # only reached when the behaviour is wrong
+
+
+@asynccontextmanager
+async def _worker(wrap_step: Callable[[Any], Any] | None = None) -> AsyncIterator[tuple[str, Any]]:
+    """A tiny-model worker on a loopback port with a step thread (as a worker process has);
+    ``wrap_step`` replaces its engine's step with a wrapper of it."""
+    config = WorkerConfig(host="127.0.0.1", port=0, model="tiny", metrics_port=0, num_blocks=64, block_size=16)
+    cfg, engine = worker_server.build_engine(config, (CFG, WEIGHTS))
+    if wrap_step is not None:
+        engine.step = wrap_step(engine.step)
+    executor = ThreadPoolExecutor(1, thread_name_prefix="steps")
+    server, port, _ = await worker_server.create_server(config, (cfg, engine), executor)  # type: ignore[arg-type]
+    try:
+        yield f"127.0.0.1:{port}", server
+    finally:
+        await server.stop(0.5)
+        executor.shutdown(wait=False)
+
+
+async def _client(address: str, stream_steps: bool) -> WorkerClient:
+    client = WorkerClient.open(address, stream_steps=stream_steps)
+    await client.wait_ready(10)
+    return client
+
+
+def _prefill(sid: str, prompt: list[int]) -> PrefillWork:
+    blocks = tuple(range(int(sid) * 4, int(sid) * 4 + 4))  # 64 tokens a session at most
+    return PrefillWork(sid, "w", tuple(prompt), 0, True, Sampling(), 0, blocks)
+
+
+async def _generate(client: WorkerClient, span: Any = None) -> list[list[int]]:
+    """Every prompt prefilled in one step, then decoded step by step (one step per call)."""
+    out = await client.step([_prefill(str(i), p) for i, p in enumerate(PROMPTS)], [], [], None, span, 10)
+    tokens = [[out[str(i)].token_id] for i in range(len(PROMPTS))]
+    for n in range(1, NEW_TOKENS):
+        decode = [DecodeWork(str(i), "w", t[-1], len(PROMPTS[i]) + n - 1, Sampling(), n) for i, t in enumerate(tokens)]
+        out = await client.step([], decode, [], None, span, 10)
+        for i, t in enumerate(tokens):
+            t.append(out[str(i)].token_id)
+    return tokens
+
+
+def test_streamed_steps_answer_token_exact_as_step_calls_do() -> None:
+    expected = [reference_generate(CFG, WEIGHTS, p, NEW_TOKENS) for p in PROMPTS]
+
+    async def main() -> None:
+        for stream_steps in (True, False):
+            async with _worker() as (address, _):
+                client = await _client(address, stream_steps)
+                try:
+                    assert client.info is not None and client.info.step_stream
+                    assert await _generate(client) == expected, stream_steps
+                    # The stream is the path taken, and one stream served every step.
+                    assert (client._stream is not None) == stream_steps
+                    if stream_steps:
+                        assert client._stream is not None and client._stream.broken is None
+                finally:
+                    await client.close()
+
+    asyncio.run(main())
+
+
+def test_a_worker_without_the_stream_is_served_by_step_calls() -> None:
+    """A worker from before StepStream (WorkerInfo.step_stream unset) gets Step calls."""
+
+    async def main() -> None:
+        async with _worker() as (address, _):
+            client = await _client(address, True)
+            assert client.info is not None
+            client.info.step_stream = False
+            try:
+                assert len((await _generate(client))[0]) == NEW_TOKENS
+                assert client._stream is None
+            finally:
+                await client.close()
+
+    asyncio.run(main())
+
+
+def test_a_step_s_own_error_fails_that_step_and_the_stream_goes_on() -> None:
+    async def main() -> None:
+        async with _worker() as (address, _):
+            client = await _client(address, True)
+            try:
+                await client.step([_prefill("0", PROMPTS[0])], [], [], None, None, 10)
+                stream = client._stream
+                twice = [_prefill("1", PROMPTS[1]), _prefill("1", PROMPTS[1])]
+                with pytest.raises(WorkerCallFailed) as refused:
+                    await client.step(twice, [], [], None, None, 10)
+                assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+                assert "same session twice" in refused.value.details
+                assert not refused.value.worker_unreachable  # the worker stays in use ...
+                decode = [DecodeWork("0", "w", 5, len(PROMPTS[0]), Sampling(), 1)]
+                out = await client.step([], decode, [], None, None, 10)  # ... on the same stream
+                assert out["0"].token_id is not None and client._stream is stream and stream is not None
+                assert stream.broken is None
+            finally:
+                await client.close()
+
+    asyncio.run(main())
+
+
+def test_the_trace_context_travels_with_each_streamed_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    parents: list[SpanContext] = []
+    emit = worker_server.emit_step_spans
+
+    def record(parent, *args, **kw):  # type: ignore[no-untyped-def]
+        parents.append(trace.get_current_span(parent).get_span_context())
+        return emit(parent, *args, **kw)
+
+    monkeypatch.setattr(worker_server, "emit_step_spans", record)
+    tick = SpanContext(trace_id=0x1234, span_id=0x5678, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+
+    async def main() -> None:
+        async with _worker() as (address, _):
+            client = await _client(address, True)
+            try:
+                await _generate(client, NonRecordingSpan(tick))
+                assert client._stream is not None
+            finally:
+                await client.close()
+
+    asyncio.run(main())
+    assert len(parents) == NEW_TOKENS
+    assert {(p.trace_id, p.span_id) for p in parents} == {(tick.trace_id, tick.span_id)}
+
+
+def test_a_step_past_its_deadline_cancels_the_stream_and_the_steps_behind_it_never_run() -> None:
+    gate = threading.Event()
+    entered = threading.Event()
+    ran: list[int] = []
+
+    def hold_prefills(step):  # type: ignore[no-untyped-def]
+        def held(prefill, decode, kv_views=None):  # type: ignore[no-untyped-def]
+            ran.append(len(prefill))
+            if prefill:
+                entered.set()
+                assert gate.wait(WAIT_S)
+            return step(prefill, decode, kv_views=kv_views)
+
+        return held
+
+    async def main() -> None:
+        async with _worker(hold_prefills) as (address, _):
+            client = await _client(address, True)
+            try:
+                held = asyncio.ensure_future(client.step([_prefill("0", PROMPTS[0])], [], [], None, None, 0.5))
+                await asyncio.to_thread(entered.wait, WAIT_S)
+                behind = client.step([], [], ["9"], None, None, 30)  # a release queued behind it
+                got = await asyncio.gather(held, behind, return_exceptions=True)
+                assert [type(g) for g in got] == [WorkerCallFailed, WorkerCallFailed], got
+                assert got[0].code == grpc.StatusCode.DEADLINE_EXCEEDED, got[0]
+                assert got[1].code == grpc.StatusCode.CANCELLED, got[1]
+                assert all(g.worker_unreachable for g in got)  # the scheduler moves the sessions
+                # The worker is busy while the held step runs: its probe answers UNAVAILABLE.
+                with pytest.raises(grpc.aio.AioRpcError) as busy:
+                    await client.fetch_info(timeout=10)
+                assert busy.value.code() == grpc.StatusCode.UNAVAILABLE
+                gate.set()
+                await client.wait_ready(WAIT_S)
+                assert ran == [1]  # the step queued behind the held one never ran
+                # Taken back with a reset, over a new stream.
+                client.reset_pending = True
+                out = await client.step([_prefill("1", PROMPTS[1])], [], [], None, None, 10)
+                assert out["1"].token_id is not None and client._stream is not None and client._stream.broken is None
+                assert ran == [1, 1]
+            finally:
+                gate.set()
+                await client.close()
+
+    asyncio.run(main())
+
+
+def test_a_stream_broken_by_the_worker_s_end_fails_its_steps_as_unreachable() -> None:
+    async def main() -> None:
+        gate = threading.Event()
+        entered = threading.Event()
+
+        def hold(step):  # type: ignore[no-untyped-def]
+            def held(prefill, decode, kv_views=None):  # type: ignore[no-untyped-def]
+                entered.set()
+                gate.wait(WAIT_S)
+                return step(prefill, decode, kv_views=kv_views)
+
+            return held
+
+        async with _worker(hold) as (address, server):
+            client = await _client(address, True)
+            try:
+                pending = asyncio.ensure_future(client.step([_prefill("0", PROMPTS[0])], [], [], None, None, 30))
+                await asyncio.to_thread(entered.wait, WAIT_S)
+                # The worker's server stops (as its process ending would) with the step unanswered.
+                stopping = asyncio.ensure_future(server.stop(0))
+                with pytest.raises(WorkerCallFailed) as gone:
+                    await pending
+                assert gone.value.worker_unreachable, gone.value
+                gate.set()
+                await stopping
+            finally:
+                gate.set()
+                await client.close()
+
+    asyncio.run(main())
