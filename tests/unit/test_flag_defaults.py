@@ -138,3 +138,11 @@ def test_the_demos_sweep_is_kvfleet_sweeps_reference_run() -> None:
     assert demo["overlap_scheduling"] is sweep["overlap_scheduling"] is False
     cluster = ("workers", "max_running", "num_blocks", "block_size")
     assert {k: demo.get(k) for k in cluster} == {k: sweep.get(k) for k in cluster}
+
+
+def test_the_step_stream_is_turned_off_by_its_flag_or_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert SchedulerConfig(workers=("w:1",)).step_stream is True
+    assert scheduler_main.parse_args(["--workers", "w:1", "--no-step-stream"]).step_stream is False
+    monkeypatch.setenv("KVFLEET_STEP_STREAM", "false")
+    assert scheduler_main.parse_args(["--workers", "w:1"]).step_stream is False
+    assert scheduler_main.parse_args(["--workers", "w:1", "--step-stream"]).step_stream is True
