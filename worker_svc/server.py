@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import signal
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from kvfleet_models.grammar import GrammarConstraint
 
 log = logging.getLogger(__name__)
+DRAINING = "the worker is shutting down: it takes no new steps; use another worker"
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
@@ -84,6 +86,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._last_step = (float("inf"), 0)
         # Changes at each start of the process: the scheduler's books are for one instance.
         self.instance_id = secrets.token_hex(8)
+        self._draining = False  # see drain()
+        self._drain_hooks: set[Callable[[], None]] = set()  # each open step stream's wake-up
 
     async def GetInfo(self, request, context):
         await authorize_peer(context, self._config.tls)
@@ -110,44 +114,69 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def StepStream(self, requests: AsyncIterator[pb.StepRequest], context: grpc.aio.ServicerContext) -> None:
         """Steps over one stream, each answered by a StepReply as it ends (see worker.proto). Each
         step runs as a Step call of its own would, in its own task; cancelling the stream (the
-        caller gone, or its step deadline passed) cancels the steps not yet answered."""
+        caller gone, or its step deadline passed) cancels the steps not yet answered. Once the
+        worker drains (``drain``), steps that come are refused as new calls are (UNAVAILABLE),
+        and the stream ends when those it took have answered."""
         await authorize_peer(context, self._config.tls)
-        replies: asyncio.Queue[pb.StepReply | None] = asyncio.Queue()
-        pending: set[asyncio.Task[None]] = set()
+        replies: asyncio.Queue[pb.StepReply | None] = asyncio.Queue()  # None: look at the counts
+        tasks: set[asyncio.Task[None]] = set()
+        unanswered = 0  # steps taken whose reply is not queued yet
+
+        def answer(reply: pb.StepReply) -> None:
+            nonlocal unanswered
+            unanswered -= 1
+            replies.put_nowait(reply)
 
         async def one(request: pb.StepRequest) -> None:
             timeout = request.timeout_ms / 1000 if request.timeout_ms else None
             try:
                 resp = await self._step(request, timeout, request.trace_context.items())
             except StepRefused as exc:
-                replies.put_nowait(pb.StepReply(seq=request.seq, code=exc.code.value[0], details=exc.details))
+                answer(pb.StepReply(seq=request.seq, code=exc.code.value[0], details=exc.details))
             except Exception as exc:  # a fault of this adapter: the step still gets its answer
                 log.exception("a streamed step failed")
                 code = grpc.StatusCode.INTERNAL.value[0]
-                replies.put_nowait(pb.StepReply(seq=request.seq, code=code, details=f"{type(exc).__name__}: {exc}"))
+                answer(pb.StepReply(seq=request.seq, code=code, details=f"{type(exc).__name__}: {exc}"))
             else:
-                replies.put_nowait(pb.StepReply(seq=request.seq, response=resp))
+                answer(pb.StepReply(seq=request.seq, response=resp))
 
         async def read() -> None:
-            # Each step is started as it is read: in the order sent, so that StepOrder sees them
-            # in that order too (a task runs up to its first await before the next is read).
+            nonlocal unanswered
+            # Tasks start in the order they are made, so the steps reach StepOrder in the order sent.
             async for request in requests:
+                unanswered += 1
+                if self._draining:
+                    answer(pb.StepReply(seq=request.seq, code=grpc.StatusCode.UNAVAILABLE.value[0], details=DRAINING))
+                    continue
                 task = asyncio.ensure_future(one(request))
-                pending.add(task)
-                task.add_done_callback(pending.discard)
-            if pending:
-                await asyncio.wait(pending)
-            replies.put_nowait(None)  # the caller closed its side and every step answered
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            closed.set()  # the caller closed its side
+            replies.put_nowait(None)
 
+        closed = asyncio.Event()
+        wake = functools.partial(replies.put_nowait, None)
+        self._drain_hooks.add(wake)
         reader = asyncio.ensure_future(read())
         try:
-            while (reply := await replies.get()) is not None:
-                await context.write(reply)
-            await reader  # (its errors, if any)
+            while True:
+                reply = await replies.get()
+                if reply is not None:
+                    await context.write(reply)
+                if unanswered == 0 and replies.empty() and (closed.is_set() or self._draining):
+                    break  # every step taken has its answer written
         finally:
+            self._drain_hooks.discard(wake)
             reader.cancel()
-            for task in list(pending):
+            for task in list(tasks):
                 task.cancel()
+
+    def drain(self) -> None:
+        """The server is stopping: open step streams take no more steps, and end once the steps
+        they took have answered (a stream kept open would hold the stop for its whole grace)."""
+        self._draining = True
+        for wake in list(self._drain_hooks):
+            wake()
 
     async def _step(
         self, request: pb.StepRequest, time_remaining: float | None, trace_carrier: Iterable[tuple[str, str]]
@@ -399,6 +428,14 @@ async def create_server(
 ):
     """Build and start the worker server; returns (server, port, health servicer).
     executor: where steps run (see ``WorkerServicer``)."""
+    server, port, health, _ = await _start(config, loaded, executor)
+    return server, port, health
+
+
+async def _start(
+    config: WorkerConfig, loaded: tuple[LlamaConfig, Engine] | None = None, executor: HostThreadExecutor | None = None
+):
+    """``create_server``, with the servicer as well (its ``drain`` is called before a stop)."""
     cfg, engine = loaded if loaded is not None else build_engine(config)
     # Every Worker RPC passes the TLS peer check and the scheduler's secret before it is handled.
     gate = WorkerAuthInterceptor(SERVICE_NAME, config.tls, config.worker_secret)
@@ -425,7 +462,7 @@ async def create_server(
         engine.config.num_blocks,
         config.block_size,
     )
-    return server, port, health
+    return server, port, health, servicer
 
 
 async def _serve(
@@ -434,7 +471,7 @@ async def _serve(
     executor: HostThreadExecutor | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
-    server, port, health = await create_server(config, loaded, executor)
+    server, port, health, servicer = await _start(config, loaded, executor)
     log.info("worker %s listening on %s:%d", config.worker_id, config.host, port)
     if stop is None:
         await grpcutil.wait_for_termination_signal()
@@ -442,6 +479,7 @@ async def _serve(
         await stop.wait()
     log.info("worker %s draining", config.worker_id)
     grpcutil.set_not_serving(health, [SERVICE_NAME])
+    servicer.drain()
     await server.stop(config.drain_grace_s)
 
 

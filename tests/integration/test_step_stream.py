@@ -236,3 +236,43 @@ def test_a_stream_broken_by_the_worker_s_end_fails_its_steps_as_unreachable() ->
                 await client.close()
 
     asyncio.run(main())
+
+
+def test_a_draining_worker_answers_the_steps_it_took_refuses_new_ones_and_ends_the_stream() -> None:
+    gate = threading.Event()
+    entered = threading.Event()
+
+    def hold(step):  # type: ignore[no-untyped-def]
+        def held(prefill, decode, kv_views=None):  # type: ignore[no-untyped-def]
+            if prefill:
+                entered.set()
+                assert gate.wait(WAIT_S)
+            return step(prefill, decode, kv_views=kv_views)
+
+        return held
+
+    async def main() -> None:
+        config = WorkerConfig(host="127.0.0.1", port=0, model="tiny", metrics_port=0, num_blocks=64, block_size=16)
+        cfg, engine = worker_server.build_engine(config, (CFG, WEIGHTS))
+        engine.step = hold(engine.step)
+        executor = ThreadPoolExecutor(1, thread_name_prefix="steps")
+        server, port, _, servicer = await worker_server._start(config, (cfg, engine), executor)  # type: ignore[arg-type]
+        client = await _client(f"127.0.0.1:{port}", True)
+        try:
+            taken = asyncio.ensure_future(client.step([_prefill("0", PROMPTS[0])], [], [], None, None, 60))
+            await asyncio.to_thread(entered.wait, WAIT_S)
+            servicer.drain()
+            stopping = asyncio.ensure_future(server.stop(300))  # a grace far beyond the wait below
+            with pytest.raises(WorkerCallFailed) as refused:
+                await client.step([], [], ["9"], None, None, 60)
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE and refused.value.worker_unreachable
+            assert refused.value.details == worker_server.DRAINING
+            gate.set()
+            assert (await taken)["0"].token_id is not None  # the step it took still answers
+            await asyncio.wait_for(stopping, 60)  # and the stream ends: the stop does not wait its grace
+        finally:
+            gate.set()
+            await client.close()
+            executor.shutdown(wait=False)
+
+    asyncio.run(main())
