@@ -1,6 +1,7 @@
 """A Step whose deadline expires must not corrupt the worker.
 
-grpc.aio cancels the handler at the deadline, but the step's thread cannot be stopped: until it
+At the deadline the step is cancelled (a Step call's handler by grpc.aio; a streamed step by the
+scheduler cancelling its stream), but the step's thread cannot be stopped: until it
 returns, the worker must not run another mutation of its KV books (a Release, another Step),
 and must not tell the scheduler's dead-worker probe that it is ready again.
 
