@@ -428,14 +428,15 @@ async def create_server(
 ):
     """Build and start the worker server; returns (server, port, health servicer).
     executor: where steps run (see ``WorkerServicer``)."""
-    server, port, health, _ = await _start(config, loaded, executor)
+    server, port, health, _ = await start_worker(config, loaded, executor)
     return server, port, health
 
 
-async def _start(
+async def start_worker(
     config: WorkerConfig, loaded: tuple[LlamaConfig, Engine] | None = None, executor: HostThreadExecutor | None = None
 ):
-    """``create_server``, with the servicer as well (its ``drain`` is called before a stop)."""
+    """Build and start the worker server; returns (server, port, health servicer, worker
+    servicer): call the last one's ``drain`` before stopping the server."""
     cfg, engine = loaded if loaded is not None else build_engine(config)
     # Every Worker RPC passes the TLS peer check and the scheduler's secret before it is handled.
     gate = WorkerAuthInterceptor(SERVICE_NAME, config.tls, config.worker_secret)
@@ -471,7 +472,7 @@ async def _serve(
     executor: HostThreadExecutor | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
-    server, port, health, servicer = await _start(config, loaded, executor)
+    server, port, health, servicer = await start_worker(config, loaded, executor)
     log.info("worker %s listening on %s:%d", config.worker_id, config.host, port)
     if stop is None:
         await grpcutil.wait_for_termination_signal()

@@ -256,7 +256,7 @@ def test_a_draining_worker_answers_the_steps_it_took_refuses_new_ones_and_ends_t
         cfg, engine = worker_server.build_engine(config, (CFG, WEIGHTS))
         engine.step = hold(engine.step)
         executor = ThreadPoolExecutor(1, thread_name_prefix="steps")
-        server, port, _, servicer = await worker_server._start(config, (cfg, engine), executor)  # type: ignore[arg-type]
+        server, port, _, servicer = await worker_server.start_worker(config, (cfg, engine), executor)  # type: ignore[arg-type]
         client = await _client(f"127.0.0.1:{port}", True)
         try:
             taken = asyncio.ensure_future(client.step([_prefill("0", PROMPTS[0])], [], [], None, None, 60))
