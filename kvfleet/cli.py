@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 
-from kvfleet_common.flags import FlagParser
+from kvfleet_common.flags import FlagParser, add_switch
 from kvfleet_common.version import kvfleet_version
 
 DEFAULT_SCHEDULER = "localhost:50051"
@@ -48,18 +48,12 @@ def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None, ove
     )
     p.add_argument("--max-running", type=int, default=d.max_running)
     p.add_argument("--prefill-token-budget", type=int, default=d.prefill_token_budget)
-    p.add_argument(
-        "--overlap-scheduling",
-        dest="overlap_scheduling",
-        action="store_true",
-        default=d.overlap_scheduling if overlap is None else overlap,
-        help="the scheduler plans and sends tick N+1 while tick N computes (the same tokens, other tick counts)",
-    )
-    p.add_argument(
-        "--no-overlap-scheduling",
-        dest="overlap_scheduling",
-        action="store_false",
-        help="the scheduler runs one tick at a time (the tick figures of tests/data's sweep reference)",
+    add_switch(
+        p,
+        "overlap-scheduling",
+        d.overlap_scheduling if overlap is None else overlap,
+        "the scheduler plans and sends tick N+1 while tick N computes (the same tokens, other tick counts)",
+        "the scheduler runs one tick at a time (the tick figures of tests/data's sweep reference)",
     )
     p.add_argument(
         "--num-blocks",

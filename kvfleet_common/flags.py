@@ -82,6 +82,17 @@ def _coerce(action: argparse.Action, value: Any) -> Any:
     return out
 
 
+def add_switch(p: argparse.ArgumentParser, name: str, default: bool, on: str, off: str, env: str | None = None) -> None:
+    """A boolean setting as two flags on one dest, ``--name`` (help ``on``) and ``--no-name``
+    (help ``off``), rather than BooleanOptionalAction, which the flag layer's environment and
+    config coercion would read as a plain string ("0" would be true). ``env``: a FlagParser's
+    variable for it."""
+    dest = name.replace("-", "_")
+    kwargs: dict[str, Any] = {"env": env} if env else {}
+    p.add_argument(f"--{name}", dest=dest, action="store_true", default=default, help=on, **kwargs)
+    p.add_argument(f"--no-{name}", dest=dest, action="store_false", help=off)
+
+
 class FlagParser(argparse.ArgumentParser):
     def __init__(
         self, *args: Any, config: bool = True, environ: Mapping[str, str] | None = None, **kwargs: Any

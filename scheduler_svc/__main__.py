@@ -6,7 +6,7 @@ import asyncio
 import os
 import sys
 
-from kvfleet_common.flags import FlagParser
+from kvfleet_common.flags import FlagParser, add_switch
 from kvfleet_common.logs import setup_logging
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core import SchedulerLimits
@@ -66,48 +66,29 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
         choices=["reserve", "preempt"],
         help="reserve worst-case KV at admission, or preempt under KV pressure",
     )
-    # Two switches on one dest (see worker_svc/__main__.py's --prefix-caching for why).
-    p.add_argument(
-        "--cache-aware-routing",
-        dest="cache_aware_routing",
-        action="store_true",
+    add_switch(
+        p,
+        "cache-aware-routing",
+        d.cache_aware_routing,
+        "place a session on the worker holding the longest cached prefix of its prompt (default on)",
+        "place sessions on the least loaded worker only",
         env="KVFLEET_CACHE_AWARE_ROUTING",
-        default=d.cache_aware_routing,
-        help="place a session on the worker holding the longest cached prefix of its prompt (default on)",
     )
-    p.add_argument(
-        "--no-cache-aware-routing",
-        dest="cache_aware_routing",
-        action="store_false",
-        help="place sessions on the least loaded worker only",
-    )
-    p.add_argument(
-        "--overlap-scheduling",
-        dest="overlap_scheduling",
-        action="store_true",
+    add_switch(
+        p,
+        "overlap-scheduling",
+        c.overlap_scheduling,
+        "plan and send tick N+1 while tick N computes (tokens are the same; ticks differ)",
+        "run one tick at a time: plan, step, apply (the reference's tick figures)",
         env="KVFLEET_OVERLAP_SCHEDULING",
-        default=c.overlap_scheduling,
-        help="plan and send tick N+1 while tick N computes (tokens are the same; ticks differ)",
     )
-    p.add_argument(
-        "--no-overlap-scheduling",
-        dest="overlap_scheduling",
-        action="store_false",
-        help="run one tick at a time: plan, step, apply (the reference's tick figures)",
-    )
-    p.add_argument(
-        "--step-stream",
-        dest="step_stream",
-        action="store_true",
+    add_switch(
+        p,
+        "step-stream",
+        c.step_stream,
+        "send each worker its steps over one open stream (where the worker serves it)",
+        "send each step as a Step call of its own",
         env="KVFLEET_STEP_STREAM",
-        default=c.step_stream,
-        help="send each worker its steps over one open stream (where the worker serves it)",
-    )
-    p.add_argument(
-        "--no-step-stream",
-        dest="step_stream",
-        action="store_false",
-        help="send each step as a Step call of its own",
     )
     p.add_argument("--step-timeout", type=float, env="KVFLEET_STEP_TIMEOUT_S", default=c.step_timeout_s)
     p.add_argument(

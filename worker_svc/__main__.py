@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from kvfleet_common.flags import FlagParser
+from kvfleet_common.flags import FlagParser, add_switch
 from kvfleet_common.logs import setup_logging
 from worker_svc.config import WorkerConfig
 from worker_svc.kv_memory import DEFAULT_POOL_TEXT, KV_DTYPES
@@ -78,17 +78,14 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
             "(0 = never); python -m worker_svc runs every step on its compute thread"
         ),
     )
-    # Two switches on one dest rather than BooleanOptionalAction, which the flag layer's
-    # environment/config coercion reads as a plain string ("0" would be true).
-    p.add_argument(
-        "--prefix-caching",
-        dest="prefix_caching",
-        action="store_true",
-        default=d.prefix_caching,
+    add_switch(
+        p,
+        "prefix-caching",
+        d.prefix_caching,
+        "let the scheduler reuse the KV of prompt prefixes earlier sessions computed on this worker (default on)",
+        "turn prefix caching off",
         env="KVFLEET_PREFIX_CACHING",
-        help="let the scheduler reuse the KV of prompt prefixes earlier sessions computed on this worker (default on)",
     )
-    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", help="turn prefix caching off")
     p.add_argument(
         "--max-model-len",
         type=int,
