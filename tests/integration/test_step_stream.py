@@ -58,6 +58,43 @@ async def _client(address: str, stream_steps: bool) -> WorkerClient:
     return client
 
 
+class Hold:
+    """Wraps an engine's step: records each step's prefill count, and holds a step with prefill
+    items at a gate until the test sets ``gate``."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.ran: list[int] = []
+
+    def __call__(self, step):  # type: ignore[no-untyped-def]
+        def held(prefill, decode, kv_views=None):  # type: ignore[no-untyped-def]
+            self.ran.append(len(prefill))
+            if prefill:
+                self.entered.set()
+                assert self.gate.wait(WAIT_S)
+            return step(prefill, decode, kv_views=kv_views)
+
+        return held
+
+    async def running(self) -> None:
+        """Return once a held step has started."""
+        assert await asyncio.to_thread(self.entered.wait, WAIT_S)
+
+
+@asynccontextmanager
+async def _connected(
+    stream_steps: bool = True, wrap_step: Callable[[Any], Any] | None = None
+) -> AsyncIterator[tuple[WorkerClient, Any]]:
+    """The scheduler's client of a fresh worker (see ``_worker``), and the worker's server."""
+    async with _worker(wrap_step) as (address, server):
+        client = await _client(address, stream_steps)
+        try:
+            yield client, server
+        finally:
+            await client.close()
+
+
 def _prefill(sid: str, prompt: list[int]) -> PrefillWork:
     blocks = tuple(range(int(sid) * 4, int(sid) * 4 + 4))  # 64 tokens a session at most
     return PrefillWork(sid, "w", tuple(prompt), 0, True, Sampling(), 0, blocks)
@@ -80,17 +117,13 @@ def test_streamed_steps_answer_token_exact_as_step_calls_do() -> None:
 
     async def main() -> None:
         for stream_steps in (True, False):
-            async with _worker() as (address, _):
-                client = await _client(address, stream_steps)
-                try:
-                    assert client.info is not None and client.info.step_stream
-                    assert await _generate(client) == expected, stream_steps
-                    # The stream is the path taken, and one stream served every step.
-                    assert (client._stream is not None) == stream_steps
-                    if stream_steps:
-                        assert client._stream is not None and client._stream.broken is None
-                finally:
-                    await client.close()
+            async with _connected(stream_steps) as (client, _):
+                assert client.info is not None and client.info.step_stream
+                assert await _generate(client) == expected, stream_steps
+                # The stream is the path taken, and one stream served every step.
+                assert (client._stream is not None) == stream_steps
+                if stream_steps:
+                    assert client._stream is not None and client._stream.broken is None
 
     asyncio.run(main())
 
@@ -99,38 +132,30 @@ def test_a_worker_without_the_stream_is_served_by_step_calls() -> None:
     """A worker from before StepStream (WorkerInfo.step_stream unset) gets Step calls."""
 
     async def main() -> None:
-        async with _worker() as (address, _):
-            client = await _client(address, True)
+        async with _connected() as (client, _):
             assert client.info is not None
             client.info.step_stream = False
-            try:
-                assert len((await _generate(client))[0]) == NEW_TOKENS
-                assert client._stream is None
-            finally:
-                await client.close()
+            assert len((await _generate(client))[0]) == NEW_TOKENS
+            assert client._stream is None
 
     asyncio.run(main())
 
 
 def test_a_step_s_own_error_fails_that_step_and_the_stream_goes_on() -> None:
     async def main() -> None:
-        async with _worker() as (address, _):
-            client = await _client(address, True)
-            try:
-                await client.step([_prefill("0", PROMPTS[0])], [], [], None, None, 10)
-                stream = client._stream
-                twice = [_prefill("1", PROMPTS[1]), _prefill("1", PROMPTS[1])]
-                with pytest.raises(WorkerCallFailed) as refused:
-                    await client.step(twice, [], [], None, None, 10)
-                assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
-                assert "same session twice" in refused.value.details
-                assert not refused.value.worker_unreachable  # the worker stays in use ...
-                decode = [DecodeWork("0", "w", 5, len(PROMPTS[0]), Sampling(), 1)]
-                out = await client.step([], decode, [], None, None, 10)  # ... on the same stream
-                assert out["0"].token_id is not None and client._stream is stream and stream is not None
-                assert stream.broken is None
-            finally:
-                await client.close()
+        async with _connected() as (client, _):
+            await client.step([_prefill("0", PROMPTS[0])], [], [], None, None, 10)
+            stream = client._stream
+            twice = [_prefill("1", PROMPTS[1]), _prefill("1", PROMPTS[1])]
+            with pytest.raises(WorkerCallFailed) as refused:
+                await client.step(twice, [], [], None, None, 10)
+            assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "same session twice" in refused.value.details
+            assert not refused.value.worker_unreachable  # the worker stays in use ...
+            decode = [DecodeWork("0", "w", 5, len(PROMPTS[0]), Sampling(), 1)]
+            out = await client.step([], decode, [], None, None, 10)  # ... on the same stream
+            assert out["0"].token_id is not None and client._stream is stream and stream is not None
+            assert stream.broken is None
 
     asyncio.run(main())
 
@@ -147,13 +172,9 @@ def test_the_trace_context_travels_with_each_streamed_step(monkeypatch: pytest.M
     tick = SpanContext(trace_id=0x1234, span_id=0x5678, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
 
     async def main() -> None:
-        async with _worker() as (address, _):
-            client = await _client(address, True)
-            try:
-                await _generate(client, NonRecordingSpan(tick))
-                assert client._stream is not None
-            finally:
-                await client.close()
+        async with _connected() as (client, _):
+            await _generate(client, NonRecordingSpan(tick))
+            assert client._stream is not None
 
     asyncio.run(main())
     assert len(parents) == NEW_TOKENS
@@ -161,26 +182,13 @@ def test_the_trace_context_travels_with_each_streamed_step(monkeypatch: pytest.M
 
 
 def test_a_step_past_its_deadline_cancels_the_stream_and_the_steps_behind_it_never_run() -> None:
-    gate = threading.Event()
-    entered = threading.Event()
-    ran: list[int] = []
-
-    def hold_prefills(step):  # type: ignore[no-untyped-def]
-        def held(prefill, decode, kv_views=None):  # type: ignore[no-untyped-def]
-            ran.append(len(prefill))
-            if prefill:
-                entered.set()
-                assert gate.wait(WAIT_S)
-            return step(prefill, decode, kv_views=kv_views)
-
-        return held
+    hold = Hold()
 
     async def main() -> None:
-        async with _worker(hold_prefills) as (address, _):
-            client = await _client(address, True)
+        async with _connected(wrap_step=hold) as (client, _):
             try:
                 held = asyncio.ensure_future(client.step([_prefill("0", PROMPTS[0])], [], [], None, None, 0.5))
-                await asyncio.to_thread(entered.wait, WAIT_S)
+                await hold.running()
                 behind = client.step([], [], ["9"], None, None, 30)  # a release queued behind it
                 got = await asyncio.gather(held, behind, return_exceptions=True)
                 assert [type(g) for g in got] == [WorkerCallFailed, WorkerCallFailed], got
@@ -191,65 +199,43 @@ def test_a_step_past_its_deadline_cancels_the_stream_and_the_steps_behind_it_nev
                 with pytest.raises(grpc.aio.AioRpcError) as busy:
                     await client.fetch_info(timeout=10)
                 assert busy.value.code() == grpc.StatusCode.UNAVAILABLE
-                gate.set()
+                hold.gate.set()
                 await client.wait_ready(WAIT_S)
-                assert ran == [1]  # the step queued behind the held one never ran
+                assert hold.ran == [1]  # the step queued behind the held one never ran
                 # Taken back with a reset, over a new stream.
                 client.reset_pending = True
                 out = await client.step([_prefill("1", PROMPTS[1])], [], [], None, None, 10)
                 assert out["1"].token_id is not None and client._stream is not None and client._stream.broken is None
-                assert ran == [1, 1]
+                assert hold.ran == [1, 1]
             finally:
-                gate.set()
-                await client.close()
+                hold.gate.set()
 
     asyncio.run(main())
 
 
 def test_a_stream_broken_by_the_worker_s_end_fails_its_steps_as_unreachable() -> None:
+    hold = Hold()
+
     async def main() -> None:
-        gate = threading.Event()
-        entered = threading.Event()
-
-        def hold(step):  # type: ignore[no-untyped-def]
-            def held(prefill, decode, kv_views=None):  # type: ignore[no-untyped-def]
-                entered.set()
-                gate.wait(WAIT_S)
-                return step(prefill, decode, kv_views=kv_views)
-
-            return held
-
-        async with _worker(hold) as (address, server):
-            client = await _client(address, True)
+        async with _connected(wrap_step=hold) as (client, server):
             try:
                 pending = asyncio.ensure_future(client.step([_prefill("0", PROMPTS[0])], [], [], None, None, 30))
-                await asyncio.to_thread(entered.wait, WAIT_S)
+                await hold.running()
                 # The worker's server stops (as its process ending would) with the step unanswered.
                 stopping = asyncio.ensure_future(server.stop(0))
                 with pytest.raises(WorkerCallFailed) as gone:
                     await pending
                 assert gone.value.worker_unreachable, gone.value
-                gate.set()
+                hold.gate.set()
                 await stopping
             finally:
-                gate.set()
-                await client.close()
+                hold.gate.set()
 
     asyncio.run(main())
 
 
 def test_a_draining_worker_answers_the_steps_it_took_refuses_new_ones_and_ends_the_stream() -> None:
-    gate = threading.Event()
-    entered = threading.Event()
-
-    def hold(step):  # type: ignore[no-untyped-def]
-        def held(prefill, decode, kv_views=None):  # type: ignore[no-untyped-def]
-            if prefill:
-                entered.set()
-                assert gate.wait(WAIT_S)
-            return step(prefill, decode, kv_views=kv_views)
-
-        return held
+    hold = Hold()
 
     async def main() -> None:
         config = WorkerConfig(host="127.0.0.1", port=0, model="tiny", metrics_port=0, num_blocks=64, block_size=16)
@@ -260,18 +246,19 @@ def test_a_draining_worker_answers_the_steps_it_took_refuses_new_ones_and_ends_t
         client = await _client(f"127.0.0.1:{port}", True)
         try:
             taken = asyncio.ensure_future(client.step([_prefill("0", PROMPTS[0])], [], [], None, None, 60))
-            await asyncio.to_thread(entered.wait, WAIT_S)
+            await hold.running()
             servicer.drain()
             stopping = asyncio.ensure_future(server.stop(300))  # a grace far beyond the wait below
             with pytest.raises(WorkerCallFailed) as refused:
                 await client.step([], [], ["9"], None, None, 60)
             assert refused.value.code == grpc.StatusCode.UNAVAILABLE and refused.value.worker_unreachable
             assert refused.value.details == worker_server.DRAINING
-            gate.set()
+            hold.gate.set()
             assert (await taken)["0"].token_id is not None  # the step it took still answers
             await asyncio.wait_for(stopping, 60)  # and the stream ends: the stop does not wait its grace
+            assert hold.ran == [1]  # the refused step never ran
         finally:
-            gate.set()
+            hold.gate.set()
             await client.close()
             executor.shutdown(wait=False)
 
