@@ -72,6 +72,12 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 5000),
 ]
+# The scheduler's channel to a worker: the same, with gRPC's transparent retries on. A call or
+# stream started as the worker's server sends GOAWAY (at each connection's max age) may be
+# refused by it unseen; gRPC then sends it again on a fresh connection, where without retries
+# it failed UNAVAILABLE and the scheduler took the worker for dead. No retry policy is set, so a
+# call the worker did see is never sent twice.
+WORKER_CHANNEL_OPTIONS = [(k, 1 if k == "grpc.enable_retries" else v) for k, v in CHANNEL_OPTIONS]
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> health.HealthServicer:

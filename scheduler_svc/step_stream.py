@@ -9,6 +9,11 @@ Then the whole stream is cancelled, which the worker treats as every unanswered 
 cancelled (a queued step never runs; a running one keeps the worker busy until it returns): the
 scheduler marks the worker dead on that code anyway and recomputes its sessions elsewhere. A
 stream that breaks (the worker gone) fails every unanswered step with the stream's status.
+
+A stream is not kept for ever: the worker's server closes a connection at its age plus a grace
+(kvfleet_common.grpcutil: a stream is sure of MAX_STREAM_S), and a stream cut so would fail the
+steps in flight and mark a healthy worker dead. The client opens a new stream before then and
+retires the old one (``retire``): it takes no more steps, and ends once those it took answered.
 """
 
 from __future__ import annotations
@@ -46,10 +51,27 @@ class StepStream:
         self._loop = asyncio.get_running_loop()
         # seq -> the step's answer to come, and its deadline's timer
         self._waiting: dict[int, tuple[asyncio.Future[wpb.StepReply], asyncio.TimerHandle]] = {}
-        self._outbox: asyncio.Queue[wpb.StepRequest] = asyncio.Queue()
+        self._outbox: asyncio.Queue[wpb.StepRequest | None] = asyncio.Queue()  # None: retired
         self.broken: StreamFailed | None = None  # set once: the stream takes no more steps
+        self.opened = self._loop.time()
         self._writer = asyncio.ensure_future(self._write())
         self._reader = asyncio.ensure_future(self._read())
+
+    @property
+    def age_s(self) -> float:
+        return self._loop.time() - self.opened
+
+    @property
+    def ended(self) -> asyncio.Future[None]:
+        """Done once the worker's replies stopped coming (the stream over, or broken)."""
+        return self._reader
+
+    def retire(self) -> None:
+        """Take no more steps; close the sending side once those queued are written: the worker
+        ends the stream once they have answered, and their replies still come here."""
+        if self.broken is None:
+            self.broken = StreamFailed(grpc.StatusCode.UNAVAILABLE, "the step stream was retired for a new one")
+            self._outbox.put_nowait(None)
 
     def send(self, request: wpb.StepRequest, timeout: float) -> asyncio.Future[wpb.StepReply]:
         """Queue the step (numbered: its seq is unique on the stream) to be written after those
@@ -65,9 +87,9 @@ class StepStream:
 
     async def _write(self) -> None:
         try:
-            while True:
-                request = await self._outbox.get()
+            while (request := await self._outbox.get()) is not None:
                 await self._call.write(request)
+            await self._call.done_writing()
         except grpc.aio.AioRpcError as exc:
             self._fail(StreamFailed(exc.code(), exc.details() or "the step stream failed"))
         except asyncio.InvalidStateError:  # the call is over; the reader says why

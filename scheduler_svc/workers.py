@@ -4,6 +4,7 @@ tick's trace context carried in the metadata."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Mapping, Sequence
@@ -100,13 +101,17 @@ class WorkerClient:
     # Steps go over one StepStream when the worker serves it (WorkerInfo.step_stream), else as
     # Step calls; the stream is opened by the first step and again after it broke.
     stream_steps: bool = True
+    # A stream older than this is retired for a new one at the next step: the worker's server
+    # cuts a connection's streams MAX_STREAM_S after its age (see step_stream).
+    stream_max_age_s: float = grpcutil.MAX_STREAM_S / 12
     _stream: StepStream | None = field(default=None, repr=False)
+    _retired: set[StepStream] = field(default_factory=set, repr=False)  # still answering
 
     @classmethod
     def open(
         cls, address: str, tls: TlsConfig | None = None, secret: str = "", stream_steps: bool = True
     ) -> "WorkerClient":
-        channel = aio_channel(address, tls or TlsConfig(), options=grpcutil.CHANNEL_OPTIONS)
+        channel = aio_channel(address, tls or TlsConfig(), options=grpcutil.WORKER_CHANNEL_OPTIONS)
         return cls(
             address=address,
             channel=channel,
@@ -189,9 +194,17 @@ class WorkerClient:
             return self._answer(self.stub.Step(request, timeout=timeout, metadata=(*self.auth, *trace_md)))
         request.timeout_ms = max(1, round(timeout * 1000))
         request.trace_context.update(trace_md)
-        if self._stream is None or self._stream.broken is not None:
-            self._stream = StepStream(self.stub, self.auth)
-        return self._streamed(self._stream.send(request, timeout))
+        stream = self._stream
+        if stream is None or stream.broken is not None or stream.age_s > self.stream_max_age_s:
+            if stream is not None and stream.broken is None:
+                stream.retire()
+                self._retired.add(stream)
+                stream.ended.add_done_callback(functools.partial(self._forget_retired, stream))
+            self._stream = stream = StepStream(self.stub, self.auth)
+        return self._streamed(stream.send(request, timeout))
+
+    def _forget_retired(self, stream: StepStream, _: object) -> None:
+        self._retired.discard(stream)
 
     async def _answer(self, call: Awaitable[wpb.StepResponse]) -> Mapping[str, StepResult]:
         try:
@@ -218,6 +231,6 @@ class WorkerClient:
         return HeldSessions(s.active_sessions, s.used_blocks, s.free_blocks, s.rss_bytes, s.private_bytes)
 
     async def close(self) -> None:
-        if self._stream is not None:
-            await self._stream.close()
+        for stream in (*self._retired, *([self._stream] if self._stream is not None else [])):
+            await stream.close()
         await self.channel.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -20,6 +21,7 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
+from kvfleet_common import grpcutil
 from kvfleet_models.config import tiny_config
 from kvfleet_models.reference import reference_generate
 from kvfleet_models.tiny import tiny_weights
@@ -263,3 +265,51 @@ def test_a_draining_worker_answers_the_steps_it_took_refuses_new_ones_and_ends_t
             executor.shutdown(wait=False)
 
     asyncio.run(main())
+
+
+def _short_lived_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker servers started from now on send GOAWAY at a connection's age of 0.5 s (+-10 %) and
+    cut its streams 2 s later (grpcutil's are 30 min and 2 h)."""
+    short = {"grpc.max_connection_age_ms": 500, "grpc.max_connection_age_grace_ms": 2000}
+    options = [(k, short.get(k, v)) for k, v in grpcutil.SERVER_OPTIONS]
+    monkeypatch.setattr(grpcutil, "SERVER_OPTIONS", options)
+
+
+@pytest.mark.parametrize("rotate", [True, False], ids=["retired-in-time", "kept-too-long"])
+def test_a_stream_is_retired_before_the_worker_cuts_its_connection(
+    monkeypatch: pytest.MonkeyPatch, rotate: bool
+) -> None:
+    """Steps for 4 s against a worker whose connections age fast: a client that retires its
+    stream in time (here at 0.5 s; by default at MAX_STREAM_S / 12) loses no step and every
+    round is token-exact; one that keeps its stream sees it cut under a step (the failure the
+    retirement prevents, which would mark a healthy worker dead)."""
+    _short_lived_connections(monkeypatch)
+    expected = [reference_generate(CFG, WEIGHTS, p, NEW_TOKENS) for p in PROMPTS]
+
+    async def main() -> tuple[int, int, WorkerCallFailed | None]:
+        async with _connected() as (client, _):
+            client.stream_max_age_s = 0.5 if rotate else float("inf")
+            streams: set[int] = set()
+            rounds, end = 0, time.monotonic() + 4
+            try:
+                while time.monotonic() < end:
+                    client.reset_pending = True  # each round starts the worker's books afresh
+                    assert await _generate(client) == expected
+                    streams.add(id(client._stream))
+                    rounds += 1
+            except WorkerCallFailed as exc:
+                return rounds, len(streams), exc
+            for _ in range(100):  # the retired streams end once their steps have answered
+                if not client._retired:
+                    break
+                await asyncio.sleep(0.05)
+            assert not client._retired
+            return rounds, len(streams), None
+
+    rounds, streams, failed = asyncio.run(main())
+    if rotate:
+        assert failed is None, failed
+        assert rounds > 10 and streams >= 5, (rounds, streams)
+    else:
+        assert failed is not None and failed.code == grpc.StatusCode.UNAVAILABLE, failed
+        assert failed.worker_unreachable and streams == 1
