@@ -55,6 +55,13 @@ def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None, ove
         "the scheduler plans and sends tick N+1 while tick N computes (the same tokens, other tick counts)",
         "the scheduler runs one tick at a time (the tick figures of tests/data's sweep reference)",
     )
+    add_switch(
+        p,
+        "step-stream",
+        d.step_stream,
+        "the scheduler sends each worker its steps over one open stream (default on)",
+        "the scheduler sends each step as a Step call of its own",
+    )
     p.add_argument(
         "--num-blocks",
         type=int,
@@ -100,6 +107,7 @@ def _spec(a: argparse.Namespace, port: int = 0):
         max_running=a.max_running,
         prefill_token_budget=a.prefill_token_budget,
         overlap_scheduling=a.overlap_scheduling,
+        step_stream=a.step_stream,
         num_blocks=a.num_blocks,
         threads=a.threads,
         kv_cache_memory=a.kv_cache_memory,

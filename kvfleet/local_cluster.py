@@ -67,6 +67,7 @@ class ClusterSpec:
     prefill_token_budget: int = SchedulerLimits.prefill_token_budget
     # The scheduler's --overlap-scheduling (plan tick N+1 while tick N computes).
     overlap_scheduling: bool = SchedulerConfig.overlap_scheduling
+    step_stream: bool = SchedulerConfig.step_stream  # the scheduler's --step-stream
     num_blocks: int = WorkerConfig.num_blocks
     kv_cache_memory: str = WorkerConfig.kv_cache_memory  # each worker's KV pool by memory (wins)
     kv_dtype: str = WorkerConfig.kv_dtype  # workers' --kv-dtype: auto | float32 | float16
@@ -291,6 +292,7 @@ class LocalCluster:
                     "--drain-grace",
                     str(s.drain_grace_s),
                     "--overlap-scheduling" if s.overlap_scheduling else "--no-overlap-scheduling",
+                    "--step-stream" if s.step_stream else "--no-step-stream",
                     *s.scheduler_args,
                 ],
             )

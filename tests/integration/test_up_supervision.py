@@ -87,14 +87,21 @@ def test_up_keeps_serving_when_a_worker_is_killed_smollm2(tmp_path: Path):
 
 def test_up_hands_its_drain_grace_on_and_a_closed_terminal_stops_it(tmp_path: Path):
     """SIGHUP (the terminal closed) drains and stops the cluster like SIGTERM, leaving no child;
-    --drain-grace reaches the scheduler and the gateway, whose drains it bounds."""
+    --drain-grace reaches the scheduler and the gateway, whose drains it bounds (and
+    --no-step-stream the scheduler)."""
     import time
 
-    up = Up(["--model", "tiny", "--workers", "1", "--drain-grace", "3"], tmp_path / "up.err", start_timeout_s=60)
+    up = Up(
+        ["--model", "tiny", "--workers", "1", "--drain-grace", "3", "--no-step-stream"],
+        tmp_path / "up.err",
+        start_timeout_s=60,
+    )
     try:
         for name in ("scheduler", "gateway"):
             args = Path(f"/proc/{up.pids[name]}/cmdline").read_bytes().split(b"\0")
             assert args[args.index(b"--drain-grace") + 1] == b"3.0", (name, args)
+        # --no-step-stream reaches the scheduler too (it then serves with a Step call a step).
+        assert b"--no-step-stream" in Path(f"/proc/{up.pids['scheduler']}/cmdline").read_bytes().split(b"\0")
         with SchedulerClient(up.scheduler) as client:
             assert client.generate(build_request([1, 2, 3], 4, ignore_eos=True)).token_ids
         up.proc.send_signal(signal.SIGHUP)

@@ -143,6 +143,8 @@ def test_the_demos_sweep_is_kvfleet_sweeps_reference_run() -> None:
 def test_the_step_stream_is_turned_off_by_its_flag_or_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     assert SchedulerConfig(workers=("w:1",)).step_stream is True
     assert scheduler_main.parse_args(["--workers", "w:1", "--no-step-stream"]).step_stream is False
+    assert _spec(build_parser().parse_args(["up"])).step_stream is True
+    assert _spec(build_parser().parse_args(["up", "--no-step-stream"])).step_stream is False
     monkeypatch.setenv("KVFLEET_STEP_STREAM", "false")
     assert scheduler_main.parse_args(["--workers", "w:1"]).step_stream is False
     assert scheduler_main.parse_args(["--workers", "w:1", "--step-stream"]).step_stream is True
