@@ -65,19 +65,17 @@ SERVER_OPTIONS = server_options()
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.enable_retries", 0),
+    # gRPC's transparent retries only (no retry policy is set, so a call the server saw is never
+    # sent twice): a call or stream started as its server sends GOAWAY (at each connection's max
+    # age) is refused unseen, and is sent again on a fresh connection rather than failing
+    # UNAVAILABLE (tests/integration/test_goaway_race.py). A client's own retries stay its own.
+    ("grpc.enable_retries", 1),
     # A restarted worker should be dialled again within seconds, not after gRPC's default
     # reconnect backoff (which grows to 120 s).
     ("grpc.initial_reconnect_backoff_ms", 500),
     ("grpc.min_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 5000),
 ]
-# The scheduler's channel to a worker: the same, with gRPC's transparent retries on. A call or
-# stream started as the worker's server sends GOAWAY (at each connection's max age) may be
-# refused by it unseen; gRPC then sends it again on a fresh connection, where without retries
-# it failed UNAVAILABLE and the scheduler took the worker for dead. No retry policy is set, so a
-# call the worker did see is never sent twice.
-WORKER_CHANNEL_OPTIONS = [(k, 1 if k == "grpc.enable_retries" else v) for k, v in CHANNEL_OPTIONS]
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> health.HealthServicer:

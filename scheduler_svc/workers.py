@@ -111,7 +111,7 @@ class WorkerClient:
     def open(
         cls, address: str, tls: TlsConfig | None = None, secret: str = "", stream_steps: bool = True
     ) -> "WorkerClient":
-        channel = aio_channel(address, tls or TlsConfig(), options=grpcutil.WORKER_CHANNEL_OPTIONS)
+        channel = aio_channel(address, tls or TlsConfig(), options=grpcutil.CHANNEL_OPTIONS)
         return cls(
             address=address,
             channel=channel,
