@@ -25,34 +25,20 @@ import grpc
 
 from kvfleet.v1 import worker_pb2 as wpb
 from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
+from scheduler_svc.worker_errors import WorkerCallFailed
 
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
-
-
-class StreamFailed(Exception):
-    """A step on the stream got no answer, or the worker answered it with a status."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-        self.details = details
-
-
-def reply_status(reply: wpb.StepReply) -> StreamFailed | None:
-    """The status a StepReply carries, None when it is an answer (code OK)."""
-    if not reply.code:
-        return None
-    return StreamFailed(_CODES.get(reply.code, grpc.StatusCode.UNKNOWN), reply.details)
+_CODES = {c.value[0]: c for c in grpc.StatusCode}  # a StepReply's code -> the status
 
 
 class StepStream:
-    def __init__(self, stub: wpb_grpc.WorkerStub, metadata: Sequence[tuple[str, str]]) -> None:
+    def __init__(self, stub: wpb_grpc.WorkerStub, metadata: Sequence[tuple[str, str]], address: str) -> None:
         self._call = stub.StepStream(metadata=tuple(metadata))
+        self._address = address  # for the errors
         self._loop = asyncio.get_running_loop()
         # seq -> the step's answer to come, and its deadline's timer
-        self._waiting: dict[int, tuple[asyncio.Future[wpb.StepReply], asyncio.TimerHandle]] = {}
+        self._waiting: dict[int, tuple[asyncio.Future[wpb.StepResponse], asyncio.TimerHandle]] = {}
         self._outbox: asyncio.Queue[wpb.StepRequest | None] = asyncio.Queue()  # None: retired
-        self.broken: StreamFailed | None = None  # set once: the stream takes no more steps
+        self.broken: WorkerCallFailed | None = None  # set once: the stream takes no more steps
         self.opened = self._loop.time()
         self._writer = asyncio.ensure_future(self._write())
         self._reader = asyncio.ensure_future(self._read())
@@ -70,13 +56,13 @@ class StepStream:
         """Take no more steps; close the sending side once those queued are written: the worker
         ends the stream once they have answered, and their replies still come here."""
         if self.broken is None:
-            self.broken = StreamFailed(grpc.StatusCode.UNAVAILABLE, "the step stream was retired for a new one")
+            self.broken = self._failed(grpc.StatusCode.UNAVAILABLE, "the step stream was retired for a new one")
             self._outbox.put_nowait(None)
 
-    def send(self, request: wpb.StepRequest, timeout: float) -> asyncio.Future[wpb.StepReply]:
+    def send(self, request: wpb.StepRequest, timeout: float) -> asyncio.Future[wpb.StepResponse]:
         """Queue the step (numbered: its seq is unique on the stream) to be written after those
-        sent before it; its reply, or StreamFailed."""
-        answer: asyncio.Future[wpb.StepReply] = self._loop.create_future()
+        sent before it; its answer, or WorkerCallFailed with the status its call would have had."""
+        answer: asyncio.Future[wpb.StepResponse] = self._loop.create_future()
         if self.broken is not None:
             answer.set_exception(self.broken)
             return answer
@@ -91,7 +77,7 @@ class StepStream:
                 await self._call.write(request)
             await self._call.done_writing()
         except grpc.aio.AioRpcError as exc:
-            self._fail(StreamFailed(exc.code(), exc.details() or "the step stream failed"))
+            self._fail(self._failed(exc.code(), exc.details() or "the step stream failed"))
         except asyncio.InvalidStateError:  # the call is over; the reader says why
             pass
 
@@ -105,26 +91,34 @@ class StepStream:
                 if entry is not None:
                     answer, timer = entry
                     timer.cancel()
-                    if not answer.done():
-                        answer.set_result(reply)
+                    if answer.done():
+                        pass
+                    elif reply.code:  # the worker refused this step alone
+                        code = _CODES.get(reply.code, grpc.StatusCode.UNKNOWN)
+                        answer.set_exception(self._failed(code, reply.details))
+                    else:
+                        answer.set_result(reply.response)
         except grpc.aio.AioRpcError as exc:
-            self._fail(StreamFailed(exc.code(), exc.details() or "the step stream failed"))
+            self._fail(self._failed(exc.code(), exc.details() or "the step stream failed"))
             return
-        self._fail(StreamFailed(grpc.StatusCode.UNAVAILABLE, "the worker ended the step stream"))
+        self._fail(self._failed(grpc.StatusCode.UNAVAILABLE, "the worker ended the step stream"))
 
     def _expired(self, seq: int, timeout: float) -> None:
         entry = self._waiting.pop(seq, None)
         if entry is not None and not entry[0].done():
             entry[0].set_exception(
-                StreamFailed(grpc.StatusCode.DEADLINE_EXCEEDED, f"step {seq} got no answer within {timeout:g} s")
+                self._failed(grpc.StatusCode.DEADLINE_EXCEEDED, f"step {seq} got no answer within {timeout:g} s")
             )
         self._fail(
-            StreamFailed(
+            self._failed(
                 grpc.StatusCode.CANCELLED, f"step {seq} on the same stream passed its deadline ({timeout:g} s)"
             )
         )
 
-    def _fail(self, why: StreamFailed) -> None:
+    def _failed(self, code: grpc.StatusCode, details: str) -> WorkerCallFailed:
+        return WorkerCallFailed(self._address, code, details)
+
+    def _fail(self, why: WorkerCallFailed) -> None:
         """The stream takes no more steps: every unanswered one fails with ``why``."""
         if self.broken is None:
             self.broken = why
@@ -140,5 +134,5 @@ class StepStream:
                 task.cancel()
 
     async def close(self) -> None:
-        self._fail(StreamFailed(grpc.StatusCode.CANCELLED, "the scheduler closed the step stream"))
+        self._fail(self._failed(grpc.StatusCode.CANCELLED, "the scheduler closed the step stream"))
         await asyncio.gather(self._writer, self._reader, return_exceptions=True)

@@ -22,40 +22,10 @@ from kvfleet_common.tracing import inject_metadata
 from scheduler_svc import convert
 from scheduler_svc.core import DecodeWork, PrefillWork, StepResult, WorkerSpec
 from scheduler_svc.experiments import ExperimentArm
-from scheduler_svc.step_stream import StepStream, StreamFailed, reply_status
+from scheduler_svc.step_stream import StepStream
+from scheduler_svc.worker_errors import WorkerCallFailed
 
 log = logging.getLogger(__name__)
-
-
-# The codes of a call that did not reach a worker that could serve it: down or unreachable,
-# timed out, or refusing the scheduler's credentials (until it answers GetInfo again). Any other
-# code is the worker's answer that this call failed, and the worker stays in use.
-UNREACHABLE = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.UNAUTHENTICATED,
-        grpc.StatusCode.PERMISSION_DENIED,
-        grpc.StatusCode.UNIMPLEMENTED,
-        # The worker restarted (a new instance id): the KV the books place there is gone.
-        grpc.StatusCode.FAILED_PRECONDITION,
-    }
-)
-
-
-class WorkerCallFailed(Exception):
-    """A worker did not answer a call (down, timed out, or refused it)."""
-
-    def __init__(self, worker_id: str, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"worker {worker_id}: {code.name} {details}")
-        self.code = code
-        self.details = details
-
-    @property
-    def worker_unreachable(self) -> bool:
-        """The worker is to be marked dead (see UNREACHABLE), not just this call failed."""
-        return self.code in UNREACHABLE
 
 
 @dataclass(frozen=True)
@@ -200,7 +170,7 @@ class WorkerClient:
                 stream.retire()
                 self._retired.add(stream)
                 stream.ended.add_done_callback(functools.partial(self._forget_retired, stream))
-            self._stream = stream = StepStream(self.stub, self.auth)
+            self._stream = stream = StepStream(self.stub, self.auth, self.address)
         return self._streamed(stream.send(request, timeout))
 
     def _forget_retired(self, stream: StepStream, _: object) -> None:
@@ -213,15 +183,8 @@ class WorkerClient:
             raise WorkerCallFailed(self.address, exc.code(), exc.details() or "") from exc
         return convert.step_results(resp)
 
-    async def _streamed(self, answer: Awaitable[wpb.StepReply]) -> Mapping[str, StepResult]:
-        try:
-            reply = await answer
-        except StreamFailed as exc:
-            raise WorkerCallFailed(self.address, exc.code, exc.details) from exc
-        refused = reply_status(reply)
-        if refused is not None:
-            raise WorkerCallFailed(self.address, refused.code, refused.details)
-        return convert.step_results(reply.response)
+    async def _streamed(self, answer: Awaitable[wpb.StepResponse]) -> Mapping[str, StepResult]:
+        return convert.step_results(await answer)
 
     async def held(self, timeout: float) -> HeldSessions:
         try:

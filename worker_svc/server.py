@@ -121,40 +121,42 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         replies: asyncio.Queue[pb.StepReply | None] = asyncio.Queue()  # None: look at the counts
         tasks: set[asyncio.Task[None]] = set()
         unanswered = 0  # steps taken whose reply is not queued yet
+        closed = False  # the caller closed its side
 
         def answer(reply: pb.StepReply) -> None:
             nonlocal unanswered
             unanswered -= 1
             replies.put_nowait(reply)
 
+        def refuse(seq: int, code: grpc.StatusCode, details: str) -> None:
+            answer(pb.StepReply(seq=seq, code=code.value[0], details=details))
+
         async def one(request: pb.StepRequest) -> None:
             timeout = request.timeout_ms / 1000 if request.timeout_ms else None
             try:
                 resp = await self._step(request, timeout, request.trace_context.items())
             except StepRefused as exc:
-                answer(pb.StepReply(seq=request.seq, code=exc.code.value[0], details=exc.details))
+                refuse(request.seq, exc.code, exc.details)
             except Exception as exc:  # a fault of this adapter: the step still gets its answer
                 log.exception("a streamed step failed")
-                code = grpc.StatusCode.INTERNAL.value[0]
-                answer(pb.StepReply(seq=request.seq, code=code, details=f"{type(exc).__name__}: {exc}"))
+                refuse(request.seq, grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
             else:
                 answer(pb.StepReply(seq=request.seq, response=resp))
 
         async def read() -> None:
-            nonlocal unanswered
+            nonlocal unanswered, closed
             # Tasks start in the order they are made, so the steps reach StepOrder in the order sent.
             async for request in requests:
                 unanswered += 1
                 if self._draining:
-                    answer(pb.StepReply(seq=request.seq, code=grpc.StatusCode.UNAVAILABLE.value[0], details=DRAINING))
+                    refuse(request.seq, grpc.StatusCode.UNAVAILABLE, DRAINING)
                     continue
                 task = asyncio.ensure_future(one(request))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
-            closed.set()  # the caller closed its side
+            closed = True
             replies.put_nowait(None)
 
-        closed = asyncio.Event()
         wake = functools.partial(replies.put_nowait, None)
         self._drain_hooks.add(wake)
         reader = asyncio.ensure_future(read())
@@ -163,7 +165,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 reply = await replies.get()
                 if reply is not None:
                     await context.write(reply)
-                if unanswered == 0 and replies.empty() and (closed.is_set() or self._draining):
+                if unanswered == 0 and replies.empty() and (closed or self._draining):
                     break  # every step taken has its answer written
         finally:
             self._drain_hooks.discard(wake)
