@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from kvfleet_models.tiny import tiny_weights
 from tests.unit.model_configs import GQA_CFG
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
-from worker_svc.kv_cache import PersistentViews, SlabRows
+from worker_svc.kv_cache import BlockTable, PagedKVCache, PagedRows, PersistentViews, RebuildViews, SlabRows
 from worker_svc.local import LocalSteps
 from worker_svc.model import fused, native
 from worker_svc.model.cpu_features import cpu_features
@@ -168,6 +168,109 @@ def test_decode_attention_reads_scattered_slab_rows(
         ops.decode_attention(q3, slab, lens, True, items, hkv, torch.tensor([0, 2, 6]))
 
 
+def _paged(hkv: int, d: int, block_size: int, kv_dtype: torch.dtype, seed: int) -> PagedKVCache:
+    """A one-layer paged cache of 12 blocks filled with random K/V."""
+    cache = PagedKVCache(1, 12, block_size, hkv, d, kv_dtype, torch.device("cpu"))
+    cache.kv.copy_(_rand(*cache.kv.shape, seed=seed).to(kv_dtype))
+    return cache
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("order", ["bh", "hb"])
+@pytest.mark.parametrize(
+    "hkv, d, block_size, s",
+    [
+        (2, 16, 4, 11),  # (row, head) units, a block of 4 keys at a time
+        (3, 64, 16, 37),  # 9 rows of head size 64: on AVX-512 16 keys (a block) at a time
+        (3, 64, 4, 37),  # the same, blocks shorter than 16 keys
+        (1, 64, 16, 45),  # 3 rows: a head at a time
+        (2, 128, 8, 21),
+        (2, 96, 4, 19),
+    ],
+)
+def test_decode_attention_reads_a_paged_cache_where_it_lies(
+    ops: fused.FusedOps, order: str, hkv: int, d: int, block_size: int, s: int, kv_dtype: torch.dtype
+) -> None:
+    """Items whose blocks are scattered through the cache, out of order, with different
+    lengths: read block by block where they lie, the result is torch's masked softmax over the
+    gathered keys (``PagedRows.merged``); where the blocks hold 16 keys (the AVX-512 path's
+    unit) it is the gathered call's, bit for bit."""
+    items, g = 3, 3
+    cache = _paged(hkv, d, block_size, kv_dtype, seed=13)
+    blocks = -(-s // block_size)
+    tables = tuple(tuple(int(b) for b in np.random.default_rng(i).permutation(12)[:blocks]) for i in range(items))
+    lens = torch.tensor([s, 4, s - 5], dtype=torch.int64)
+    paged = PagedRows(cache, 0, cache.block_table(tables, s))
+    gathered = paged.merged()  # [2, Hkv * B, S, D], hb order
+    if order == "bh":  # the same keys in (item, head) order
+        gathered = gathered.view(2, hkv, items, s, d).transpose(1, 2).reshape(2, items * hkv, s, d)
+    q3 = _rand(items * hkv, g, d, seed=14)
+    bh = order == "bh"
+    got = ops.decode_attention(q3, paged.kv, lens, bh, items, hkv, pages=paged.table)
+    item_of_row = [n // hkv if bh else n % items for n in range(items * hkv)]
+    allowed = torch.arange(s)[None, :] < lens[item_of_row][:, None]
+    wide = gathered.float()
+    scores = q3 @ wide[0].transpose(1, 2) + torch.where(allowed, 0.0, float("-inf"))[:, None, :]
+    torch.testing.assert_close(got, torch.softmax(scores, -1) @ wide[1], rtol=1e-5, atol=1e-5)
+    if block_size % 16 == 0:
+        assert torch.equal(got, ops.decode_attention(q3, gathered, lens, bh, items, hkv))
+    all_keys = ops.decode_attention(q3, paged.kv, None, bh, items, hkv, pages=paged.table)
+    torch.testing.assert_close(
+        all_keys, torch.softmax(q3 @ wide[0].transpose(1, 2), -1) @ wide[1], rtol=1e-5, atol=1e-5
+    )
+
+
+def test_paged_decode_attention_refuses_what_it_cannot_read(ops: fused.FusedOps) -> None:
+    cache = _paged(2, 16, 4, torch.float32, seed=15)
+    q3 = _rand(2 * 2, 3, 16, seed=16)
+    table = cache.block_table(((3, 1), (0, 11)), 7)
+    kv = cache.kv[0]
+    past = BlockTable(table.ids.clone().fill_(12), 4, 7, 12)
+    with pytest.raises(ValueError, match="past the cache"):
+        ops.decode_attention(q3, kv, None, False, 2, 2, pages=past)
+    short = BlockTable(table.ids, 4, 9, table.max_id)  # 9 keys in 2 blocks of 4
+    with pytest.raises(ValueError, match="covering its keys"):
+        ops.decode_attention(q3, kv, None, False, 2, 2, pages=short)
+    with pytest.raises(ValueError, match="paged cache"):
+        ops.decode_attention(q3, PagedRows(cache, 0, table).merged(), None, False, 2, 2, pages=table)
+
+
+def test_rebuild_decodes_read_the_paged_cache_without_a_gather(ops: fused.FusedOps, monkeypatch) -> None:
+    """A step of decodes in the rebuild mode gathers nothing (its attention reads the blocks in
+    place); a step with a prefill chunk gathers that group's only. The logits are the torch
+    ops' (which gather every group) to float32's rounding."""
+    merged: list[int] = []
+    gather = PagedRows.merged
+
+    def spy(self: PagedRows) -> torch.Tensor:
+        merged.append(self.table.ids.shape[0])
+        return gather(self)
+
+    monkeypatch.setattr(PagedRows, "merged", spy)
+    logits = []
+    for on in (True, False):
+        merged.clear()
+        engine = Engine(CFG, WEIGHTS, EngineConfig(block_size=4, num_blocks=64, kv_views="rebuild", fused_ops=on))
+        assert isinstance(engine.views, RebuildViews)
+        steps = LocalSteps(engine)
+        first = steps.step(
+            [PrefillItem("a", (1, 2, 3, 4, 5, 6, 7), 0, True, GREEDY), PrefillItem("b", (9, 8), 0, True, GREEDY)], []
+        )
+        tokens = {r.session_id: r.token_id for r in first.results}
+        merged.clear()
+        out = steps.step(
+            [],
+            [DecodeItem("a", tokens["a"], 7, GREEDY, 1), DecodeItem("b", tokens["b"], 2, GREEDY, 1)],
+            return_logits=True,
+        )
+        if on:
+            assert merged == []  # read in place, every layer
+        else:
+            assert merged == [2] * CFG.num_layers
+        logits.append(out.logits)
+    np.testing.assert_allclose(logits[0], logits[1], atol=1e-5, rtol=0)
+
+
 def test_a_decode_group_in_scattered_persistent_rows_equals_rebuild(ops: fused.FusedOps, monkeypatch) -> None:
     """Sessions in rows 0, 1, 2; the middle one's second prompt chunk in the same step as the
     others' decodes: the decode group's rows (0, 2) are read from the slab in place
@@ -234,6 +337,16 @@ def test_decode_attention_of_an_avx2_build_equals_the_native_one(ops: fused.Fuse
         got = avx2.decode_attention(q3, kv, lens, True, items, hkv)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got, ops.decode_attention(q3, kv, lens, True, items, hkv), rtol=1e-5, atol=1e-5)
+    # a paged cache read in place, blocks of 16 and of 4 keys
+    for block_size in (16, 4):
+        cache = _paged(3, 64, block_size, torch.float16, seed=17)
+        tables = ((5, 2, 9, 0, 7, 11, 1, 3, 4, 6, 8, 10)[: -(-37 // block_size)],) * 2
+        table = cache.block_table(tables, 37)
+        lens = torch.tensor([37, 9], dtype=torch.int64)
+        q3 = _rand(2 * 3, 3, 64, seed=18)
+        want = ops.decode_attention(q3, PagedRows(cache, 0, table).merged(), lens, False, 2, 3)
+        got = avx2.decode_attention(q3, cache.kv[0], lens, False, 2, 3, pages=table)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def _mixed_steps(engine: Engine) -> np.ndarray:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from worker_svc.kv_cache import BlockTable
 from worker_svc.model import native
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,9 @@ class FusedOps:
         self._max_threads = lib.kv_max_threads
         self._max_threads.argtypes, self._max_threads.restype = [], _L
         # The decode attention's two entries: K/V float32, and K/V float16 (widened as read).
-        attn_args: list[type] = [_F, _F, _F, _L, _L, _F, _L, _L, _L, _L, _L, _L, ctypes.c_int, _F, _F, _F, _L, _L]
+        # q k v n_stride s_stride lens rows groups keys dim hkv items bh scratch out, then the
+        # slab's item_rows item_stride head_stride and the paged cache's pages page_width page
+        attn_args: list[type] = [_F, _F, _F, _L, _L, _F, *[_L] * 6, ctypes.c_int, _F, _F, _F, _L, _L, _F, _L, _L]
         self._attn = {torch.float32: lib.kv_decode_attention, torch.float16: lib.kv_decode_attention_f16}
         for fn in self._attn.values():
             fn.argtypes = attn_args
@@ -104,18 +107,36 @@ class FusedOps:
         items: int,
         hkv: int,
         rows: torch.Tensor | None = None,
+        pages: BlockTable | None = None,
     ) -> torch.Tensor:
         """One query per item: q3 [N, G, D] float32, contiguous; kv [2, N, S, D] float32 or
         float16 (``kv_dtypes``), with D contiguous;
         lens [B] int64 (keys each item sees, in attention order) or None for all S.
         With ``rows`` (int64 [B], bh order only) kv is instead a slab [2, R, Hkv, S, D] and
         item b's keys are its row rows[b], read where they lie (no gather).
+        With ``pages`` kv is instead a layer of the paged cache [2, Hkv, slots, D] and item b's
+        S keys lie in its blocks, pages.ids[b], read where they lie (no gather).
         Returns [N, G, D]."""
         n, g, d = q3.shape
         attn = self._attn.get(kv.dtype)
         if attn is None or q3.dtype != torch.float32:
             raise ValueError(f"float32 queries and float32 or float16 K/V, got {q3.dtype} and {kv.dtype}")
-        if rows is None:
+        table, width, page = None, 0, 0
+        if pages is not None:
+            k, v = kv[0], kv[1]
+            s, width, page = pages.keys, pages.ids.shape[1], pages.block_size
+            if rows is not None or k.stride(2) != 1 or k.stride() != v.stride() or kv.shape[1] != hkv:
+                raise ValueError(
+                    "pages need a layer of the paged cache, [2, Hkv, slots, D] with D contiguous, and no rows"
+                )
+            ids = pages.ids
+            if ids.dtype != torch.int64 or not ids.is_contiguous() or ids.shape[0] != items or s > width * page:
+                raise ValueError("pages must be contiguous int64, a row of blocks per item covering its keys")
+            if pages.max_id >= kv.shape[2] // page:
+                raise ValueError("a block is past the cache")
+            strides = (0, k.stride(1), 0, k.stride(0))
+            table = ids
+        elif rows is None:
             s = kv.shape[2]
             k, v = kv[0], kv[1]
             if k.stride(2) != 1 or k.stride() != v.stride():
@@ -139,6 +160,7 @@ class FusedOps:
             _ptr(q3), _ptr(k), _ptr(v), strides[0], strides[1], _ptr(lens) if lens is not None else None,
             n, g, s, d, hkv, items, int(bh), _ptr(scratch), _ptr(out),
             _ptr(rows) if rows is not None else None, strides[2], strides[3],
+            _ptr(table) if table is not None else None, width, page,
         )  # fmt: skip
         return out
 

@@ -211,31 +211,57 @@ __attribute__((always_inline)) static inline float dot_row(const float *q, const
     return dot;
 }
 
+/* Where one row's keys (and its values, at the same offsets from v) lie: from element `at`,
+ * s_stride elements apart, or, in a paged cache (`pages` not NULL), key s in block
+ * pages[s / page] at offset s % page, blocks of `page` keys from `at` (the row's head). */
+typedef struct {
+    long at, s_stride;
+    const long *pages;
+    long page;
+} key_rows;
+
+/* The run of consecutive keys that starts at key s (a multiple of the page, where paged): its
+ * first element's offset, and how many keys it holds (at most len - s). */
+static inline long key_run(const key_rows *r, const long s, const long len, long *off) {
+    if (!r->pages) {
+        *off = r->at + s * r->s_stride;
+        return len - s;
+    }
+    *off = r->at + r->pages[s / r->page] * r->page * r->s_stride;
+    return len - s < r->page ? len - s : r->page;
+}
+
 #define KV_ATTEND_MAX_DIM 256
 /* One (row, query head) of a decode attention: softmax over the first len keys of q.k, then
  * the probabilities times V, into o [dim]; p: len floats of scratch. Inlined with dim a
  * constant (64, 128), the output row is a local array the compiler keeps in registers across
- * the keys, instead of loading and storing o for every key. */
-__attribute__((always_inline)) static inline void attend(const float *qg, const void *kn, const void *vn,
-                                                         long s_stride, long len, const long dim, float *p, float *o,
-                                                         const int half) {
-    long s = 0;
+ * the keys, instead of loading and storing o for every key. A head wider than the array is
+ * done in slices of it. */
+__attribute__((always_inline)) static inline void attend(const float *qg, const void *k, const void *v,
+                                                         const key_rows *r, long len, const long dim, float *p,
+                                                         float *o, const int half) {
+    const long ss = r->s_stride;
+    for (long s0 = 0, off, m; s0 < len; s0 += m) {
+        m = key_run(r, s0, len, &off);
+        const void *kr = KV_PTR(k, off, half);
+        long s = 0;
 #ifdef __AVX512F__
-    if (dim == 64) { /* 16 keys at a time: each key's 64 products in one vector, then 16 sums at once */
-        for (; s + 16 <= len; s += 16) _mm512_storeu_ps(p + s, dots16(qg, KV_PTR(kn, s * s_stride, half), s_stride, half));
-    }
+        if (dim == 64) { /* 16 keys at a time: each key's 64 products in one vector, then 16 sums at once */
+            for (; s + 16 <= m; s += 16) _mm512_storeu_ps(p + s0 + s, dots16(qg, KV_PTR(kr, s * ss, half), ss, half));
+        }
 #endif
-    for (; s < len; s++) p[s] = dot_row(qg, KV_PTR(kn, s * s_stride, half), dim, half);
+        for (; s < m; s++) p[s0 + s] = dot_row(qg, KV_PTR(kr, s * ss, half), dim, half);
+    }
     const float inv = exp_scores(p, len);
     float acc[KV_ATTEND_MAX_DIM];
-    const long width = dim <= KV_ATTEND_MAX_DIM ? dim : KV_ATTEND_MAX_DIM;
-    for (long d = 0; d < width; d++) acc[d] = 0.0f;
-    for (long s = 0; s < len; s++) axpy_row(acc, p[s] * inv, KV_PTR(vn, s * s_stride, half), width, half);
-    for (long d = 0; d < width; d++) o[d] = acc[d];
-    for (long c = width; c < dim; c += KV_ATTEND_MAX_DIM) { /* a head wider than the array, in slices */
+    for (long c = 0; c < dim; c += KV_ATTEND_MAX_DIM) {
         const long w = dim - c < KV_ATTEND_MAX_DIM ? dim - c : KV_ATTEND_MAX_DIM;
         for (long d = 0; d < w; d++) acc[d] = 0.0f;
-        for (long s = 0; s < len; s++) axpy_row(acc, p[s] * inv, KV_PTR(vn, s * s_stride + c, half), w, half);
+        for (long s0 = 0, off, m; s0 < len; s0 += m) {
+            m = key_run(r, s0, len, &off);
+            const void *vr = KV_PTR(v, off + c, half);
+            for (long s = 0; s < m; s++) axpy_row(acc, p[s0 + s] * inv, KV_PTR(vr, s * ss, half), w, half);
+        }
         for (long d = 0; d < w; d++) o[c + d] = acc[d];
     }
 }
@@ -244,17 +270,22 @@ __attribute__((always_inline)) static inline void attend(const float *qg, const 
 /* A row's G query heads (G <= 4) at once, head size 64: each block of 16 keys is read once and
  * stays in L1 for the G dots, and each value row once for the G outputs (one (row, head) at a
  * time read every key and value G times). p: G * keys floats; o: G * 64. */
-__attribute__((always_inline)) static inline void attend_row64(const float *q, const long G, const void *kn,
-                                                               const void *vn, long s_stride, long len, long keys,
+__attribute__((always_inline)) static inline void attend_row64(const float *q, const long G, const void *k,
+                                                               const void *v, const key_rows *r, long len, long keys,
                                                                float *p, float *o, const int half) {
-    long s = 0;
-    for (; s + 16 <= len; s += 16) {
-        const void *ks = KV_PTR(kn, s * s_stride, half);
-        for (long g = 0; g < G; g++) _mm512_storeu_ps(p + g * keys + s, dots16(q + g * 64, ks, s_stride, half));
-    }
-    for (; s < len; s++) {
-        const void *ks = KV_PTR(kn, s * s_stride, half);
-        for (long g = 0; g < G; g++) p[g * keys + s] = dot_row(q + g * 64, ks, 64, half);
+    const long ss = r->s_stride;
+    for (long s0 = 0, off, m; s0 < len; s0 += m) {
+        m = key_run(r, s0, len, &off);
+        const void *kr = KV_PTR(k, off, half);
+        long s = 0;
+        for (; s + 16 <= m; s += 16) {
+            const void *ks = KV_PTR(kr, s * ss, half);
+            for (long g = 0; g < G; g++) _mm512_storeu_ps(p + g * keys + s0 + s, dots16(q + g * 64, ks, ss, half));
+        }
+        for (; s < m; s++) {
+            const void *ks = KV_PTR(kr, s * ss, half);
+            for (long g = 0; g < G; g++) p[g * keys + s0 + s] = dot_row(q + g * 64, ks, 64, half);
+        }
     }
     for (long g = 0; g < G; g++) { /* softmax in place, normalised */
         float *pg = p + g * keys;
@@ -265,16 +296,20 @@ __attribute__((always_inline)) static inline void attend_row64(const float *q, c
     __m512 acc[4][4];
     for (long g = 0; g < G; g++)
         for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
-    for (long t = 0; t < len; t++) {
-        const void *vs = KV_PTR(vn, t * s_stride, half);
-        const __m512 v0 = load16(vs, half), v1 = load16(KV_PTR(vs, 16, half), half),
-                     v2 = load16(KV_PTR(vs, 32, half), half), v3 = load16(KV_PTR(vs, 48, half), half);
-        for (long g = 0; g < G; g++) {
-            const __m512 ps = _mm512_set1_ps(p[g * keys + t]);
-            acc[g][0] = _mm512_fmadd_ps(ps, v0, acc[g][0]);
-            acc[g][1] = _mm512_fmadd_ps(ps, v1, acc[g][1]);
-            acc[g][2] = _mm512_fmadd_ps(ps, v2, acc[g][2]);
-            acc[g][3] = _mm512_fmadd_ps(ps, v3, acc[g][3]);
+    for (long s0 = 0, off, m; s0 < len; s0 += m) {
+        m = key_run(r, s0, len, &off);
+        const void *vr = KV_PTR(v, off, half);
+        for (long s = 0; s < m; s++) {
+            const void *vs = KV_PTR(vr, s * ss, half);
+            const __m512 v0 = load16(vs, half), v1 = load16(KV_PTR(vs, 16, half), half),
+                         v2 = load16(KV_PTR(vs, 32, half), half), v3 = load16(KV_PTR(vs, 48, half), half);
+            for (long g = 0; g < G; g++) {
+                const __m512 ps = _mm512_set1_ps(p[g * keys + s0 + s]);
+                acc[g][0] = _mm512_fmadd_ps(ps, v0, acc[g][0]);
+                acc[g][1] = _mm512_fmadd_ps(ps, v1, acc[g][1]);
+                acc[g][2] = _mm512_fmadd_ps(ps, v2, acc[g][2]);
+                acc[g][3] = _mm512_fmadd_ps(ps, v3, acc[g][3]);
+            }
         }
     }
     for (long g = 0; g < G; g++)
@@ -288,18 +323,38 @@ __attribute__((always_inline)) static inline void attend_row64(const float *q, c
  *   or float16 with half = 1.
  *   lens: [B] keys each item sees (its first lens[b] keys; the rest of the padded S are
  *   never read), or NULL for all `keys`. Item of row n: n / hkv ("bh" order, bh = 1) or
- *   n % items ("hb" order). scratch: G * keys floats per thread (kv_max_threads).
+ *   n % items ("hb" order); its kv head the other factor. scratch: G * keys floats per thread
+ *   (kv_max_threads).
  *   item_rows: NULL, or (bh order) each item's row of a [rows, Hkv, S, D] slab: row n's keys
- *   then lie at element item_rows[n / hkv] * item_stride + (n % hkv) * head_stride (n_stride unused).
+ *   then lie at element item_rows[item] * item_stride + head * head_stride (n_stride unused).
+ *   pages: NULL, or each item's blocks of a paged cache [Hkv, slots, D] (page_width ids per
+ *   item, `page` keys a block): row n's key s then lies in block pages[item * page_width +
+ *   s / page] of its head, head * head_stride (n_stride unused), read where it lies (the
+ *   gather of every item's blocks that torch's path needs, per layer, is not made).
  * softmax over the item's keys of q.k, then the probabilities times V: what torch's masked
  * path computes (a masked key's probability is exactly 0 there). The (row, query head) pairs
  * are shared among the threads of an OpenMP region from 4 up (a batch-1 decode has one row
  * per kv head, with G query heads each): built against the libgomp torch loaded (the
  * same soname), that region is torch's own pool, so no second pool spins against it. */
+static inline key_rows row_keys(long n, long n_stride, long s_stride, long hkv, long items, int bh,
+                                const long *item_rows, long item_stride, long head_stride, const long *pages,
+                                long page_width, long page) {
+    const long item = bh ? n / hkv : n % items, head = bh ? n % hkv : n / items;
+    key_rows r = {n * n_stride, s_stride, NULL, page};
+    if (item_rows)
+        r.at = item_rows[item] * item_stride + head * head_stride;
+    else if (pages) {
+        r.at = head * head_stride;
+        r.pages = pages + item * page_width;
+    }
+    return r;
+}
+
 __attribute__((always_inline)) static inline void decode_attention(
     const float *q, const void *k, const void *v, long n_stride, long s_stride, const long *lens, long rows,
     long groups, long keys, long dim, long hkv, long items, int bh, float *scratch, float *out,
-    const long *item_rows, long item_stride, long head_stride, const int half) {
+    const long *item_rows, long item_stride, long head_stride, const long *pages, long page_width, long page,
+    const int half) {
 #ifdef __AVX512F__
     /* Many rows: a row (its G heads together) per unit, each key and value read once. */
     if (dim == 64 && groups <= 4 && rows >= 8) {
@@ -310,16 +365,16 @@ __attribute__((always_inline)) static inline void decode_attention(
 #else
             float *p = scratch;
 #endif
-            const long at = item_rows ? item_rows[n / hkv] * item_stride + (n % hkv) * head_stride : n * n_stride;
+            const key_rows r = row_keys(n, n_stride, s_stride, hkv, items, bh, item_rows, item_stride, head_stride,
+                                        pages, page_width, page);
             const long len = lens ? lens[bh ? n / hkv : n % items] : keys;
             const float *qn = q + n * groups * dim;
             float *on = out + n * groups * dim;
-            const void *kn = KV_PTR(k, at, half), *vn = KV_PTR(v, at, half);
             switch (groups) { /* the head count as a constant: the accumulators stay in registers */
-            case 1: attend_row64(qn, 1, kn, vn, s_stride, len, keys, p, on, half); break;
-            case 2: attend_row64(qn, 2, kn, vn, s_stride, len, keys, p, on, half); break;
-            case 3: attend_row64(qn, 3, kn, vn, s_stride, len, keys, p, on, half); break;
-            default: attend_row64(qn, 4, kn, vn, s_stride, len, keys, p, on, half);
+            case 1: attend_row64(qn, 1, k, v, &r, len, keys, p, on, half); break;
+            case 2: attend_row64(qn, 2, k, v, &r, len, keys, p, on, half); break;
+            case 3: attend_row64(qn, 3, k, v, &r, len, keys, p, on, half); break;
+            default: attend_row64(qn, 4, k, v, &r, len, keys, p, on, half);
             }
         }
         return;
@@ -334,19 +389,17 @@ __attribute__((always_inline)) static inline void decode_attention(
 #else
         float *p = scratch;
 #endif
-        /* item_rows (bh order only): item b's keys lie in row item_rows[b] of a slab, head h at
-         * head_stride within it, so a group of scattered rows is read where it lies */
-        const long at = item_rows ? item_rows[n / hkv] * item_stride + (n % hkv) * head_stride : n * n_stride;
-        const void *kn = KV_PTR(k, at, half), *vn = KV_PTR(v, at, half);
+        const key_rows r = row_keys(n, n_stride, s_stride, hkv, items, bh, item_rows, item_stride, head_stride,
+                                    pages, page_width, page);
         const float *qg = q + u * dim;
         const long len = lens ? lens[bh ? n / hkv : n % items] : keys;
         float *o = out + u * dim;
         if (dim == 64) /* the usual head sizes as constants: see attend */
-            attend(qg, kn, vn, s_stride, len, 64, p, o, half);
+            attend(qg, k, v, &r, len, 64, p, o, half);
         else if (dim == 128)
-            attend(qg, kn, vn, s_stride, len, 128, p, o, half);
+            attend(qg, k, v, &r, len, 128, p, o, half);
         else
-            attend(qg, kn, vn, s_stride, len, dim, p, o, half);
+            attend(qg, k, v, &r, len, dim, p, o, half);
     }
 }
 
@@ -355,9 +408,10 @@ __attribute__((always_inline)) static inline void decode_attention(
 #define KV_DECODE_ENTRY(NAME, T, HALF)                                                                          \
     void NAME(const float *q, const T *k, const T *v, long n_stride, long s_stride, const long *lens, long rows, \
               long groups, long keys, long dim, long hkv, long items, int bh, float *scratch, float *out,       \
-              const long *item_rows, long item_stride, long head_stride) {                                     \
+              const long *item_rows, long item_stride, long head_stride, const long *pages, long page_width,    \
+              long page) {                                                                                     \
         decode_attention(q, k, v, n_stride, s_stride, lens, rows, groups, keys, dim, hkv, items, bh, scratch,   \
-                         out, item_rows, item_stride, head_stride, HALF);                                      \
+                         out, item_rows, item_stride, head_stride, pages, page_width, page, HALF);             \
     }
 KV_DECODE_ENTRY(kv_decode_attention, float, 0)
 KV_DECODE_ENTRY(kv_decode_attention_f16, kv_half, 1)

@@ -72,7 +72,7 @@ import torch
 from kvfleet_models.config import LlamaConfig
 from kvfleet_models.gguf_blocks import BlockTensor
 from kvfleet_models.rope import rope_frequencies
-from worker_svc.kv_cache import AttnGroup, KVViews, PagedKVCache, SlabRows
+from worker_svc.kv_cache import AttnGroup, BlockTable, KVViews, PagedKVCache, PagedRows, SlabRows
 from worker_svc.model import fused, gguf_quant, int8
 from worker_svc.model.cpu_backend import QUANT_MODES, Matrix, attention_core, matmul, matmul_add_, pack_bf16, torch_rows
 from worker_svc.model.gguf_quant import GGUFKernels, GGUFWeight
@@ -479,9 +479,10 @@ class LlamaModel:
             return
         rope_(qkv, rot, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
 
-    def _attention(self, q: torch.Tensor, kv: torch.Tensor | SlabRows, gt: GroupTensors) -> torch.Tensor:
-        """q: [T_g, Hq * D] the group's queries; kv: [2, N, S, D], or the persistent slab's rows
-        (read in place by the fused decode path, gathered for the others). Returns [T_g, Hq * D]."""
+    def _attention(self, q: torch.Tensor, kv: torch.Tensor | SlabRows | PagedRows, gt: GroupTensors) -> torch.Tensor:
+        """q: [T_g, Hq * D] the group's queries; kv: [2, N, S, D], or the persistent slab's rows,
+        or the paged cache's blocks (either read in place by the fused decode path, gathered for
+        the others). Returns [T_g, Hq * D]."""
         cfg = self.cfg
         hkv, d = cfg.num_kv_heads, cfg.head_dim
         g, b, n = cfg.num_heads // hkv, gt.batch, gt.query_len
@@ -491,12 +492,13 @@ class LlamaModel:
             not use_torch and self.fused is not None and n == 1 and (gt.mask is None or gt.kv_lens is not None)
         )
         rows: torch.Tensor | None = None
-        if isinstance(kv, SlabRows):
-            if fused_decode and gt.group.order == "bh":
-                rows = kv.rows
-                kv = kv.slab
-            else:
-                kv = kv.merged()
+        pages: BlockTable | None = None
+        if isinstance(kv, SlabRows) and fused_decode and gt.group.order == "bh":
+            rows, kv = kv.rows, kv.slab
+        elif isinstance(kv, PagedRows) and fused_decode:
+            pages, kv = kv.table, kv.kv
+        elif not isinstance(kv, torch.Tensor):
+            kv = kv.merged()
         if kv.dtype != q.dtype and not (fused_decode and self.fused is not None and kv.dtype in self.fused.kv_dtypes):
             kv = kv.to(q.dtype)  # a float16 cache read by torch's or numpy's products: widened
         if gt.pad_index is not None:
@@ -511,7 +513,9 @@ class LlamaModel:
             o3 = self._torch_attention(q3, kv, gt.bias)
         elif fused_decode:
             assert self.fused is not None
-            o3 = self.fused.decode_attention(q3.contiguous(), kv, gt.kv_lens, gt.group.order == "bh", b, hkv, rows)
+            o3 = self.fused.decode_attention(
+                q3.contiguous(), kv, gt.kv_lens, gt.group.order == "bh", b, hkv, rows, pages
+            )
         elif self.host_attention:
             o3 = attention_core(q3, kv, gt.mask, gt.group.order, b, n, hkv, g)  # [N, G*Q, D]
         else:
