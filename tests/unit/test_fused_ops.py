@@ -214,6 +214,14 @@ def test_decode_attention_reads_a_paged_cache_where_it_lies(
     torch.testing.assert_close(got, torch.softmax(scores, -1) @ wide[1], rtol=1e-5, atol=1e-5)
     if block_size % 16 == 0:
         assert torch.equal(got, ops.decode_attention(q3, gathered, lens, bh, items, hkv))
+    if bh:  # the queries read in place from a step's qkv rows ([B, (Hq + 2 Hkv) D]): the same
+        qkv = torch.cat([q3.reshape(items, hkv * g * d), _rand(items, 2 * hkv * d, seed=19)], dim=1)
+        rows_out = ops.decode_attention(qkv[:, : hkv * g * d], paged.kv, lens, True, items, hkv, pages=paged.table)
+        assert rows_out.shape == (items, hkv * g * d)
+        assert torch.equal(rows_out.view(items * hkv, g, d), got)
+    else:
+        with pytest.raises(ValueError, match="bh order"):
+            ops.decode_attention(q3.reshape(items, -1), paged.kv, lens, False, items, hkv, pages=paged.table)
     all_keys = ops.decode_attention(q3, paged.kv, None, bh, items, hkv, pages=paged.table)
     torch.testing.assert_close(
         all_keys, torch.softmax(q3 @ wide[0].transpose(1, 2), -1) @ wide[1], rtol=1e-5, atol=1e-5

@@ -73,8 +73,8 @@ class FusedOps:
         self._max_threads.argtypes, self._max_threads.restype = [], _L
         # The decode attention's two entries: K/V float32, and K/V float16 (widened as read).
         # q k v n_stride s_stride lens rows groups keys dim hkv items bh scratch out, then the
-        # slab's item_rows item_stride head_stride and the paged cache's pages page_width page
-        attn_args: list[type] = [_F, _F, _F, _L, _L, _F, *[_L] * 6, ctypes.c_int, _F, _F, _F, _L, _L, _F, _L, _L]
+        # slab's item_rows item_stride head_stride, the paged cache's pages page_width page, q_stride
+        attn_args: list[type] = [_F, _F, _F, _L, _L, _F, *[_L] * 6, ctypes.c_int, _F, _F, _F, _L, _L, _F, _L, _L, _L]
         self._attn = {torch.float32: lib.kv_decode_attention, torch.float16: lib.kv_decode_attention_f16}
         for fn in self._attn.values():
             fn.argtypes = attn_args
@@ -116,8 +116,20 @@ class FusedOps:
         item b's keys are its row rows[b], read where they lie (no gather).
         With ``pages`` kv is instead a layer of the paged cache [2, Hkv, slots, D] and item b's
         S keys lie in its blocks, pages.ids[b], read where they lie (no gather).
+        q3 may instead be [B, Hq * D] with unit column stride, rows any distance apart (bh
+        order only: item b's queries, head after head, as a step's q columns lie in its qkv
+        projection), read in place; the result is then [B, Hq * D].
         Returns [N, G, D]."""
-        n, g, d = q3.shape
+        d = kv.shape[-1]
+        if q3.dim() == 2:
+            if not bh or q3.stride(1) != 1 or q3.shape[0] != items or q3.shape[1] % (hkv * d):
+                raise ValueError("queries as rows need bh order, [B, Hq * D] with unit column stride")
+            n, g, q_stride = items * hkv, q3.shape[1] // (hkv * d), q3.stride(0)
+            out = q3.new_empty(q3.shape)
+        else:
+            n, g, d = q3.shape
+            q_stride = 0
+            out = torch.empty_like(q3)
         attn = self._attn.get(kv.dtype)
         if attn is None or q3.dtype != torch.float32:
             raise ValueError(f"float32 queries and float32 or float16 K/V, got {q3.dtype} and {kv.dtype}")
@@ -154,13 +166,12 @@ class FusedOps:
             strides = (0, k.stride(2), k.stride(0), k.stride(1))
         if lens is not None and (lens.dtype != torch.int64 or not lens.is_contiguous() or lens.shape[0] * hkv != n):
             raise ValueError("lens must be contiguous int64, one per item (each at most S: the caller's check)")
-        out = torch.empty_like(q3)
         scratch = torch.empty(g * s * self._max_threads(), dtype=torch.float32)
         attn(
             _ptr(q3), _ptr(k), _ptr(v), strides[0], strides[1], _ptr(lens) if lens is not None else None,
             n, g, s, d, hkv, items, int(bh), _ptr(scratch), _ptr(out),
             _ptr(rows) if rows is not None else None, strides[2], strides[3],
-            _ptr(table) if table is not None else None, width, page,
+            _ptr(table) if table is not None else None, width, page, q_stride,
         )  # fmt: skip
         return out
 

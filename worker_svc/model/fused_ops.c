@@ -324,7 +324,10 @@ __attribute__((always_inline)) static inline void attend_row64(const float *q, c
  *   lens: [B] keys each item sees (its first lens[b] keys; the rest of the padded S are
  *   never read), or NULL for all `keys`. Item of row n: n / hkv ("bh" order, bh = 1) or
  *   n % items ("hb" order); its kv head the other factor. scratch: G * keys floats per thread
- *   (kv_max_threads).
+ *   (kv_max_threads). q_stride (bh order only; 0: q contiguous): item b's G * Hkv queries start
+ *   at q + b * q_stride, so a step's q columns are read in place from its [T, (Hq + 2 Hkv) D]
+ *   projection (no copy into [N, G, D], none out of it either: out [N, G, D] in bh order is
+ *   [B, Hq * D]).
  *   item_rows: NULL, or (bh order) each item's row of a [rows, Hkv, S, D] slab: row n's keys
  *   then lie at element item_rows[item] * item_stride + head * head_stride (n_stride unused).
  *   pages: NULL, or each item's blocks of a paged cache [Hkv, slots, D] (page_width ids per
@@ -350,11 +353,16 @@ static inline key_rows row_keys(long n, long n_stride, long s_stride, long hkv, 
     return r;
 }
 
+/* Where row n's G queries start in q (see q_stride). */
+static inline long q_row(long n, long row, long hkv, int bh, long q_stride) {
+    return bh && q_stride ? (n / hkv) * q_stride + (n % hkv) * row : n * row;
+}
+
 __attribute__((always_inline)) static inline void decode_attention(
     const float *q, const void *k, const void *v, long n_stride, long s_stride, const long *lens, long rows,
     long groups, long keys, long dim, long hkv, long items, int bh, float *scratch, float *out,
     const long *item_rows, long item_stride, long head_stride, const long *pages, long page_width, long page,
-    const int half) {
+    long q_stride, const int half) {
 #ifdef __AVX512F__
     /* Many rows: a row (its G heads together) per unit, each key and value read once. */
     if (dim == 64 && groups <= 4 && rows >= 8) {
@@ -368,7 +376,7 @@ __attribute__((always_inline)) static inline void decode_attention(
             const key_rows r = row_keys(n, n_stride, s_stride, hkv, items, bh, item_rows, item_stride, head_stride,
                                         pages, page_width, page);
             const long len = lens ? lens[bh ? n / hkv : n % items] : keys;
-            const float *qn = q + n * groups * dim;
+            const float *qn = q + q_row(n, groups * dim, hkv, bh, q_stride);
             float *on = out + n * groups * dim;
             switch (groups) { /* the head count as a constant: the accumulators stay in registers */
             case 1: attend_row64(qn, 1, k, v, &r, len, keys, p, on, half); break;
@@ -391,7 +399,7 @@ __attribute__((always_inline)) static inline void decode_attention(
 #endif
         const key_rows r = row_keys(n, n_stride, s_stride, hkv, items, bh, item_rows, item_stride, head_stride,
                                     pages, page_width, page);
-        const float *qg = q + u * dim;
+        const float *qg = q + q_row(n, groups * dim, hkv, bh, q_stride) + (u % groups) * dim;
         const long len = lens ? lens[bh ? n / hkv : n % items] : keys;
         float *o = out + u * dim;
         if (dim == 64) /* the usual head sizes as constants: see attend */
@@ -409,9 +417,9 @@ __attribute__((always_inline)) static inline void decode_attention(
     void NAME(const float *q, const T *k, const T *v, long n_stride, long s_stride, const long *lens, long rows, \
               long groups, long keys, long dim, long hkv, long items, int bh, float *scratch, float *out,       \
               const long *item_rows, long item_stride, long head_stride, const long *pages, long page_width,    \
-              long page) {                                                                                     \
+              long page, long q_stride) {                                                                      \
         decode_attention(q, k, v, n_stride, s_stride, lens, rows, groups, keys, dim, hkv, items, bh, scratch,   \
-                         out, item_rows, item_stride, head_stride, pages, page_width, page, HALF);             \
+                         out, item_rows, item_stride, head_stride, pages, page_width, page, q_stride, HALF);   \
     }
 KV_DECODE_ENTRY(kv_decode_attention, float, 0)
 KV_DECODE_ENTRY(kv_decode_attention_f16, kv_half, 1)

@@ -72,7 +72,7 @@ import torch
 from kvfleet_models.config import LlamaConfig
 from kvfleet_models.gguf_blocks import BlockTensor
 from kvfleet_models.rope import rope_frequencies
-from worker_svc.kv_cache import AttnGroup, BlockTable, KVViews, PagedKVCache, PagedRows, SlabRows
+from worker_svc.kv_cache import AttnGroup, KVViews, PagedKVCache, PagedRows, SlabRows
 from worker_svc.model import fused, gguf_quant, int8
 from worker_svc.model.cpu_backend import QUANT_MODES, Matrix, attention_core, matmul, matmul_add_, pack_bf16, torch_rows
 from worker_svc.model.gguf_quant import GGUFKernels, GGUFWeight
@@ -491,12 +491,14 @@ class LlamaModel:
         fused_decode = (
             not use_torch and self.fused is not None and n == 1 and (gt.mask is None or gt.kv_lens is not None)
         )
+        if fused_decode and isinstance(kv, PagedRows) and gt.pad_index is None:
+            # The paged cache read in place, and q too (its rows in qkv, heads in bh order, any
+            # order being the kernel's to choose here): no copy of q, K/V or the output.
+            assert self.fused is not None
+            return self.fused.decode_attention(q, kv.kv, gt.kv_lens, True, b, hkv, pages=kv.table)
         rows: torch.Tensor | None = None
-        pages: BlockTable | None = None
         if isinstance(kv, SlabRows) and fused_decode and gt.group.order == "bh":
             rows, kv = kv.rows, kv.slab
-        elif isinstance(kv, PagedRows) and fused_decode:
-            pages, kv = kv.table, kv.kv
         elif not isinstance(kv, torch.Tensor):
             kv = kv.merged()
         if kv.dtype != q.dtype and not (fused_decode and self.fused is not None and kv.dtype in self.fused.kv_dtypes):
@@ -513,9 +515,7 @@ class LlamaModel:
             o3 = self._torch_attention(q3, kv, gt.bias)
         elif fused_decode:
             assert self.fused is not None
-            o3 = self.fused.decode_attention(
-                q3.contiguous(), kv, gt.kv_lens, gt.group.order == "bh", b, hkv, rows, pages
-            )
+            o3 = self.fused.decode_attention(q3.contiguous(), kv, gt.kv_lens, gt.group.order == "bh", b, hkv, rows)
         elif self.host_attention:
             o3 = attention_core(q3, kv, gt.mask, gt.group.order, b, n, hkv, g)  # [N, G*Q, D]
         else:
