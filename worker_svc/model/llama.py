@@ -47,9 +47,11 @@ On a CPU the small ops between the products (the RMS norms, each fused with the 
 before it, RoPE, a decode group's attention) are hand-fused C (``fused``) where a C
 compiler is found, and torch's ops otherwise or with ``fused_ops=False``. The fused decode
 attention reads each item's first keys, so a group whose window hides earlier keys takes the
-masked attention instead (the runner gives it no ``kv_lens``). Where torch holds the
-threads (int8, bfloat16), attention groups of several items run on torch's bmm, which uses all
-of them (``use_threads``).
+masked attention instead (the runner gives it no ``kv_lens``). In the rebuild views mode it
+reads each item's keys from the paged cache's blocks where they lie, and the queries from the
+step's qkv rows, so a decode group's K/V, q and output are never copied (``PagedRows``).
+Where torch holds the threads (int8, bfloat16), attention groups of several items run on
+torch's bmm, which uses all of them (``use_threads``).
 
 The KV cache is float32, except in the reduced-precision CPU modes (bfloat16, int8, gguf:
 ``platform.kv_cache_dtype``) where each new K/V is rounded once to float16 as it is stored:
