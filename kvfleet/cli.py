@@ -30,6 +30,11 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+# The scheduler's KV budget in the sweep's reference example (its snapshot's kv_budget_bytes):
+# what `kvfleet sweep` and the demo's sweep give the scheduler of their cluster.
+REFERENCE_KV_BUDGET_BYTES = 64 * 1024 * 1024
+
+
 def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None, overlap: bool | None = None) -> None:
     """overlap: the local cluster's overlapped scheduling by default (None: the scheduler's)."""
     from kvfleet.local_cluster import ClusterSpec
@@ -48,6 +53,12 @@ def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None, ove
     )
     p.add_argument("--max-running", type=int, default=d.max_running)
     p.add_argument("--prefill-token-budget", type=int, default=d.prefill_token_budget)
+    p.add_argument(
+        "--kv-budget-bytes",
+        type=int,
+        default=d.kv_budget_bytes,
+        help="the scheduler's cap on KV bytes reserved across workers (0 = none: the workers' caches)",
+    )
     add_switch(
         p,
         "overlap-scheduling",
@@ -106,6 +117,7 @@ def _spec(a: argparse.Namespace, port: int = 0):
         scheduler_port=port,
         max_running=a.max_running,
         prefill_token_budget=a.prefill_token_budget,
+        kv_budget_bytes=a.kv_budget_bytes,
         overlap_scheduling=a.overlap_scheduling,
         step_stream=a.step_stream,
         num_blocks=a.num_blocks,
@@ -458,6 +470,7 @@ def _demo_sweep(a: argparse.Namespace) -> argparse.Namespace:
     a.sessions, a.prompt_len, a.max_new_tokens, a.prefill_budget = 8, 4, 8, 4
     a.concurrency, a.seed = (1, 2, 4, 8), 0
     a.overlap_scheduling = False
+    a.kv_budget_bytes = REFERENCE_KV_BUDGET_BYTES
     return a
 
 
@@ -539,7 +552,8 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--concurrency", type=_ints, default=(1, 2, 4, 8))
     sw.add_argument("--seed", type=int, default=0)
     sw.add_argument("--out", default="sweep.json")
-    sw.set_defaults(fn=cmd_sweep)
+    # The reference's KV budget, so the snapshot's budget and pressure read as the example's.
+    sw.set_defaults(fn=cmd_sweep, kv_budget_bytes=REFERENCE_KV_BUDGET_BYTES)
 
     ex = sub.add_parser("experiment", help="run an A/B experiment on a lever and print its summary")
     ex.add_argument("--lever", default="persistent_kv_views", choices=["persistent_kv_views"])

@@ -65,6 +65,8 @@ class ClusterSpec:
     scheduler_port: int = 0  # 0 = a free port
     max_running: int = SchedulerLimits.max_running
     prefill_token_budget: int = SchedulerLimits.prefill_token_budget
+    # The scheduler's --kv-budget-bytes; 0: not passed (the scheduler's default, the workers' caches)
+    kv_budget_bytes: int = SchedulerLimits.kv_budget_bytes
     # The scheduler's --overlap-scheduling (plan tick N+1 while tick N computes).
     overlap_scheduling: bool = SchedulerConfig.overlap_scheduling
     step_stream: bool = SchedulerConfig.step_stream  # the scheduler's --step-stream
@@ -293,6 +295,8 @@ class LocalCluster:
                     str(s.drain_grace_s),
                     "--overlap-scheduling" if s.overlap_scheduling else "--no-overlap-scheduling",
                     "--step-stream" if s.step_stream else "--no-step-stream",
+                    # 0 leaves the scheduler's own setting (its default, or KVFLEET_KV_BUDGET_BYTES)
+                    *(("--kv-budget-bytes", str(s.kv_budget_bytes)) if s.kv_budget_bytes else ()),
                     *s.scheduler_args,
                 ],
             )

@@ -34,7 +34,13 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
     p.add_argument(
         "--prefill-token-budget", type=int, env="KVFLEET_PREFILL_TOKEN_BUDGET", default=d.prefill_token_budget
     )
-    p.add_argument("--kv-budget-bytes", type=int, env="KVFLEET_KV_BUDGET_BYTES", default=d.kv_budget_bytes)
+    p.add_argument(
+        "--kv-budget-bytes",
+        type=int,
+        env="KVFLEET_KV_BUDGET_BYTES",
+        default=d.kv_budget_bytes,
+        help="KV bytes reserved across all workers at most (0 = no cap of the scheduler's: the workers' caches)",
+    )
     p.add_argument("--max-queue-depth", type=int, env="KVFLEET_MAX_QUEUE_DEPTH", default=d.max_queue_depth)
     p.add_argument(
         "--max-queued-per-caller",

@@ -53,6 +53,7 @@ class Gauges:
     reserved_bytes: int
     live_workers: int
     weight_bytes: int
+    kv_budget_bytes: int  # the budget in force (KvReservations.budget_bytes)
 
 
 @dataclass
@@ -69,8 +70,7 @@ class _Workload:
 
 
 class Accounting:
-    def __init__(self, kv_budget_bytes: int, max_running: int) -> None:
-        self._kv_budget_bytes = kv_budget_bytes
+    def __init__(self, max_running: int) -> None:
         self._max_running = max_running
         self.counters = BatchCounters()
         self.rates = RateWindow()
@@ -188,8 +188,8 @@ class Accounting:
             completed_sessions=completed,
             decode_tokens_per_sec=round(decode_rate, 3),
             decode_tokens_total=c.decode_tokens,
-            kv_budget_bytes=self._kv_budget_bytes,
-            kv_pressure=round(g.kv_bytes / self._kv_budget_bytes, 4),
+            kv_budget_bytes=g.kv_budget_bytes,
+            kv_pressure=round(g.kv_bytes / g.kv_budget_bytes, 4) if g.kv_budget_bytes else 0.0,
             kv_total_bytes=g.kv_bytes,
             prefill_tokens_per_sec=round(prefill_rate, 3),
             prefill_tokens_total=c.prefill_tokens,

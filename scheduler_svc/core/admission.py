@@ -107,12 +107,12 @@ def check_capacity(req: SessionRequest, kv: KvReservations, where: str = "") -> 
     worst = len(req.prompt_ids) + req.max_new_tokens - 1
     if not kv.could_ever_fit(worst):
         worst_bytes = worst * kv.max_bytes_per_token()
+        budget = f"the KV budget ({kv.kv_budget_bytes} bytes) or " if kv.kv_budget_bytes else ""
         raise _reject(
             RejectReason.KV_BUDGET,
             f"{where}prompt + max_new_tokens needs up to {worst} tokens of KV "
-            f"({worst_bytes} bytes before rounding to whole blocks), more than the KV "
-            f"budget ({kv.kv_budget_bytes} bytes) or any worker's cache holds; "
-            f"lower max_new_tokens or shorten the prompt",
+            f"({worst_bytes} bytes before rounding to whole blocks), more than {budget}any "
+            f"worker's cache holds; lower max_new_tokens or shorten the prompt",
         )
 
 

@@ -127,11 +127,19 @@ class KvReservations:
     def footprint(self, worker_id: str, tokens: int) -> int:
         return round_up(tokens, self._workers[worker_id].spec.block_size)
 
+    def budget_bytes(self) -> int:
+        """The byte budget in force: the configured one, or (0 configured) the live workers'
+        caches together."""
+        if self.kv_budget_bytes:
+            return self.kv_budget_bytes
+        return sum(w.spec.capacity_tokens * w.spec.kv_bytes_per_token for w in self.live)
+
     def could_ever_fit(self, tokens: int) -> bool:
         """Whether some live worker could hold `tokens` (block-rounded) within the byte budget."""
         for w in self.live:
             footprint = round_up(tokens, w.spec.block_size)
-            if footprint <= w.spec.capacity_tokens and footprint * w.spec.kv_bytes_per_token <= self.kv_budget_bytes:
+            in_budget = not self.kv_budget_bytes or footprint * w.spec.kv_bytes_per_token <= self.kv_budget_bytes
+            if footprint <= w.spec.capacity_tokens and in_budget:
                 return True
         return False
 
@@ -149,6 +157,8 @@ class KvReservations:
         return self._workers[self._by_session[session_id]].tables
 
     def _fits_budget(self, blocks: int, worker_id: str) -> bool:
+        if not self.kv_budget_bytes:  # the workers' caches are the budget: their free blocks say
+            return True
         spec = self._workers[worker_id].spec
         return self.reserved_bytes() + blocks * spec.block_size * spec.kv_bytes_per_token <= self.kv_budget_bytes
 

@@ -9,7 +9,10 @@ from dataclasses import dataclass
 class SchedulerLimits:
     max_running: int = 64  # concurrency: sessions admitted and not finished
     prefill_token_budget: int = 512  # prompt tokens prefilled per tick (longer prompts chunk)
-    kv_budget_bytes: int = 64 * 1024 * 1024
+    # KV bytes the scheduler reserves across all workers at most; 0: no cap of its own, the live
+    # workers' caches are the budget (64 MiB, the reference sweep's, would hold 5 SmolLM2 sessions
+    # of 256 tokens and refuse any request of more than 1,456 tokens on workers of 65,536).
+    kv_budget_bytes: int = 0
     max_queue_depth: int = 1024
     # Sessions one caller (token, certificate or anonymous: see the servicer's caller_identity) may
     # have waiting at once, so one caller cannot fill the queue for all. Half the default queue;
@@ -43,7 +46,6 @@ class SchedulerLimits:
         for name in (
             "max_running",
             "prefill_token_budget",
-            "kv_budget_bytes",
             "max_queue_depth",
             "max_queued_per_caller",
             "max_stream_backlog",
@@ -55,3 +57,7 @@ class SchedulerLimits:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.kv_budget_bytes, int) or self.kv_budget_bytes < 0:
+            raise ValueError(
+                f"kv_budget_bytes must be 0 (the workers' caches) or positive, got {self.kv_budget_bytes!r}"
+            )

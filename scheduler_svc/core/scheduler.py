@@ -63,7 +63,7 @@ class SchedulerCore:
         self._clock = clock
         self._new_id = new_id
         self.kv = KvReservations(limits.kv_budget_bytes, limits.cache_aware_routing)
-        self.accounting = Accounting(limits.kv_budget_bytes, limits.max_running)
+        self.accounting = Accounting(limits.max_running)
         self._bounds = ModelBounds()
         self._sessions: dict[str, Session] = {}
         # The queue, the running sessions, the finishes asked for, the work still out, the KV:
@@ -454,6 +454,7 @@ class SchedulerCore:
             reserved_bytes=reserved,
             live_workers=len(live),
             weight_bytes=sum(w.spec.weight_bytes for w in live),
+            kv_budget_bytes=self.kv.budget_bytes(),
         )
 
     def snapshot(self, workload_id: str | None = None) -> TelemetrySnapshot:

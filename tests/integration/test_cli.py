@@ -17,6 +17,11 @@ def test_sweep_cli_starts_a_cluster_and_writes_the_json(tmp_path: Path):
     doc = json.loads(out.read_text())
     assert doc["concurrency_sweep"]["corruption_free"] is True
     assert [r["ticks"] for r in doc["concurrency_sweep"]["results"]] == [64, 33, 19, 15]
+    # The reference example's KV budget, given to this cluster's scheduler (the default is the
+    # workers' caches), so the snapshot's budget and pressure read as the example's do.
+    snap = doc["mid_run_telemetry_concurrency_4"]
+    assert snap["kv_budget_bytes"] == 64 * 1024 * 1024
+    assert snap["kv_pressure"] == round(snap["kv_total_bytes"] / (64 * 1024 * 1024), 4)
     assert "conc" in proc.stdout and "corruption_free: True" in proc.stdout
     # Beside the JSON, its picture (tests/unit/test_plots.py checks the drawing itself).
     assert png_size(tmp_path / "sweep.png") == (1200, 400)

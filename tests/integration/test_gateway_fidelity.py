@@ -263,6 +263,18 @@ def test_cached_prompt_tokens_are_reported(client, cluster):
     assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // bs * bs
 
 
+def test_a_long_prompt_is_served_within_the_workers_cache(client, grpc_client):
+    """The scheduler's default KV budget is the workers' caches (here 256 blocks: 4,096 tokens):
+    a prompt of about 1,500 tokens, more KV than the 64 MiB the scheduler once capped every
+    cluster at (1,456 SmolLM2 tokens in float32), is served, not refused with kv_budget."""
+    got = client.completions.create(model=MODEL, prompt="sea " * 1500, max_tokens=2, temperature=0)
+    snap = grpc_client.telemetry()
+    per_token = grpc_client.list_workers()[0].kv_bytes_per_token
+    assert got.usage.prompt_tokens * per_token > 64 * 1024 * 1024
+    assert got.choices[0].finish_reason == "length"
+    assert snap.kv_budget_bytes == sum(w.kv_capacity_tokens * w.kv_bytes_per_token for w in grpc_client.list_workers())
+
+
 # ---- refused fields --------------------------------------------------------------------------
 
 

@@ -88,11 +88,11 @@ def test_up_keeps_serving_when_a_worker_is_killed_smollm2(tmp_path: Path):
 def test_up_hands_its_drain_grace_on_and_a_closed_terminal_stops_it(tmp_path: Path):
     """SIGHUP (the terminal closed) drains and stops the cluster like SIGTERM, leaving no child;
     --drain-grace reaches the scheduler and the gateway, whose drains it bounds (and
-    --no-step-stream the scheduler)."""
+    --no-step-stream and --kv-budget-bytes the scheduler)."""
     import time
 
     up = Up(
-        ["--model", "tiny", "--workers", "1", "--drain-grace", "3", "--no-step-stream"],
+        ["--model", "tiny", "--workers", "1", "--drain-grace", "3", "--no-step-stream", "--kv-budget-bytes", "1536000"],
         tmp_path / "up.err",
         start_timeout_s=60,
     )
@@ -104,6 +104,7 @@ def test_up_hands_its_drain_grace_on_and_a_closed_terminal_stops_it(tmp_path: Pa
         assert b"--no-step-stream" in Path(f"/proc/{up.pids['scheduler']}/cmdline").read_bytes().split(b"\0")
         with SchedulerClient(up.scheduler) as client:
             assert client.generate(build_request([1, 2, 3], 4, ignore_eos=True)).token_ids
+            assert client.telemetry().kv_budget_bytes == 1536000  # --kv-budget-bytes in force
         up.proc.send_signal(signal.SIGHUP)
         assert up.proc.wait(60) == 0, up.stderr()
     finally:

@@ -682,6 +682,43 @@ def test_empty_workload_rejected():
     assert "at least one session" in info.value.message
 
 
+def test_by_default_the_workers_caches_are_the_kv_budget():
+    """No budget configured (0, the default): the scheduler caps nothing of its own. A session
+    needing more than 64 MiB (the old default, 5 SmolLM2 sessions of 256 tokens) but within a
+    worker's cache is admitted; one past every worker's cache is refused, the message naming the
+    caches, not a budget; the snapshot's budget is the live workers' caches together."""
+    big = WorkerSpec("w0", capacity_tokens=2048, block_size=16, kv_bytes_per_token=46080)  # SmolLM2, float32
+    other = WorkerSpec("w1", capacity_tokens=1024, block_size=16, kv_bytes_per_token=46080)
+    core = make_core((big, other), max_position=8192, max_prompt_tokens=4096)
+    assert SchedulerLimits().kv_budget_bytes == 0
+    sid = core.submit(req(1300, 256))  # 1,555 tokens: 71.7 MB of KV
+    plan, _ = plan_tick(core)
+    assert sid in [p.session_id for p in plan.prefill]
+    snap = core.snapshot()
+    assert snap.kv_budget_bytes == (2048 + 1024) * 46080
+    assert snap.kv_reserved_bytes == 1568 * 46080  # 98 blocks of 16
+    with pytest.raises(AdmissionRejected) as info:
+        core.submit(req(1900, 256))  # 2,155 tokens: more than either worker holds
+    assert info.value.reason == RejectReason.KV_BUDGET
+    assert "more than any worker's cache holds" in info.value.message and "budget (" not in info.value.message
+    # The same request under the old 64 MiB budget is refused, the message naming the budget.
+    capped = make_core((big,), max_position=8192, max_prompt_tokens=4096, kv_budget_bytes=64 * 1024 * 1024)
+    with pytest.raises(AdmissionRejected) as info:
+        capped.submit(req(1300, 256))
+    assert "the KV budget (67108864 bytes)" in info.value.message
+    assert capped.snapshot().kv_budget_bytes == 64 * 1024 * 1024
+    # No live worker: no budget, and the pressure is 0, not a division by zero.
+    core.worker_failed("w0")
+    core.worker_failed("w1")
+    assert (core.snapshot().kv_budget_bytes, core.snapshot().kv_pressure) == (0, 0.0)
+
+
+def test_kv_budget_bytes_may_be_zero_but_not_negative():
+    assert SchedulerLimits(kv_budget_bytes=0).kv_budget_bytes == 0
+    with pytest.raises(ValueError, match="kv_budget_bytes must be 0"):
+        SchedulerLimits(kv_budget_bytes=-1)
+
+
 def test_session_whose_block_rounded_reservation_exceeds_kv_budget_is_rejected():
     # Worst case 4 + 10 - 1 = 13 tokens, within a 13-token budget, but KV is reserved in whole
     # blocks of 16 (KvReservations.could_ever_fit rounds up), and 16 tokens are over: rejected
@@ -1140,7 +1177,9 @@ def test_mid_run_snapshot_at_tick_6_of_concurrency_4():
     # window holds ticks 4-6 (ends 7, 9, 11; span 6..11 = 5 s): prefill 4 (s3), decode 3+4+4.
     clock = iter(float(i) for i in range(10_000))
     held = {}
-    core, fake = make_core(clock=lambda: next(clock)), FakeWorkers()
+    # The reference example's KV budget (`kvfleet sweep` gives its scheduler the same).
+    budget = 64 * 1024 * 1024
+    core, fake = make_core(clock=lambda: next(clock), kv_budget_bytes=budget), FakeWorkers()
 
     def on_tick(plan, out):
         if plan.tick == 6:
@@ -1153,7 +1192,6 @@ def test_mid_run_snapshot_at_tick_6_of_concurrency_4():
     run_to_completion(core, fake, on_tick=on_tick)
     snap = core.workload_snapshot(wid)
     assert held["tokens"] == 30
-    budget = 64 * 1024 * 1024
     assert snap.kv_total_bytes == 30 * BPT == 46080
     assert snap.kv_pressure == round(46080 / budget, 4) == 0.0007
     assert (snap.active_sessions, snap.queue_depth, snap.completed_sessions) == (4, 4, 0)
