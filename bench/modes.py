@@ -17,6 +17,7 @@ Nothing is asserted: this prints figures to quote.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from typing import Any
@@ -79,12 +80,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--kv-views", default="persistent")
     p.add_argument("--prefill", type=int, default=256, help="prompt tokens of the prefill timed")
+    p.add_argument(
+        "--sliding-window",
+        type=int,
+        default=0,
+        help="give every layer a sliding window of this many keys (a Mistral-style config on these weights)",
+    )
     a = p.parse_args(argv)
     modes, batches = a.modes.split(","), [int(b) for b in a.batches.split(",")]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         p.error(f"unknown modes {unknown}; choose from {sorted(MODES)}")
     cfg, weights = load_model(a.model)
+    if a.sliding_window:
+        cfg = dataclasses.replace(cfg, sliding_window=a.sliding_window)
     # gguf mode: the same file's weights kept in their blocks (a second load, ~100 MB)
     blocks_weights = load_model_blocks(a.model)[1] if any(MODES[m].get("quant") == "gguf" for m in modes) else {}
     blocks = (sum(batches) * (a.context + (a.steps + 1) * a.repeats + 16) + a.prefill) // 16 + 8

@@ -75,13 +75,14 @@ def _group_tensors(
         else:
             m = m.view(1, b, 1, q, s).expand(num_kv_heads, b, group_size, q, s)
         bias = m.reshape(b * num_kv_heads, group_size * q, s)
-    kv_lens = None
-    # A key is visible up to the query's own position; under a window that cuts, the visible
-    # keys do not start at 0, which lengths cannot say: no kv_lens, so the fused decode
-    # attention (which reads the first kv_lens keys) is not used for that group.
-    if q == 1 and mask is not None and not cut:
+    kv_lens = kv_firsts = None
+    # A key is visible up to the query's own position, and under a window that cuts, from
+    # the window's first (the fused decode attention reads keys [first, len) of each item).
+    if q == 1 and mask is not None:
         kv_lens = torch.from_numpy(np.ascontiguousarray(query_pos[:, 0] + 1))
         assert int(kv_lens.max()) <= s
+        if cut:
+            kv_firsts = torch.from_numpy(np.ascontiguousarray(np.maximum(query_pos[:, 0] + 1 - window, 0)))
     start, stop = int(offsets[items[0]]), int(offsets[items[-1] + 1])
     return GroupTensors(
         group=g,
@@ -92,6 +93,7 @@ def _group_tensors(
         mask=mask,
         bias=bias,
         kv_lens=kv_lens,
+        kv_firsts=kv_firsts,
     )
 
 

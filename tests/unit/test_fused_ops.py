@@ -137,6 +137,18 @@ def test_decode_attention_matches_masked_softmax(
     )
     with pytest.raises(ValueError, match="lens"):
         ops.decode_attention(q3, kv, lens.int(), order == "bh", items, hkv)
+    # A sliding window: each item sees keys [first, len) only.
+    firsts = torch.clamp(lens - 5, min=0)
+    seen = allowed & (torch.arange(s)[None, :] >= firsts[item_of_row][:, None])
+    windowed = q3 @ wide[0].transpose(1, 2) + torch.where(seen, 0.0, float("-inf"))[:, None, :]
+    torch.testing.assert_close(
+        ops.decode_attention(q3, kv, lens, order == "bh", items, hkv, firsts=firsts),
+        torch.softmax(windowed, -1) @ wide[1],
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    with pytest.raises(ValueError, match="firsts"):
+        ops.decode_attention(q3, kv, None, order == "bh", items, hkv, firsts=firsts)
 
 
 def test_decode_attention_refuses_other_dtypes(ops: fused.FusedOps) -> None:
@@ -222,6 +234,16 @@ def test_decode_attention_reads_a_paged_cache_where_it_lies(
     else:
         with pytest.raises(ValueError, match="bh order"):
             ops.decode_attention(q3.reshape(items, -1), paged.kv, lens, False, items, hkv, pages=paged.table)
+    # A sliding window, its first key inside a block: keys [first, len) only, read in place.
+    firsts = torch.tensor([s - 7, 1, max(s - 5 - block_size - 1, 0)], dtype=torch.int64)
+    seen = allowed & (torch.arange(s)[None, :] >= firsts[item_of_row][:, None])
+    windowed = q3 @ wide[0].transpose(1, 2) + torch.where(seen, 0.0, float("-inf"))[:, None, :]
+    torch.testing.assert_close(
+        ops.decode_attention(q3, paged.kv, lens, bh, items, hkv, pages=paged.table, firsts=firsts),
+        torch.softmax(windowed, -1) @ wide[1],
+        rtol=1e-5,
+        atol=1e-5,
+    )
     all_keys = ops.decode_attention(q3, paged.kv, None, bh, items, hkv, pages=paged.table)
     torch.testing.assert_close(
         all_keys, torch.softmax(q3 @ wide[0].transpose(1, 2), -1) @ wide[1], rtol=1e-5, atol=1e-5
@@ -354,6 +376,10 @@ def test_decode_attention_of_an_avx2_build_equals_the_native_one(ops: fused.Fuse
         q3 = _rand(2 * 3, 3, 64, seed=18)
         want = ops.decode_attention(q3, PagedRows(cache, 0, table).merged(), lens, False, 2, 3)
         got = avx2.decode_attention(q3, cache.kv[0], lens, False, 2, 3, pages=table)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        firsts = torch.tensor([30, 2], dtype=torch.int64)  # windows, starting inside blocks
+        want = ops.decode_attention(q3, PagedRows(cache, 0, table).merged(), lens, False, 2, 3, firsts=firsts)
+        got = avx2.decode_attention(q3, cache.kv[0], lens, False, 2, 3, pages=table, firsts=firsts)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

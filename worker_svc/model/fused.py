@@ -73,8 +73,28 @@ class FusedOps:
         self._max_threads.argtypes, self._max_threads.restype = [], _L
         # The decode attention's two entries: K/V float32, and K/V float16 (widened as read).
         # q k v n_stride s_stride lens rows groups keys dim hkv items bh scratch out, then the
-        # slab's item_rows item_stride head_stride, the paged cache's pages page_width page, q_stride
-        attn_args: list[type] = [_F, _F, _F, _L, _L, _F, *[_L] * 6, ctypes.c_int, _F, _F, _F, _L, _L, _F, _L, _L, _L]
+        # slab's item_rows item_stride head_stride, the paged cache's pages page_width page, q_stride,
+        # firsts
+        attn_args: list[type] = [
+            _F,
+            _F,
+            _F,
+            _L,
+            _L,
+            _F,
+            *[_L] * 6,
+            ctypes.c_int,
+            _F,
+            _F,
+            _F,
+            _L,
+            _L,
+            _F,
+            _L,
+            _L,
+            _L,
+            _F,
+        ]
         self._attn = {torch.float32: lib.kv_decode_attention, torch.float16: lib.kv_decode_attention_f16}
         for fn in self._attn.values():
             fn.argtypes = attn_args
@@ -108,10 +128,13 @@ class FusedOps:
         hkv: int,
         rows: torch.Tensor | None = None,
         pages: BlockTable | None = None,
+        firsts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One query per item: q3 [N, G, D] float32, contiguous; kv [2, N, S, D] float32 or
         float16 (``kv_dtypes``), with D contiguous;
-        lens [B] int64 (keys each item sees, in attention order) or None for all S.
+        lens [B] int64 (keys each item sees, in attention order) or None for all S; firsts [B]
+        int64 (the first key each sees: a sliding window's start, each below its lens) or None
+        for 0.
         With ``rows`` (int64 [B], bh order only) kv is instead a slab [2, R, Hkv, S, D] and
         item b's keys are its row rows[b], read where they lie (no gather).
         With ``pages`` kv is instead a layer of the paged cache [2, Hkv, slots, D] and item b's
@@ -164,6 +187,10 @@ class FusedOps:
             if items and int(rows.max()) >= kv.shape[1]:
                 raise ValueError("a row is past the slab")
             strides = (0, k.stride(2), k.stride(0), k.stride(1))
+        if firsts is not None and (
+            firsts.dtype != torch.int64 or not firsts.is_contiguous() or firsts.shape[0] * hkv != n or lens is None
+        ):
+            raise ValueError("firsts must be contiguous int64, one per item, with lens")
         if lens is not None and (lens.dtype != torch.int64 or not lens.is_contiguous() or lens.shape[0] * hkv != n):
             raise ValueError("lens must be contiguous int64, one per item (each at most S: the caller's check)")
         scratch = torch.empty(g * s * self._max_threads(), dtype=torch.float32)
@@ -172,6 +199,7 @@ class FusedOps:
             n, g, s, d, hkv, items, int(bh), _ptr(scratch), _ptr(out),
             _ptr(rows) if rows is not None else None, strides[2], strides[3],
             _ptr(table) if table is not None else None, width, page, q_stride,
+            _ptr(firsts) if firsts is not None else None,
         )  # fmt: skip
         return out
 

@@ -220,47 +220,49 @@ typedef struct {
     long page;
 } key_rows;
 
-/* The run of consecutive keys that starts at key s (a multiple of the page, where paged): its
- * first element's offset, and how many keys it holds (at most len - s). */
+/* The run of consecutive keys that starts at key s: its first element's offset, and how many
+ * keys it holds (at most len - s; where paged, to the end of s's block). */
 static inline long key_run(const key_rows *r, const long s, const long len, long *off) {
     if (!r->pages) {
         *off = r->at + s * r->s_stride;
         return len - s;
     }
-    *off = r->at + r->pages[s / r->page] * r->page * r->s_stride;
-    return len - s < r->page ? len - s : r->page;
+    const long in_page = s % r->page;
+    *off = r->at + (r->pages[s / r->page] * r->page + in_page) * r->s_stride;
+    return len - s < r->page - in_page ? len - s : r->page - in_page;
 }
 
 #define KV_ATTEND_MAX_DIM 256
-/* One (row, query head) of a decode attention: softmax over the first len keys of q.k, then
- * the probabilities times V, into o [dim]; p: len floats of scratch. Inlined with dim a
+/* One (row, query head) of a decode attention: softmax over keys [first, len) of q.k, then
+ * the probabilities times V, into o [dim]; p: len - first floats of scratch. Inlined with dim a
  * constant (64, 128), the output row is a local array the compiler keeps in registers across
  * the keys, instead of loading and storing o for every key. A head wider than the array is
  * done in slices of it. */
 __attribute__((always_inline)) static inline void attend(const float *qg, const void *k, const void *v,
-                                                         const key_rows *r, long len, const long dim, float *p,
-                                                         float *o, const int half) {
+                                                         const key_rows *r, long first, long len, const long dim,
+                                                         float *p, float *o, const int half) {
     const long ss = r->s_stride;
-    for (long s0 = 0, off, m; s0 < len; s0 += m) {
+    for (long s0 = first, off, m; s0 < len; s0 += m) {
         m = key_run(r, s0, len, &off);
         const void *kr = KV_PTR(k, off, half);
+        float *ps = p + (s0 - first);
         long s = 0;
 #ifdef __AVX512F__
         if (dim == 64) { /* 16 keys at a time: each key's 64 products in one vector, then 16 sums at once */
-            for (; s + 16 <= m; s += 16) _mm512_storeu_ps(p + s0 + s, dots16(qg, KV_PTR(kr, s * ss, half), ss, half));
+            for (; s + 16 <= m; s += 16) _mm512_storeu_ps(ps + s, dots16(qg, KV_PTR(kr, s * ss, half), ss, half));
         }
 #endif
-        for (; s < m; s++) p[s0 + s] = dot_row(qg, KV_PTR(kr, s * ss, half), dim, half);
+        for (; s < m; s++) ps[s] = dot_row(qg, KV_PTR(kr, s * ss, half), dim, half);
     }
-    const float inv = exp_scores(p, len);
+    const float inv = exp_scores(p, len - first);
     float acc[KV_ATTEND_MAX_DIM];
     for (long c = 0; c < dim; c += KV_ATTEND_MAX_DIM) {
         const long w = dim - c < KV_ATTEND_MAX_DIM ? dim - c : KV_ATTEND_MAX_DIM;
         for (long d = 0; d < w; d++) acc[d] = 0.0f;
-        for (long s0 = 0, off, m; s0 < len; s0 += m) {
+        for (long s0 = first, off, m; s0 < len; s0 += m) {
             m = key_run(r, s0, len, &off);
             const void *vr = KV_PTR(v, off + c, half);
-            for (long s = 0; s < m; s++) axpy_row(acc, p[s0 + s] * inv, KV_PTR(vr, s * ss, half), w, half);
+            for (long s = 0; s < m; s++) axpy_row(acc, p[s0 - first + s] * inv, KV_PTR(vr, s * ss, half), w, half);
         }
         for (long d = 0; d < w; d++) o[c + d] = acc[d];
     }
@@ -271,32 +273,34 @@ __attribute__((always_inline)) static inline void attend(const float *qg, const 
  * stays in L1 for the G dots, and each value row once for the G outputs (one (row, head) at a
  * time read every key and value G times). p: G * keys floats; o: G * 64. */
 __attribute__((always_inline)) static inline void attend_row64(const float *q, const long G, const void *k,
-                                                               const void *v, const key_rows *r, long len, long keys,
-                                                               float *p, float *o, const int half) {
-    const long ss = r->s_stride;
-    for (long s0 = 0, off, m; s0 < len; s0 += m) {
+                                                               const void *v, const key_rows *r, long first,
+                                                               long len, long keys, float *p, float *o,
+                                                               const int half) {
+    const long ss = r->s_stride, n = len - first;
+    for (long s0 = first, off, m; s0 < len; s0 += m) {
         m = key_run(r, s0, len, &off);
         const void *kr = KV_PTR(k, off, half);
+        float *ps = p + (s0 - first);
         long s = 0;
         for (; s + 16 <= m; s += 16) {
             const void *ks = KV_PTR(kr, s * ss, half);
-            for (long g = 0; g < G; g++) _mm512_storeu_ps(p + g * keys + s0 + s, dots16(q + g * 64, ks, ss, half));
+            for (long g = 0; g < G; g++) _mm512_storeu_ps(ps + g * keys + s, dots16(q + g * 64, ks, ss, half));
         }
         for (; s < m; s++) {
             const void *ks = KV_PTR(kr, s * ss, half);
-            for (long g = 0; g < G; g++) p[g * keys + s0 + s] = dot_row(q + g * 64, ks, 64, half);
+            for (long g = 0; g < G; g++) ps[g * keys + s] = dot_row(q + g * 64, ks, 64, half);
         }
     }
     for (long g = 0; g < G; g++) { /* softmax in place, normalised */
         float *pg = p + g * keys;
-        const float inv = exp_scores(pg, len);
+        const float inv = exp_scores(pg, n);
 #pragma omp simd
-        for (long t = 0; t < len; t++) pg[t] *= inv;
+        for (long t = 0; t < n; t++) pg[t] *= inv;
     }
     __m512 acc[4][4];
     for (long g = 0; g < G; g++)
         for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
-    for (long s0 = 0, off, m; s0 < len; s0 += m) {
+    for (long s0 = first, off, m; s0 < len; s0 += m) {
         m = key_run(r, s0, len, &off);
         const void *vr = KV_PTR(v, off, half);
         for (long s = 0; s < m; s++) {
@@ -304,7 +308,7 @@ __attribute__((always_inline)) static inline void attend_row64(const float *q, c
             const __m512 v0 = load16(vs, half), v1 = load16(KV_PTR(vs, 16, half), half),
                          v2 = load16(KV_PTR(vs, 32, half), half), v3 = load16(KV_PTR(vs, 48, half), half);
             for (long g = 0; g < G; g++) {
-                const __m512 ps = _mm512_set1_ps(p[g * keys + s0 + s]);
+                const __m512 ps = _mm512_set1_ps(p[g * keys + s0 - first + s]);
                 acc[g][0] = _mm512_fmadd_ps(ps, v0, acc[g][0]);
                 acc[g][1] = _mm512_fmadd_ps(ps, v1, acc[g][1]);
                 acc[g][2] = _mm512_fmadd_ps(ps, v2, acc[g][2]);
@@ -322,7 +326,8 @@ __attribute__((always_inline)) static inline void attend_row64(const float *q, c
  *   k, v: row n, key s at element n * n_stride + s * s_stride (D contiguous elements), float32,
  *   or float16 with half = 1.
  *   lens: [B] keys each item sees (its first lens[b] keys; the rest of the padded S are
- *   never read), or NULL for all `keys`. Item of row n: n / hkv ("bh" order, bh = 1) or
+ *   never read), or NULL for all `keys`; firsts: [B] the first of them each item sees (a
+ *   sliding window hides the keys before it: they are never read), or NULL for 0. Item of row n: n / hkv ("bh" order, bh = 1) or
  *   n % items ("hb" order); its kv head the other factor. scratch: G * keys floats per thread
  *   (kv_max_threads). q_stride (bh order only; 0: q contiguous): item b's G * Hkv queries start
  *   at q + b * q_stride, so a step's q columns are read in place from its [T, (Hq + 2 Hkv) D]
@@ -362,7 +367,7 @@ __attribute__((always_inline)) static inline void decode_attention(
     const float *q, const void *k, const void *v, long n_stride, long s_stride, const long *lens, long rows,
     long groups, long keys, long dim, long hkv, long items, int bh, float *scratch, float *out,
     const long *item_rows, long item_stride, long head_stride, const long *pages, long page_width, long page,
-    long q_stride, const int half) {
+    long q_stride, const long *firsts, const int half) {
 #ifdef __AVX512F__
     /* Many rows: a row (its G heads together) per unit, each key and value read once. */
     if (dim == 64 && groups <= 4 && rows >= 8) {
@@ -375,14 +380,15 @@ __attribute__((always_inline)) static inline void decode_attention(
 #endif
             const key_rows r = row_keys(n, n_stride, s_stride, hkv, items, bh, item_rows, item_stride, head_stride,
                                         pages, page_width, page);
-            const long len = lens ? lens[bh ? n / hkv : n % items] : keys;
+            const long item = bh ? n / hkv : n % items;
+            const long len = lens ? lens[item] : keys, first = firsts ? firsts[item] : 0;
             const float *qn = q + q_row(n, groups * dim, hkv, bh, q_stride);
             float *on = out + n * groups * dim;
             switch (groups) { /* the head count as a constant: the accumulators stay in registers */
-            case 1: attend_row64(qn, 1, k, v, &r, len, keys, p, on, half); break;
-            case 2: attend_row64(qn, 2, k, v, &r, len, keys, p, on, half); break;
-            case 3: attend_row64(qn, 3, k, v, &r, len, keys, p, on, half); break;
-            default: attend_row64(qn, 4, k, v, &r, len, keys, p, on, half);
+            case 1: attend_row64(qn, 1, k, v, &r, first, len, keys, p, on, half); break;
+            case 2: attend_row64(qn, 2, k, v, &r, first, len, keys, p, on, half); break;
+            case 3: attend_row64(qn, 3, k, v, &r, first, len, keys, p, on, half); break;
+            default: attend_row64(qn, 4, k, v, &r, first, len, keys, p, on, half);
             }
         }
         return;
@@ -400,14 +406,15 @@ __attribute__((always_inline)) static inline void decode_attention(
         const key_rows r = row_keys(n, n_stride, s_stride, hkv, items, bh, item_rows, item_stride, head_stride,
                                     pages, page_width, page);
         const float *qg = q + q_row(n, groups * dim, hkv, bh, q_stride) + (u % groups) * dim;
-        const long len = lens ? lens[bh ? n / hkv : n % items] : keys;
+        const long item = bh ? n / hkv : n % items;
+        const long len = lens ? lens[item] : keys, first = firsts ? firsts[item] : 0;
         float *o = out + u * dim;
         if (dim == 64) /* the usual head sizes as constants: see attend */
-            attend(qg, k, v, &r, len, 64, p, o, half);
+            attend(qg, k, v, &r, first, len, 64, p, o, half);
         else if (dim == 128)
-            attend(qg, k, v, &r, len, 128, p, o, half);
+            attend(qg, k, v, &r, first, len, 128, p, o, half);
         else
-            attend(qg, k, v, &r, len, dim, p, o, half);
+            attend(qg, k, v, &r, first, len, dim, p, o, half);
     }
 }
 
@@ -417,9 +424,10 @@ __attribute__((always_inline)) static inline void decode_attention(
     void NAME(const float *q, const T *k, const T *v, long n_stride, long s_stride, const long *lens, long rows, \
               long groups, long keys, long dim, long hkv, long items, int bh, float *scratch, float *out,       \
               const long *item_rows, long item_stride, long head_stride, const long *pages, long page_width,    \
-              long page, long q_stride) {                                                                      \
+              long page, long q_stride, const long *firsts) {                                                  \
         decode_attention(q, k, v, n_stride, s_stride, lens, rows, groups, keys, dim, hkv, items, bh, scratch,   \
-                         out, item_rows, item_stride, head_stride, pages, page_width, page, q_stride, HALF);   \
+                         out, item_rows, item_stride, head_stride, pages, page_width, page, q_stride, firsts,  \
+                         HALF);                                                                                \
     }
 KV_DECODE_ENTRY(kv_decode_attention, float, 0)
 KV_DECODE_ENTRY(kv_decode_attention_f16, kv_half, 1)

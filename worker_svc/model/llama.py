@@ -46,8 +46,8 @@ Weights are prepared once for this forward, not kept in the checkpoint's form:
 On a CPU the small ops between the products (the RMS norms, each fused with the residual add
 before it, RoPE, a decode group's attention) are hand-fused C (``fused``) where a C
 compiler is found, and torch's ops otherwise or with ``fused_ops=False``. The fused decode
-attention reads each item's first keys, so a group whose window hides earlier keys takes the
-masked attention instead (the runner gives it no ``kv_lens``). In the rebuild views mode it
+attention reads each item's keys from its window's first (``kv_firsts``, where a sliding
+window cuts) to its own position (``kv_lens``), no others. In the rebuild views mode it
 reads each item's keys from the paged cache's blocks where they lie, and the queries from the
 step's qkv rows, so a decode group's K/V, q and output are never copied (``PagedRows``).
 Where torch holds the threads (int8, bfloat16), attention groups of several items run on
@@ -115,6 +115,8 @@ class GroupTensors:
     # One-token items only: [B] int64 keys each item sees, in attention order (the mask as
     # lengths, for the fused decode attention); None when every item sees all S.
     kv_lens: torch.Tensor | None = None
+    # ... and where a sliding window cuts, the first key each sees; None: 0.
+    kv_firsts: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -497,7 +499,7 @@ class LlamaModel:
             # The paged cache read in place, and q too (its rows in qkv, heads in bh order, any
             # order being the kernel's to choose here): no copy of q, K/V or the output.
             assert self.fused is not None
-            return self.fused.decode_attention(q, kv.kv, gt.kv_lens, True, b, hkv, pages=kv.table)
+            return self.fused.decode_attention(q, kv.kv, gt.kv_lens, True, b, hkv, pages=kv.table, firsts=gt.kv_firsts)
         rows: torch.Tensor | None = None
         if isinstance(kv, SlabRows) and fused_decode and gt.group.order == "bh":
             rows, kv = kv.rows, kv.slab
@@ -517,7 +519,9 @@ class LlamaModel:
             o3 = self._torch_attention(q3, kv, gt.bias)
         elif fused_decode:
             assert self.fused is not None
-            o3 = self.fused.decode_attention(q3.contiguous(), kv, gt.kv_lens, gt.group.order == "bh", b, hkv, rows)
+            o3 = self.fused.decode_attention(
+                q3.contiguous(), kv, gt.kv_lens, gt.group.order == "bh", b, hkv, rows, firsts=gt.kv_firsts
+            )
         elif self.host_attention:
             o3 = attention_core(q3, kv, gt.mask, gt.group.order, b, n, hkv, g)  # [N, G*Q, D]
         else:
