@@ -75,26 +75,7 @@ class FusedOps:
         # q k v n_stride s_stride lens rows groups keys dim hkv items bh scratch out, then the
         # slab's item_rows item_stride head_stride, the paged cache's pages page_width page, q_stride,
         # firsts
-        attn_args: list[type] = [
-            _F,
-            _F,
-            _F,
-            _L,
-            _L,
-            _F,
-            *[_L] * 6,
-            ctypes.c_int,
-            _F,
-            _F,
-            _F,
-            _L,
-            _L,
-            _F,
-            _L,
-            _L,
-            _L,
-            _F,
-        ]
+        attn_args: list[type] = [*[_F] * 3, _L, _L, _F, *[_L] * 6, ctypes.c_int, *[_F] * 3, _L, _L, _F, *[_L] * 3, _F]
         self._attn = {torch.float32: lib.kv_decode_attention, torch.float16: lib.kv_decode_attention_f16}
         for fn in self._attn.values():
             fn.argtypes = attn_args
