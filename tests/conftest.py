@@ -78,19 +78,11 @@ def smollm2_tokenizer():  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="session")
 def hf_smollm2():  # type: ignore[no-untyped-def]
-    """transformers' own SmolLM2 from the same GGUF, float32, eval: the reference."""
-    require_smollm2()
-    import os
+    """transformers' own SmolLM2 from the same GGUF, float32, eval: the reference (built by
+    transformers once per environment, tests/helpers/hf_reference.py)."""
+    from tests.helpers.hf_reference import hf_reference
 
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from kvfleet_models.registry import default_model_file
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    path = default_model_file(SMOLLM2)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
+    return hf_reference(require_smollm2())
 
 
 @pytest.fixture(scope="session")
