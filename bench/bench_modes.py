@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from worker_svc.config import WorkerConfig
+from worker_svc.kv_views_mode import KVViewsMode
+
 QUICK_HELP = "at most one batch of sessions per concurrency, one tiny sweep, the quality table on a slice"
+
+
+# --kv-views of the benchmarks: by default what a worker runs (WorkerConfig), so that a figure is
+# the served mode's unless a run names the other.
+KV_VIEWS = [m.value for m in KVViewsMode]
+KV_VIEWS_DEFAULT = WorkerConfig.kv_views.value
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.bench_modes import KV_VIEWS, KV_VIEWS_DEFAULT
 from kvfleet_models.registry import load_model, load_model_blocks
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
 from worker_svc.local import LocalSteps
@@ -78,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=128, help="prompt tokens per session")
     p.add_argument("--steps", type=int, default=6, help="decode steps per mode per round")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--kv-views", default="persistent")
+    p.add_argument(
+        "--kv-views", default=KV_VIEWS_DEFAULT, choices=KV_VIEWS, help="the engines' KV views (default: the workers')"
+    )
     p.add_argument("--prefill", type=int, default=256, help="prompt tokens of the prefill timed")
     p.add_argument(
         "--sliding-window",

@@ -32,6 +32,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # before gguf imports tqdm (see benc
 
 import torch  # noqa: E402
 
+from bench.bench_modes import KV_VIEWS, KV_VIEWS_DEFAULT  # noqa: E402
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec  # noqa: E402
 from worker_svc.kv_views_mode import KVViewsMode  # noqa: E402
 from worker_svc.local import LocalSteps  # noqa: E402
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=4, help="greedy tokens per session, compared on/off")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch's setting)")
-    p.add_argument("--kv-views", default="rebuild", choices=["rebuild", "persistent"])
+    p.add_argument("--kv-views", default=KV_VIEWS_DEFAULT, choices=KV_VIEWS)
     p.add_argument(
         "--routing",
         action="store_true",

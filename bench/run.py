@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from bench import report
-from bench.bench_modes import CPU_MODES, QUICK_HELP, pick_modes
+from bench.bench_modes import CPU_MODES, KV_VIEWS, KV_VIEWS_DEFAULT, QUICK_HELP, pick_modes
 from bench.cluster import BenchCluster, ClusterOptions, default_worker_threads
 from bench.plot import plot_results
 from bench.workload import Session, WorkloadSpec, mixed_sessions
@@ -65,7 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--peer-threads", type=_ints, default=None, help="thread counts the peer is calibrated over (default 1..cores)"
     )
-    p.add_argument("--kv-views", default="persistent", choices=["rebuild", "persistent"])
+    p.add_argument(
+        "--kv-views", default=KV_VIEWS_DEFAULT, choices=KV_VIEWS, help="the engines' KV views (default: the workers')"
+    )
     p.add_argument("--prefill-budget", type=int, default=256, help="scheduler prefill tokens per tick")
     p.add_argument(
         "--kv-dtype",
