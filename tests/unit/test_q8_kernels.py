@@ -35,7 +35,9 @@ SHAPES = [(7, 48), (5, 20), (35, 96), (960, 576), (576, 1536)]
 
 @pytest.mark.parametrize("level", q8.LEVELS)
 @pytest.mark.parametrize("n, k", SHAPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 9, 17])  # each row-tile size of both SIMD levels, and passes of several
+# each row-tile size of both SIMD levels, and passes of several; from 24 rows (PANEL_MIN_ROWS) the
+# avx512 level's prefill path: 24 is two whole passes of 12, 37 three and a row
+@pytest.mark.parametrize("m", [1, 2, 3, 9, 17, 24, 37])
 def test_every_level_equals_the_reference(level, n, k, m) -> None:
     kernels = _kernels(level)
     g = torch.Generator().manual_seed(n * 1000 + k + m)
@@ -59,6 +61,7 @@ def test_weights_at_full_range_and_exact_sums(level) -> None:
     w = q8.quantize_blocks(torch.stack([torch.ones(k), -torch.ones(k), signs] * 6), kernels)  # 18 rows
     assert int(w.row_blocks()[0][:, :k].abs().min()) == 127
     x = torch.stack([torch.ones(k), torch.arange(k, dtype=torch.float32) - 50])
+    x = x.repeat(16, 1)  # 32 rows: the avx512 level's prefill path too
     got = w.linear(x).double()
     want = x.double() @ torch.stack([torch.ones(k), -torch.ones(k), signs] * 6).double().t()
     assert torch.equal(got, want)
@@ -69,9 +72,9 @@ def test_accumulate_into_out_and_strided_rows(level) -> None:
     kernels = _kernels(level)
     g = torch.Generator().manual_seed(5)
     w = q8.quantize_blocks(torch.randn(9, 40, generator=g), kernels)
-    wide = torch.randn(3, 64, generator=g)
+    wide = torch.randn(30, 64, generator=g)  # 30 rows: the prefill path too
     x = wide[:, 8:48]  # rows 64 floats apart
-    h = torch.randn(3, 9, generator=g)
+    h = torch.randn(30, 9, generator=g)
     expect = h + q8.reference_linear(x.contiguous(), w)
     assert w.linear(x, out=h) is h
     np.testing.assert_allclose(h.numpy(), expect.numpy(), rtol=0, atol=1e-5 * float(expect.abs().max()))
