@@ -9,8 +9,8 @@ README promises of each mode, whatever the CPU: bfloat16 >= 0.95 / <= 1.01, int8
 that CPU (saturating AVX2 products) measured 0.897 / 1.039, and with 7-bit inputs 0.880.
 On the 2-core Intel Xeon (AVX-512 VNNI): bfloat16 0.980 / 1.0003; int8 (weight-only since
 session 14: float32 inputs, int8 weight blocks of 32) 0.9733 / x0.9984 at every level on the
-whole text (avx512 0.9738 / x0.9984 since session 20, whose prefill products fold the block
-scales into a float panel of the weights), 0.9707 / x0.9985 on the slice below (W8A8 before: 0.967 / 0.965 / 0.964 at avx512
+whole text (avx2 and avx512 0.9738 / x0.9984 since session 20, whose prefill products fold the
+block scales into a float panel of the weights), 0.9707 / x0.9985 on the slice below (W8A8 before: 0.967 / 0.965 / 0.964 at avx512
 / avx2 / scalar). Int8 and --quant gguf are measured at every kernel
 level the CPU runs: the whole text at the best level (the one a worker serves with), and the
 text's first 1,025 tokens at every other SIMD level (AVX2 under AVX-512), its first 513 at the

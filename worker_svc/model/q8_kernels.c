@@ -17,9 +17,10 @@
  *   scalar   C over the same layout for any CPU (4-float vectors of the GCC / Clang vector
  *            extension): a block widened once into floats with its scales folded in, then
  *            multiplied by up to 64 input rows;
- *   avx2     8 rows a register (a group in two halves), up to 4 input rows a pass;
+ *   avx2     8 rows a register (a group in two halves), up to 4 input rows a pass; from 24
+ *            input rows, a group's weights widened once into a float panel (linear_panel);
  *   avx512   16 rows a register, up to 8 input rows a pass; from 24 input rows, two groups'
- *            weights widened once into a float panel (linear_panel).
+ *            weights widened once into a float panel.
  * The "avx512" level is the one the int8 and GGUF families share (AVX-512 with VNNI); these
  * products use AVX-512F alone.
  *
@@ -118,6 +119,43 @@ void kv_q8_linear_scalar(const float *x, long m, long k, long ldx, const int8_t 
 }
 
 #if defined(KV_X86) && KV_Q8_LEVELS >= 1
+/* Many input rows (a prefill chunk, a large decode batch): each panel's groups of weights are
+ * widened once into floats [k][16 * per_panel] with their block scales folded in, and every input
+ * row then multiplies that panel, a tile of rows a pass (a SIMD level's `tile`). In the row-tile
+ * kernels below, the widening took two of every ten FMA-port slots; a panel's inner loop is only
+ * loads and FMAs, and at avx512 each x value serves two groups' 32 outputs. From PANEL_MIN_ROWS
+ * rows: below it the row-tile kernels measured as fast or faster on the Xeon (the widening is
+ * spread over too few rows). The block scale multiplies each weight before the sum instead of
+ * each block's partial sum: a rounding of its own, of the same size. Measured on the Xeon, 1
+ * thread, 512 rows: avx512 120-137 -> 168-192 GFLOP/s (torch's float32 175-198), avx2 64-65 ->
+ * 101-111. */
+#define PANEL_MIN_ROWS 24
+typedef void (*widen_fn)(const int8_t *wq, const float *wd, long nb, long k, long g, long count, float *panel);
+typedef void (*tile_fn)(const float *panel, long k, const float *x, long ldx, long rows, long count, float *y,
+                        long ldy, long live0, long live1, int accumulate);
+
+static void linear_panel(widen_fn widen, tile_fn tile, long per_panel, long tile_rows,
+                                                 const float *x, long m, long k, long ldx, const int8_t *wq,
+                                                 const float *wd, long n, float *y, long ldy, int accumulate) {
+    const long nb = (k + QK - 1) / QK, groups = (n + GR - 1) / GR, panels = (groups + per_panel - 1) / per_panel;
+#pragma omp parallel
+    {
+        float *panel = aligned_alloc(64, (size_t)k * per_panel * GR * sizeof(float));
+#pragma omp for schedule(static)
+        for (long p = 0; p < panels; p++) {
+            const long g = p * per_panel, count = groups - g < per_panel ? groups - g : per_panel;
+            const long live0 = n - g * GR < GR ? n - g * GR : GR;
+            const long live1 = count > 1 ? (n - (g + 1) * GR < GR ? n - (g + 1) * GR : GR) : 0;
+            widen(wq, wd, nb, k, g, count, panel);
+            for (long r = 0; r < m; r += tile_rows) {
+                const long rows = m - r < tile_rows ? m - r : tile_rows;
+                tile(panel, k, x + r * ldx, ldx, rows, count, y + r * ldy + g * GR, ldy, live0, live1, accumulate);
+            }
+        }
+        free(panel);
+    }
+}
+
 #define AVX2_TILE 4
 /* One half of a group (8 rows, `half` 0 or 1) for R input rows; R is a constant in each
  * caller (group_avx2's switch), so the partial sums stay in registers; U = 4 / R chains a row
@@ -168,9 +206,84 @@ __attribute__((target("avx2,fma"))) static void group_avx2(const int8_t *gq, con
     }
     for (long r = 0; r < rows; r++) store_rows(s + r * GR, y + r * ldy, live, accumulate);
 }
+/* avx2 panels: one group, its 16 outputs in two registers, 6 rows a pass (12 accumulators). */
+#define AVX2_PANEL_TILE 6
+__attribute__((target("avx2,fma"))) static void widen_avx2(const int8_t *wq, const float *wd, long nb, long k, long g,
+                                                           long count, float *panel) {
+    (void)count; /* one group a panel */
+    const int8_t *gq = wq + g * nb * QK * GR;
+    const float *gd = wd + g * nb * GR;
+    for (long c = 0; c < k; c++)
+        for (long h = 0; h < GR; h += 8) {
+            const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(gq + c * GR + h))));
+            _mm256_store_ps(panel + c * GR + h, _mm256_mul_ps(w, _mm256_loadu_ps(gd + (c / QK) * GR + h)));
+        }
+}
+/* Rows of 8 outputs of which the first `live` are real: AVX2's masked load and store. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void out_avx2(float *y, __m256 v, __m256i mask,
+                                                                               int accumulate) {
+    _mm256_maskstore_ps(y, mask, accumulate ? _mm256_add_ps(_mm256_maskload_ps(y, mask), v) : v);
+}
+__attribute__((target("avx2,fma"))) static __m256i live_lanes(long live) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(live < 0 ? 0 : live)), lane);
+}
+/* Six rows with named accumulators: written as arrays indexed in loops (as the avx512 tile is),
+ * GCC kept these twelve in memory, storing every one at every column (50 GFLOP/s on the Xeon,
+ * slower than half_avx2's 65; named: 100-109). */
+#define AVX2_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+__attribute__((target("avx2,fma"))) static void panel_six_avx2(const float *panel, long k, const float *x, long ldx,
+                                                               float *y, long ldy, __m256i m0, __m256i m1,
+                                                               int accumulate) {
+#define DECL(r) __m256 p##r = _mm256_setzero_ps(), q##r = _mm256_setzero_ps();
+    AVX2_ROWS(DECL)
+#undef DECL
+    for (long c = 0; c < k; c++) {
+        const __m256 w0 = _mm256_load_ps(panel + c * GR), w1 = _mm256_load_ps(panel + c * GR + 8);
+#define STEP(r)                                                 \
+    {                                                           \
+        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + c); \
+        p##r = _mm256_fmadd_ps(w0, xv, p##r);                   \
+        q##r = _mm256_fmadd_ps(w1, xv, q##r);                   \
+    }
+        AVX2_ROWS(STEP)
+#undef STEP
+    }
+#define OUT(r)                                            \
+    out_avx2(y + r * ldy, p##r, m0, accumulate);          \
+    out_avx2(y + r * ldy + 8, q##r, m1, accumulate);
+    AVX2_ROWS(OUT)
+#undef OUT
+}
+/* One row (the rows a pass of six leaves). */
+__attribute__((target("avx2,fma"))) static void panel_one_avx2(const float *panel, long k, const float *x, float *y,
+                                                               __m256i m0, __m256i m1, int accumulate) {
+    __m256 p = _mm256_setzero_ps(), q = _mm256_setzero_ps();
+    for (long c = 0; c < k; c++) {
+        const __m256 xv = _mm256_broadcast_ss(x + c);
+        p = _mm256_fmadd_ps(_mm256_load_ps(panel + c * GR), xv, p);
+        q = _mm256_fmadd_ps(_mm256_load_ps(panel + c * GR + 8), xv, q);
+    }
+    out_avx2(y, p, m0, accumulate);
+    out_avx2(y + 8, q, m1, accumulate);
+}
+__attribute__((target("avx2,fma"))) static void tile_avx2(const float *panel, long k, const float *x, long ldx,
+                                                          long rows, long count, float *y, long ldy, long live0,
+                                                          long live1, int accumulate) {
+    (void)count, (void)live1; /* one group a panel */
+    const __m256i m0 = live_lanes(live0), m1 = live_lanes(live0 - 8);
+    if (rows == AVX2_PANEL_TILE) {
+        panel_six_avx2(panel, k, x, ldx, y, ldy, m0, m1, accumulate);
+        return;
+    }
+    for (long r = 0; r < rows; r++) panel_one_avx2(panel, k, x + r * ldx, y + r * ldy, m0, m1, accumulate);
+}
 void kv_q8_linear_avx2(const float *x, long m, long k, long ldx, const int8_t *wq, const float *wd, long n,
                        float *y, long ldy, int accumulate) {
-    linear(group_avx2, AVX2_TILE, x, m, k, ldx, wq, wd, n, y, ldy, accumulate);
+    if (m >= PANEL_MIN_ROWS)
+        linear_panel(widen_avx2, tile_avx2, 1, AVX2_PANEL_TILE, x, m, k, ldx, wq, wd, n, y, ldy, accumulate);
+    else
+        linear(group_avx2, AVX2_TILE, x, m, k, ldx, wq, wd, n, y, ldy, accumulate);
 }
 
 #if KV_Q8_LEVELS >= 2
@@ -227,38 +340,34 @@ __attribute__((target("avx512f,avx2,fma"))) static void group_avx512(const int8_
 #undef ROWS_CASE
     }
 }
-/* Many input rows (a prefill chunk, a large decode batch): two groups' weights (32 outputs) are
- * widened once into a float panel [k][32] with their block scales folded in, which every input
- * row then multiplies, 12 rows a pass (24 accumulators). In rows_avx512 the widening takes two of
- * every ten FMA-port slots and each x value serves 16 outputs; here each serves 32 and the inner
- * loop is only loads and FMAs (on the Xeon, 1 thread, 512 rows: 120-137 -> 168-192 GFLOP/s,
- * torch's float32 175-198). From PANEL_MIN_ROWS rows: below it rows_avx512 measured as fast or
- * faster (the widening is spread over too few rows). The block scale multiplies each weight
- * before the sum instead of each block's partial sum: a rounding of its own, of the same size.
- * The same panel at avx2 (one group, 6 rows a pass) measured slower than half_avx2 on the Xeon
- * (50-54 against 65-67 GFLOP/s), so that level keeps its kernel. */
-#define PANEL_MIN_ROWS 24
-#define PANEL_TILE 12
-__attribute__((target("avx512f,avx2,fma"))) static void widen_panel(const int8_t *wq, const float *wd, long nb,
-                                                                    long k, long g, long two, float *panel) {
-    for (long j = 0; j < two; j++) {
+/* avx512 panels: two groups (32 outputs) in two registers, 12 rows a pass (24 accumulators). */
+static __mmask16 live_mask(long live) {
+    return live >= GR ? (__mmask16)0xFFFF : live <= 0 ? (__mmask16)0 : (__mmask16)((1u << live) - 1u);
+}
+__attribute__((target("avx512f,avx2,fma"), always_inline)) static inline void out_avx512(float *y, __m512 v,
+                                                                                         __mmask16 mask,
+                                                                                         int accumulate) {
+    _mm512_mask_storeu_ps(y, mask, accumulate ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask, y), v) : v);
+}
+#define AVX512_PANEL_TILE 12
+__attribute__((target("avx512f,avx2,fma"))) static void widen_avx512(const int8_t *wq, const float *wd, long nb,
+                                                                     long k, long g, long count, float *panel) {
+    for (long j = 0; j < count; j++) {
         const int8_t *gq = wq + (g + j) * nb * QK * GR;
         const float *gd = wd + (g + j) * nb * GR;
         for (long c = 0; c < k; c++) {
-            const long b = c / QK;
             const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(gq + c * GR))));
-            _mm512_store_ps(panel + c * 2 * GR + j * GR, _mm512_mul_ps(w, _mm512_loadu_ps(gd + b * GR)));
+            _mm512_store_ps(panel + (c * 2 + j) * GR, _mm512_mul_ps(w, _mm512_loadu_ps(gd + (c / QK) * GR)));
         }
     }
 }
-__attribute__((target("avx512f,avx2,fma"), always_inline)) static inline void panel_rows(
+__attribute__((target("avx512f,avx2,fma"), always_inline)) static inline void panel_rows_avx512(
     const float *panel, long k, const float *x, long ldx, const long R, const long two, float *y, long ldy,
     __mmask16 m0, __mmask16 m1, int accumulate) {
-    __m512 a0[PANEL_TILE], a1[PANEL_TILE];
+    __m512 a0[AVX512_PANEL_TILE], a1[AVX512_PANEL_TILE];
     for (long r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
     for (long c = 0; c < k; c++) {
-        const __m512 w0 = _mm512_load_ps(panel + c * 2 * GR);
-        const __m512 w1 = _mm512_load_ps(panel + c * 2 * GR + GR);
+        const __m512 w0 = _mm512_load_ps(panel + c * 2 * GR), w1 = _mm512_load_ps(panel + c * 2 * GR + GR);
         for (long r = 0; r < R; r++) {
             const __m512 xv = _mm512_set1_ps(x[r * ldx + c]);
             a0[r] = _mm512_fmadd_ps(w0, xv, a0[r]);
@@ -266,49 +375,27 @@ __attribute__((target("avx512f,avx2,fma"), always_inline)) static inline void pa
         }
     }
     for (long r = 0; r < R; r++) {
-        float *yr = y + r * ldy;
-        _mm512_mask_storeu_ps(yr, m0, accumulate ? _mm512_add_ps(_mm512_maskz_loadu_ps(m0, yr), a0[r]) : a0[r]);
-        if (two)
-            _mm512_mask_storeu_ps(yr + GR, m1,
-                                  accumulate ? _mm512_add_ps(_mm512_maskz_loadu_ps(m1, yr + GR), a1[r]) : a1[r]);
+        out_avx512(y + r * ldy, a0[r], m0, accumulate);
+        if (two) out_avx512(y + r * ldy + GR, a1[r], m1, accumulate);
     }
 }
-__attribute__((target("avx512f,avx2,fma"))) static void panel_tile(const float *panel, long k, const float *x,
-                                                                  long ldx, long rows, long two, float *y, long ldy,
-                                                                  __mmask16 m0, __mmask16 m1, int accumulate) {
-    switch (rows * 2 + (two ? 1 : 0)) {
-#define PANEL_CASE(R)                                                                  \
-    case 2 * R: panel_rows(panel, k, x, ldx, R, 0, y, ldy, m0, m1, accumulate); break; \
-    case 2 * R + 1: panel_rows(panel, k, x, ldx, R, 1, y, ldy, m0, m1, accumulate); break;
+__attribute__((target("avx512f,avx2,fma"))) static void tile_avx512(const float *panel, long k, const float *x,
+                                                                    long ldx, long rows, long count, float *y,
+                                                                    long ldy, long live0, long live1, int accumulate) {
+    const __mmask16 m0 = live_mask(live0), m1 = live_mask(live1);
+    switch (rows * 2 + (count > 1)) {
+#define PANEL_CASE(R)                                                                         \
+    case 2 * R: panel_rows_avx512(panel, k, x, ldx, R, 0, y, ldy, m0, m1, accumulate); break; \
+    case 2 * R + 1: panel_rows_avx512(panel, k, x, ldx, R, 1, y, ldy, m0, m1, accumulate); break;
         PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5) PANEL_CASE(6) PANEL_CASE(7)
         PANEL_CASE(8) PANEL_CASE(9) PANEL_CASE(10) PANEL_CASE(11) PANEL_CASE(12)
 #undef PANEL_CASE
     }
 }
-static __mmask16 live_mask(long live) { return live >= GR ? (__mmask16)0xFFFF : (__mmask16)((1u << live) - 1u); }
-static void linear_panel(const float *x, long m, long k, long ldx, const int8_t *wq, const float *wd, long n,
-                         float *y, long ldy, int accumulate) {
-    const long nb = (k + QK - 1) / QK, groups = (n + GR - 1) / GR, pairs = (groups + 1) / 2;
-#pragma omp parallel
-    {
-        float *panel = aligned_alloc(64, (size_t)k * 2 * GR * sizeof(float));
-#pragma omp for schedule(static)
-        for (long p = 0; p < pairs; p++) {
-            const long g = 2 * p, two = g + 1 < groups;
-            widen_panel(wq, wd, nb, k, g, two ? 2 : 1, panel);
-            const __mmask16 m0 = live_mask(n - g * GR), m1 = two ? live_mask(n - (g + 1) * GR) : 0;
-            for (long r = 0; r < m; r += PANEL_TILE) {
-                const long rows = m - r < PANEL_TILE ? m - r : PANEL_TILE;
-                panel_tile(panel, k, x + r * ldx, ldx, rows, two, y + r * ldy + g * GR, ldy, m0, m1, accumulate);
-            }
-        }
-        free(panel);
-    }
-}
 void kv_q8_linear_avx512(const float *x, long m, long k, long ldx, const int8_t *wq, const float *wd, long n,
                          float *y, long ldy, int accumulate) {
     if (m >= PANEL_MIN_ROWS)
-        linear_panel(x, m, k, ldx, wq, wd, n, y, ldy, accumulate);
+        linear_panel(widen_avx512, tile_avx512, 2, AVX512_PANEL_TILE, x, m, k, ldx, wq, wd, n, y, ldy, accumulate);
     else
         linear(group_avx512, AVX512_TILE, x, m, k, ldx, wq, wd, n, y, ldy, accumulate);
 }
