@@ -31,6 +31,14 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#define KV_THREADS() omp_get_max_threads()
+#define KV_THREAD() omp_get_thread_num()
+#else
+#define KV_THREADS() 1
+#define KV_THREAD() 0
+#endif
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define KV_X86 1
@@ -134,13 +142,17 @@ typedef void (*widen_fn)(const int8_t *wq, const float *wd, long nb, long k, lon
 typedef void (*tile_fn)(const float *panel, long k, const float *x, long ldx, long rows, long count, float *y,
                         long ldy, long live0, long live1, int accumulate);
 
-static void linear_panel(widen_fn widen, tile_fn tile, long per_panel, long tile_rows,
-                                                 const float *x, long m, long k, long ldx, const int8_t *wq,
-                                                 const float *wd, long n, float *y, long ldy, int accumulate) {
+/* Returns 0, or -1 when the panels' memory (one per thread, k * per_panel * 64 bytes) cannot be
+ * had: the caller then runs its row-tile kernel instead. */
+static int linear_panel(widen_fn widen, tile_fn tile, long per_panel, long tile_rows, const float *x, long m, long k,
+                        long ldx, const int8_t *wq, const float *wd, long n, float *y, long ldy, int accumulate) {
     const long nb = (k + QK - 1) / QK, groups = (n + GR - 1) / GR, panels = (groups + per_panel - 1) / per_panel;
+    const size_t floats = (size_t)k * per_panel * GR;
+    float *all = aligned_alloc(64, (size_t)KV_THREADS() * floats * sizeof(float));
+    if (all == NULL) return -1;
 #pragma omp parallel
     {
-        float *panel = aligned_alloc(64, (size_t)k * per_panel * GR * sizeof(float));
+        float *panel = all + (size_t)KV_THREAD() * floats;
 #pragma omp for schedule(static)
         for (long p = 0; p < panels; p++) {
             const long g = p * per_panel, count = groups - g < per_panel ? groups - g : per_panel;
@@ -152,8 +164,9 @@ static void linear_panel(widen_fn widen, tile_fn tile, long per_panel, long tile
                 tile(panel, k, x + r * ldx, ldx, rows, count, y + r * ldy + g * GR, ldy, live0, live1, accumulate);
             }
         }
-        free(panel);
     }
+    free(all);
+    return 0;
 }
 
 #define AVX2_TILE 4
@@ -280,9 +293,8 @@ __attribute__((target("avx2,fma"))) static void tile_avx2(const float *panel, lo
 }
 void kv_q8_linear_avx2(const float *x, long m, long k, long ldx, const int8_t *wq, const float *wd, long n,
                        float *y, long ldy, int accumulate) {
-    if (m >= PANEL_MIN_ROWS)
-        linear_panel(widen_avx2, tile_avx2, 1, AVX2_PANEL_TILE, x, m, k, ldx, wq, wd, n, y, ldy, accumulate);
-    else
+    if (m < PANEL_MIN_ROWS ||
+        linear_panel(widen_avx2, tile_avx2, 1, AVX2_PANEL_TILE, x, m, k, ldx, wq, wd, n, y, ldy, accumulate))
         linear(group_avx2, AVX2_TILE, x, m, k, ldx, wq, wd, n, y, ldy, accumulate);
 }
 
@@ -394,9 +406,8 @@ __attribute__((target("avx512f,avx2,fma"))) static void tile_avx512(const float 
 }
 void kv_q8_linear_avx512(const float *x, long m, long k, long ldx, const int8_t *wq, const float *wd, long n,
                          float *y, long ldy, int accumulate) {
-    if (m >= PANEL_MIN_ROWS)
-        linear_panel(widen_avx512, tile_avx512, 2, AVX512_PANEL_TILE, x, m, k, ldx, wq, wd, n, y, ldy, accumulate);
-    else
+    if (m < PANEL_MIN_ROWS ||
+        linear_panel(widen_avx512, tile_avx512, 2, AVX512_PANEL_TILE, x, m, k, ldx, wq, wd, n, y, ldy, accumulate))
         linear(group_avx512, AVX512_TILE, x, m, k, ldx, wq, wd, n, y, ldy, accumulate);
 }
 #endif /* KV_Q8_LEVELS >= 2 */
