@@ -75,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         default=d.inline_step_s * 1000,
         help=(
             "in-process servers only: steps expected under this many ms run on the event loop "
-            "(0 = never); python -m worker_svc runs every step on its compute thread"
+            "(0 = never); python -m worker_svc runs every step on its event loop, which is the "
+            "process's initial thread"
         ),
     )
     add_switch(
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"worker: {exc}")
     from kvfleet_models.errors import ModelLoadError
     from worker_svc.platform import resolve_device
-    from worker_svc.server import build_engine, serve_on_compute_thread
+    from worker_svc.server import build_engine, serve_on_main_thread
 
     try:
         resolve_device(config.device)  # before the model loads: a device that is not there is a line
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"worker: cannot load model: {exc}")
     except ValueError as exc:
         sys.exit(f"worker: {exc}")
-    serve_on_compute_thread(config, loaded)
+    serve_on_main_thread(config, loaded)
 
 
 if __name__ == "__main__":

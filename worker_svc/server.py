@@ -6,10 +6,9 @@ import asyncio
 import functools
 import logging
 import secrets
-import signal
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -24,7 +23,6 @@ from kvfleet_common.tracing import extract_context
 from kvfleet_models.config import LlamaConfig
 from kvfleet_models.gguf_blocks import BlockTensor
 from worker_svc import convert
-from worker_svc.compute import HostThreadExecutor
 from worker_svc.config import WorkerConfig
 from worker_svc.engine import Engine, EngineConfig, StepOutput
 from worker_svc.metrics import WorkerMetrics
@@ -61,17 +59,22 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         cfg: LlamaConfig,
         engine: Engine,
         metrics: WorkerMetrics | None = None,
-        executor: HostThreadExecutor | None = None,
+        steps_inline: bool = False,
+        executor: Executor | None = None,
     ) -> None:
         self._config = config
-        # Where steps run: the process's compute thread (``compute``) when served by ``python -m
-        # worker_svc``, which runs them (and stats reads) one at a time, in the order queued;
-        # None = inline or a thread of asyncio's default pool, one at a time under the lock.
-        self._executor = executor
+        # Where steps run: with ``steps_inline`` every one on the event loop's own thread under
+        # the lock (``python -m worker_svc``, whose loop is the process's initial thread:
+        # ``serve_on_main_thread``); else on ``executor``, one thread that runs them (and stats
+        # reads) one at a time in the order queued (in-process clusters: one per worker); else
+        # under the lock a step expected to be short on the loop, a longer one in a thread of
+        # asyncio's default pool (servers built in-process).
+        self._steps_inline = steps_inline
+        self._executor = None if steps_inline else executor
         self.metrics = metrics or WorkerMetrics(engine)
         self._cfg = cfg
         self._engine = engine
-        # Without a compute thread, one mutation of the engine (step, release) at a time: its KV
+        # One mutation of the engine (step, release) at a time: its KV
         # books and views are not thread-safe. Stats are read under it too, so they are never
         # seen half-updated.
         self._lock = asyncio.Lock()
@@ -209,7 +212,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         except ValueError as exc:
             raise StepRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         try:
-            out, step_ns, wall_start = await self._locked_step(call)
+            out, step_ns, wall_start, inline = await self._locked_step(call)
         except ValueError as exc:
             raise StepRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except Exception as exc:  # the batched forward failed; the engine freed the step's sessions
@@ -217,9 +220,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             raise StepRefused(
                 grpc.StatusCode.INTERNAL, f"the step failed on the worker: {type(exc).__name__}: {exc}"
             ) from None
-        # A step queued behind this one (overlapped scheduling) takes the lock and goes to the
-        # compute thread first: this one's spans and answer are built while it runs.
-        await asyncio.sleep(0)
+        if not inline:
+            # A step queued behind this one (overlapped scheduling) takes the lock and goes to
+            # its thread first: this one's spans and answer are built while it runs. After an
+            # inline step nothing awaits before the answer is handed to gRPC: a step sent behind
+            # it could otherwise block the loop first, and the scheduler would plan the tick
+            # after that one a step late, the engine idle meanwhile.
+            await asyncio.sleep(0)
         kv_views = call.kv_views or self._config.kv_views
         attrs: dict[str, str | int] = {
             "kvfleet.worker.id": self._config.worker_id,
@@ -233,25 +240,24 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         emit_step_spans(extract_context(trace_carrier), wall_start, out.profile, self._cfg.num_layers, attrs)
         return convert.step_to_pb(out, step_ns)
 
-    async def _locked_step(self, call: convert.StepCall) -> tuple[StepOutput, int, int]:
-        """Run the step; returns its output, wall ns and start (epoch ns: once it runs, so that
+    async def _locked_step(self, call: convert.StepCall) -> tuple[StepOutput, int, int, bool]:
+        """Run the step; returns its output, wall ns, start (epoch ns: once it runs, so that
         a step queued behind another, as overlapped scheduling sends them, does not count its
-        wait as work in its span).
+        wait as work in its span) and whether it ran inline.
 
-        With a compute thread the step is queued there at once (``_queued_step``). Without one
-        it runs holding the lock, inline or in a thread.
-
-        Waiting for the lock may be cancelled (nothing has changed yet). Once the step runs in
-        a thread, a cancellation no longer releases the lock: ``_abandon`` keeps it until the
-        thread returns. An inline step cannot be interrupted, being synchronous.
+        It runs holding the lock, inline (on the event loop's thread) or in a thread. Waiting
+        for the lock may be cancelled (nothing has changed yet). Once the step runs in a thread,
+        a cancellation no longer releases the lock: ``_abandon`` keeps it until the thread
+        returns. An inline step cannot be interrupted, being synchronous.
         """
         if self._executor is not None:
-            return await self._queued_step(self._executor, call)
+            return (*await self._queued_step(self._executor, call), False)
         await self._lock.acquire()
         handed_over = False
         try:
             wall_start, start = time.time_ns(), time.perf_counter_ns()
-            if runs_inline(*self._last_step, call.tokens, self._config.inline_step_s):
+            inline = self._steps_inline or runs_inline(*self._last_step, call.tokens, self._config.inline_step_s)
+            if inline:
                 out = self._apply(call)
             else:
                 thread = self._run_step(call)
@@ -263,18 +269,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     raise
             step_ns = time.perf_counter_ns() - start
             self._ran(call, step_ns)
-            return out, step_ns, wall_start
+            return out, step_ns, wall_start, inline
         finally:
             if not handed_over:
                 self._lock.release()
 
-    async def _queued_step(self, executor: HostThreadExecutor, call: convert.StepCall) -> tuple[StepOutput, int, int]:
-        """The step queued on the compute thread, which runs its calls one at a time in the order
-        they came (every torch call goes there, even a tiny step's: torch work on a second thread
-        gives it a second OpenMP pool, and the compute thread's steps run up to 2x slower from
-        then on; see ``compute``). A step sent ahead (overlapped scheduling) is queued while the
-        one before it runs and starts the moment that one ends: no round trip through this event
-        loop between them, which on a busy machine left the engine idle ~1 ms a step.
+    async def _queued_step(self, executor: Executor, call: convert.StepCall) -> tuple[StepOutput, int, int]:
+        """The step queued on the executor's thread, which runs its calls one at a time in the
+        order they came. A step sent ahead (overlapped scheduling) is queued while the one before
+        it runs and starts the moment that one ends, without this event loop.
 
         Cancelled while queued, the step never runs. Cancelled once running, it cannot be
         stopped: ``_abandon`` marks the worker busy until it returns (the steps queued behind it
@@ -290,19 +293,19 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._ran(call, step_ns)
         return out, step_ns, wall_start
 
+    def _timed_apply(self, call: convert.StepCall) -> tuple[StepOutput, int, int]:
+        wall_start, start = time.time_ns(), time.perf_counter_ns()
+        out = self._apply(call)
+        return out, time.perf_counter_ns() - start, wall_start
+
     def _ran(self, call: convert.StepCall, step_ns: int) -> None:
         """A step that ran: its time for the next inline choice, and the metrics."""
         self._last_step = (step_ns / 1e9, call.tokens)
         prefill_tokens = sum(len(p.token_ids) for p in call.prefill)
         self.metrics.observe_step(step_ns / 1e9, prefill_tokens, len(call.decode))
 
-    def _timed_apply(self, call: convert.StepCall) -> tuple[StepOutput, int, int]:
-        wall_start, start = time.time_ns(), time.perf_counter_ns()
-        out = self._apply(call)
-        return out, time.perf_counter_ns() - start, wall_start
-
     def _run_step(self, call: convert.StepCall) -> asyncio.Future[StepOutput]:
-        """The step (after its releases) in a thread (no compute thread: tests, in-process workers)."""
+        """The step (after its releases) in a thread (servers built in-process: tests)."""
         return asyncio.ensure_future(asyncio.to_thread(self._apply, call))
 
     def _apply(self, call: convert.StepCall) -> StepOutput:
@@ -316,8 +319,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return self._engine.step(call.prefill, call.decode, kv_views=call.kv_views)
 
     def _abandon(self, thread: asyncio.Future[Any], start_ns: int, tokens: int, release_lock: bool = True) -> None:
-        """The RPC of a running step was cancelled: the worker is busy (and, without a compute
-        thread, holds the lock) until its thread returns."""
+        """The RPC of a running step was cancelled: the worker is busy (and, without an
+        executor, holds the lock) until its thread returns."""
         log.warning("a step's RPC was cancelled while it ran; the worker waits for it to end")
         self._abandoned = thread
 
@@ -337,7 +340,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if self._executor is not None:  # between two steps, where they run
             s = await asyncio.wrap_future(self._executor.submit(self._engine.stats))
         else:
-            async with self._lock:
+            async with self._lock:  # between two steps
                 s = self._engine.stats()
         return pb.WorkerStats(
             steps=s.steps,
@@ -426,16 +429,22 @@ def grammar_factory(model: str, cfg: LlamaConfig) -> Callable[[str, str], Gramma
 
 
 async def create_server(
-    config: WorkerConfig, loaded: tuple[LlamaConfig, Engine] | None = None, executor: HostThreadExecutor | None = None
+    config: WorkerConfig,
+    loaded: tuple[LlamaConfig, Engine] | None = None,
+    executor: Executor | None = None,
+    steps_inline: bool = False,
 ):
     """Build and start the worker server; returns (server, port, health servicer).
-    executor: where steps run (see ``WorkerServicer``)."""
-    server, port, health, _ = await start_worker(config, loaded, executor)
+    executor, steps_inline: where steps run (see ``WorkerServicer``)."""
+    server, port, health, _ = await start_worker(config, loaded, executor, steps_inline)
     return server, port, health
 
 
 async def start_worker(
-    config: WorkerConfig, loaded: tuple[LlamaConfig, Engine] | None = None, executor: HostThreadExecutor | None = None
+    config: WorkerConfig,
+    loaded: tuple[LlamaConfig, Engine] | None = None,
+    executor: Executor | None = None,
+    steps_inline: bool = False,
 ):
     """Build and start the worker server; returns (server, port, health servicer, worker
     servicer): call the last one's ``drain`` before stopping the server."""
@@ -443,7 +452,7 @@ async def start_worker(
     # Every Worker RPC passes the TLS peer check and the scheduler's secret before it is handled.
     gate = WorkerAuthInterceptor(SERVICE_NAME, config.tls, config.worker_secret)
     server = grpc.aio.server(options=grpcutil.SERVER_OPTIONS, interceptors=[gate])
-    servicer = WorkerServicer(config, cfg, engine, executor=executor)
+    servicer = WorkerServicer(config, cfg, engine, steps_inline=steps_inline, executor=executor)
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
     health = grpcutil.add_health_and_reflection(server, [SERVICE_NAME])
     port = grpcutil.bind(server, config.host, config.port, config.tls)
@@ -471,15 +480,11 @@ async def start_worker(
 async def _serve(
     config: WorkerConfig,
     loaded: tuple[LlamaConfig, Engine] | None = None,
-    executor: HostThreadExecutor | None = None,
-    stop: asyncio.Event | None = None,
+    steps_inline: bool = False,
 ) -> None:
-    server, port, health, servicer = await start_worker(config, loaded, executor)
+    server, port, health, servicer = await start_worker(config, loaded, None, steps_inline)
     log.info("worker %s listening on %s:%d", config.worker_id, config.host, port)
-    if stop is None:
-        await grpcutil.wait_for_termination_signal()
-    else:
-        await stop.wait()
+    await grpcutil.wait_for_termination_signal()
     log.info("worker %s draining", config.worker_id)
     grpcutil.set_not_serving(health, [SERVICE_NAME])
     servicer.drain()
@@ -493,45 +498,19 @@ async def serve(config) -> None:
     await run_traced("kvfleet-worker", _serve(config))
 
 
-def serve_on_compute_thread(config: WorkerConfig, loaded: tuple[LlamaConfig, Engine]) -> None:
-    """Serve until SIGTERM or SIGINT with the steps on this (the process's initial) thread and
-    gRPC on an event loop in a second thread (see ``compute`` for why)."""
+def serve_on_main_thread(config: WorkerConfig, loaded: tuple[LlamaConfig, Engine]) -> None:
+    """Serve until SIGTERM or SIGINT, the event loop on this thread (the process's initial one,
+    which loaded the model) and every step inline on it.
+
+    torch's CPU kernels ran 1.5-2.5x slower called from any thread but the process's first, and
+    once a second thread had run torch work the first one's were slow too (two OpenMP pools on
+    the same cores; bench/README "Every mode"), so every torch call stays on this thread. The
+    loop on the same thread (rather than a second thread handing each step over) saves the
+    hand-overs between them and the GIL passing back and forth in every step: on the tiny
+    sweep about 0.2 ms of the worker's CPU a tick (bench/README, session 21). The price: while
+    a step runs the worker answers nothing else (GetInfo, health, GetStats wait for its end;
+    steps sent ahead are read then), as a step could not be interrupted before either.
+    """
     from kvfleet_common.tracing import run_traced
 
-    executor = HostThreadExecutor()
-    state: dict[str, Any] = {}
-    stop_requested = threading.Event()
-
-    async def body() -> None:
-        loop, stop = asyncio.get_running_loop(), asyncio.Event()
-        state["wake"] = lambda: loop.call_soon_threadsafe(stop.set)
-        if stop_requested.is_set():  # a signal came before the loop was up
-            stop.set()
-        await run_traced("kvfleet-worker", _serve(config, loaded, executor, stop))
-
-    def loop_thread() -> None:
-        try:
-            asyncio.run(body())
-        except BaseException as exc:  # re-raised on the main thread below
-            state["error"] = exc
-        finally:
-            executor.shutdown()
-
-    def on_signal(signum: int, frame: object) -> None:
-        stop_requested.set()
-        wake = state.get("wake")
-        if wake is not None:
-            wake()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    thread = threading.Thread(target=loop_thread, name="worker-grpc")
-    thread.start()
-    try:
-        executor.run()
-    finally:
-        executor.shutdown()
-        thread.join()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if "error" in state:
-        raise state["error"]
+    asyncio.run(run_traced("kvfleet-worker", _serve(config, loaded, steps_inline=True)))

@@ -46,7 +46,7 @@ async def _worker(wrap_step: Callable[[Any], Any] | None = None) -> AsyncIterato
     if wrap_step is not None:
         engine.step = wrap_step(engine.step)
     executor = ThreadPoolExecutor(1, thread_name_prefix="steps")
-    server, port, _ = await worker_server.create_server(config, (cfg, engine), executor)  # type: ignore[arg-type]
+    server, port, _ = await worker_server.create_server(config, (cfg, engine), executor)
     try:
         yield f"127.0.0.1:{port}", server
     finally:

@@ -1,19 +1,20 @@
-"""With a compute thread, the worker queues each step there as it comes: a step sent ahead
-(overlapped scheduling) starts the moment the one before it ends, without the event loop; one
-cancelled while queued never runs; one cancelled while running marks the worker busy until it
-returns. The engine's step is replaced by a recorder that can hold a step (this layer only)."""
+"""With a step executor (one thread, as an in-process cluster gives each worker), the worker
+queues each step there as it comes: a step sent ahead (overlapped scheduling) starts the moment
+the one before it ends, without the event loop; one cancelled while queued never runs; one
+cancelled while running marks the worker busy until it returns. The engine's step is replaced by
+a recorder that can hold a step (this layer only)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import pytest
 
 from kvfleet_models.tiny import tiny_weights
 from tests.unit.model_configs import GQA_CFG
-from worker_svc.compute import HostThreadExecutor
 from worker_svc.config import WorkerConfig
 from worker_svc.convert import StepCall
 from worker_svc.engine import Engine, EngineConfig
@@ -49,16 +50,13 @@ def _call(n: int) -> StepCall:
 
 
 @pytest.fixture
-def compute() -> Iterator[HostThreadExecutor]:
-    executor = HostThreadExecutor()
-    thread = threading.Thread(target=executor.run, kwargs={"poll_s": 0.05}, name="compute")
-    thread.start()
+def compute() -> Iterator[Executor]:
+    executor = ThreadPoolExecutor(1, thread_name_prefix="compute")
     yield executor
-    executor.shutdown()
-    thread.join(WAIT_S)
+    executor.shutdown(wait=True)
 
 
-def _servicer(executor: HostThreadExecutor, recorder: Recorder) -> WorkerServicer:
+def _servicer(executor: Executor, recorder: Recorder) -> WorkerServicer:
     engine = Engine(GQA_CFG, tiny_weights(GQA_CFG, seed=5), EngineConfig(block_size=4, num_blocks=16))
     servicer = WorkerServicer(WorkerConfig(model="tiny"), GQA_CFG, engine, executor=executor)
     engine.step = recorder.step  # type: ignore[method-assign]
@@ -66,7 +64,7 @@ def _servicer(executor: HostThreadExecutor, recorder: Recorder) -> WorkerService
     return servicer
 
 
-def _held_first(compute: HostThreadExecutor) -> tuple[Recorder, WorkerServicer]:
+def _held_first(compute: Executor) -> tuple[Recorder, WorkerServicer]:
     """A servicer whose first step (numbered 1) holds until ``recorder.release[1]`` is set."""
     recorder = Recorder()
     recorder.hold = {1}
@@ -100,7 +98,7 @@ def test_a_step_sent_ahead_starts_when_the_one_before_ends_without_the_event_loo
     assert recorder.thread_ids == {compute_thread_id(compute)}
 
 
-def compute_thread_id(executor: HostThreadExecutor) -> int:
+def compute_thread_id(executor: Executor) -> int:
     return executor.submit(threading.get_ident).result(WAIT_S)
 
 

@@ -1,6 +1,7 @@
-"""The worker process runs every engine call on its initial thread (worker_svc/compute.py):
-the executor itself, and a real server driven the way ``python -m worker_svc`` drives it, in a
-process of its own, stopped by SIGTERM."""
+"""The worker process runs every engine call on its initial thread, which also runs its event
+loop (``serve_on_main_thread``): a real server driven the way ``python -m worker_svc`` drives it,
+in a process of its own, stopped by SIGTERM; and an inline step's answer goes out before a step
+sent behind it runs (a real server, its steps inline, and a client on another thread)."""
 
 from __future__ import annotations
 
@@ -13,43 +14,22 @@ import threading
 from pathlib import Path
 
 import grpc
-import pytest
 
 from kvfleet.local_cluster import free_port
 from kvfleet.v1 import worker_pb2 as wpb
 from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
 from tests.helpers.worker_steps import prefill_item
-from worker_svc.compute import HostThreadExecutor
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_executor_runs_calls_on_the_thread_in_run_and_passes_errors_back() -> None:
-    ex = HostThreadExecutor()
-    seen: list[int] = []
-
-    def caller() -> None:
-        assert ex.submit(lambda: seen.append(threading.get_ident()) or 7).result(timeout=10) == 7
-        with pytest.raises(ZeroDivisionError):
-            ex.submit(lambda: 1 / 0).result(timeout=10)
-        ex.shutdown()
-
-    t = threading.Thread(target=caller)
-    t.start()
-    ex.run(poll_s=0.05)  # returns once the caller shuts it down
-    t.join()
-    assert seen == [threading.get_ident()]
-    with pytest.raises(RuntimeError, match="stopped"):
-        ex.submit(lambda: None)
-
-
 # The worker as `python -m worker_svc` runs it (its flags, its logging, build_engine on the
-# initial thread, serve_on_compute_thread), with Engine.step/release wrapped to record the thread
+# initial thread, serve_on_main_thread), with Engine.step/release wrapped to record the thread
 # each runs on; once served (after the SIGTERM) it prints one JSON line of what it saw.
 _WORKER = """
 import json, signal, sys, threading
 from worker_svc.__main__ import parse_args
-from worker_svc.server import build_engine, serve_on_compute_thread
+from worker_svc.server import build_engine, serve_on_main_thread
 
 config = parse_args(sys.argv[1:])
 cfg, engine = build_engine(config)
@@ -66,7 +46,7 @@ def on_release(ids):
 
 engine.step, engine.release = on_step, on_release
 previous = signal.getsignal(signal.SIGTERM)
-serve_on_compute_thread(config, (cfg, engine))  # returns after the drain
+serve_on_main_thread(config, (cfg, engine))  # returns after the drain
 print(json.dumps({
     "threads": threads,
     "main": threading.main_thread().name,
@@ -128,7 +108,59 @@ def test_steps_and_releases_run_on_the_main_thread_and_sigterm_drains(tmp_path: 
     # 4 steps, a release in one of them, a step that only releases: all on the initial thread
     assert seen["threads"] and set(seen["threads"]) == {seen["main"]}, seen
     assert len(seen["threads"]) == 6, seen
-    assert seen["handlers_back"], "serve_on_compute_thread did not give the signal handlers back"
+    assert seen["handlers_back"], "serve_on_main_thread did not give the signal handlers back"
     # The start line says which ops the CPU forward uses (README: "Faster CPU modes").
     assert f"fused CPU ops {'on' if seen['fused'] else 'off'}" in err, err
     assert "draining" in err, err
+
+
+def test_an_inline_steps_answer_goes_out_before_the_step_sent_behind_it_runs() -> None:
+    """Two steps sent back to back on one stream, the first held long enough that the second is
+    waiting when it ends: the second must not start before the client has the first's answer
+    (with overlapped scheduling the scheduler plans the next tick from that answer)."""
+    import asyncio
+
+    from kvfleet_models.config import tiny_config
+    from kvfleet_models.tiny import tiny_weights
+    from worker_svc.config import WorkerConfig
+    from worker_svc.server import build_engine, create_server
+
+    cfg = tiny_config()
+    config = WorkerConfig(host="127.0.0.1", port=0, model="tiny", metrics_port=0, num_blocks=64, block_size=16)
+    _, engine = build_engine(config, (cfg, tiny_weights(cfg, seed=0)))
+    first_answered = threading.Event()
+    seen: list[str] = []
+    step = engine.step
+
+    def recorded(prefill, decode, kv_views=None):  # type: ignore[no-untyped-def]
+        if not seen:
+            seen.append("first")
+            threading.Event().wait(0.5)  # the second step is sent meanwhile
+        else:
+            # Only waits long when the answer is held back behind this step (the defect).
+            seen.append("second after the first's answer" if first_answered.wait(5.0) else "second first")
+        return step(prefill, decode, kv_views=kv_views)
+
+    engine.step = recorded  # type: ignore[method-assign]
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server, port, _ = asyncio.run_coroutine_threadsafe(
+        create_server(config, (cfg, engine), steps_inline=True), loop
+    ).result(60)
+    try:
+        requests = [
+            wpb.StepRequest(prefill=[prefill_item(sid, [1, 2, 3], first_block=first)])
+            for sid, first in (("a", 0), ("b", 1))
+        ]
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            replies = []
+            for reply in wpb_grpc.WorkerStub(ch).StepStream(iter(requests), timeout=60):
+                first_answered.set()
+                replies.append(reply)
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(0.5), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    assert [r.code for r in replies] == [0, 0] and len(replies[0].response.results) == 1
+    assert seen == ["first", "second after the first's answer"]
