@@ -69,14 +69,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         # reads) one at a time in the order queued (in-process clusters: one per worker); else
         # under the lock a step expected to be short on the loop, a longer one in a thread of
         # asyncio's default pool (servers built in-process).
+        if steps_inline and executor is not None:
+            raise ValueError("steps run inline or on an executor, not both")
         self._steps_inline = steps_inline
-        self._executor = None if steps_inline else executor
+        self._executor = executor
         self.metrics = metrics or WorkerMetrics(engine)
         self._cfg = cfg
         self._engine = engine
-        # One mutation of the engine (step, release) at a time: its KV
-        # books and views are not thread-safe. Stats are read under it too, so they are never
-        # seen half-updated.
+        # One mutation of the engine (step, release) at a time: its KV books and views are not
+        # thread-safe. Stats are read under it too, so they are never seen half-updated.
         self._lock = asyncio.Lock()
         self._order = StepOrder()  # numbered steps run in the scheduler's order
         # The thread of a step whose RPC was cancelled (deadline expired, client gone). A

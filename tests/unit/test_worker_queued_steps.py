@@ -138,3 +138,9 @@ def test_a_step_cancelled_while_running_keeps_the_worker_busy_until_it_returns(c
 
     asyncio.run(run())
     assert recorder.ran == [1, 2]
+
+
+def test_steps_inline_and_an_executor_are_refused_together(compute) -> None:
+    engine = Engine(GQA_CFG, tiny_weights(GQA_CFG, seed=5), EngineConfig(block_size=4, num_blocks=16))
+    with pytest.raises(ValueError, match="not both"):
+        WorkerServicer(WorkerConfig(model="tiny"), GQA_CFG, engine, steps_inline=True, executor=compute)
