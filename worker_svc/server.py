@@ -478,25 +478,15 @@ async def start_worker(
     return server, port, health, servicer
 
 
-async def _serve(
-    config: WorkerConfig,
-    loaded: tuple[LlamaConfig, Engine] | None = None,
-    steps_inline: bool = False,
-) -> None:
-    server, port, health, servicer = await start_worker(config, loaded, None, steps_inline)
+async def _serve(config: WorkerConfig, loaded: tuple[LlamaConfig, Engine]) -> None:
+    """Serve until SIGTERM or SIGINT, every step inline on this loop; then drain."""
+    server, port, health, servicer = await start_worker(config, loaded, steps_inline=True)
     log.info("worker %s listening on %s:%d", config.worker_id, config.host, port)
     await grpcutil.wait_for_termination_signal()
     log.info("worker %s draining", config.worker_id)
     grpcutil.set_not_serving(health, [SERVICE_NAME])
     servicer.drain()
     await server.stop(config.drain_grace_s)
-
-
-async def serve(config) -> None:
-    """Serve with tracing on when the OTEL_* environment asks for it; flush spans at exit."""
-    from kvfleet_common.tracing import run_traced
-
-    await run_traced("kvfleet-worker", _serve(config))
 
 
 def serve_on_main_thread(config: WorkerConfig, loaded: tuple[LlamaConfig, Engine]) -> None:
@@ -514,4 +504,4 @@ def serve_on_main_thread(config: WorkerConfig, loaded: tuple[LlamaConfig, Engine
     """
     from kvfleet_common.tracing import run_traced
 
-    asyncio.run(run_traced("kvfleet-worker", _serve(config, loaded, steps_inline=True)))
+    asyncio.run(run_traced("kvfleet-worker", _serve(config, loaded)))
