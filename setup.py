@@ -10,6 +10,7 @@ puts them next to their sources. One the compiler cannot build is skipped with a
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -50,6 +51,11 @@ class BuildNative(build_ext):
     flags of the first-use compile, no Python's CFLAGS). With OpenMP on Linux, where torch's
     wheels bring libgomp.so.1 (torch itself is not installed at build time), without it where
     the compiler has none. A record of what was built (native.BUILD_INFO) goes beside them."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        if not self.parallel:  # the libraries are independent: one compiler a core (8 s -> 4 s on 2)
+            self.parallel = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
     def build_extensions(self) -> None:
         self.built: dict[str, bool] = {}
