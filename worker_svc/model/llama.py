@@ -254,7 +254,7 @@ class LlamaModel:
         def put_t(a: np.ndarray) -> torch.Tensor:
             """``a.T``, contiguous: torch's blocked transpose (numpy's copy of a transposed view
             took 250 ms for SmolLM2's 49152 x 576 head on the Xeon, torch's 67 ms)."""
-            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).t().contiguous().to(device, dtype)
+            return put(a).t().contiguous()
 
         def vec(a: np.ndarray) -> torch.Tensor:
             return put(a, self.act_dtype)
