@@ -1,8 +1,8 @@
 """Decode steps of a full batch in a real worker: `python -m bench.batch_decode`.
 
 A local cluster (one worker process, the scheduler, telemetry) with the workers' default
-flags; ``--batch`` sessions of ``--context``-token prompts sent at once, ``--new-tokens`` each
-(EOS ignored); the median and p10 of the worker's own `worker_step` spans over the steps that
+flags; ``--batch`` sessions of ``--context``-token prompts sent at once as one workload (all
+running together whatever the machine's load), ``--new-tokens`` each (EOS ignored); the median and p10 of the worker's own `worker_step` spans over the steps that
 decoded every session at once (no prefill beside them). What a worker process does, which an
 engine-alone loop (`bench.modes`) only approximates: its threads, its allocator, its gRPC loop
 beside the step. Nothing is asserted: this prints figures to quote (bench/README.md).
@@ -11,14 +11,15 @@ beside the step. Nothing is asserted: this prints figures to quote (bench/README
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import json
 import sqlite3
 import statistics
 import time
 
-from kvfleet.client import SchedulerClient, build_request
+from bench.ticks import wait_for_spans
+from kvfleet.client import SchedulerClient
 from kvfleet.local_cluster import ClusterSpec, LocalCluster
+from kvfleet.v1 import scheduler_pb2 as spb
 
 
 def full_batch_steps(db_path, batch: int) -> list[float]:
@@ -46,17 +47,19 @@ def main(argv: list[str] | None = None) -> int:
     with LocalCluster(spec) as cluster, SchedulerClient(cluster.scheduler_address) as client:
         vocab = client.list_workers()[0].vocab_size
         low = min(100, vocab // 4)  # clear of the special tokens at the start of a real vocabulary
-
-        def one(k: int) -> int:
+        # One workload, every session admitted at once (its prompts prefilled over the first
+        # ticks, a prefill budget at a time): separate calls could reach the scheduler too far
+        # apart to overlap on a loaded machine.
+        req = spb.WorkloadRequest(policy=spb.WorkloadPolicy(max_running=a.batch))
+        for k in range(a.batch):
             prompt = [low + (7 * k + 3 * j) % (vocab - low) for j in range(a.context)]
-            return len(client.generate(build_request(prompt, a.new_tokens, ignore_eos=True)).token_ids)
-
+            req.sessions.add(prompt_ids=spb.TokenIds(ids=prompt), max_new_tokens=a.new_tokens, ignore_eos=True)
         t0 = time.perf_counter()
-        with cf.ThreadPoolExecutor(a.batch) as pool:
-            tokens = sum(pool.map(one, range(a.batch)))
+        tokens = sum(len(ev.event.token_ids) for ev in client.submit_workload(req) if ev.HasField("event"))
         wall = time.perf_counter() - t0
-        time.sleep(1.5)  # the last spans' export (the worker's batch processor)
-        steps = sorted(full_batch_steps(cluster.log_dir / "telemetry.db", a.batch))
+        db = cluster.log_dir / "telemetry.db"
+        wait_for_spans(db)  # the last spans' export (the worker's batch processor)
+        steps = sorted(full_batch_steps(db, a.batch))
     if not steps:
         print(f"no step decoded all {a.batch} sessions at once (raise --num-blocks?)")
         return 1
