@@ -25,7 +25,7 @@ class WorkerConfig:
     # REBUILD (control) | PERSISTENT (candidate); a string naming one is parsed on construction.
     kv_views: KVViewsMode = KVViewsMode.REBUILD
     drain_grace_s: float = 10.0
-    num_threads: int = 0  # CPU threads per step; 0 = torch's setting (OMP_NUM_THREADS)
+    num_threads: int = 0  # CPU threads per step; 0 = torch's setting (OMP_NUM_THREADS), 1 for a tiny model
     # A step expected to take less than this runs on the event loop, not in a thread (a tiny
     # step costs about what the hand-off does); 0 = always in a thread.
     inline_step_s: float = 0.005

@@ -31,7 +31,7 @@ from kvfleet_models.gguf_blocks import BlockTensor
 from worker_svc import failpoints
 from worker_svc.kv_cache import KVViews, PagedKVCache, make_views
 from worker_svc.kv_views_mode import KVViewsMode
-from worker_svc.model.cpu_backend import QUANT_MODES, use_cpu_threads
+from worker_svc.model.cpu_backend import QUANT_MODES, default_cpu_threads, use_cpu_threads
 from worker_svc.model.llama import LlamaModel, PhaseTimes
 from worker_svc.platform import DEVICE_RE, DTYPES, KV_DTYPES, kv_cache_dtype, resolve_device, synchronize
 from worker_svc.runner import RunItem, run_step
@@ -149,8 +149,9 @@ class EngineConfig:
     # REBUILD (control) | PERSISTENT (candidate); a string naming one is parsed on construction.
     kv_views: KVViewsMode = KVViewsMode.REBUILD
     profile_sync: bool = False  # synchronise around phases so StepProfile shows device time
-    # CPU threads a step may use; 0 = the process's torch setting (OMP_NUM_THREADS). See
-    # ``use_cpu_threads`` for how they are split between torch and the host BLAS.
+    # CPU threads a step may use; 0 = the process's torch setting (OMP_NUM_THREADS), or one for
+    # a model too small to gain from more (``default_cpu_threads``). See ``use_cpu_threads``
+    # for how they are split between torch and the host BLAS.
     num_threads: int = 0
     # "none" | "int8" | "gguf": the products' weights (int8 = blocks of 32 with their own
     # scales, float32 inputs (weight-only): worker_svc/model/q8.py; gguf = a
@@ -303,7 +304,9 @@ class Engine:
                 f"quant={config.quant} runs on the CPU; device {config.device!r} resolved to {self.device}"
             )
         self.quant = config.quant
-        self.num_threads = config.num_threads or torch.get_num_threads()
+        self.num_threads = config.num_threads or default_cpu_threads(
+            cfg.hidden_size, cfg.intermediate_size, torch.get_num_threads()
+        )
         # No second, [out, in] copy of the float32 weights for one-thread steps: on the Intel
         # Xeon (AVX-512) torch ran 2-12 rows 1.3-2.4x faster on the [in, out] copy it reads
         # transposed than on its own layout (issue 25: the weights live once).

@@ -17,7 +17,7 @@ from kvfleet_models.reference import reference_generate, reference_logits
 from kvfleet_models.tiny import tiny_weights
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, ItemStatus, PrefillItem, SamplingSpec
 from worker_svc.local import LocalSteps
-from worker_svc.model.cpu_backend import use_cpu_threads
+from worker_svc.model.cpu_backend import default_cpu_threads, use_cpu_threads
 from worker_svc.model.llama import LlamaModel
 
 GREEDY = SamplingSpec()
@@ -102,6 +102,26 @@ def test_threads_are_given_to_one_pool_only() -> None:
         torch.set_num_threads(saved)
     with pytest.raises(ValueError, match="num_threads"):
         EngineConfig(num_threads=-1)
+
+
+def test_a_model_too_small_to_split_runs_on_one_thread_unless_told() -> None:
+    """Hidden 32 and 64 ran as fast on one thread as on two (the second only spun); from
+    hidden 128 x 512 two were faster (cpu_backend.SMALL_MODEL_ELEMENTS)."""
+    assert default_cpu_threads(32, 64, available=4) == 1  # the tiny sweep model
+    assert default_cpu_threads(64, 256, available=4) == 1
+    assert default_cpu_threads(128, 256, available=4) == 4  # 32,768 elements: the process's setting
+    assert default_cpu_threads(576, 1536, available=4) == 4  # SmolLM2
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert _engine().num_threads == 1  # TIED: 32 x 48
+        torch.set_num_threads(2)
+        assert _engine(num_threads=2).num_threads == 2  # as told
+        wide = dataclasses.replace(TIED, hidden_size=128, intermediate_size=256, num_layers=1)
+        torch.set_num_threads(2)
+        assert Engine(wide, tiny_weights(wide, seed=0), EngineConfig(num_blocks=8)).num_threads == 2
+    finally:
+        torch.set_num_threads(saved)
 
 
 def test_untied_and_tied_layouts_agree_when_head_equals_embedding() -> None:
