@@ -72,9 +72,17 @@ CREATE TABLE IF NOT EXISTS artifacts (
 # quantiles straight off an index (ORDER BY duration_ns LIMIT 2 OFFSET k) without loading spans.
 # (service, start_ns) and (service, name, start_ns) serve the Jaeger API (telemetry_svc/jaeger.py):
 # a service's or an operation's latest spans first, its services and operations by seeks.
-_INDEXES = """
-CREATE INDEX IF NOT EXISTS spans_experiment_arm_name ON spans (experiment_id, arm, name);
-CREATE INDEX IF NOT EXISTS spans_experiment_name_arm_duration ON spans (experiment_id, name, arm, duration_ns);
+# The two experiment indexes hold experiment spans only: serving traffic, most of the spans, skips
+# two of the six index inserts (measured: 21 -> 17.6 us to store a span). SQLite uses a partial
+# index only for a query that repeats its WHERE term, so every query by experiment does
+# (``_by_experiment``). The full indexes of earlier versions are dropped.
+_IN_EXPERIMENT = "experiment_id != ''"
+_INDEXES = f"""
+DROP INDEX IF EXISTS spans_experiment_arm_name;
+DROP INDEX IF EXISTS spans_experiment_name_arm_duration;
+CREATE INDEX IF NOT EXISTS spans_in_experiment_arm_name ON spans (experiment_id, arm, name) WHERE {_IN_EXPERIMENT};
+CREATE INDEX IF NOT EXISTS spans_in_experiment_name_arm_duration ON spans (experiment_id, name, arm, duration_ns)
+    WHERE {_IN_EXPERIMENT};
 CREATE INDEX IF NOT EXISTS spans_name_duration ON spans (name, duration_ns);
 CREATE INDEX IF NOT EXISTS spans_received ON spans (received_ns);
 CREATE INDEX IF NOT EXISTS spans_service_start ON spans (service, start_ns);
@@ -146,10 +154,16 @@ class SpanStore(Protocol):
     def close(self) -> None: ...
 
 
+def _by_experiment(experiment_id: str) -> str:
+    """The WHERE terms for one experiment's spans ("": the spans of none), with the experiment
+    indexes' own term where they hold them."""
+    return f"experiment_id = ? AND {_IN_EXPERIMENT}" if experiment_id else "experiment_id = ?"
+
+
 def _where(experiment_id: str | None, name: str | None) -> tuple[str, list[str]]:
     clauses, args = [], []
     if experiment_id is not None:
-        clauses.append("experiment_id = ?")
+        clauses.append(_by_experiment(experiment_id))
         args.append(experiment_id)
     if name is not None:
         clauses.append("name = ?")
@@ -329,7 +343,7 @@ class SqliteSpanStore:
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         after = decode_page_token(page_token)
-        exp_clause = " AND experiment_id = ?" if experiment_id is not None else ""
+        exp_clause = f" AND {_by_experiment(experiment_id)}" if experiment_id is not None else ""
         exp_args = [experiment_id] if experiment_id is not None else []
         out: list[SpanTiming] = []
         with self._reading() as db:
@@ -350,9 +364,10 @@ class SqliteSpanStore:
                     (count,) = db.execute("SELECT COUNT(*) FROM spans WHERE name = ?", (n,)).fetchone()
                     groups = [("", count, " WHERE name = ?", [n])]
                 else:
-                    by_arm = db.execute("SELECT arm, COUNT(*) FROM spans WHERE experiment_id = ? AND name = ?"
+                    by_exp = _by_experiment(experiment_id)
+                    by_arm = db.execute(f"SELECT arm, COUNT(*) FROM spans WHERE {by_exp} AND name = ?"
                                         " GROUP BY arm ORDER BY arm", (experiment_id, n)).fetchall()  # fmt: skip
-                    where = " WHERE experiment_id = ? AND name = ? AND arm = ?"
+                    where = f" WHERE {by_exp} AND name = ? AND arm = ?"
                     groups = [(arm, count, where, [experiment_id, n, arm]) for arm, count in by_arm]
                 for arm, count, where, args in groups:
                     qs = tuple(_quantile_at(db, where, args, count, q) for q in TIMING_QUANTILES)
@@ -372,7 +387,9 @@ class SqliteSpanStore:
                 by_name[name][Arm(arm)].extend(ds)
         with self._reading() as db:
             artifacts = self._artifacts(db, experiment_id)
-            has_spans = db.execute("SELECT 1 FROM spans WHERE experiment_id = ? LIMIT 1", (experiment_id,)).fetchone()
+            has_spans = db.execute(
+                f"SELECT 1 FROM spans WHERE {_by_experiment(experiment_id)} LIMIT 1", (experiment_id,)
+            ).fetchone()
         if not by_name and not artifacts and has_spans is None:
             raise UnknownExperiment(f"no spans or artifacts for experiment {experiment_id!r}")
         durations = {n: {a: tuple(ds) for a, ds in by_arm.items()} for n, by_arm in by_name.items()}
@@ -381,7 +398,7 @@ class SqliteSpanStore:
     def experiments(self) -> list[ExperimentInfo]:
         with self._reading() as db:
             counts = db.execute(
-                "SELECT experiment_id, arm, COUNT(*) FROM spans WHERE experiment_id != '' GROUP BY experiment_id, arm"
+                f"SELECT experiment_id, arm, COUNT(*) FROM spans WHERE {_IN_EXPERIMENT} GROUP BY experiment_id, arm"
             ).fetchall()
             kinds = db.execute("SELECT experiment_id, kind, arm FROM artifacts").fetchall()
         per_arm: dict[str, dict[str, int]] = defaultdict(dict)

@@ -54,10 +54,54 @@ def test_a_retried_batch_is_not_double_counted(store: SqliteSpanStore) -> None:
 def test_wal_mode_and_index(tmp_path: Any, store: SqliteSpanStore) -> None:
     con = sqlite3.connect(store.location)
     assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    idx = {r[1] for r in con.execute("PRAGMA index_list(spans)")}
-    assert {"spans_experiment_arm_name", "spans_name_duration", "spans_experiment_name_arm_duration",
-            "spans_received"} <= idx  # fmt: skip
+    partial = {r[1]: r[4] for r in con.execute("PRAGMA index_list(spans)")}  # name -> is partial
+    assert {"spans_in_experiment_arm_name", "spans_name_duration", "spans_in_experiment_name_arm_duration",
+            "spans_received"} <= partial.keys()  # fmt: skip
+    # The experiment indexes hold experiment spans only (serving spans skip their inserts).
+    assert partial["spans_in_experiment_arm_name"] == partial["spans_in_experiment_name_arm_duration"] == 1
+    assert partial["spans_name_duration"] == 0
     con.close()
+
+
+def test_queries_by_experiment_read_the_experiment_indexes() -> None:
+    """SQLite takes a partial index only for a query repeating its WHERE term: the queries by
+    experiment must, or they scan every span."""
+    mem = SqliteSpanStore(":memory:")  # one connection, so every query is seen
+    mem.add_spans([_row(1), _row(2, arm="candidate"), _row(3, exp="", arm="")])
+    queries: list[str] = []  # as run, their parameters in place
+    con = mem._db()
+    con.set_trace_callback(lambda sql: queries.append(sql) if sql.startswith("SELECT") else None)
+    try:
+        assert mem.durations("e", None)
+        assert mem.timings("e", None, 10, "").timings
+        assert mem.experiment_data("e").durations
+        assert [i.experiment_id for i in mem.experiments()] == ["e"]
+    finally:
+        con.set_trace_callback(None)
+    by_experiment = [q for q in queries if "experiment_id" in q and "FROM spans" in q]
+    assert len(by_experiment) >= 6, queries
+    for q in by_experiment:
+        plan = " / ".join(d for *_, d in con.execute(f"EXPLAIN QUERY PLAN {q}"))
+        assert "spans_in_experiment" in plan, (q, plan)
+    # The spans of no experiment are still found by experiment "" (without those indexes).
+    assert list(mem.durations("", None)) == [("attention", "")]
+    mem.close()
+
+
+def test_a_store_of_the_full_experiment_indexes_gets_the_partial_ones(tmp_path: Any) -> None:
+    path = str(tmp_path / "old.db")
+    SqliteSpanStore(path).close()
+    con = sqlite3.connect(path)
+    con.executescript("DROP INDEX spans_in_experiment_arm_name; DROP INDEX spans_in_experiment_name_arm_duration;"
+                      "CREATE INDEX spans_experiment_arm_name ON spans (experiment_id, arm, name);"
+                      "CREATE INDEX spans_experiment_name_arm_duration ON spans (experiment_id, name, arm, duration_ns);")  # fmt: skip
+    con.close()
+    SqliteSpanStore(path).close()
+    con = sqlite3.connect(path)
+    names = {r[1] for r in con.execute("PRAGMA index_list(spans)")}
+    con.close()
+    assert {"spans_in_experiment_arm_name", "spans_in_experiment_name_arm_duration"} <= names
+    assert not {"spans_experiment_arm_name", "spans_experiment_name_arm_duration"} & names
 
 
 def test_experiment_data_and_artifacts(store: SqliteSpanStore) -> None:
