@@ -2,8 +2,9 @@
 
 A local cluster (one worker process, the scheduler, telemetry) with the workers' default
 flags; ``--batch`` sessions of ``--context``-token prompts sent at once as one workload (all
-running together whatever the machine's load), ``--new-tokens`` each (EOS ignored); the median and p10 of the worker's own `worker_step` spans over the steps that
-decoded every session at once (no prefill beside them). What a worker process does, which an
+running together whatever the machine's load), ``--new-tokens`` each (EOS ignored); the
+median and p10 of the worker's own `worker_step` spans over the steps that decoded every
+session at once (no prefill beside them). What a worker process does, which an
 engine-alone loop (`bench.modes`) only approximates: its threads, its allocator, its gRPC loop
 beside the step. Nothing is asserted: this prints figures to quote (bench/README.md).
 """
@@ -61,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         wait_for_spans(db)  # the last spans' export (the worker's batch processor)
         steps = sorted(full_batch_steps(db, a.batch))
     if not steps:
-        print(f"no step decoded all {a.batch} sessions at once (raise --num-blocks?)")
+        print(
+            f"no step decoded all {a.batch} sessions at once: raise --num-blocks, or --new-tokens past the "
+            "ticks that prefill the prompts (the scheduler's prefill budget a tick)"
+        )
         return 1
     print(
         f"{a.model} quant={a.quant}, batch {a.batch} x {a.context}-token prompts: {len(steps)} full-batch "

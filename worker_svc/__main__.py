@@ -66,7 +66,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         type=int,
         env="KVFLEET_WORKER_THREADS",
         default=d.num_threads,
-        help="CPU threads per step (0 = torch's setting, i.e. OMP_NUM_THREADS or the cores; one for a model too small to gain from more)",
+        help="CPU threads per step (0 = torch's setting, i.e. OMP_NUM_THREADS or the cores; "
+        "one for a model too small to gain from more)",
     )
     p.add_argument(
         "--inline-step-ms",
