@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -111,6 +112,8 @@ def test_steps_and_releases_run_on_the_main_thread_and_sigterm_drains(tmp_path: 
     assert seen["handlers_back"], "serve_on_main_thread did not give the signal handlers back"
     # The start line says which ops the CPU forward uses (README: "Faster CPU modes").
     assert f"fused CPU ops {'on' if seen['fused'] else 'off'}" in err, err
+    # ... and its threads: the tiny model, not told how many, takes one (cpu_backend.default_cpu_threads).
+    assert re.search(r"fused CPU ops [^,]*, 1 thread, ", err), err
     assert "draining" in err, err
 
 
