@@ -190,10 +190,10 @@ def set_host_blas_threads(n: int) -> bool:
 
 # A model whose MLP weights have fewer elements than this runs on one thread unless told
 # otherwise: its products are too small to split. Measured on the 2-core Intel Xeon (AVX-512),
-# decode steps at batch 1-64: hidden 32 and 64 (x4 MLP) ran within 3 % on 1 and 2 threads while
-# the second thread (numpy's OpenBLAS pool) spun through every step, a core taken from the other
-# processes for nothing; hidden 128 (65,536 elements) ran 13-14 % faster on 2 threads from
-# batch 16, hidden 256 27-33 %, SmolLM2 (576 x 1536) 1.5x at batch 1.
+# decode steps at batch 1-64: the tiny model (32 x 64) and hidden 64 (64 x 256) ran within 3 %
+# on 1 and 2 threads while the second thread (numpy's OpenBLAS pool) spun through every step,
+# a core taken from the other processes for nothing; hidden 128 (128 x 512) ran 13-14 % faster
+# on 2 threads from batch 16, hidden 256 27-33 %, SmolLM2 (576 x 1536) 1.5x at batch 1.
 SMALL_MODEL_ELEMENTS = 32768
 
 
