@@ -6,8 +6,8 @@ import pytest
 
 from kvfleet.v1 import worker_pb2 as pb
 from worker_svc.config import WorkerConfig
-from worker_svc.convert import step_from_pb
-from worker_svc.engine import EngineConfig
+from worker_svc.convert import step_from_pb, step_to_pb
+from worker_svc.engine import EngineConfig, ItemResult, ItemStatus, StepOutput, StepProfile
 from worker_svc.kv_views_mode import KVViewsMode
 
 
@@ -70,3 +70,31 @@ def test_step_request_converts_once():
 def test_bad_step_requests_are_value_errors(req, message):
     with pytest.raises(ValueError, match=message):
         step_from_pb(req)
+
+
+def test_step_results_carry_every_field_they_have_and_none_they_lack():
+    """step_to_pb sets only what a result has; a field it lacks reads as its proto default
+    (has_token / has_logprob say whether the zeros are real)."""
+    results = [
+        ItemResult("tok", ItemStatus.OK, 0, 5),  # token 0 is a token
+        ItemResult(
+            "lp", ItemStatus.OK, 7, 6, logprob=-0.25, top_logprobs=((7, -0.25), (3, -1.5)), constraint_done=True
+        ),
+        ItemResult("miss", ItemStatus.CACHE_MISS, None, 0),
+        ItemResult("bad", ItemStatus.REJECTED, None, 0, error="top_p must be in (0, 1]"),
+        ItemResult("fail", ItemStatus.FAILED, None, 3, logprob=0.0, error="the forward failed"),
+    ]
+    resp = step_to_pb(StepOutput(results=results, profile=StepProfile(0, 0, 0, 0)), step_ns=1234)
+    assert resp.step_ns == 1234
+    got = [
+        (r.session_id, r.status, r.has_token, r.token_id, r.kv_tokens, r.has_logprob, r.logprob,
+         [(t.token_id, t.logprob) for t in r.top_logprobs], r.constraint_done, r.error)
+        for r in resp.results
+    ]  # fmt: skip
+    assert got == [
+        ("tok", pb.ITEM_OK, True, 0, 5, False, 0.0, [], False, ""),
+        ("lp", pb.ITEM_OK, True, 7, 6, True, -0.25, [(7, -0.25), (3, -1.5)], True, ""),
+        ("miss", pb.ITEM_CACHE_MISS, False, 0, 0, False, 0.0, [], False, ""),
+        ("bad", pb.ITEM_REJECTED, False, 0, 0, False, 0.0, [], False, "top_p must be in (0, 1]"),
+        ("fail", pb.ITEM_FAILED, False, 0, 3, True, 0.0, [], False, "the forward failed"),
+    ]
