@@ -283,13 +283,13 @@ def test_fused_decode_attention_reads_only_the_window_where_it_cuts(
         pytest.skip("the fused C ops cannot be built here")
     cfg, weights = windowed[name]
     calls: list[int] = []
-    real = type(ops).decode_attention
+    real = fused.DecodeAttention.__call__
 
     def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(1)
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(type(ops), "decode_attention", counted)
+    monkeypatch.setattr(fused.DecodeAttention, "__call__", counted)
     runs = []
     for on in (True, False):
         engine = Engine(cfg, weights, EngineConfig(block_size=4, num_blocks=64, fused_ops=on))

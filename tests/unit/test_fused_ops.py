@@ -265,6 +265,66 @@ def test_paged_decode_attention_refuses_what_it_cannot_read(ops: fused.FusedOps)
         ops.decode_attention(q3, PagedRows(cache, 0, table).merged(), None, False, 2, 2, pages=table)
 
 
+def test_a_decode_attention_plan_runs_each_layer_as_its_own_call(ops: fused.FusedOps) -> None:
+    """A plan made on layer 0 runs layer 1 (its own queries and K/V) as a call made for layer
+    1 would, bit for bit, and is refused (``matches``) for any other argument: another lens or
+    block table (equal values, another tensor), other queries' or K/V's layout or dtype."""
+    hkv, g, d, s, items = 2, 3, 16, 11, 2
+    cache = PagedKVCache(2, 12, 4, hkv, d, torch.float32, torch.device("cpu"))
+    cache.kv.copy_(_rand(*cache.kv.shape, seed=21))
+    table = cache.block_table(((3, 1, 7), (0, 11, 5)), s)
+    lens = torch.tensor([s, 6], dtype=torch.int64)
+    qkv = [_rand(items, (hkv * g + 2 * hkv) * d, seed=22 + layer) for layer in range(2)]
+    q = [x[:, : hkv * g * d] for x in qkv]  # read in place from each layer's projection
+    plan = ops.decode_attention_plan(q[0], cache.kv[0], lens, True, items, hkv, None, table, None)
+    for layer in range(2):
+        assert plan.matches(q[layer], cache.kv[layer], lens, True, items, hkv, None, table, None)
+        want = ops.decode_attention(q[layer], cache.kv[layer], lens, True, items, hkv, pages=table)
+        assert torch.equal(plan(q[layer], cache.kv[layer]), want)
+    assert not torch.equal(plan(q[1], cache.kv[1]), plan(q[0], cache.kv[0]))  # each layer its own
+    same = (q[1], cache.kv[1], lens, True, items, hkv, None, table, None)
+    others = {
+        "lens": (q[1], cache.kv[1], lens.clone(), True, items, hkv, None, table, None),
+        "table": (q[1], cache.kv[1], lens, True, items, hkv, None, cache.block_table(((3, 1, 7), (0, 11, 5)), s), None),
+        "firsts": (q[1], cache.kv[1], lens, True, items, hkv, None, table, torch.zeros(items, dtype=torch.int64)),
+        "q layout": (q[1].contiguous(), cache.kv[1], lens, True, items, hkv, None, table, None),
+        "kv dtype": (q[1], cache.kv[1].half(), lens, True, items, hkv, None, table, None),
+        "order": (q[1], cache.kv[1], lens, False, items, hkv, None, table, None),
+    }
+    assert plan.matches(*same)
+    for what, args in others.items():
+        assert not plan.matches(*args), what
+    strided = _rand(items * hkv, d, g, seed=24).transpose(1, 2)  # [N, G, D], not contiguous
+    with pytest.raises(ValueError, match="must be contiguous"):
+        ops.decode_attention_plan(strided, cache.kv[0], lens, True, items, hkv, None, table, None)
+
+
+def test_a_decode_step_plans_its_attention_once_for_every_layer(ops: fused.FusedOps, monkeypatch) -> None:
+    """One plan a step (one decode group), run by each layer; the next step plans anew (its
+    lengths changed)."""
+    made, runs = [], []
+    plan, run = fused.FusedOps.decode_attention_plan, fused.DecodeAttention.__call__
+
+    def counted_plan(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        made.append(1)
+        return plan(self, *args, **kwargs)
+
+    def counted_run(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        runs.append(1)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(fused.FusedOps, "decode_attention_plan", counted_plan)
+    monkeypatch.setattr(fused.DecodeAttention, "__call__", counted_run)
+    steps = LocalSteps(Engine(CFG, WEIGHTS, EngineConfig(block_size=4, num_blocks=32, fused_ops=True)))
+    out = steps.step([PrefillItem(s, (1, 2, 3, 4, 5)[: 3 + k], 0, True, GREEDY) for k, s in enumerate("ab")], [])
+    tokens = [r.token_id for r in out.results]
+    for i in range(2):
+        made.clear(), runs.clear()
+        out = steps.step([], [DecodeItem(s, tokens[k], 3 + k + i, GREEDY, 1 + i) for k, s in enumerate("ab")])
+        tokens = [r.token_id for r in out.results]
+        assert (len(made), len(runs)) == (1, CFG.num_layers)
+
+
 def test_rebuild_decodes_read_the_paged_cache_without_a_gather(ops: fused.FusedOps, monkeypatch) -> None:
     """A step of decodes in the rebuild mode gathers nothing (its attention reads the blocks in
     place); a step with a prefill chunk gathers that group's only. The logits are the torch

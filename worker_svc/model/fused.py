@@ -22,8 +22,10 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -71,14 +73,11 @@ class FusedOps:
         self._rope.argtypes = [_F, _L, _F, _L, _L, _L]
         self._max_threads = lib.kv_max_threads
         self._max_threads.argtypes, self._max_threads.restype = [], _L
-        # The decode attention's two entries: K/V float32, and K/V float16 (widened as read).
-        # q k v n_stride s_stride lens rows groups keys dim hkv items bh scratch out, then the
-        # slab's item_rows item_stride head_stride, the paged cache's pages page_width page, q_stride,
-        # firsts
-        attn_args: list[type] = [*[_F] * 3, _L, _L, _F, *[_L] * 6, ctypes.c_int, *[_F] * 3, _L, _L, _F, *[_L] * 3, _F]
+        # The decode attention's two entries: K/V float32, and K/V float16 (widened as read),
+        # each taking its arguments as one struct (``DecodeAttention``).
         self._attn = {torch.float32: lib.kv_decode_attention, torch.float16: lib.kv_decode_attention_f16}
         for fn in self._attn.values():
-            fn.argtypes = attn_args
+            fn.argtypes = [ctypes.POINTER(_AttentionArgs)]
         for fn in (self._rms, self._add_rms, self._rope, *self._attn.values()):
             fn.restype = None
 
@@ -111,7 +110,24 @@ class FusedOps:
         pages: BlockTable | None = None,
         firsts: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One query per item: q3 [N, G, D] float32, contiguous; kv [2, N, S, D] float32 or
+        """One call of ``decode_attention_plan`` (see there): the plan made and run once."""
+        return self.decode_attention_plan(q3, kv, lens, bh, items, hkv, rows, pages, firsts)(q3, kv)
+
+    def decode_attention_plan(
+        self,
+        q3: torch.Tensor,
+        kv: torch.Tensor,
+        lens: torch.Tensor | None,
+        bh: bool,
+        items: int,
+        hkv: int,
+        rows: torch.Tensor | None = None,
+        pages: BlockTable | None = None,
+        firsts: torch.Tensor | None = None,
+    ) -> DecodeAttention:
+        """The attention of one query per item, checked and laid out for the C call, to run
+        on every layer of a step (each with its own q3 and kv of these layouts: ``matches``).
+        q3 [N, G, D] float32, contiguous; kv [2, N, S, D] float32 or
         float16 (``kv_dtypes``), with D contiguous;
         lens [B] int64 (keys each item sees, in attention order) or None for all S; firsts [B]
         int64 (the first key each sees: a sliding window's start, each below its lens) or None
@@ -123,23 +139,23 @@ class FusedOps:
         q3 may instead be [B, Hq * D] with unit column stride, rows any distance apart (bh
         order only: item b's queries, head after head, as a step's q columns lie in its qkv
         projection), read in place; the result is then [B, Hq * D].
-        Returns [N, G, D]."""
+        The plan returns [N, G, D]."""
         d = kv.shape[-1]
         if q3.dim() == 2:
             if not bh or q3.stride(1) != 1 or q3.shape[0] != items or q3.shape[1] % (hkv * d):
                 raise ValueError("queries as rows need bh order, [B, Hq * D] with unit column stride")
             n, g, q_stride = items * hkv, q3.shape[1] // (hkv * d), q3.stride(0)
-            out = q3.new_empty(q3.shape)
         else:
+            if not q3.is_contiguous():
+                raise ValueError("queries [N, G, D] must be contiguous")
             n, g, d = q3.shape
             q_stride = 0
-            out = torch.empty_like(q3)
         attn = self._attn.get(kv.dtype)
         if attn is None or q3.dtype != torch.float32:
             raise ValueError(f"float32 queries and float32 or float16 K/V, got {q3.dtype} and {kv.dtype}")
         table, width, page = None, 0, 0
+        k, v = kv[0], kv[1]
         if pages is not None:
-            k, v = kv[0], kv[1]
             s, width, page = pages.keys, pages.ids.shape[1], pages.block_size
             if rows is not None or k.stride(2) != 1 or k.stride() != v.stride() or kv.shape[1] != hkv:
                 raise ValueError(
@@ -154,13 +170,11 @@ class FusedOps:
             table = ids
         elif rows is None:
             s = kv.shape[2]
-            k, v = kv[0], kv[1]
             if k.stride(2) != 1 or k.stride() != v.stride():
                 raise ValueError("K/V rows must be contiguous along D, with the same strides")
             strides = (k.stride(0), k.stride(1), 0, 0)
         else:
             s = kv.shape[3]
-            k, v = kv[0], kv[1]
             if not bh or k.stride(3) != 1 or k.stride() != v.stride() or kv.shape[2] != hkv:
                 raise ValueError("slab rows need bh order, [2, R, Hkv, S, D] with D contiguous")
             if rows.dtype != torch.int64 or not rows.is_contiguous() or rows.shape[0] != items:
@@ -175,13 +189,115 @@ class FusedOps:
         if lens is not None and (lens.dtype != torch.int64 or not lens.is_contiguous() or lens.shape[0] * hkv != n):
             raise ValueError("lens must be contiguous int64, one per item (each at most S: the caller's check)")
         scratch = torch.empty(g * s * self._max_threads(), dtype=torch.float32)
-        attn(
-            _ptr(q3), _ptr(k), _ptr(v), strides[0], strides[1], _ptr(lens) if lens is not None else None,
-            n, g, s, d, hkv, items, int(bh), _ptr(scratch), _ptr(out),
-            _ptr(rows) if rows is not None else None, strides[2], strides[3],
-            _ptr(table) if table is not None else None, width, page, q_stride,
-            _ptr(firsts) if firsts is not None else None,
-        )  # fmt: skip
+        args = _AttentionArgs(
+            scratch=scratch.data_ptr(),
+            lens=_ptr_or_null(lens),
+            item_rows=_ptr_or_null(rows),
+            pages=_ptr_or_null(table),
+            firsts=_ptr_or_null(firsts),
+            n_stride=strides[0],
+            s_stride=strides[1],
+            rows=n,
+            groups=g,
+            keys=s,
+            dim=d,
+            hkv=hkv,
+            items=items,
+            bh=int(bh),
+            item_stride=strides[2],
+            head_stride=strides[3],
+            page_width=width,
+            page=page,
+            q_stride=q_stride,
+        )
+        given = (lens, bh, items, hkv, rows, pages, firsts)
+        return DecodeAttention(attn, args, q3, kv, given, scratch)
+
+
+def _ptr_or_null(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class _AttentionArgs(ctypes.Structure):
+    """fused_ops.c's kv_attention_args, field for field."""
+
+    _fields_ = [
+        *((name, _F) for name in ("q", "k", "v", "out", "scratch", "lens", "item_rows", "pages", "firsts")),
+        *(
+            (name, _L)
+            for name in (
+                "n_stride",
+                "s_stride",
+                "rows",
+                "groups",
+                "keys",
+                "dim",
+                "hkv",
+                "items",
+                "bh",
+                "item_stride",
+                "head_stride",
+                "page_width",
+                "page",
+                "q_stride",
+            )
+        ),  # fmt: skip
+    ]
+
+
+class DecodeAttention:
+    """A decode attention checked once (``FusedOps.decode_attention_plan``) and run on every
+    layer of a step: only the queries, K/V and output move from layer to layer, so a call
+    sets four pointers and passes one (the arguments' checks and conversion, once a layer,
+    cost more than the attention itself at a small batch)."""
+
+    def __init__(
+        self,
+        fn: Callable[[Any], None],
+        args: _AttentionArgs,
+        q3: torch.Tensor,
+        kv: torch.Tensor,
+        given: tuple[object, ...],
+        scratch: torch.Tensor,
+    ) -> None:
+        self._fn, self._args, self._ref = fn, args, ctypes.byref(args)
+        self._q_layout = (q3.shape, q3.stride())
+        self._kv_layout = (kv.shape, kv.stride(), kv.dtype)
+        self._v_offset = kv.stride(0) * kv.element_size()  # V's first element after K's
+        # The tensors behind args' pointers, held while the plan is: and the plan's other
+        # arguments, which ``matches`` compares by identity (a step's group tensors are built once).
+        self._given, self._scratch = given, scratch
+
+    def matches(
+        self,
+        q3: torch.Tensor,
+        kv: torch.Tensor,
+        lens: torch.Tensor | None,
+        bh: bool,
+        items: int,
+        hkv: int,
+        rows: torch.Tensor | None = None,
+        pages: BlockTable | None = None,
+        firsts: torch.Tensor | None = None,
+    ) -> bool:
+        """Whether this plan runs these arguments: the same tensors but q3 and kv, and those
+        laid out as the plan's."""
+        given = (lens, bh, items, hkv, rows, pages, firsts)
+        return (
+            all(a is b or (type(a) in (bool, int) and a == b) for a, b in zip(given, self._given))
+            and (q3.shape, q3.stride()) == self._q_layout
+            and (kv.shape, kv.stride(), kv.dtype) == self._kv_layout
+            and q3.dtype == torch.float32
+        )
+
+    def __call__(self, q3: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """q3 and kv laid out as the plan's (``matches``); returns q3's shape, a new tensor."""
+        out = torch.empty(self._q_layout[0], dtype=torch.float32)
+        a = self._args
+        a.q, a.out = q3.data_ptr(), out.data_ptr()
+        a.k = kv.data_ptr()
+        a.v = a.k + self._v_offset
+        self._fn(self._ref)
         return out
 
 

@@ -418,16 +418,26 @@ __attribute__((always_inline)) static inline void decode_attention(
     }
 }
 
+/* The arguments of one decode attention, as one struct: the caller (fused.py) fills it once a
+ * step and changes only q, k, v and out from layer to layer, so that a call passes one pointer
+ * (ctypes took about 10 us a call to convert 23 arguments, more than a small batch's attention). */
+typedef struct {
+    const float *q;
+    const void *k, *v;
+    float *out, *scratch;
+    const long *lens, *item_rows, *pages, *firsts;
+    long n_stride, s_stride, rows, groups, keys, dim, hkv, items, bh, item_stride, head_stride, page_width,
+        page, q_stride;
+} kv_attention_args;
+
 /* The two entries, kv_decode_attention (K/V float32) and kv_decode_attention_f16 (float16): one
- * body each, with the element type a constant. */
-#define KV_DECODE_ENTRY(NAME, T, HALF)                                                                          \
-    void NAME(const float *q, const T *k, const T *v, long n_stride, long s_stride, const long *lens, long rows, \
-              long groups, long keys, long dim, long hkv, long items, int bh, float *scratch, float *out,       \
-              const long *item_rows, long item_stride, long head_stride, const long *pages, long page_width,    \
-              long page, long q_stride, const long *firsts) {                                                  \
-        decode_attention(q, k, v, n_stride, s_stride, lens, rows, groups, keys, dim, hkv, items, bh, scratch,   \
-                         out, item_rows, item_stride, head_stride, pages, page_width, page, q_stride, firsts,  \
-                         HALF);                                                                                \
+ * body each, with the element type a constant (HALF). */
+#define KV_DECODE_ENTRY(NAME, HALF)                                                                      \
+    void NAME(const kv_attention_args *a) {                                                              \
+        decode_attention(a->q, a->k, a->v, a->n_stride, a->s_stride, a->lens, a->rows,                   \
+                         a->groups, a->keys, a->dim, a->hkv, a->items, (int)a->bh, a->scratch, a->out,   \
+                         a->item_rows, a->item_stride, a->head_stride, a->pages, a->page_width, a->page, \
+                         a->q_stride, a->firsts, HALF);                                                  \
     }
-KV_DECODE_ENTRY(kv_decode_attention, float, 0)
-KV_DECODE_ENTRY(kv_decode_attention_f16, kv_half, 1)
+KV_DECODE_ENTRY(kv_decode_attention, 0)
+KV_DECODE_ENTRY(kv_decode_attention_f16, 1)

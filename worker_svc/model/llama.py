@@ -67,6 +67,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,6 +78,7 @@ from kvfleet_models.rope import rope_frequencies
 from worker_svc.kv_cache import AttnGroup, KVViews, PagedKVCache, PagedRows, SlabRows
 from worker_svc.model import fused, gguf_quant, int8
 from worker_svc.model.cpu_backend import QUANT_MODES, Matrix, attention_core, matmul, matmul_add_, pack_bf16, torch_rows
+from worker_svc.model.fused import DecodeAttention
 from worker_svc.model.gguf_quant import GGUFKernels, GGUFWeight
 from worker_svc.model.weights import LayerWeights, ModelWeights, gate_act_mul, qk_norm_, rms_norm, rope_
 from worker_svc.platform import plan_backend, synchronize
@@ -488,10 +490,27 @@ class LlamaModel:
             return
         rope_(qkv, rot, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
 
-    def _attention(self, q: torch.Tensor, kv: torch.Tensor | SlabRows | PagedRows, gt: GroupTensors) -> torch.Tensor:
+    def _fused_decode(
+        self, plans: dict[int, DecodeAttention], gt: GroupTensors, q: torch.Tensor, kv: torch.Tensor, *args: Any
+    ) -> torch.Tensor:
+        """The fused decode attention, its plan made on a step's first layer and reused by the
+        others (``plans``: the step's, by group)."""
+        assert self.fused is not None
+        plan = plans.get(id(gt))
+        if plan is None or not plan.matches(q, kv, *args):
+            plan = plans[id(gt)] = self.fused.decode_attention_plan(q, kv, *args)
+        return plan(q, kv)
+
+    def _attention(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor | SlabRows | PagedRows,
+        gt: GroupTensors,
+        plans: dict[int, DecodeAttention],
+    ) -> torch.Tensor:
         """q: [T_g, Hq * D] the group's queries; kv: [2, N, S, D], or the persistent slab's rows,
         or the paged cache's blocks (either read in place by the fused decode path, gathered for
-        the others). Returns [T_g, Hq * D]."""
+        the others). Returns [T_g, Hq * D]. ``plans``: the step's fused decode plans."""
         cfg = self.cfg
         hkv, d = cfg.num_kv_heads, cfg.head_dim
         g, b, n = cfg.num_heads // hkv, gt.batch, gt.query_len
@@ -503,8 +522,7 @@ class LlamaModel:
         if fused_decode and isinstance(kv, PagedRows) and gt.pad_index is None:
             # The paged cache read in place, and q too (its rows in qkv, heads in bh order, any
             # order being the kernel's to choose here): no copy of q, K/V or the output.
-            assert self.fused is not None
-            return self.fused.decode_attention(q, kv.kv, gt.kv_lens, True, b, hkv, pages=kv.table, firsts=gt.kv_firsts)
+            return self._fused_decode(plans, gt, q, kv.kv, gt.kv_lens, True, b, hkv, None, kv.table, gt.kv_firsts)
         rows: torch.Tensor | None = None
         if isinstance(kv, SlabRows) and fused_decode and gt.group.order == "bh":
             rows, kv = kv.rows, kv.slab
@@ -523,9 +541,8 @@ class LlamaModel:
             assert gt.bias is not None
             o3 = self._torch_attention(q3, kv, gt.bias)
         elif fused_decode:
-            assert self.fused is not None
-            o3 = self.fused.decode_attention(
-                q3.contiguous(), kv, gt.kv_lens, gt.group.order == "bh", b, hkv, rows, firsts=gt.kv_firsts
+            o3 = self._fused_decode(
+                plans, gt, q3.contiguous(), kv, gt.kv_lens, gt.group.order == "bh", b, hkv, rows, None, gt.kv_firsts
             )
         elif self.host_attention:
             o3 = attention_core(q3, kv, gt.mask, gt.group.order, b, n, hkv, g)  # [N, G*Q, D]
@@ -570,6 +587,7 @@ class LlamaModel:
         # Gemma's local layers' table ([T, 1, D/2]); the global one where there is none.
         rot_local = rot if self.local_rotary is None else self.local_rotary.index_select(0, st.positions).unsqueeze(1)
         x = self._rms_norm(h, self.layers[0].input_norm)
+        plans: dict[int, DecodeAttention] = {}  # the fused decode attention's, by group: made once a step
         for i, w in enumerate(self.layers):
             qkv = matmul(x, w.qkv, self.torch_rows)  # [T, (Hq+2Hkv)*D]
             if w.qkv_bias is not None:
@@ -589,11 +607,11 @@ class LlamaModel:
             group_kv = [views.keys_values(i, j) for j in range(len(groups))]
             t2 = clock()
             if len(groups) == 1:
-                attn = self._attention(qkv[:, :q_width], group_kv[0], groups[0])
+                attn = self._attention(qkv[:, :q_width], group_kv[0], groups[0], plans)
             else:
                 attn = qkv.new_empty((t, q_width))
                 for gt, kv_g in zip(groups, group_kv):
-                    attn[gt.rows] = self._attention(qkv[gt.rows, :q_width], kv_g, gt)
+                    attn[gt.rows] = self._attention(qkv[gt.rows, :q_width], kv_g, gt, plans)
             t3 = clock()
             times.kv_write_ns += t1 - t0
             times.kv_view_prepare_ns += t2 - t1
