@@ -137,6 +137,11 @@ def matmul_add_(h: torch.Tensor, x: torch.Tensor, w: Matrix, rows_to_torch: rang
             h.addmm_(x, w.nk.t())
 
 
+# Queries a tile of a causal prefill's attention (``attention_core``): each tile's products stop
+# at the last key any of its queries sees.
+QUERY_TILE = 128
+
+
 def attention_core(
     q3: torch.Tensor,
     kv: torch.Tensor,
@@ -151,20 +156,46 @@ def attention_core(
     (G*Q x D by D x S, per item and kv head) it ran 3x faster than torch's bmm (measured at
     32 items x 200 keys), and it takes the slab's strided views as they are.
 
+    With a mask and more than one tile of queries, the queries go a tile at a time (QUERY_TILE
+    each), every tile's products over the keys up to the last that one of its queries sees:
+    a causal chunk's keys past its tile, masked for all of them, are neither multiplied nor
+    softmaxed (half of a fresh prompt's attention). The keys a query sees are the same either
+    way; only the masked ones, which weigh exactly 0, are left out.
+
     q3: [N, G*Q, D]; kv: [2, N, S, D]; mask: [B, Q, S] additive, or None. Returns [N, G*Q, D].
     """
     k, v = kv[0].numpy(), kv[1].numpy()  # [N, S, D]
-    scores = np.matmul(q3.numpy(), k.transpose(0, 2, 1))  # [N, G*Q, S]
+    if mask is None or query_len <= QUERY_TILE:
+        return torch.from_numpy(_attend(q3.numpy(), k, v, mask, order, batch, num_kv_heads, group_size))
+    n, _, d = q3.shape
+    q4 = q3.numpy().reshape(n, group_size, query_len, d)  # G*Q is G-major: [N, G, Q, D]
+    out = np.empty_like(q4)
+    seen = mask == 0  # [B, Q, S]
+    for t0 in range(0, query_len, QUERY_TILE):
+        t1 = min(t0 + QUERY_TILE, query_len)
+        keys = np.flatnonzero(seen[:, t0:t1].any(axis=(0, 1)))
+        s = int(keys[-1]) + 1 if keys.size else 1  # (a tile of padding rows only: any key will do)
+        tile = np.ascontiguousarray(q4[:, :, t0:t1]).reshape(n, group_size * (t1 - t0), d)
+        got = _attend(tile, k[:, :s], v[:, :s], mask[:, t0:t1, :s], order, batch, num_kv_heads, group_size)
+        out[:, :, t0:t1] = got.reshape(n, group_size, t1 - t0, d)
+    return torch.from_numpy(out.reshape(n, group_size * query_len, d))
+
+
+def _attend(
+    q3: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, order: str, b: int, hkv: int, g: int
+) -> np.ndarray:
+    """attention_core on numpy arrays: q3 [N, G*Q, D], k and v [N, S, D], mask [B, Q, S]."""
+    scores = np.matmul(q3, k.transpose(0, 2, 1))  # [N, G*Q, S]
     if mask is not None:
-        b, n, hkv, g = batch, query_len, num_kv_heads, group_size
+        q = mask.shape[1]
         if order == "bh":
-            view = scores.reshape(b, hkv, g, n, -1)
+            view = scores.reshape(b, hkv, g, q, -1)
             view += mask[:, None, None]
         else:
-            view = scores.reshape(hkv, b, g, n, -1)
+            view = scores.reshape(hkv, b, g, q, -1)
             view += mask[None, :, None]
     probs = torch.softmax(torch.from_numpy(scores), dim=-1).numpy()
-    return torch.from_numpy(np.matmul(probs, v))  # [N, G*Q, D]
+    return np.matmul(probs, v)  # [N, G*Q, D]
 
 
 def set_host_blas_threads(n: int) -> bool:
