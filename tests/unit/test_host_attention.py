@@ -1,6 +1,7 @@
-"""The host (numpy) attention of prefill chunks, ``cpu_backend.attention_core``: a tile of
-queries at a time, each tile's products stopping at the last key one of its queries sees. Held
-to torch's masked softmax over every key, and checked to leave the masked keys out."""
+"""The attention of prefill chunks, on the host (numpy, ``cpu_backend.attention_core``) and on
+torch's bmm (``llama.torch_attention``, where torch holds the threads, and off the CPU): a tile
+of queries at a time, each tile's products stopping at the last key one of its queries sees.
+Held to torch's masked softmax over every key, and checked to leave the masked keys out."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker_svc.model import cpu_backend
+from worker_svc.model import cpu_backend, llama
 from worker_svc.model.cpu_backend import QUERY_TILE, attention_core
 
 
@@ -29,7 +30,7 @@ def _case(starts: list[int], lengths: list[int], order: str, hkv: int = 2, g: in
     item = [n // hkv if order == "bh" else n % b for n in range(b * hkv)]  # each row's item
     bias = torch.from_numpy(mask)[item].repeat(1, g, 1)  # [N, G*Q, S], G-major rows
     want = torch.softmax(q3 @ kv[0].transpose(1, 2) + bias, -1) @ kv[1]
-    return q3, kv, mask, want, (b, q, hkv, g)
+    return q3, kv, mask, want, (b, q, hkv, g), bias
 
 
 @pytest.mark.parametrize("order", ["bh", "hb"])
@@ -42,25 +43,33 @@ def _case(starts: list[int], lengths: list[int], order: str, hkv: int = 2, g: in
     ],
 )
 def test_tiles_equal_the_masked_softmax_over_every_key(order: str, starts: list[int], lengths: list[int]) -> None:
-    q3, kv, mask, want, (b, q, hkv, g) = _case(starts, lengths, order)
-    got = attention_core(q3, kv, mask, order, b, q, hkv, g)
-    assert got.shape == want.shape
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    q3, kv, mask, want, (b, q, hkv, g), bias = _case(starts, lengths, order)
+    for got in (attention_core(q3, kv, mask, order, b, q, hkv, g), llama.torch_attention(q3, kv, bias, mask, g)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_tile_stops_at_the_last_key_its_queries_see(monkeypatch) -> None:
     """A fresh 300-token prompt: the first tile multiplies 128 keys, the second 256, the last
-    all 300; a chunk after a 40-token prefix, 168, 296 and 340."""
+    all 300; a chunk after a 40-token prefix, 168, 296 and 340. On either path."""
     widths: list[int] = []
-    real = cpu_backend._attend
+    host, bmm = cpu_backend._attend, llama._softmax_products
 
-    def recorded(q3, k, v, *args):  # type: ignore[no-untyped-def]
+    def host_recorded(q3, k, v, *args):  # type: ignore[no-untyped-def]
         widths.append(k.shape[1])
-        return real(q3, k, v, *args)
+        return host(q3, k, v, *args)
 
-    monkeypatch.setattr(cpu_backend, "_attend", recorded)
+    def bmm_recorded(q3, k, v, bias):  # type: ignore[no-untyped-def]
+        widths.append(k.shape[1])
+        return bmm(q3, k, v, bias)
+
+    monkeypatch.setattr(cpu_backend, "_attend", host_recorded)
+    monkeypatch.setattr(llama, "_softmax_products", bmm_recorded)
     for start, want in ((0, [128, 256, 300]), (40, [168, 296, 340])):
+        q3, kv, mask, ref, (b, q, hkv, g), bias = _case([start], [300], "bh", seed=start)
         widths.clear()
-        q3, kv, mask, ref, (b, q, hkv, g) = _case([start], [300], "bh", seed=start)
         torch.testing.assert_close(attention_core(q3, kv, mask, "bh", b, q, hkv, g), ref, rtol=1e-5, atol=1e-5)
+        assert widths == want
+        widths.clear()
+        torch.testing.assert_close(llama.torch_attention(q3, kv, bias, mask, g), ref, rtol=1e-5, atol=1e-5)
         assert widths == want

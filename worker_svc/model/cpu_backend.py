@@ -170,15 +170,23 @@ def attention_core(
     n, _, d = q3.shape
     q4 = q3.numpy().reshape(n, group_size, query_len, d)  # G*Q is G-major: [N, G, Q, D]
     out = np.empty_like(q4)
-    seen = mask == 0  # [B, Q, S]
-    for t0 in range(0, query_len, QUERY_TILE):
-        t1 = min(t0 + QUERY_TILE, query_len)
-        keys = np.flatnonzero(seen[:, t0:t1].any(axis=(0, 1)))
-        s = int(keys[-1]) + 1 if keys.size else 1  # (a tile of padding rows only: any key will do)
+    for t0, t1, s in query_tiles(mask):
         tile = np.ascontiguousarray(q4[:, :, t0:t1]).reshape(n, group_size * (t1 - t0), d)
         got = _attend(tile, k[:, :s], v[:, :s], mask[:, t0:t1, :s], order, batch, num_kv_heads, group_size)
         out[:, :, t0:t1] = got.reshape(n, group_size, t1 - t0, d)
     return torch.from_numpy(out.reshape(n, group_size * query_len, d))
+
+
+def query_tiles(mask: np.ndarray) -> list[tuple[int, int, int]]:
+    """The query tiles of a group's attention, mask [B, Q, S] additive: (first query, end, keys
+    the tile's products need: up to the last one of its queries sees), QUERY_TILE queries each."""
+    seen = mask == 0
+    tiles = []
+    for t0 in range(0, mask.shape[1], QUERY_TILE):
+        t1 = min(t0 + QUERY_TILE, mask.shape[1])
+        keys = np.flatnonzero(seen[:, t0:t1].any(axis=(0, 1)))
+        tiles.append((t0, t1, int(keys[-1]) + 1 if keys.size else 1))  # (no key seen: any one will do)
+    return tiles
 
 
 def _attend(

@@ -77,7 +77,17 @@ from kvfleet_models.gguf_blocks import BlockTensor
 from kvfleet_models.rope import rope_frequencies
 from worker_svc.kv_cache import AttnGroup, KVViews, PagedKVCache, PagedRows, SlabRows
 from worker_svc.model import fused, gguf_quant, int8
-from worker_svc.model.cpu_backend import QUANT_MODES, Matrix, attention_core, matmul, matmul_add_, pack_bf16, torch_rows
+from worker_svc.model.cpu_backend import (
+    QUANT_MODES,
+    QUERY_TILE,
+    Matrix,
+    attention_core,
+    matmul,
+    matmul_add_,
+    pack_bf16,
+    query_tiles,
+    torch_rows,
+)
 from worker_svc.model.fused import DecodeAttention
 from worker_svc.model.gguf_quant import GGUFKernels, GGUFWeight
 from worker_svc.model.weights import LayerWeights, ModelWeights, gate_act_mul, qk_norm_, rms_norm, rope_
@@ -207,6 +217,36 @@ def _gguf_head(
     if embed is None:
         raise KeyError("weight model.embed_tokens.weight is missing")
     return vec(np.asarray(embed, dtype=np.float32)), matrix, None
+
+
+def torch_attention(
+    q3: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, mask: np.ndarray | None, group_size: int
+) -> torch.Tensor:
+    """softmax(q k^T + bias) v on torch's bmm (any device): q3 [N, G*Q, D], kv [2, N, S, D], bias
+    [N, G*Q, S]. With a mask ([B, Q, S] on the host, the bias's source) over more than one tile
+    of queries, a tile at a time, each over the keys its queries see (``query_tiles``), as
+    ``attention_core`` goes."""
+    n, rows, d = q3.shape
+    q = rows // group_size
+    if mask is None or q <= QUERY_TILE:
+        return _softmax_products(q3, kv[0], kv[1], bias)
+    q4, b4 = q3.reshape(n, group_size, q, d), bias.reshape(n, group_size, q, -1)  # G*Q is G-major
+    out = q3.new_empty((n, group_size, q, d))
+    for t0, t1, s in query_tiles(mask):
+        t = t1 - t0
+        qt = q4[:, :, t0:t1].reshape(n, group_size * t, d)
+        bt = b4[:, :, t0:t1, :s].reshape(n, group_size * t, s)
+        out[:, :, t0:t1] = _softmax_products(qt, kv[0][:, :s], kv[1][:, :s], bt).view(n, group_size, t, d)
+    return out.view(n, rows, d)
+
+
+def _softmax_products(q3: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    scores = torch.baddbmm(bias, q3, k.transpose(1, 2))  # [N, G*Q, S]
+    if scores.dtype == torch.float32:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q3.dtype)
+    return torch.bmm(probs, v)  # [N, G*Q, D]
 
 
 class LlamaModel:
@@ -539,7 +579,7 @@ class LlamaModel:
             q3 = q5.permute(2, 0, 3, 1, 4).reshape(hkv * b, g * n, d)  # [Hkv*B, G*Q, D]
         if use_torch:
             assert gt.bias is not None
-            o3 = self._torch_attention(q3, kv, gt.bias)
+            o3 = torch_attention(q3, kv, gt.bias, gt.mask, g)
         elif fused_decode:
             o3 = self._fused_decode(
                 plans, gt, q3.contiguous(), kv, gt.kv_lens, gt.group.order == "bh", b, hkv, rows, None, gt.kv_firsts
@@ -548,22 +588,13 @@ class LlamaModel:
             o3 = attention_core(q3, kv, gt.mask, gt.group.order, b, n, hkv, g)  # [N, G*Q, D]
         else:
             assert gt.bias is not None
-            o3 = self._torch_attention(q3, kv, gt.bias)
+            o3 = torch_attention(q3, kv, gt.bias, gt.mask, g)
         if gt.group.order == "bh":
             o = o3.view(b, hkv, g, n, d).permute(0, 3, 1, 2, 4)
         else:
             o = o3.view(hkv, b, g, n, d).permute(1, 3, 0, 2, 4)
         o = o.reshape(b * n, hkv * g * d)  # [B*Q, Hq*D]
         return o if gt.pad_index is None else o.index_select(0, gt.pad_index)
-
-    def _torch_attention(self, q3: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T + bias) v on torch's bmm: q3 [N, G*Q, D], kv [2, N, S, D]."""
-        scores = torch.baddbmm(bias, q3, kv[0].transpose(1, 2))  # [N, G*Q, S]
-        if scores.dtype == torch.float32:
-            probs = torch.softmax(scores, dim=-1)
-        else:
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q3.dtype)
-        return torch.bmm(probs, kv[1])  # [N, G*Q, D]
 
     @torch.inference_mode()
     def forward(
