@@ -98,20 +98,9 @@ class FusedOps:
         place; rot: [T, half] complex64, contiguous."""
         self._rope(_ptr(qkv), qkv.stride(0), _ptr(rot), qkv.shape[0], heads, half)
 
-    def decode_attention(
-        self,
-        q3: torch.Tensor,
-        kv: torch.Tensor,
-        lens: torch.Tensor | None,
-        bh: bool,
-        items: int,
-        hkv: int,
-        rows: torch.Tensor | None = None,
-        pages: BlockTable | None = None,
-        firsts: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """One call of ``decode_attention_plan`` (see there): the plan made and run once."""
-        return self.decode_attention_plan(q3, kv, lens, bh, items, hkv, rows, pages, firsts)(q3, kv)
+    def decode_attention(self, q3: torch.Tensor, kv: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One call: ``decode_attention_plan`` with these arguments, made and run once."""
+        return self.decode_attention_plan(q3, kv, *args, **kwargs)(q3, kv)
 
     def decode_attention_plan(
         self,
@@ -268,23 +257,12 @@ class DecodeAttention:
         # arguments, which ``matches`` compares by identity (a step's group tensors are built once).
         self._given, self._scratch = given, scratch
 
-    def matches(
-        self,
-        q3: torch.Tensor,
-        kv: torch.Tensor,
-        lens: torch.Tensor | None,
-        bh: bool,
-        items: int,
-        hkv: int,
-        rows: torch.Tensor | None = None,
-        pages: BlockTable | None = None,
-        firsts: torch.Tensor | None = None,
-    ) -> bool:
-        """Whether this plan runs these arguments: the same tensors but q3 and kv, and those
-        laid out as the plan's."""
-        given = (lens, bh, items, hkv, rows, pages, firsts)
+    def matches(self, q3: torch.Tensor, kv: torch.Tensor, *given: object) -> bool:
+        """Whether this plan runs these arguments (``decode_attention_plan``'s, in its order):
+        the same tensors but q3 and kv, and those laid out as the plan's."""
         return (
-            all(a is b or (type(a) in (bool, int) and a == b) for a, b in zip(given, self._given))
+            len(given) == len(self._given)
+            and all(a is b or (type(a) in (bool, int) and a == b) for a, b in zip(given, self._given))
             and (q3.shape, q3.stride()) == self._q_layout
             and (kv.shape, kv.stride(), kv.dtype) == self._kv_layout
             and q3.dtype == torch.float32
