@@ -294,6 +294,10 @@ def test_a_decode_attention_plan_runs_each_layer_as_its_own_call(ops: fused.Fuse
     assert plan.matches(*same)
     for what, args in others.items():
         assert not plan.matches(*args), what
+    with pytest.raises(ValueError, match="not laid out as the plan's"):
+        plan(q[1].contiguous(), cache.kv[1])  # read by the plan's strides, it would be misread
+    with pytest.raises(ValueError, match="not laid out as the plan's"):
+        plan(q[1], cache.kv[1].half())
     strided = _rand(items * hkv, d, g, seed=24).transpose(1, 2)  # [N, G, D], not contiguous
     with pytest.raises(ValueError, match="must be contiguous"):
         ops.decode_attention_plan(strided, cache.kv[0], lens, True, items, hkv, None, table, None)

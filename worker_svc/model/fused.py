@@ -230,7 +230,7 @@ class _AttentionArgs(ctypes.Structure):
                 "page",
                 "q_stride",
             )
-        ),  # fmt: skip
+        ),
     ]
 
 
@@ -269,7 +269,10 @@ class DecodeAttention:
         )
 
     def __call__(self, q3: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """q3 and kv laid out as the plan's (``matches``); returns q3's shape, a new tensor."""
+        """q3 and kv laid out as the plan's (``matches``: the C code reads them by the plan's
+        strides, so any other layout is refused); returns q3's shape, a new tensor."""
+        if (q3.shape, q3.stride()) != self._q_layout or (kv.shape, kv.stride(), kv.dtype) != self._kv_layout:
+            raise ValueError("queries or K/V not laid out as the plan's: make a plan for them")
         out = torch.empty(self._q_layout[0], dtype=torch.float32)
         a = self._args
         a.q, a.out = q3.data_ptr(), out.data_ptr()
