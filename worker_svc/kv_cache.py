@@ -171,6 +171,7 @@ class RebuildViews:
     """Nothing kept between steps: each group's K/V are the sessions' blocks of the paged cache."""
 
     order = "hb"
+    copies_new_tokens = False  # ``append`` does nothing: the caller need not make its argument
 
     def __init__(self, cache: PagedKVCache) -> None:
         self.cache = cache
@@ -230,6 +231,7 @@ class PersistentViews:
     """
 
     order = "bh"
+    copies_new_tokens = True  # ``append`` copies the step's new K/V into the sessions' rows
 
     def __init__(self, cache: PagedKVCache, rows: int = 4, capacity: int | None = None) -> None:
         self.cache = cache

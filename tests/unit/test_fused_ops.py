@@ -180,6 +180,55 @@ def test_decode_attention_reads_scattered_slab_rows(
         ops.decode_attention(q3, slab, lens, True, items, hkv, torch.tensor([0, 2, 6]))
 
 
+def _store_case(kv_dtype: torch.dtype, d: int, seed: int) -> tuple[PagedKVCache, torch.Tensor, torch.Tensor]:
+    """A 3-layer cache of random contents, and a step's qkv (5 rows, 2 query heads and 2 K/V
+    heads, rows wider than their columns: a view into a wider buffer) with values that round
+    in float16: halfway cases, subnormals and overflows among them."""
+    cache = PagedKVCache(3, 8, 4, 2, d, kv_dtype, torch.device("cpu"))
+    cache.kv.copy_(_rand(*cache.kv.shape, seed=seed).to(kv_dtype))
+    qkv = _rand(5, 6 * d + 3, seed=seed + 1)[:, : 6 * d]
+    qkv[0, 2 * d : 2 * d + 6] = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 1e-6, -3e-7, 7e4, -1e9])
+    return cache, qkv, torch.tensor([9, 30, 0, 17, 31], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("d", [64, 12])  # whole vectors; a head shorter than one (the scalar tail)
+def test_kv_store_writes_as_torchs_index_copy(ops: fused.FusedOps, kv_dtype: torch.dtype, d: int) -> None:
+    """The C write of a step's new K/V is the torch path's, bit for bit: the same slots of
+    every head of the layer written, float16 rounded as torch rounds, nothing else touched."""
+    cache, qkv, slots = _store_case(kv_dtype, d, seed=21)
+    want = cache.kv.clone()
+    new = qkv[:, 2 * d :].view(5, 2, 2, d).to(kv_dtype)
+    want[1].index_copy_(2, slots, new.permute(1, 2, 0, 3))
+    store = ops.kv_store_plan(cache.kv, slots, qkv, 2 * d)
+    store(1, qkv)
+    assert torch.equal(cache.kv, want)
+    assert torch.isinf(cache.kv[1, 0, 0, 9, 4:6].float()).all() == (kv_dtype == torch.float16)
+
+
+def test_kv_store_refuses_what_it_cannot_write(ops: fused.FusedOps) -> None:
+    cache, qkv, slots = _store_case(torch.float32, 16, seed=22)
+    with pytest.raises(ValueError, match="outside the cache"):
+        ops.kv_store_plan(cache.kv, torch.tensor([0, 1, 2, 3, 32]), qkv, 32)
+    with pytest.raises(ValueError, match="outside the cache"):
+        ops.kv_store_plan(cache.kv, torch.tensor([0, 1, -1, 3, 4]), qkv, 32)
+    with pytest.raises(ValueError, match="K/V from column"):
+        ops.kv_store_plan(cache.kv, slots, qkv, 40)  # the V heads would run past the row
+    with pytest.raises(ValueError, match="float32 or float16"):
+        ops.kv_store_plan(cache.kv.to(torch.bfloat16), slots, qkv, 32)
+    with pytest.raises(ValueError, match="one per row"):
+        ops.kv_store_plan(cache.kv, slots[:4], qkv, 32)
+    store = ops.kv_store_plan(cache.kv, slots, qkv, 32)
+    before = cache.kv.clone()
+    for bad in (qkv.contiguous(), qkv[:4], qkv.t().contiguous().t()):  # other strides or rows
+        assert not store.fits(bad)
+        with pytest.raises(ValueError, match="laid out"):
+            store(0, bad)
+    with pytest.raises(ValueError, match="no such layer"):
+        store(3, qkv)
+    assert torch.equal(cache.kv, before)
+
+
 def _paged(hkv: int, d: int, block_size: int, kv_dtype: torch.dtype, seed: int) -> PagedKVCache:
     """A one-layer paged cache of 12 blocks filled with random K/V."""
     cache = PagedKVCache(1, 12, block_size, hkv, d, kv_dtype, torch.device("cpu"))
@@ -445,6 +494,30 @@ def test_decode_attention_of_an_avx2_build_equals_the_native_one(ops: fused.Fuse
         want = ops.decode_attention(q3, PagedRows(cache, 0, table).merged(), lens, False, 2, 3, firsts=firsts)
         got = avx2.decode_attention(q3, cache.kv[0], lens, False, 2, 3, pages=table, firsts=firsts)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_kv_store_of_other_builds_equals_torchs(ops: fused.FusedOps, tmp_path: Path, march: str) -> None:
+    """The float16 narrowing has three paths: AVX-512's (the native build here, where the
+    CPU has it), F16C's (an AVX2 build) and plain C (a baseline x86-64 build, also every
+    build's tail). The other builds are made here and held to torch's rounding too."""
+    if march == "x86-64-v3" and not cpu_features().avx2:
+        pytest.skip("this CPU does not run AVX2 code")
+    spec = native.LibSpec(
+        f"fused_ops_{march}", "fused_ops.c", ("-O3", f"-march={march}", "-fopenmp-simd", "-shared", "-fPIC")
+    )
+    path = tmp_path / f"fused_ops_{march}.so"
+    try:
+        native.compile_library(spec, path, fused.torch_uses_libgomp())
+    except RuntimeError as e:
+        pytest.skip(f"the compiler cannot build for {march}: {e}")
+    other = fused.FusedOps(ctypes.CDLL(str(path)), path)
+    for kv_dtype, d in itertools.product((torch.float32, torch.float16), (64, 12)):
+        cache, qkv, slots = _store_case(kv_dtype, d, seed=23)
+        want = cache.kv.clone()
+        ops.kv_store_plan(want, slots, qkv, 2 * d)(2, qkv)
+        other.kv_store_plan(cache.kv, slots, qkv, 2 * d)(2, qkv)
+        assert torch.equal(cache.kv, want)
 
 
 def _mixed_steps(engine: Engine) -> np.ndarray:

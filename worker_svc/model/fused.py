@@ -5,7 +5,8 @@ A batch-1 decode step on the CPU spent more time in small ops than in its weight
 after a product finds the caches flushed by the weights it streamed, so torch's ~40 small ops
 of a layer (two RMS norms of ~8 ops each and the residual adds, RoPE, attention's views,
 softmax and products) run at 3-5x their warm cost. ``FusedOps`` does each of those in one C
-call. (SiLU-gate was fused too and measured no faster in a step: it stays torch's.)
+call; so does the write of a step's new K/V into the paged cache (``KVStore``). (SiLU-gate
+was fused too and measured no faster in a step: it stays torch's.)
 
 The library (``-O3 -march=native``) is compiled when the package is built (``native``: a wheel,
 ``pip install``, ``make install``) and used on a CPU with every flag of the build's; where no
@@ -78,7 +79,9 @@ class FusedOps:
         self._attn = {torch.float32: lib.kv_decode_attention, torch.float16: lib.kv_decode_attention_f16}
         for fn in self._attn.values():
             fn.argtypes = [ctypes.POINTER(_AttentionArgs)]
-        for fn in (self._rms, self._add_rms, self._rope, *self._attn.values()):
+        self._store = lib.kv_store
+        self._store.argtypes = [ctypes.POINTER(_StoreArgs)]
+        for fn in (self._rms, self._add_rms, self._rope, self._store, *self._attn.values()):
             fn.restype = None
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -97,6 +100,36 @@ class FusedOps:
         """Rotate the first ``heads`` heads of each row of qkv [T, width] (rows contiguous) in
         place; rot: [T, half] complex64, contiguous."""
         self._rope(_ptr(qkv), qkv.stride(0), _ptr(rot), qkv.shape[0], heads, half)
+
+    def kv_store_plan(self, cache: torch.Tensor, slots: torch.Tensor, qkv: torch.Tensor, col: int) -> KVStore:
+        """A step's writes of its new K and V into the paged cache, checked once and run on each
+        layer (``KVStore``). cache: every layer's K/V [L, 2, Hkv, capacity, D], contiguous,
+        float32 or float16 (``kv_dtypes``); slots: int64 [T], each token's slot; qkv: a layer's
+        projections [T, width] float32 with unit column stride (every layer's laid out alike),
+        its K heads then its V heads from column ``col``."""
+        _, two, hkv, capacity, d = cache.shape
+        rows = qkv.shape[0]
+        if cache.dtype not in self.kv_dtypes or not cache.is_contiguous() or two != 2:
+            raise ValueError(
+                f"the cache must be [L, 2, Hkv, slots, D] contiguous, float32 or float16, got {cache.dtype}"
+            )
+        if qkv.dtype != torch.float32 or qkv.stride(1) != 1 or qkv.shape[1] < col + 2 * hkv * d or col < 0:
+            raise ValueError("qkv must be float32 [T, width] with unit column stride and K/V from column col")
+        if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape != (rows,):
+            raise ValueError("slots must be contiguous int64, one per row of qkv")
+        if rows and not (0 <= int(slots.min()) and int(slots.max()) < capacity):
+            raise ValueError(f"a slot is outside the cache's {capacity}")
+        args = _StoreArgs(
+            slots=slots.data_ptr(),
+            stride=qkv.stride(0),
+            col=col,
+            rows=rows,
+            hkv=hkv,
+            dim=d,
+            capacity=capacity,
+            half=int(cache.dtype == torch.float16),
+        )
+        return KVStore(self._store, args, cache, slots, qkv)
 
     def decode_attention(self, q3: torch.Tensor, kv: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One call: ``decode_attention_plan`` with these arguments, made and run once."""
@@ -232,6 +265,45 @@ class _AttentionArgs(ctypes.Structure):
             )
         ),
     ]
+
+
+class _StoreArgs(ctypes.Structure):
+    """fused_ops.c's kv_store_args, field for field."""
+
+    _fields_ = [
+        ("qkv", _F),
+        ("cache", _F),
+        ("slots", _F),
+        *((name, _L) for name in ("stride", "col", "rows", "hkv", "dim", "capacity", "half")),
+    ]
+
+
+class KVStore:
+    """A step's K/V writes checked once (``FusedOps.kv_store_plan``) and run on each layer: a
+    call sets the layer's qkv and cache pointers and passes one (the checks, and torch's four
+    ops of a write, cost more than the copy at a small batch)."""
+
+    def __init__(
+        self, fn: Callable[[Any], None], args: _StoreArgs, cache: torch.Tensor, slots: torch.Tensor, qkv: torch.Tensor
+    ) -> None:
+        self._fn, self._args, self._ref = fn, args, ctypes.byref(args)
+        self._layout = (qkv.shape, qkv.stride(), qkv.dtype)
+        self._layers = cache.shape[0]
+        self._base, self._layer_bytes = cache.data_ptr(), cache.stride(0) * cache.element_size()
+        self._held = (cache, slots)  # the tensors behind args' pointers, held while the plan is
+
+    def fits(self, qkv: torch.Tensor) -> bool:
+        """Whether qkv is laid out as the plan's (every layer's projections are, in a step)."""
+        return (qkv.shape, qkv.stride(), qkv.dtype) == self._layout
+
+    def __call__(self, layer: int, qkv: torch.Tensor) -> None:
+        """Write layer ``layer``'s K and V from ``qkv``, laid out as the plan's (the C code
+        reads it by the plan's strides: any other layout is refused)."""
+        if (qkv.shape, qkv.stride(), qkv.dtype) != self._layout or not 0 <= layer < self._layers:
+            raise ValueError("qkv not laid out as the plan's, or no such layer: make a plan for it")
+        a = self._args
+        a.qkv, a.cache = qkv.data_ptr(), self._base + layer * self._layer_bytes
+        self._fn(self._ref)
 
 
 class DecodeAttention:

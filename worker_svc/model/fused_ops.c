@@ -3,8 +3,9 @@
  * Each function is one pass over rows that torch runs as several dispatched ops. Between
  * the weight products every op runs with cold caches (a product streams megabytes of
  * weights through them), so a batch-1 layer's ~40 small ops cost 3-5x their warm time; one
- * call each for the norm (with the residual add before it), RoPE and a decode's attention
- * removes most of that. (A SiLU-gate here measured no faster than torch's in a step.)
+ * call each for the norm (with the residual add before it), RoPE, the K/V write into the paged
+ * cache and a decode's attention removes most of that. (A SiLU-gate here measured no faster
+ * than torch's in a step.)
  * Plain C, float32 (a decode attention's K/V may also be float16); only a decode group's
  * attention is spread over threads. Reductions are vectorised with `omp simd`.
  */
@@ -441,3 +442,44 @@ typedef struct {
     }
 KV_DECODE_ENTRY(kv_decode_attention, 0)
 KV_DECODE_ENTRY(kv_decode_attention_f16, 1)
+
+/* n floats into float16, rounded to nearest even as torch's .to(float16) rounds, with the
+ * vector conversion where the CPU has one (see widen). */
+static inline void narrow(const float *src, kv_half *dst, const long n) {
+    long d = 0;
+#if defined(__AVX512F__)
+    for (; d + 16 <= n; d += 16)
+        _mm256_storeu_si256((__m256i *)(dst + d), _mm512_cvtps_ph(_mm512_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT));
+#elif defined(__F16C__)
+    for (; d + 8 <= n; d += 8)
+        _mm_storeu_si128((__m128i *)(dst + d), _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; d < n; d++) dst[d] = (kv_half)src[d];
+}
+
+/* A step's new K and V into one layer of the paged cache, in one call (torch's path is a
+ * view, a dtype conversion, a permute and an index_copy_: four dispatches a layer). Row r of
+ * qkv (rows `stride` floats apart) holds, from column `col`, hkv heads of K and then hkv of V,
+ * `dim` floats each; each head goes to slot slots[r] of cache [2, hkv, capacity, dim]
+ * (contiguous; float32, or float16 with `half`). The caller has checked every slot against
+ * the capacity. */
+typedef struct {
+    const float *qkv;
+    void *cache;
+    const long *slots;
+    long stride, col, rows, hkv, dim, capacity, half;
+} kv_store_args;
+
+void kv_store(const kv_store_args *a) {
+    const long heads = 2 * a->hkv, dim = a->dim;
+    for (long r = 0; r < a->rows; r++) {
+        const float *src = a->qkv + r * a->stride + a->col;
+        for (long h = 0; h < heads; h++) { /* K's heads, then V's: [2, hkv] flattened */
+            const long at = (h * a->capacity + a->slots[r]) * dim;
+            if (a->half)
+                narrow(src + h * dim, (kv_half *)a->cache + at, dim);
+            else
+                memcpy((float *)a->cache + at, src + h * dim, dim * sizeof(float));
+        }
+    }
+}

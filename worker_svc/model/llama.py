@@ -88,7 +88,7 @@ from worker_svc.model.cpu_backend import (
     query_tiles,
     torch_rows,
 )
-from worker_svc.model.fused import DecodeAttention
+from worker_svc.model.fused import DecodeAttention, KVStore
 from worker_svc.model.gguf_quant import GGUFKernels, GGUFWeight
 from worker_svc.model.weights import LayerWeights, ModelWeights, gate_act_mul, qk_norm_, rms_norm, rope_
 from worker_svc.platform import plan_backend, synchronize
@@ -530,6 +530,13 @@ class LlamaModel:
             return
         rope_(qkv, rot, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
 
+    def _new_kv(self, qkv: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
+        """The step's new K and V [T, 2, Hkv, D] (qkv's columns after the queries'), in the
+        cache's dtype (a float16 cache, ``platform.kv_cache_dtype``: one rounding)."""
+        cfg = self.cfg
+        kv = qkv[:, cfg.num_heads * cfg.head_dim :].view(qkv.shape[0], 2, cfg.num_kv_heads, cfg.head_dim)
+        return kv if kv.dtype == cache.kv.dtype else kv.to(cache.kv.dtype)
+
     def _fused_decode(
         self, plans: dict[int, DecodeAttention], gt: GroupTensors, q: torch.Tensor, kv: torch.Tensor, *args: Any
     ) -> torch.Tensor:
@@ -619,6 +626,7 @@ class LlamaModel:
         rot_local = rot if self.local_rotary is None else self.local_rotary.index_select(0, st.positions).unsqueeze(1)
         x = self._rms_norm(h, self.layers[0].input_norm)
         plans: dict[int, DecodeAttention] = {}  # the fused decode attention's, by group: made once a step
+        store: KVStore | None = None  # the fused K/V write into the cache: made once a step
         for i, w in enumerate(self.layers):
             qkv = matmul(x, w.qkv, self.torch_rows)  # [T, (Hq+2Hkv)*D]
             if w.qkv_bias is not None:
@@ -626,14 +634,18 @@ class LlamaModel:
             if w.q_norm is not None:
                 qk_norm_(qkv, w, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps)
             self._rope_(qkv, rot_local if self.local_layers[i] else rot)
-            kv = qkv[:, q_width:].view(t, 2, cfg.num_kv_heads, cfg.head_dim)
-            if kv.dtype != cache.kv.dtype:  # a float16 cache (platform.kv_cache_dtype): one rounding
-                kv = kv.to(cache.kv.dtype)
-
             t0 = clock()
-            cache.write(i, st.slots, kv)
+            kv = None
+            if self.fused is not None:  # one C call, its checks made on the step's first layer
+                if store is None or not store.fits(qkv):
+                    store = self.fused.kv_store_plan(cache.kv, st.slots, qkv, q_width)
+                store(i, qkv)
+            else:
+                kv = self._new_kv(qkv, cache)
+                cache.write(i, st.slots, kv)
             t1 = clock()
-            views.append(i, kv)
+            if views.copies_new_tokens:
+                views.append(i, kv if kv is not None else self._new_kv(qkv, cache))
             groups = st.window_groups if self.windows[i] else st.groups  # the layer's masks
             group_kv = [views.keys_values(i, j) for j in range(len(groups))]
             t2 = clock()
