@@ -53,3 +53,9 @@ def test_the_model_runs_what_its_plan_says(dtype, host_blas) -> None:
     layer = model.layers[0]
     # Host BLAS keeps the [in, out] copy it multiplies by; the torch path only [out, in].
     assert (layer.qkv.kn is not None) == p.host_blas
+    # ... which numpy reads through a view made once, of the same memory (no second copy).
+    if p.host_blas:
+        assert layer.qkv.kn_array is not None and layer.qkv.kn_array.base is not None
+        assert layer.qkv.kn_array.ctypes.data == layer.qkv.kn.data_ptr()
+    else:
+        assert layer.qkv.kn_array is None
