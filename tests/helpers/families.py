@@ -18,6 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported 
 import numpy as np
 
 VOCAB = 256
+NEW_TOKENS = 8  # greedy tokens each family parity test compares with transformers'
 # Small shapes shared by the cases: 4 query heads over 2 kv heads, head_dim 16 unless a case
 # sets its own.
 _BASE: dict[str, Any] = {

@@ -6,12 +6,18 @@ from collections.abc import Callable, Mapping, Set
 
 from scheduler_svc.core import (
     SchedulerCore,
+    SchedulerLimits,
+    SessionRequest,
     StepResult,
     StepStatus,
     TickOutcome,
     TickPlan,
     WorkerSpec,
 )
+
+BPT = 1536  # the tiny model's KV bytes a token: 2 (K and V) x 6 layers x hidden 32 x 4 bytes
+VOCAB = 48
+MAX_POSITION = 2048
 
 
 def sequential_ids() -> Callable[[str], str]:
@@ -173,9 +179,29 @@ def tiny_worker(worker_id: str = "w0", blocks: int = 1024, block_size: int = 16)
         worker_id=worker_id,
         capacity_tokens=blocks * block_size,
         block_size=block_size,
-        kv_bytes_per_token=1536,
+        kv_bytes_per_token=BPT,
         weight_bytes=0,
     )
+
+
+def req(prompt_len: int, max_new: int, priority: int = 0, **kw) -> SessionRequest:
+    """A session of ``prompt_len`` tokens (1, 2, ... cycling below VOCAB) wanting ``max_new``."""
+    prompt = tuple(1 + i % (VOCAB - 1) for i in range(prompt_len))
+    return SessionRequest(prompt_ids=prompt, max_new_tokens=max_new, priority=priority, **kw)
+
+
+def make_core(
+    workers: tuple[WorkerSpec, ...] = (tiny_worker(),),
+    vocab: int = VOCAB,
+    max_position: int = MAX_POSITION,
+    clock=None,
+    **limits,
+) -> SchedulerCore:
+    """A core with ``workers`` added (the tiny model's vocabulary and context by default)."""
+    core = SchedulerCore(SchedulerLimits(**limits), new_id=sequential_ids(), **({"clock": clock} if clock else {}))
+    for spec in workers:
+        core.add_worker(spec, vocab, max_position)
+    return core
 
 
 def run_to_completion(

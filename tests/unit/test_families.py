@@ -35,15 +35,15 @@ from kvfleet_models.errors import ModelLoadError
 from kvfleet_models.reference import reference_logits
 from kvfleet_models.rope import rope_frequencies
 from kvfleet_models.safetensors_loader import load_hf_dir
-from tests.helpers.families import CASES, VOCAB, Case, hf_greedy, hf_logits, make_checkpoint, prompts
+from tests.helpers.engine_drive import drive
+from tests.helpers.families import CASES, NEW_TOKENS, VOCAB, Case, hf_greedy, hf_logits, make_checkpoint, prompts
 from tests.helpers.int8_fakes import Unrounded
-from worker_svc.engine import DecodeItem, Engine, EngineConfig, ItemStatus, PrefillItem, SamplingSpec
+from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
 from worker_svc.local import LocalSteps
 from worker_svc.model import fused
 from worker_svc.model.llama import LlamaModel
 
 ATOL = 2e-4
-NEW_TOKENS = 8
 GREEDY = SamplingSpec()
 
 
@@ -160,41 +160,6 @@ def test_rope_frequencies_equal_transformers(family: Loaded) -> None:
     assert our_scale == pytest.approx(scale, rel=1e-12)
 
 
-def _drive(engine: Engine, plan: list[list[int]], new_tokens: int) -> tuple[list[list[int]], list[np.ndarray]]:
-    """The prompts as a scheduler would send them: those over 15 tokens in three chunks, the
-    third joining a step late, each decoding alongside the others' prefills (blocks from a LocalSteps). Returns
-    each prompt's tokens and the logits [new_tokens, V] they were drawn from."""
-    steps = LocalSteps(engine)
-    chunks = [[7, 8, len(p) - 15] if len(p) > 15 else [len(p)] for p in plan]
-    join = [0, 0, 1] + [0] * (len(plan) - 3)
-    sent = [0] * len(plan)
-    tokens: list[list[int]] = [[] for _ in plan]
-    logits: list[list[np.ndarray]] = [[] for _ in plan]
-    for step in range(100):
-        prefill, decode = [], []
-        for i, p in enumerate(plan):
-            if step < join[i] or len(tokens[i]) >= new_tokens:
-                continue
-            if sent[i] < len(chunks[i]):
-                start = sum(chunks[i][: sent[i]])
-                chunk = tuple(p[start : start + chunks[i][sent[i]]])
-                prefill.append(PrefillItem(str(i), chunk, start, sent[i] == len(chunks[i]) - 1, GREEDY))
-                sent[i] += 1
-            else:
-                pos = len(p) + len(tokens[i]) - 1
-                decode.append(DecodeItem(str(i), tokens[i][-1], pos, GREEDY, len(tokens[i])))
-        if not prefill and not decode:
-            return tokens, [np.stack(rows) for rows in logits]
-        out = steps.step(prefill, decode, return_logits=True)
-        assert out.logits is not None
-        for row, r in enumerate(out.results):
-            assert r.status is ItemStatus.OK, r
-            if r.token_id is not None:
-                tokens[int(r.session_id)].append(r.token_id)
-                logits[int(r.session_id)].append(out.logits[row])
-    raise AssertionError("the schedule did not finish")
-
-
 def _engine(family: Loaded, **kw: Any) -> Engine:
     return Engine(family.cfg, family.weights, EngineConfig(block_size=4, num_blocks=64, **kw))
 
@@ -202,7 +167,7 @@ def _engine(family: Loaded, **kw: Any) -> Engine:
 @pytest.mark.parametrize("kv_views", ["rebuild", "persistent"])
 def test_engine_matches_transformers_generate(family: Loaded, kv_views: str) -> None:
     plan = prompts()
-    tokens, logits = _drive(_engine(family, kv_views=kv_views), plan, NEW_TOKENS)
+    tokens, logits = drive(_engine(family, kv_views=kv_views), plan, NEW_TOKENS)
     assert [tuple(t) for t in tokens] == list(family.greedy)
     assert len({t for g in family.greedy for t in g}) > 5, "degenerate outputs: the init is too flat"
     for p, got, toks in zip(plan, logits, tokens):
@@ -228,7 +193,7 @@ def test_torch_path_matches_transformers(family: Loaded, device: str) -> None:
             family.cfg, family.weights, torch.device("cpu"), torch.float32, host_blas=False, fused_ops=False
         )
     plan = prompts()
-    tokens, logits = _drive(engine, plan, 4)
+    tokens, logits = drive(engine, plan, 4)
     assert [tuple(t) for t in tokens] == [g[:4] for g in family.greedy]
     for p, got, toks in zip(plan, logits, tokens):
         theirs = hf_logits(family.hf, p + toks[:-1])[len(p) - 1 :]
@@ -240,12 +205,12 @@ def test_int8_handles_the_family_options(family: Loaded, monkeypatch: pytest.Mon
     and windows) are exact with the rounding taken out, and real int8 stays within 5 % of the
     logits' range (as ``test_int8_engine``)."""
     plan = prompts()
-    real, real_logits = _drive(_engine(family, quant="int8"), plan[3:], 3)
+    real, real_logits = drive(_engine(family, quant="int8"), plan[3:], 3)
     ref = reference_logits(family.cfg, family.weights, plan[3] + real[0][:-1])[len(plan[3]) - 1 :]
     assert np.abs(real_logits[0] - ref).max() < 0.05 * (ref.max() - ref.min())
     monkeypatch.setattr(int8, "quantize_blocks", lambda w, kernels: Unrounded(w))
     # exact: the float32 KV too (int8's default float16 KV rounds; test_kv_dtype.py)
-    tokens, logits = _drive(_engine(family, quant="int8", kv_dtype="float32"), plan, 3)
+    tokens, logits = drive(_engine(family, quant="int8", kv_dtype="float32"), plan, 3)
     assert [tuple(t) for t in tokens] == [g[:3] for g in family.greedy]
     for p, got, toks in zip(plan, logits, tokens):
         ref = reference_logits(family.cfg, family.weights, p + toks[:-1])[len(p) - 1 :]
@@ -254,7 +219,7 @@ def test_int8_handles_the_family_options(family: Loaded, monkeypatch: pytest.Mon
 
 def test_bfloat16_stays_close(family: Loaded) -> None:
     p = prompts()[3]
-    tokens, logits = _drive(_engine(family, dtype="bfloat16"), [p, p, p], 2)
+    tokens, logits = drive(_engine(family, dtype="bfloat16"), [p, p, p], 2)
     ref = reference_logits(family.cfg, family.weights, p + tokens[0][:1])[len(p) - 1 :]
     assert np.abs(logits[0] - ref).max() < 0.02 * (ref.max() - ref.min())
 

@@ -36,10 +36,10 @@ import pytest
 from kvfleet_models.errors import ModelLoadError
 from kvfleet_models.gguf_blocks import BlockTensor
 from kvfleet_models.registry import load_model, load_model_blocks
+from tests.helpers.engine_drive import drive
 from tests.helpers.families import CASES, Case, make_checkpoint, prompts
 from tests.helpers.gguf_families import write_gguf
 from tests.helpers.models import SMOLLM2, needs_smollm2
-from tests.unit.test_families import _drive
 from worker_svc.convert import info_to_pb
 from worker_svc.engine import Engine, EngineConfig
 from worker_svc.model import gguf_quant
@@ -97,11 +97,11 @@ def test_every_level_equals_the_float64_emulation(gguf_file: Path, level: str, m
     plan = prompts()
     engine = _engine(gguf_file, "gguf")
     assert engine.model.kernel_level == level
-    tokens, logits = _drive(engine, plan, NEW_TOKENS)
+    tokens, logits = drive(engine, plan, NEW_TOKENS)
     monkeypatch.setattr(gguf_quant, "load_kernels", lambda level=None: None)
     emulated = _engine(gguf_file, "gguf")
     assert emulated.model.kernel_level == "torch"
-    _, ref_logits = _drive(emulated, plan, NEW_TOKENS)
+    _, ref_logits = drive(emulated, plan, NEW_TOKENS)
     for got, want in zip(logits, ref_logits):
         np.testing.assert_allclose(got[0], want[0], rtol=0, atol=EMULATION_TOL * float(np.abs(want[0]).max()))
 
@@ -113,7 +113,7 @@ def test_every_product_in_the_engine_equals_its_float64_reference(
     """Each product a prefill and a decode run (every layer's parts, q's scale, ``out``
     accumulated), against the float64 reference on that product's own input: the check the
     end-to-end emulation makes, immune to a rounding flip carried on to later products. (The
-    steps of ``_drive`` reach 16 rows and more: the amx level's tiles run.)"""
+    steps of ``drive`` reach 16 rows and more: the amx level's tiles run.)"""
     _skip_unless_runnable(level)
     monkeypatch.setenv("KVFLEET_Q8_LEVEL", level)
     run = gguf_quant.GGUFKernels.linear
@@ -128,7 +128,7 @@ def test_every_product_in_the_engine_equals_its_float64_reference(
         return y
 
     monkeypatch.setattr(gguf_quant.GGUFKernels, "linear", checked)
-    _drive(_engine(gguf_file, "gguf"), prompts(), 2)
+    drive(_engine(gguf_file, "gguf"), prompts(), 2)
     import gguf
 
     tensors = {t.name: t.tensor_type.name for t in gguf.GGUFReader(gguf_file).tensors if len(t.shape) == 2}
@@ -139,8 +139,8 @@ def test_every_product_in_the_engine_equals_its_float64_reference(
 
 def test_greedy_tokens_and_logits_match_the_dequantized_float32_engine(gguf_file: Path) -> None:
     plan = prompts()
-    ref_tokens, ref_logits = _drive(_engine(gguf_file, "none"), plan, NEW_TOKENS)
-    tokens, logits = _drive(_engine(gguf_file, "gguf"), plan, NEW_TOKENS)
+    ref_tokens, ref_logits = drive(_engine(gguf_file, "none"), plan, NEW_TOKENS)
+    tokens, logits = drive(_engine(gguf_file, "gguf"), plan, NEW_TOKENS)
     for want, got, want_logits, got_logits in zip(ref_tokens, tokens, ref_logits, logits):
         for step in range(NEW_TOKENS):
             tol = FLOAT_TOL * float(np.abs(want_logits[step]).max())
@@ -231,7 +231,7 @@ def test_smollm2_logits_at_the_amx_level_equal_the_avx512_levels(monkeypatch: py
         monkeypatch.setenv("KVFLEET_Q8_LEVEL", level)
         engine = Engine(cfg, weights, EngineConfig(block_size=16, num_blocks=16, quant="gguf"))
         assert engine.model.kernel_level == level
-        runs[level] = _drive(engine, plan, 4)
+        runs[level] = drive(engine, plan, 4)
     (tokens, logits), (tokens_amx, logits_amx) = runs["avx512"], runs["amx"]
     assert tokens_amx == tokens
     for want, got in zip(logits, logits_amx):

@@ -32,9 +32,9 @@ from kvfleet_models.errors import ModelLoadError
 from kvfleet_models.registry import load_model
 from kvfleet_models.rope import rope_frequencies
 from kvfleet_models.safetensors_loader import load_hf_dir
-from tests.helpers.families import CASES, hf_greedy, make_checkpoint, prompts
+from tests.helpers.engine_drive import drive
+from tests.helpers.families import CASES, NEW_TOKENS, hf_greedy, make_checkpoint, prompts
 from tests.helpers.gguf_families import ARCH, permute, write_gguf
-from tests.unit.test_families import NEW_TOKENS, _drive
 from worker_svc.engine import Engine, EngineConfig
 
 # (case, write llama.attention.sliding_window): the converter writes no window for Mistral;
@@ -116,7 +116,7 @@ def test_weights_equal_the_hf_directorys(pair: Pair) -> None:
 def test_engine_matches_transformers_generate(pair: Pair) -> None:
     engine = Engine(pair.cfg, pair.weights, EngineConfig(block_size=4, num_blocks=64))
     plan = prompts()
-    tokens, _ = _drive(engine, plan, NEW_TOKENS)
+    tokens, _ = drive(engine, plan, NEW_TOKENS)
     assert [list(t) for t in tokens] == [hf_greedy(pair.hf, p, NEW_TOKENS) for p in plan]
 
 

@@ -12,8 +12,18 @@ import pytest
 
 from scheduler_svc.core import FinishReason, SessionRequest, StepStatus, TickOutcome, TickPlan, WorkloadPolicy
 from scheduler_svc.core.session import Phase
-from tests.unit.sim import FakeWorkers, fake_token, plan_tick, run_overlapped, run_to_completion, tiny_worker
-from tests.unit.test_scheduler_core import BPT, VOCAB, make_core, req
+from tests.unit.sim import (
+    BPT,
+    VOCAB,
+    FakeWorkers,
+    fake_token,
+    make_core,
+    plan_tick,
+    req,
+    run_overlapped,
+    run_to_completion,
+    tiny_worker,
+)
 
 
 def _kv_matches(core, fake: FakeWorkers) -> None:

@@ -37,39 +37,20 @@ from scheduler_svc.core import (
 from scheduler_svc.core.session import Phase
 from scheduler_svc.core.stats import WorkloadStats
 from tests.unit.sim import (
+    BPT,
+    MAX_POSITION,
+    VOCAB,
     FakeWorkers,
     complete_tick,
     fake_token,
+    make_core,
     plan_tick,
+    req,
     run_to_completion,
-    sequential_ids,
     tiny_worker,
 )
 
-BPT = 1536  # 2 (K and V) x 6 layers x hidden 32 x 4 bytes
-VOCAB = 48
-MAX_POSITION = 2048
-
-
 # ---- helpers ------------------------------------------------------------------------------
-
-
-def req(prompt_len: int, max_new: int, priority: int = 0, **kw) -> SessionRequest:
-    prompt = tuple(1 + i % (VOCAB - 1) for i in range(prompt_len))
-    return SessionRequest(prompt_ids=prompt, max_new_tokens=max_new, priority=priority, **kw)
-
-
-def make_core(
-    workers: tuple[WorkerSpec, ...] = (tiny_worker(),),
-    vocab: int = VOCAB,
-    max_position: int = MAX_POSITION,
-    clock=None,
-    **limits,
-) -> SchedulerCore:
-    core = SchedulerCore(SchedulerLimits(**limits), new_id=sequential_ids(), **({"clock": clock} if clock else {}))
-    for spec in workers:
-        core.add_worker(spec, vocab, max_position)
-    return core
 
 
 def step(core: SchedulerCore, fake: FakeWorkers) -> tuple[TickPlan, TickOutcome]:

@@ -56,3 +56,19 @@ def test_the_reference_figures_are_committed_so_a_fresh_clone_has_them():
     rel = EXAMPLE.relative_to(ROOT).as_posix()
     tracked = subprocess.run(["git", "ls-files", "--error-unmatch", rel], cwd=ROOT, capture_output=True, text=True)
     assert tracked.returncode == 0, f"{rel} is not tracked by git: {tracked.stderr}"
+
+
+# An import of another test module: its fixtures and helpers run with that module's state.
+FROM_TEST_MODULE = re.compile(r"^\s*(from|import)\s+tests\.(\w+\.)*test_\w+")
+
+
+def test_no_test_imports_from_another_test_module():
+    """Shared helpers live in tests/helpers/ (or a non-test module such as tests/unit/sim.py):
+    importing a test module runs it a second time and couples two tests' state."""
+    offenders = [
+        f"{f.relative_to(ROOT)}:{n}"
+        for f in ROOT.glob("tests/**/*.py")
+        for n, line in enumerate(f.read_text().splitlines(), 1)
+        if FROM_TEST_MODULE.match(line)
+    ]
+    assert offenders == [], offenders
