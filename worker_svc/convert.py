@@ -109,6 +109,46 @@ def decode_from_pb(items) -> list[DecodeItem]:
     return out
 
 
+def decode_from_columns(cols: pb.DecodeColumns, samplings) -> list[DecodeItem]:
+    """The decode items of a step's columns (``DecodeColumns``); ValueError (-> INVALID_ARGUMENT)
+    for columns that do not line up."""
+    sids = list(cols.session_ids)
+    n = len(sids)
+    columns = (cols.token_ids, cols.positions, cols.generated_so_far, cols.last_sampled, cols.sampling)
+    if any(len(c) != n for c in columns) or len(cols.block_counts) not in (0, n):
+        raise ValueError(
+            "decode_columns must have one entry per session id in token_ids, positions, generated_so_far, "
+            "last_sampled and sampling (and in block_counts, unless it is empty)"
+        )
+    table = [_sampling(s) for s in samplings]
+    index = list(cols.sampling)
+    if index and max(index) >= len(table):
+        raise ValueError(f"decode_columns.sampling indexes {len(table)} samplings; one is past them")
+    counts = list(cols.block_counts) or [0] * n
+    blocks = list(cols.block_ids)
+    if sum(counts) != len(blocks):
+        raise ValueError(f"decode_columns.block_counts add up to {sum(counts)}, but {len(blocks)} block ids came")
+    out, at = [], 0
+    for sid, token, pos, generated, last, k, count in zip(
+        sids, cols.token_ids, cols.positions, cols.generated_so_far, cols.last_sampled, index, counts
+    ):
+        sampling, invalid = table[k]
+        out.append(
+            DecodeItem(
+                session_id=sid,
+                token_id=token,
+                position=pos,
+                sampling=sampling,
+                generated_so_far=generated,
+                block_ids=tuple(blocks[at : at + count]) if count else (),
+                invalid=invalid,
+                last_sampled=last,
+            )
+        )
+        at += count
+    return out
+
+
 @dataclass(frozen=True)
 class StepCall:
     """A StepRequest as engine values, checked once here."""
@@ -131,6 +171,10 @@ class StepCall:
 def step_from_pb(request: pb.StepRequest) -> StepCall:
     """ValueError (-> INVALID_ARGUMENT) for a request no worker could run."""
     prefill, decode = prefill_from_pb(request.prefill), decode_from_pb(request.decode)
+    if request.HasField("decode_columns"):
+        if decode:
+            raise ValueError("a step sends its decode items in decode or in decode_columns, not both")
+        decode = decode_from_columns(request.decode_columns, request.samplings)
     ids = [i.session_id for i in prefill] + [i.session_id for i in decode]
     if len(set(ids)) != len(ids):
         raise ValueError("a step names the same session twice; send each session once per step")

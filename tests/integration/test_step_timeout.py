@@ -92,7 +92,7 @@ class MutationWatch:
             return forward(self, st, *args, **kwargs)
 
         async def counted_step_rpc(self, request, context):
-            if not request.prefill and not request.decode:
+            if not request.prefill and not request.decode and not request.HasField("decode_columns"):
                 watch.order.append("release step")
             return await step_rpc(self, request, context)
 

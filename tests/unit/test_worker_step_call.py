@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 
 from kvfleet.v1 import worker_pb2 as pb
+from scheduler_svc.convert import step_request
+from scheduler_svc.core import Sampling
+from scheduler_svc.core.plan import DecodeWork
 from worker_svc.config import WorkerConfig
 from worker_svc.convert import step_from_pb, step_to_pb
-from worker_svc.engine import EngineConfig, ItemResult, ItemStatus, StepOutput, StepProfile
+from worker_svc.engine import EngineConfig, ItemResult, ItemStatus, SamplingSpec, StepOutput, StepProfile
 from worker_svc.kv_views_mode import KVViewsMode
 
 
@@ -57,6 +60,60 @@ def test_step_request_converts_once():
     assert (call.decode[0].position, call.decode[0].generated_so_far) == (7, 2)
     assert (call.experiment_id, call.experiment_arm) == ("e", "treatment")
     assert step_from_pb(pb.StepRequest()).kv_views is None  # empty = the worker's default
+
+
+def test_the_schedulers_decode_columns_reach_the_worker_as_its_items():
+    """The scheduler sends decode items as columns (DecodeColumns) with each distinct sampling
+    once; the worker reads back every field of every item, in order."""
+    greedy, hot = Sampling(), Sampling(temperature=0.5, top_k=5, seed=3, logit_bias=((4, 2.0),))
+    work = [
+        DecodeWork(f"s{k}", "w", 10 + k, 20 + 2 * k, hot if k % 3 == 1 else greedy, k, blocks, 0, k == 2)
+        for k, blocks in enumerate([(), (7,), (), (8, 9), ()])
+    ]
+    req = pb.StepRequest.FromString(step_request([], work).SerializeToString())
+    assert not req.decode and len(req.samplings) == 2  # the two distinct samplings, each once
+    got = step_from_pb(req).decode
+    assert [(i.session_id, i.token_id, i.position, i.generated_so_far, i.block_ids, i.last_sampled) for i in got] == [
+        (w.session_id, w.token_id, w.position, w.generated_so_far, w.block_ids, w.last_sampled) for w in work
+    ]
+    assert [i.sampling for i in got] == [
+        SamplingSpec(temperature=0.5, top_k=5, seed=3, logit_bias=((4, 2.0),)) if k % 3 == 1 else SamplingSpec()
+        for k in range(5)
+    ]
+    assert all(not i.invalid for i in got)
+
+
+def _columns(n: int = 2, **fields) -> pb.StepRequest:
+    cols = {
+        "session_ids": [f"s{k}" for k in range(n)],
+        "token_ids": [1] * n,
+        "positions": [3] * n,
+        "generated_so_far": [1] * n,
+        "last_sampled": [False] * n,
+        "sampling": [0] * n,
+        **fields,
+    }
+    return pb.StepRequest(decode_columns=pb.DecodeColumns(**cols), samplings=[pb.Sampling()])
+
+
+@pytest.mark.parametrize(
+    "req, message",
+    [
+        (_columns(positions=[3]), "one entry per session id"),
+        (_columns(block_counts=[1]), "one entry per session id"),
+        (_columns(sampling=[0, 1]), "indexes 1 samplings"),
+        (_columns(block_counts=[1, 1], block_ids=[4]), "add up to 2, but 1 block ids"),
+        (_columns(session_ids=["a", "a"]), "twice"),
+        (_columns(session_ids=["a", ""]), "session_id"),
+    ],
+)
+def test_decode_columns_that_do_not_line_up_are_value_errors(req, message):
+    with pytest.raises(ValueError, match=message):
+        step_from_pb(req)
+    both = _columns()
+    both.decode.add(session_id="z", token_id=1, position=3)
+    with pytest.raises(ValueError, match="not both"):
+        step_from_pb(both)
 
 
 @pytest.mark.parametrize(
