@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvfleet.v1 import worker_pb2 as pb
@@ -109,7 +110,7 @@ def decode_from_pb(items) -> list[DecodeItem]:
     return out
 
 
-def decode_from_columns(cols: pb.DecodeColumns, samplings) -> list[DecodeItem]:
+def decode_from_columns(cols: pb.DecodeColumns, samplings: Iterable[pb.Sampling]) -> list[DecodeItem]:
     """The decode items of a step's columns (``DecodeColumns``); ValueError (-> INVALID_ARGUMENT)
     for columns that do not line up."""
     sids = list(cols.session_ids)
