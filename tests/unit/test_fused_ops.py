@@ -500,7 +500,8 @@ def test_decode_attention_of_an_avx2_build_equals_the_native_one(ops: fused.Fuse
 def test_kv_store_of_other_builds_equals_torchs(ops: fused.FusedOps, tmp_path: Path, march: str) -> None:
     """The float16 narrowing has three paths: AVX-512's (the native build here, where the
     CPU has it), F16C's (an AVX2 build) and plain C (a baseline x86-64 build, also every
-    build's tail). The other builds are made here and held to torch's rounding too."""
+    build's tail). The other builds are made here and held to the native build's bits, which
+    ``test_kv_store_writes_as_torchs_index_copy`` holds to torch's."""
     if march == "x86-64-v3" and not cpu_features().avx2:
         pytest.skip("this CPU does not run AVX2 code")
     spec = native.LibSpec(
