@@ -299,7 +299,7 @@ class KVStore:
     def __call__(self, layer: int, qkv: torch.Tensor) -> None:
         """Write layer ``layer``'s K and V from ``qkv``, laid out as the plan's (the C code
         reads it by the plan's strides: any other layout is refused)."""
-        if (qkv.shape, qkv.stride(), qkv.dtype) != self._layout or not 0 <= layer < self._layers:
+        if not self.fits(qkv) or not 0 <= layer < self._layers:
             raise ValueError("qkv not laid out as the plan's, or no such layer: make a plan for it")
         a = self._args
         a.qkv, a.cache = qkv.data_ptr(), self._base + layer * self._layer_bytes
