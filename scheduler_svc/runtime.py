@@ -127,6 +127,7 @@ class SchedulerRuntime:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._spans.write_pending()  # the last ticks' spans are not lost
         await self._fleet.close()
 
     @property
@@ -381,7 +382,7 @@ class SchedulerRuntime:
             await asyncio.sleep(_IDLE_REPLAN_S)
             return
         finally:
-            flight.span.end()
+            self._spans.end_tick(flight.span)
         self._emit(out, sum(len(w.token_ids) for w in plan.prefill), len(plan.decode))
         self._tick_done.set()
 
@@ -405,7 +406,7 @@ class SchedulerRuntime:
             self._spans.session_steps(span, plan, start_ns, time.time_ns())
             return self._core.update(plan, results, failed, failed_steps)
         finally:
-            span.end()
+            self._spans.end_tick(span)
 
     def _arm_of(self, session_ids: Iterable[str]) -> ExperimentArm | None:
         if not self._arms:  # no experiment running (twice a tick, over every session otherwise)
@@ -417,7 +418,7 @@ class SchedulerRuntime:
         (marked dead by update) and, by worker, why a step failed on a worker that did answer.
         The outbox is delivered while the workers compute."""
         ids, gathered = self._fleet.send(plan, span, self._arm_of)
-        if self._outbox:
+        if self._outbox or self._spans.pending:
             await asyncio.sleep(0)  # let the steps go out first: the workers compute meanwhile
             try:
                 self._deliver()
@@ -434,7 +435,9 @@ class SchedulerRuntime:
             self._outbox.append((out, prefill_tokens, decode_tokens))
 
     def _deliver(self) -> None:
-        """Send every pending outcome's events to the streams, in order, and update the metrics."""
+        """Write the answered ticks' spans, then send every pending outcome's events to the
+        streams, in order, and update the metrics."""
+        self._spans.write_pending()  # first: a session's last step span before its end
         if not self._outbox:
             return
         prefill = decode = 0

@@ -10,6 +10,8 @@ import asyncio
 from collections.abc import Mapping, Sequence
 
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 
 from scheduler_svc.core import SchedulerCore, SessionRequest, StepResult
 from scheduler_svc.core.limits import SchedulerLimits
@@ -173,3 +175,77 @@ def _run(overlap: bool, requests: list[SessionRequest], fail_at: Mapping[str, in
         return streams, worker
 
     return asyncio.run(scenario())
+
+
+class _Logged(SpanExporter):
+    """Appends each span exported to the test's log, beside the worker's steps."""
+
+    def __init__(self, log: list[tuple[str, int, str]], parents: dict[int, int]) -> None:
+        self.log = log
+        self.parents = parents  # log index of a span -> its parent's span id
+        self.ids: dict[int, int] = {}  # span id -> the log index of the span
+
+    def export(self, spans) -> SpanExportResult:
+        for s in spans:
+            self.ids[s.context.span_id] = len(self.log)
+            if s.parent is not None:
+                self.parents[len(self.log)] = s.parent.span_id
+            self.log.append(("span", s.attributes.get("kvfleet.tick", -1), s.name))
+        return SpanExportResult.SUCCESS
+
+
+def test_a_tick_s_spans_are_written_after_the_next_tick_s_steps_go_out_and_none_is_lost():
+    """The step spans of tick N (one per session item) and N's own span are written once the
+    steps of the tick planned from N's answers are out, not on the way from those answers to
+    that tick's steps; and every one is written."""
+    log: list[tuple[str, int, str]] = []
+    parents: dict[int, int] = {}
+    exporter = _Logged(log, parents)
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    items: dict[int, int] = {}  # tick -> the items sent in it
+
+    class Worker(_Worker):
+        def step(self, prefill, decode, release, arm, span, timeout):
+            tick = span.attributes["kvfleet.tick"]
+            log.append(("sent", tick, ""))
+            items[tick] = len(prefill) + len(decode)
+            return super().step(prefill, decode, release, arm, span, timeout)
+
+    ids = [f"s{i}" for i in range(3)]
+
+    async def scenario():
+        core = SchedulerCore(SchedulerLimits(max_running=8), new_id=_new_id(list(ids)))
+        core.add_worker(WorkerSpec("w0", capacity_tokens=4096, block_size=4, kv_bytes_per_token=64), 48, 2048)
+        rt = SchedulerRuntime(
+            core,
+            [Worker({})],  # type: ignore[list-item]
+            SchedulerSpans("tiny", provider),
+            SchedulerMetrics("tiny", 2048),
+            RuntimeConfig(overlap=True),
+            OutputProcessor(_Text, str),
+        )
+        rt.start()
+        subs = [rt.submit([SessionRequest(prompt_ids=(1, 2, 3), max_new_tokens=6)], ["text_completion"]) for _ in ids]
+        for sub in subs:
+            while (await asyncio.wait_for(sub.events.get(), 10)).finish is None:
+                pass
+            rt.end_stream(sub)
+        await rt.stop()
+
+    asyncio.run(scenario())
+    sent_at = {tick: i for i, (kind, tick, _) in enumerate(log) if kind == "sent"}
+    assert len(sent_at) >= 6, "the sessions decode over several ticks"
+    # Tick N+1 went out before N's answers came (overlap); N+2 is the first tick planned from them.
+    for i, (kind, tick, name) in enumerate(log):
+        if kind == "span" and name in ("tick", "step_prefill", "step_decode") and tick + 2 in sent_at:
+            assert sent_at[tick + 2] < i, f"{name} of tick {tick} was written before tick {tick + 2}'s steps went out"
+    steps = [tick for kind, tick, name in log if kind == "span" and name.startswith("step_")]
+    assert {t: steps.count(t) for t in items} == items, "a step span per item sent, for every tick"
+    assert sorted(t for kind, t, name in log if name == "tick") == sorted(items)
+    # In time too: a session's step spans are all written before its own span ends.
+    sessions = [i for i, (_, _, name) in enumerate(log) if name == "text_completion tiny"]
+    assert len(sessions) == len(ids)
+    for i, (_, _, name) in enumerate(log):
+        if name.startswith("step_"):
+            assert exporter.ids[parents[i]] > i, f"{name} written after its session's span ended"
