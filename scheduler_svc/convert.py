@@ -108,7 +108,7 @@ def policy_from_pb(req: spb.WorkloadRequest) -> WorkloadPolicy:
 
 
 def step_request(prefill: Sequence[PrefillWork], decode: Sequence[DecodeWork]) -> wpb.StepRequest:
-    req = wpb.StepRequest()
+    req = wpb.StepRequest(result_columns=True)  # the answer as columns: see step_results
     for p in prefill:
         req.prefill.add(
             session_id=p.session_id,
@@ -143,6 +143,10 @@ def step_request(prefill: Sequence[PrefillWork], decode: Sequence[DecodeWork]) -
 
 
 def step_results(resp: wpb.StepResponse) -> dict[str, StepResult]:
+    """A step's results by session, from its columns (the worker answers so when asked, as
+    step_request asks) or its ItemResult messages. ValueError: columns that do not line up."""
+    if resp.HasField("columns"):
+        return _from_columns(resp.columns)
     return {
         r.session_id: StepResult(
             session_id=r.session_id,
@@ -156,6 +160,33 @@ def step_results(resp: wpb.StepResponse) -> dict[str, StepResult]:
         )
         for r in resp.results
     }
+
+
+def _from_columns(c: wpb.ResultColumns) -> dict[str, StepResult]:
+    ids = list(c.session_ids)
+    n = len(ids)
+    if not (len(c.statuses) == len(c.token_ids) == len(c.kv_tokens) == n):
+        raise ValueError(
+            f"the step's result columns do not line up: {n} session ids, {len(c.statuses)} statuses, "
+            f"{len(c.token_ids)} token ids, {len(c.kv_tokens)} kv_tokens"
+        )
+    miss = StepStatus.CACHE_MISS  # a status this scheduler does not know (a newer worker's)
+    out = {
+        sid: StepResult(sid, _STATUS.get(st, miss), tok if tok >= 0 else None, kv)
+        for sid, st, tok, kv in zip(ids, c.statuses, c.token_ids, c.kv_tokens)
+    }
+    for e in c.extras:
+        if e.index >= n:
+            raise ValueError(f"a result extra names result {e.index} of {n}")
+        sid = ids[e.index]
+        out[sid] = replace(
+            out[sid],
+            logprob=e.logprob if e.has_logprob else None,
+            top_logprobs=tuple((t.token_id, t.logprob) for t in e.top_logprobs),
+            constraint_done=e.constraint_done,
+            error=e.error,
+        )
+    return out
 
 
 def snapshot_to_pb(s: TelemetrySnapshot) -> spb.TelemetrySnapshot:

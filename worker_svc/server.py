@@ -239,7 +239,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             attrs["experiment.id"] = call.experiment_id
             attrs["experiment.arm"] = call.experiment_arm
         emit_step_spans(extract_context(trace_carrier), wall_start, out.profile, self._cfg.num_layers, attrs)
-        return convert.step_to_pb(out, step_ns)
+        return convert.step_to_pb(out, step_ns, call.result_columns)
 
     async def _locked_step(self, call: convert.StepCall) -> tuple[StepOutput, int, int, bool]:
         """Run the step; returns its output, wall ns, start (epoch ns: once it runs, so that

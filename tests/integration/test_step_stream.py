@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -21,10 +22,12 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
+from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
 from kvfleet_common import grpcutil
 from kvfleet_models.config import tiny_config
 from kvfleet_models.reference import reference_generate
 from kvfleet_models.tiny import tiny_weights
+from scheduler_svc.convert import step_request, step_results
 from scheduler_svc.core import DecodeWork, PrefillWork, Sampling
 from scheduler_svc.workers import WorkerCallFailed, WorkerClient
 from worker_svc import server as worker_server
@@ -126,6 +129,28 @@ def test_streamed_steps_answer_token_exact_as_step_calls_do() -> None:
                 assert (client._stream is not None) == stream_steps
                 if stream_steps:
                     assert client._stream is not None and client._stream.broken is None
+
+    asyncio.run(main())
+
+
+def test_the_worker_answers_as_columns_when_asked_and_as_messages_otherwise() -> None:
+    """The same prefill, once as each asks: the same result, in the form asked for."""
+
+    async def main() -> None:
+        async with _worker() as (address, _), grpc.aio.insecure_channel(address) as channel:
+            stub = wpb_grpc.WorkerStub(channel)
+            answers = []
+            for sid, columns in (("1", False), ("2", True)):
+                req = step_request([_prefill(sid, PROMPTS[0])], [])
+                assert req.result_columns  # the scheduler asks for columns
+                req.result_columns = columns
+                answers.append(await stub.Step(req, timeout=10))
+            as_messages, as_columns = answers
+            assert len(as_messages.results) == 1 and not as_messages.HasField("columns")
+            assert list(as_columns.columns.session_ids) == ["2"] and not as_columns.results
+            first, second = step_results(as_messages)["1"], step_results(as_columns)["2"]
+            assert first.token_id == reference_generate(CFG, WEIGHTS, PROMPTS[0], 1)[0]
+            assert replace(first, session_id="2") == second
 
     asyncio.run(main())
 

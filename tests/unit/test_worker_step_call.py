@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from kvfleet.v1 import worker_pb2 as pb
-from scheduler_svc.convert import step_request
+from scheduler_svc.convert import step_request, step_results
 from scheduler_svc.core import Sampling
 from scheduler_svc.core.plan import DecodeWork
+from scheduler_svc.core.types import StepStatus
 from worker_svc.config import WorkerConfig
 from worker_svc.convert import step_from_pb, step_to_pb
 from worker_svc.engine import EngineConfig, ItemResult, ItemStatus, SamplingSpec, StepOutput, StepProfile
@@ -129,19 +130,19 @@ def test_bad_step_requests_are_value_errors(req, message):
         step_from_pb(req)
 
 
+_RESULTS = [
+    ItemResult("tok", ItemStatus.OK, 0, 5),  # token 0 is a token
+    ItemResult("lp", ItemStatus.OK, 7, 6, logprob=-0.25, top_logprobs=((7, -0.25), (3, -1.5)), constraint_done=True),
+    ItemResult("miss", ItemStatus.CACHE_MISS, None, 0),
+    ItemResult("bad", ItemStatus.REJECTED, None, 0, error="top_p must be in (0, 1]"),
+    ItemResult("fail", ItemStatus.FAILED, None, 3, logprob=0.0, error="the forward failed"),
+]
+
+
 def test_step_results_carry_every_field_they_have_and_none_they_lack():
     """step_to_pb sets only what a result has; a field it lacks reads as its proto default
     (has_token / has_logprob say whether the zeros are real)."""
-    results = [
-        ItemResult("tok", ItemStatus.OK, 0, 5),  # token 0 is a token
-        ItemResult(
-            "lp", ItemStatus.OK, 7, 6, logprob=-0.25, top_logprobs=((7, -0.25), (3, -1.5)), constraint_done=True
-        ),
-        ItemResult("miss", ItemStatus.CACHE_MISS, None, 0),
-        ItemResult("bad", ItemStatus.REJECTED, None, 0, error="top_p must be in (0, 1]"),
-        ItemResult("fail", ItemStatus.FAILED, None, 3, logprob=0.0, error="the forward failed"),
-    ]
-    resp = step_to_pb(StepOutput(results=results, profile=StepProfile(0, 0, 0, 0)), step_ns=1234)
+    resp = step_to_pb(StepOutput(results=_RESULTS, profile=StepProfile(0, 0, 0, 0)), step_ns=1234)
     assert resp.step_ns == 1234
     got = [
         (r.session_id, r.status, r.has_token, r.token_id, r.kv_tokens, r.has_logprob, r.logprob,
@@ -155,3 +156,46 @@ def test_step_results_carry_every_field_they_have_and_none_they_lack():
         ("bad", pb.ITEM_REJECTED, False, 0, 0, False, 0.0, [], False, "top_p must be in (0, 1]"),
         ("fail", pb.ITEM_FAILED, False, 0, 3, True, 0.0, [], False, "the forward failed"),
     ]
+
+
+def test_results_as_columns_reach_the_scheduler_as_the_messages_do():
+    """Every field of every result, through the columns (serialized and parsed), is what the
+    scheduler reads from the ItemResult messages; only the results with extras carry one."""
+    out = StepOutput(results=_RESULTS, profile=StepProfile(0, 0, 0, 0))
+    as_messages = pb.StepResponse.FromString(step_to_pb(out, 1234).SerializeToString())
+    as_columns = pb.StepResponse.FromString(step_to_pb(out, 1234, columns=True).SerializeToString())
+    assert not as_columns.results and as_columns.step_ns == 1234
+    assert [e.index for e in as_columns.columns.extras] == [1, 3, 4]  # lp, bad, fail
+    got = step_results(as_columns)
+    assert list(got) == ["tok", "lp", "miss", "bad", "fail"]
+    assert got == step_results(as_messages)
+    assert got["tok"].token_id == 0 and got["miss"].token_id is None and got["fail"].logprob == 0.0
+    assert got["lp"].top_logprobs == ((7, -0.25), (3, -1.5)) and got["lp"].constraint_done
+    # A step of no results asked for as columns still says so.
+    empty = step_to_pb(StepOutput(results=[], profile=StepProfile(0, 0, 0, 0)), 1, columns=True)
+    assert pb.StepResponse.FromString(empty.SerializeToString()).HasField("columns")
+
+
+def _result_columns(**fields) -> pb.StepResponse:
+    base = dict(session_ids=["a", "b"], statuses=[pb.ITEM_OK] * 2, token_ids=[3, -1], kv_tokens=[4, 5])
+    return pb.StepResponse(columns=pb.ResultColumns(**{**base, **fields}))
+
+
+@pytest.mark.parametrize(
+    "resp, message",
+    [
+        (_result_columns(statuses=[pb.ITEM_OK]), "do not line up: 2 session ids, 1 statuses"),
+        (_result_columns(token_ids=[3]), "1 token ids"),
+        (_result_columns(kv_tokens=[4, 5, 6]), "3 kv_tokens"),
+        (_result_columns(extras=[pb.ResultExtra(index=2, error="x")]), "names result 2 of 2"),
+    ],
+)
+def test_result_columns_that_do_not_line_up_are_value_errors(resp, message):
+    with pytest.raises(ValueError, match=message):
+        step_results(resp)
+
+
+def test_a_status_the_scheduler_does_not_know_reads_as_a_cache_miss_in_either_form():
+    cols = step_results(_result_columns(statuses=[pb.ITEM_OK, 99]))
+    msgs = step_results(pb.StepResponse(results=[pb.ItemResult(session_id="b", status=99)]))
+    assert cols["b"].status == msgs["b"].status == StepStatus.CACHE_MISS
