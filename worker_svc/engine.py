@@ -330,6 +330,9 @@ class Engine:
         # Each held session's block table (as the scheduler sent it) and tokens in the KV.
         self._tables: dict[str, list[int]] = {}
         self._held: dict[str, int] = {}
+        # How many tables name each block (sessions share a cached prefix's blocks): the blocks in
+        # use are its keys, kept as tables change rather than gathered from every table each step.
+        self._block_refs: dict[int, int] = {}
         # Each held session's last sampled token: the input of a decode planned before it came
         # back to the scheduler (DecodeItem.last_sampled).
         self._last: dict[str, int] = {}
@@ -421,6 +424,9 @@ class Engine:
         if problem:
             return ItemStatus.FAILED, problem
         table.extend(r.block_ids)  # (in place: a decode's table is not copied every step)
+        refs = self._block_refs
+        for b in r.block_ids:
+            refs[b] = refs.get(b, 0) + 1
         self._tables[sid] = table
         self._held[sid] = r.start + len(r.tokens)
         bs, first = self.config.block_size, r.start + r.cached
@@ -571,7 +577,12 @@ class Engine:
         for sid in session_ids:
             if self._held.pop(sid, None) is not None:
                 held += 1
-            self._tables.pop(sid, None)
+            refs = self._block_refs
+            for b in self._tables.pop(sid, ()):
+                if refs[b] == 1:
+                    del refs[b]
+                else:
+                    refs[b] -= 1
             self._last.pop(sid, None)
             self.sampling.forget(sid)
             for views in self._views.values():
@@ -588,7 +599,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         c = self._counts
-        used = len({b for table in self._tables.values() for b in table})
+        used = len(self._block_refs)
         return EngineStats(
             steps=c["steps"],
             prefill_tokens=c["prefill_tokens"],
