@@ -8,8 +8,11 @@ queue, prefill and decode time; e2e = arrival -> last token.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from opentelemetry.context import Context
@@ -31,6 +34,8 @@ from scheduler_svc.core.types import SessionRequest
 from scheduler_svc.experiments import ExperimentArm
 from scheduler_svc.observers import SessionObserver
 from scheduler_svc.output import Usage
+
+LIVE_READ_S = 1.0  # how long a scrape waits for the event loop to read the live state
 
 
 @dataclass
@@ -118,6 +123,8 @@ class SchedulerMetrics(SessionObserver):
             "Step items a worker rejected or failed alone: those sessions ended, the rest of the step ran",
         )
         self._snapshot: TelemetrySnapshot | None = None
+        # (read, its loop, the loop's thread): see read_live
+        self._live: tuple[Callable[[], TelemetrySnapshot], asyncio.AbstractEventLoop, int] | None = None
         self._seen_rejections: dict[str, int] = {}
         self._times: dict[str, _Times] = {}
         self._finished_by: dict[str, Counter] = {}
@@ -196,8 +203,8 @@ class SchedulerMetrics(SessionObserver):
     def tick_answered(self, prefill_tokens: int, decode_tokens: int) -> None:
         self.iteration(prefill_tokens, decode_tokens)
 
-    def outcomes_delivered(self, snapshot: TelemetrySnapshot, prefill_tokens: int, decode_tokens: int) -> None:
-        self.tick(snapshot, prefill_tokens, decode_tokens)
+    def outcomes_delivered(self, prefill_tokens: int, decode_tokens: int) -> None:
+        self.tick(prefill_tokens, decode_tokens)
 
     def worker_failed(self, worker_id: str) -> None:
         self.worker_failures.inc()
@@ -215,11 +222,22 @@ class SchedulerMetrics(SessionObserver):
         """One tick's answers arrived: the tokens it processed."""
         self.iteration_tokens.observe(prefill_tokens + decode_tokens)
 
-    def tick(self, snapshot: TelemetrySnapshot, prefill_tokens: int, decode_tokens: int) -> None:
-        self._snapshot = snapshot
+    def tick(self, prefill_tokens: int, decode_tokens: int) -> None:
         self.prompt_tokens.inc(prefill_tokens)
         self.generation_tokens.inc(decode_tokens)
+
+    def show(self, snapshot: TelemetrySnapshot) -> None:
+        """The state a scrape shows until a live one is read (see read_live)."""
+        self._snapshot = snapshot
         self.update_rejections(snapshot.rejected_by_reason)
+
+    def read_live(self, read: Callable[[], TelemetrySnapshot], loop: asyncio.AbstractEventLoop) -> None:
+        """Scrapes read the state now: `read` (the core's snapshot) run on `loop`, the only
+        thread that may touch the core; call from that loop. A snapshot a tick would cost every
+        tick (about 5 % of the scheduler's CPU in the tiny sweep); a scrape comes every few
+        seconds. While the loop does not answer within LIVE_READ_S (stopped, or busy), a scrape
+        shows the last state read."""
+        self._live = (read, loop, threading.get_ident())
 
     def update_rejections(self, by_reason: dict[str, int]) -> None:
         for reason, n in by_reason.items():
@@ -228,10 +246,34 @@ class SchedulerMetrics(SessionObserver):
                 self._rejections.labels(model_name=self._model, reason=reason).inc(delta)
                 self._seen_rejections[reason] = n
 
-    # ---- read at scrape time (the HTTP thread): only the last immutable snapshot ----------------
+    # ---- read at scrape time (the HTTP thread) ----------------------------------------------------
+
+    def _current(self) -> TelemetrySnapshot | None:
+        """The live snapshot, read on the loop's thread, or the last one read."""
+        if self._live is None:
+            return self._snapshot
+        read, loop, loop_thread = self._live
+        if threading.get_ident() == loop_thread:
+            snapshot = read()
+        else:
+            answer: concurrent.futures.Future[TelemetrySnapshot] = concurrent.futures.Future()
+
+            def on_loop() -> None:
+                try:
+                    answer.set_result(read())
+                except BaseException as exc:  # a scrape must not take the loop down
+                    answer.set_exception(exc)
+
+            try:
+                loop.call_soon_threadsafe(on_loop)
+                snapshot = answer.result(timeout=LIVE_READ_S)
+            except (RuntimeError, concurrent.futures.TimeoutError):  # the loop is closed, or busy
+                return self._snapshot
+        self.show(snapshot)
+        return snapshot
 
     def _readings(self) -> Iterator[Reading]:
-        s = self._snapshot
+        s = self._current()
         if s is None:
             return
         m = {"model_name": self._model}

@@ -9,7 +9,6 @@ from collections.abc import Mapping, Sequence
 from opentelemetry.context import Context
 
 from scheduler_svc.core import SessionRequest
-from scheduler_svc.core.stats import TelemetrySnapshot
 from scheduler_svc.experiments import ExperimentArm
 from scheduler_svc.output import Usage
 
@@ -61,8 +60,8 @@ class SessionObserver:
     def tick_answered(self, prefill_tokens: int, decode_tokens: int) -> None:
         """One tick's steps came back with these tokens processed."""
 
-    def outcomes_delivered(self, snapshot: TelemetrySnapshot, prefill_tokens: int, decode_tokens: int) -> None:
-        """The pending outcomes reached the streams; the core's state now."""
+    def outcomes_delivered(self, prefill_tokens: int, decode_tokens: int) -> None:
+        """The pending outcomes reached the streams, with these tokens processed."""
 
     def worker_failed(self, worker_id: str) -> None:
         """A step got no answer: the worker was marked dead."""
@@ -132,9 +131,9 @@ class Observers(SessionObserver):
         for m in self.members:
             m.tick_answered(prefill_tokens, decode_tokens)
 
-    def outcomes_delivered(self, snapshot: TelemetrySnapshot, prefill_tokens: int, decode_tokens: int) -> None:
+    def outcomes_delivered(self, prefill_tokens: int, decode_tokens: int) -> None:
         for m in self.members:
-            m.outcomes_delivered(snapshot, prefill_tokens, decode_tokens)
+            m.outcomes_delivered(prefill_tokens, decode_tokens)
 
     def worker_failed(self, worker_id: str) -> None:
         for m in self.members:

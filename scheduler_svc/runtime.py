@@ -474,7 +474,7 @@ class SchedulerRuntime:
                 self._output.close(sid)
                 self._publish(SessionEvent(sid, dropped=why, drop_cause=cause))
                 self._forget_orphan(sid)
-        self._observe.outcomes_delivered(self._core.snapshot(), prefill, decode)
+        self._observe.outcomes_delivered(prefill, decode)
 
     def _ended(self, session_id: str, reason: str) -> Usage:
         s = self._core.session(session_id)

@@ -73,7 +73,8 @@ async def create_server(config: SchedulerConfig):
     runtime.start()
     from kvfleet_common.metrics import serve_metrics
 
-    metrics.tick(core.snapshot(), 0, 0)
+    metrics.show(core.snapshot())
+    metrics.read_live(core.snapshot, asyncio.get_running_loop())
     metrics_port = serve_metrics(metrics.registry, config.host, config.metrics_port)
     log.info(
         "scheduler serving on %s:%d with %d workers (metrics port %s)", config.host, port, len(clients), metrics_port

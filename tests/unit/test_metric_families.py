@@ -116,7 +116,8 @@ def test_every_scheduler_family_has_model_name_and_only_counters_end_in_total() 
     from scheduler_svc.core.scheduler import SchedulerCore
 
     m = SchedulerMetrics("smollm2-135m", 2048)
-    m.tick(SchedulerCore(SchedulerLimits()).snapshot(), 4, 2)
+    m.show(SchedulerCore(SchedulerLimits()).snapshot())
+    m.tick(4, 2)
     m.update_rejections({"queue_full": 2})
     text = _scheduler_text(m)
     types = _types(text)
@@ -139,3 +140,60 @@ def test_every_scheduler_family_has_model_name_and_only_counters_end_in_total() 
     assert samples
     for line in samples:
         assert 'model_name="smollm2-135m"' in line, line
+
+
+def test_a_scrape_reads_the_core_s_state_now_on_the_loop_s_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No snapshot is taken per tick: a scrape from another thread (the HTTP server's) has the
+    loop read the state and shows it; a loop that is busy or gone leaves the last state read."""
+    import asyncio
+    import dataclasses
+    import threading
+    import time
+
+    from scheduler_svc import metrics as metrics_mod
+    from scheduler_svc.core.limits import SchedulerLimits
+    from scheduler_svc.core.scheduler import SchedulerCore
+
+    base = SchedulerCore(SchedulerLimits()).snapshot()
+    state = {"running": 3}
+    read_on: list[int] = []
+
+    def read():
+        read_on.append(threading.get_ident())
+        return dataclasses.replace(base, active_sessions=state["running"])
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    m = SchedulerMetrics("tiny", 64)
+    m.show(base)
+    loop.call_soon_threadsafe(m.read_live, read, loop)  # from the loop, as the server calls it
+    running = "kvfleet:num_requests_running"
+    deadline = time.monotonic() + 5
+    while m._live is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _sample(_scheduler_text(m), running) == 3
+    state["running"] = 5  # the core moved on: the next scrape sees it
+    assert _sample(_scheduler_text(m), running) == 5
+    assert set(read_on) == {thread.ident}
+
+    # The loop's own thread reads at once (a wait for itself would never end).
+    async def scrape_on_loop():
+        return _scheduler_text(m)
+
+    state["running"] = 6
+    assert _sample(asyncio.run_coroutine_threadsafe(scrape_on_loop(), loop).result(5), running) == 6
+
+    # A busy loop: the scrape waits LIVE_READ_S, then shows the last state read.
+    monkeypatch.setattr(metrics_mod, "LIVE_READ_S", 0.2)
+    release = threading.Event()
+    loop.call_soon_threadsafe(release.wait, 5)
+    state["running"] = 7
+    t0 = time.monotonic()
+    assert _sample(_scheduler_text(m), running) == 6
+    assert time.monotonic() - t0 < 2
+    release.set()
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+    loop.close()
+    assert _sample(_scheduler_text(m), running) == 6  # a closed loop: the last state read
