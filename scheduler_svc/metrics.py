@@ -253,24 +253,27 @@ class SchedulerMetrics(SessionObserver):
         if self._live is None:
             return self._snapshot
         read, loop, loop_thread = self._live
-        if threading.get_ident() == loop_thread:
+
+        def on_loop() -> TelemetrySnapshot:
             snapshot = read()
-        else:
-            answer: concurrent.futures.Future[TelemetrySnapshot] = concurrent.futures.Future()
+            self.show(snapshot)  # on the loop's thread, as every other update of these metrics
+            return snapshot
 
-            def on_loop() -> None:
-                try:
-                    answer.set_result(read())
-                except BaseException as exc:  # a scrape must not take the loop down
-                    answer.set_exception(exc)
+        if threading.get_ident() == loop_thread:
+            return on_loop()
+        answer: concurrent.futures.Future[TelemetrySnapshot] = concurrent.futures.Future()
 
+        def answer_on_loop() -> None:
             try:
-                loop.call_soon_threadsafe(on_loop)
-                snapshot = answer.result(timeout=LIVE_READ_S)
-            except (RuntimeError, concurrent.futures.TimeoutError):  # the loop is closed, or busy
-                return self._snapshot
-        self.show(snapshot)
-        return snapshot
+                answer.set_result(on_loop())
+            except BaseException as exc:  # a scrape must not take the loop down
+                answer.set_exception(exc)
+
+        try:
+            loop.call_soon_threadsafe(answer_on_loop)
+            return answer.result(timeout=LIVE_READ_S)
+        except (RuntimeError, concurrent.futures.TimeoutError):  # the loop is closed, or busy
+            return self._snapshot
 
     def _readings(self) -> Iterator[Reading]:
         s = self._current()

@@ -196,4 +196,5 @@ def test_a_scrape_reads_the_core_s_state_now_on_the_loop_s_thread(monkeypatch: p
     loop.call_soon_threadsafe(loop.stop)
     thread.join(5)
     loop.close()
-    assert _sample(_scheduler_text(m), running) == 6  # a closed loop: the last state read
+    # The loop, free again, ran the late read (7) before it stopped; closed, it leaves that.
+    assert _sample(_scheduler_text(m), running) == 7
