@@ -177,6 +177,7 @@ def measure(
     arms: list[bool],
     sweep_repeats: int,
     repeats: int = 3,
+    step_spans: bool = True,
 ) -> dict:
     rows: list[dict[str, Any]] = []
 
@@ -196,6 +197,7 @@ def measure(
             prefill_token_budget=4 * max(concurrency),
             num_blocks=max(1024, 4 * max(concurrency)),
             overlap_scheduling=arm,
+            step_spans=step_spans,
         )
         for arm in arms
     }
@@ -204,14 +206,17 @@ def measure(
         add("tiny", c, new_tokens, got)
     if smollm2_tokens:
         smol = {
-            arm: ClusterSpec(workers=1, model="smollm2-135m", num_blocks=256, overlap_scheduling=arm) for arm in arms
+            arm: ClusterSpec(
+                workers=1, model="smollm2-135m", num_blocks=256, overlap_scheduling=arm, step_spans=step_spans
+            )
+            for arm in arms
         }
         add("smollm2-135m", 1, smollm2_tokens, _interleaved(smol, [1], smollm2_tokens, repeats))
     sweeps = []
     if sweep_repeats:
         from bench.sweep_rate import sweep_ticks_per_s
 
-        sweeps = [sweep_ticks_per_s(repeats=sweep_repeats, overlap=overlap) for overlap in arms]
+        sweeps = [sweep_ticks_per_s(repeats=sweep_repeats, overlap=overlap, step_spans=step_spans) for overlap in arms]
     return {
         "rows": rows,
         "tiny_sweep": sweeps,
@@ -229,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="the in-process engine's CPU threads (0 = torch's)")
     p.add_argument("--overlap", default="on,off", help="the scheduler's overlapped scheduling, per arm: on, off")
     p.add_argument("--sweep-repeats", type=int, default=3, help="tiny sweep repeats per arm (0: no sweep)")
+    p.add_argument(
+        "--no-step-spans",
+        action="store_true",
+        help="the scheduler without its per-session step spans (--no-step-spans): what they cost",
+    )
     p.add_argument("--repeats", type=int, default=3, help="runs per arm and batch, interleaved; medians shown")
     p.add_argument("--json", metavar="FILE")
     a = p.parse_args(argv)
@@ -246,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         [x == "on" for x in arms],
         a.sweep_repeats,
         max(a.repeats, 1),
+        not a.no_step_spans,
     )
     cols = [
         "model",

@@ -24,10 +24,15 @@ def sweep_ticks_per_s(
     extra_env: dict[str, str] | None = None,
     progress: Callable[[str], None] = lambda m: None,
     overlap: bool = ClusterSpec.overlap_scheduling,
+    step_spans: bool = ClusterSpec.step_spans,
 ) -> dict:
     spec = SweepSpec()
     cluster_spec = ClusterSpec(
-        workers=workers, model="tiny", extra_env=dict(extra_env or {}), overlap_scheduling=overlap
+        workers=workers,
+        model="tiny",
+        extra_env=dict(extra_env or {}),
+        overlap_scheduling=overlap,
+        step_spans=step_spans,
     )
     with LocalCluster(cluster_spec) as cluster, SchedulerClient(cluster.scheduler_address) as client:
         prompts = make_prompts(spec, client.list_workers()[0].vocab_size)

@@ -73,6 +73,13 @@ def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None, ove
         "the scheduler sends each worker its steps over one open stream (default on)",
         "the scheduler sends each step as a Step call of its own",
     )
+    add_switch(
+        p,
+        "step-spans",
+        d.step_spans,
+        "with tracing on, each request's trace has a span for each step it took part in (default on)",
+        "no per-request step spans (at 64 sessions they were most of the cluster's tracing cost)",
+    )
     p.add_argument(
         "--num-blocks",
         type=int,
@@ -120,6 +127,7 @@ def _spec(a: argparse.Namespace, port: int = 0):
         kv_budget_bytes=a.kv_budget_bytes,
         overlap_scheduling=a.overlap_scheduling,
         step_stream=a.step_stream,
+        step_spans=a.step_spans,
         num_blocks=a.num_blocks,
         threads=a.threads,
         kv_cache_memory=a.kv_cache_memory,

@@ -70,6 +70,7 @@ class ClusterSpec:
     # The scheduler's --overlap-scheduling (plan tick N+1 while tick N computes).
     overlap_scheduling: bool = SchedulerConfig.overlap_scheduling
     step_stream: bool = SchedulerConfig.step_stream  # the scheduler's --step-stream
+    step_spans: bool = SchedulerConfig.step_spans  # the scheduler's --step-spans
     num_blocks: int = WorkerConfig.num_blocks
     kv_cache_memory: str = WorkerConfig.kv_cache_memory  # each worker's KV pool by memory (wins)
     kv_dtype: str = WorkerConfig.kv_dtype  # workers' --kv-dtype: auto | float32 | float16
@@ -295,6 +296,7 @@ class LocalCluster:
                     str(s.drain_grace_s),
                     "--overlap-scheduling" if s.overlap_scheduling else "--no-overlap-scheduling",
                     "--step-stream" if s.step_stream else "--no-step-stream",
+                    "--step-spans" if s.step_spans else "--no-step-spans",
                     # 0 leaves the scheduler's own setting (its default, or KVFLEET_KV_BUDGET_BYTES)
                     *(("--kv-budget-bytes", str(s.kv_budget_bytes)) if s.kv_budget_bytes else ()),
                     *s.scheduler_args,

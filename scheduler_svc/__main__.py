@@ -96,6 +96,14 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
         "send each step as a Step call of its own",
         env="KVFLEET_STEP_STREAM",
     )
+    add_switch(
+        p,
+        "step-spans",
+        c.step_spans,
+        "with tracing on, a span per session per tick in the session's trace (its every step)",
+        "no per-session step spans: a session's trace has its own spans, ticks link to it",
+        env="KVFLEET_STEP_SPANS",
+    )
     p.add_argument("--step-timeout", type=float, env="KVFLEET_STEP_TIMEOUT_S", default=c.step_timeout_s)
     p.add_argument(
         "--no-worker-wait",
@@ -164,6 +172,7 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
         no_worker_wait_s=a.no_worker_wait,
         overlap_scheduling=a.overlap_scheduling,
         step_stream=a.step_stream,
+        step_spans=a.step_spans,
     )
 
 

@@ -47,7 +47,7 @@ async def create_server(config: SchedulerConfig):
     prompts = PromptResolver.for_model(config.model or infos[0].model.name, infos[0].model, prompt_limits)
     # The name clients see (GetModelInfo, spans, metrics): --served-model-name, else the workers' own.
     served = config.served_model_name or infos[0].model.name
-    spans = SchedulerSpans(served)
+    spans = SchedulerSpans(served, step_spans=config.step_spans)
     metrics = SchedulerMetrics(served, infos[0].model.max_position)
     runtime = SchedulerRuntime(
         core,

@@ -42,8 +42,10 @@ class _SessionSpans:
 
 
 class SchedulerSpans(SessionObserver):
-    def __init__(self, model_name: str, provider: trace.TracerProvider | None = None) -> None:
-        """provider: where the spans go (None: the global tracer provider)."""
+    def __init__(self, model_name: str, provider: trace.TracerProvider | None = None, step_spans: bool = True) -> None:
+        """provider: where the spans go (None: the global tracer provider); step_spans: whether
+        each session gets a span for each tick it took part in (SchedulerConfig.step_spans)."""
+        self._step_spans = step_spans
         self._tracer = trace.get_tracer("kvfleet.scheduler", tracer_provider=provider)
         self._steps = FinishedSpans("kvfleet.scheduler", provider)  # tens a tick: the cheap path
         self._model = model_name
@@ -216,6 +218,8 @@ class SchedulerSpans(SessionObserver):
         chunk) or `step_decode` child of its session span, over the tick's dispatch, linked to
         the tick span (which, for a tick of several sessions, is a trace of its own). Written by
         write_pending; the sessions' span contexts are taken now, while each still has its spans."""
+        if not self._step_spans:
+            return
         items = list(self._step_items(plan))
         link = (Link(tick.get_span_context()),)
         self._pending.append(lambda: self._steps.children(items, link, start_ns, end_ns))

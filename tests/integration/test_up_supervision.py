@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvfleet.client import NO_RETRY, SchedulerClient, build_request
+from tests.helpers.telemetry_db import wait_for_rows
 from tests.helpers.up import Up, wait_live
 
 
@@ -88,11 +89,14 @@ def test_up_keeps_serving_when_a_worker_is_killed_smollm2(tmp_path: Path):
 def test_up_hands_its_drain_grace_on_and_a_closed_terminal_stops_it(tmp_path: Path):
     """SIGHUP (the terminal closed) drains and stops the cluster like SIGTERM, leaving no child;
     --drain-grace reaches the scheduler and the gateway, whose drains it bounds (and
-    --no-step-stream and --kv-budget-bytes the scheduler)."""
+    --no-step-stream, --no-step-spans and --kv-budget-bytes the scheduler)."""
     import time
 
     up = Up(
-        ["--model", "tiny", "--workers", "1", "--drain-grace", "3", "--no-step-stream", "--kv-budget-bytes", "1536000"],
+        [
+            *("--model", "tiny", "--workers", "1", "--drain-grace", "3", "--no-step-stream", "--no-step-spans"),
+            *("--kv-budget-bytes", "1536000"),
+        ],
         tmp_path / "up.err",
         start_timeout_s=60,
     )
@@ -105,6 +109,16 @@ def test_up_hands_its_drain_grace_on_and_a_closed_terminal_stops_it(tmp_path: Pa
         with SchedulerClient(up.scheduler) as client:
             assert client.generate(build_request([1, 2, 3], 4, ignore_eos=True)).token_ids
             assert client.telemetry().kv_budget_bytes == 1536000  # --kv-budget-bytes in force
+        # --no-step-spans: the request's trace has its session span and ticks, and no step spans
+        # (the scheduler exports in order: its step spans would have come before its session's end).
+        db = Path(re.search(r"logs in (\S+?)\)", up.banner).group(1)) / "telemetry.db"
+        rows = wait_for_rows(
+            db,
+            "SELECT name FROM spans WHERE service = 'kvfleet-scheduler'",
+            until=lambda r: {"text_completion tiny", "tick"} <= {n for (n,) in r},
+            what="the request's session span and its ticks",
+        )
+        assert not [n for (n,) in rows if n.startswith("step_")], rows
         up.proc.send_signal(signal.SIGHUP)
         assert up.proc.wait(60) == 0, up.stderr()
     finally:

@@ -148,3 +148,13 @@ def test_the_step_stream_is_turned_off_by_its_flag_or_its_variable(monkeypatch: 
     monkeypatch.setenv("KVFLEET_STEP_STREAM", "false")
     assert scheduler_main.parse_args(["--workers", "w:1"]).step_stream is False
     assert scheduler_main.parse_args(["--workers", "w:1", "--step-stream"]).step_stream is True
+
+
+def test_step_spans_are_turned_off_by_their_flag_or_their_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert SchedulerConfig(workers=("w:1",)).step_spans is True
+    assert scheduler_main.parse_args(["--workers", "w:1", "--no-step-spans"]).step_spans is False
+    assert _spec(build_parser().parse_args(["up"])).step_spans is True
+    assert _spec(build_parser().parse_args(["up", "--no-step-spans"])).step_spans is False
+    monkeypatch.setenv("KVFLEET_STEP_SPANS", "false")
+    assert scheduler_main.parse_args(["--workers", "w:1"]).step_spans is False
+    assert scheduler_main.parse_args(["--workers", "w:1", "--step-spans"]).step_spans is True

@@ -194,10 +194,9 @@ class _Logged(SpanExporter):
         return SpanExportResult.SUCCESS
 
 
-def test_a_tick_s_spans_are_written_after_the_next_tick_s_steps_go_out_and_none_is_lost():
-    """The step spans of tick N (one per session item) and N's own span are written once the
-    steps of the tick planned from N's answers are out, not on the way from those answers to
-    that tick's steps; and every one is written."""
+def _traced_run(step_spans: bool) -> tuple[list[tuple[str, int, str]], dict[int, int], _Logged, dict[int, int]]:
+    """Three sessions through the overlapped loop with spans to a log beside the worker's steps:
+    (log, parents, the exporter, items sent by tick)."""
     log: list[tuple[str, int, str]] = []
     parents: dict[int, int] = {}
     exporter = _Logged(log, parents)
@@ -220,7 +219,7 @@ def test_a_tick_s_spans_are_written_after_the_next_tick_s_steps_go_out_and_none_
         rt = SchedulerRuntime(
             core,
             [Worker({})],  # type: ignore[list-item]
-            SchedulerSpans("tiny", provider),
+            SchedulerSpans("tiny", provider, step_spans=step_spans),
             SchedulerMetrics("tiny", 2048),
             RuntimeConfig(overlap=True),
             OutputProcessor(_Text, str),
@@ -234,6 +233,14 @@ def test_a_tick_s_spans_are_written_after_the_next_tick_s_steps_go_out_and_none_
         await rt.stop()
 
     asyncio.run(scenario())
+    return log, parents, exporter, items
+
+
+def test_a_tick_s_spans_are_written_after_the_next_tick_s_steps_go_out_and_none_is_lost():
+    """The step spans of tick N (one per session item) and N's own span are written once the
+    steps of the tick planned from N's answers are out, not on the way from those answers to
+    that tick's steps; and every one is written."""
+    log, parents, exporter, items = _traced_run(step_spans=True)
     sent_at = {tick: i for i, (kind, tick, _) in enumerate(log) if kind == "sent"}
     assert len(sent_at) >= 6, "the sessions decode over several ticks"
     # Tick N+1 went out before N's answers came (overlap); N+2 is the first tick planned from them.
@@ -245,7 +252,15 @@ def test_a_tick_s_spans_are_written_after_the_next_tick_s_steps_go_out_and_none_
     assert sorted(t for kind, t, name in log if name == "tick") == sorted(items)
     # In time too: a session's step spans are all written before its own span ends.
     sessions = [i for i, (_, _, name) in enumerate(log) if name == "text_completion tiny"]
-    assert len(sessions) == len(ids)
+    assert len(sessions) == 3
     for i, (_, _, name) in enumerate(log):
         if name.startswith("step_"):
             assert exporter.ids[parents[i]] > i, f"{name} written after its session's span ended"
+
+
+def test_without_step_spans_a_session_s_trace_keeps_its_own_spans_and_every_tick():
+    log, _, _, items = _traced_run(step_spans=False)
+    names = [name for kind, _, name in log if kind == "span"]
+    assert not [n for n in names if n.startswith("step_")]
+    assert names.count("text_completion tiny") == 3 and names.count("queue") == 3
+    assert sorted(t for kind, t, name in log if name == "tick") == sorted(items)
