@@ -13,6 +13,7 @@ root of its own, linked to each of them.
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections import deque
@@ -29,6 +30,8 @@ from scheduler_svc.core.types import Sampling, SessionRequest
 from scheduler_svc.experiments import ExperimentArm
 from scheduler_svc.observers import SessionObserver
 from scheduler_svc.output import Usage
+
+log = logging.getLogger(__name__)
 
 PROVIDER = "kvfleet"  # gen_ai.provider.name
 SESSION_SPAN = "session"  # the value of kvfleet.span on a session's root span
@@ -234,9 +237,13 @@ class SchedulerSpans(SessionObserver):
         return bool(self._pending)
 
     def write_pending(self) -> None:
-        """Write what session_steps and end_tick left, in the order they were called."""
+        """Write what session_steps and end_tick left, in the order they were called. A write
+        that fails is logged and skipped: spans never hold up the tokens delivered after them."""
         while self._pending:
-            self._pending.popleft()()
+            try:
+                self._pending.popleft()()
+            except Exception:
+                log.exception("writing a tick's spans failed; they are lost")
 
     def _step_items(self, plan: TickPlan) -> Iterator[tuple[SpanContext, str, dict[str, int | str]]]:
         tick = plan.tick

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Mapping, Sequence
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 
 from scheduler_svc.core import SchedulerCore, SessionRequest, StepResult
@@ -194,13 +194,26 @@ class _Logged(SpanExporter):
         return SpanExportResult.SUCCESS
 
 
-def _traced_run(step_spans: bool) -> tuple[list[tuple[str, int, str]], dict[int, int], _Logged, dict[int, int]]:
+class _Refuses(SpanProcessor):
+    """A span processor that fails on every step_decode span it is handed."""
+
+    def on_end(self, span) -> None:
+        if span.name == "step_decode":
+            raise RuntimeError("this processor refuses step_decode")
+
+
+def _traced_run(
+    step_spans: bool, failing: bool = False
+) -> tuple[list[tuple[str, int, str]], dict[int, int], _Logged, dict[int, int]]:
     """Three sessions through the overlapped loop with spans to a log beside the worker's steps:
-    (log, parents, the exporter, items sent by tick)."""
+    (log, parents, the exporter, items sent by tick). failing: a second span processor raises on
+    every step_decode span (ahead of the log's: those spans never reach it)."""
     log: list[tuple[str, int, str]] = []
     parents: dict[int, int] = {}
     exporter = _Logged(log, parents)
     provider = TracerProvider()
+    if failing:
+        provider.add_span_processor(_Refuses())
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     items: dict[int, int] = {}  # tick -> the items sent in it
 
@@ -263,4 +276,12 @@ def test_without_step_spans_a_session_s_trace_keeps_its_own_spans_and_every_tick
     names = [name for kind, _, name in log if kind == "span"]
     assert not [n for n in names if n.startswith("step_")]
     assert names.count("text_completion tiny") == 3 and names.count("queue") == 3
+    assert sorted(t for kind, t, name in log if name == "tick") == sorted(items)
+
+
+def test_a_span_write_that_fails_holds_up_no_token_and_no_other_span():
+    log, _, _, items = _traced_run(step_spans=True, failing=True)  # every stream still finished
+    names = [name for kind, _, name in log if kind == "span"]
+    assert "step_decode" not in names and "step_prefill" in names
+    assert names.count("text_completion tiny") == 3
     assert sorted(t for kind, t, name in log if name == "tick") == sorted(items)
