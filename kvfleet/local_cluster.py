@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -37,12 +38,40 @@ _SECRET_VARS = ("KVFLEET_WORKER_SECRET", "KVFLEET_WORKER_SECRET_FILE")
 
 
 _handed_out: set[int] = set()
+_LOWEST_PICKED = 10000  # free_port picks from here up to the OS's own range
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The ports the OS hands out for a bind to port 0 and as outgoing connections' source ports."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now, never one this process handed out before: the OS may give the same
-    port to two binds of port 0 in a row once the first socket is closed, and a cluster's
-    processes bind theirs later (a worker's metrics port once its model is loaded)."""
+    """A port free now, never one this process handed out before, and picked below the OS's
+    ephemeral range: a cluster's processes bind theirs later (a worker its metrics port once its
+    model is loaded, seconds on), and a port in that range can meanwhile become the source port
+    of any outgoing connection on the machine, failing the bind (seen in the suite: a worker of
+    `kvfleet up` exited with EADDRINUSE). Where that range leaves no room, a port of its own."""
+    low, _ = ephemeral_range()
+    if low - _LOWEST_PICKED >= 1000:
+        for _ in range(200):
+            port = random.randrange(_LOWEST_PICKED, low)
+            if port not in _handed_out and _bindable(host, port):
+                _handed_out.add(port)
+                return port
     while True:
         with socket.socket() as s:
             s.bind((host, 0))
