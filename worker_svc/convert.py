@@ -213,16 +213,25 @@ def step_to_pb(out: StepOutput, step_ns: int, columns: bool = False) -> pb.StepR
         if r.token_id is not None:
             item.has_token = True
             item.token_id = r.token_id
-        if r.logprob is not None:
-            item.has_logprob = True
-            item.logprob = r.logprob
-        if r.top_logprobs:
-            item.top_logprobs.extend(pb.TopToken(token_id=t, logprob=lp) for t, lp in r.top_logprobs)
-        if r.constraint_done:
-            item.constraint_done = True
-        if r.error:
-            item.error = r.error
+        _set_extras(item, r)
     return resp
+
+
+def _has_extras(r: ItemResult) -> bool:
+    return r.logprob is not None or bool(r.top_logprobs) or r.constraint_done or bool(r.error)
+
+
+def _set_extras(msg: pb.ItemResult | pb.ResultExtra, r: ItemResult) -> None:
+    """The fields only some results have, on an ItemResult or a ResultExtra (the same names)."""
+    if r.logprob is not None:
+        msg.has_logprob = True
+        msg.logprob = r.logprob
+    if r.top_logprobs:
+        msg.top_logprobs.extend(pb.TopToken(token_id=t, logprob=lp) for t, lp in r.top_logprobs)
+    if r.constraint_done:
+        msg.constraint_done = True
+    if r.error:
+        msg.error = r.error
 
 
 def _result_columns(results: Sequence[ItemResult], cols: pb.ResultColumns) -> None:
@@ -232,17 +241,8 @@ def _result_columns(results: Sequence[ItemResult], cols: pb.ResultColumns) -> No
     cols.token_ids.extend([-1 if r.token_id is None else r.token_id for r in results])
     cols.kv_tokens.extend([r.kv_tokens for r in results])
     for i, r in enumerate(results):
-        if r.logprob is not None or r.top_logprobs or r.constraint_done or r.error:
-            extra = cols.extras.add(index=i)
-            if r.logprob is not None:
-                extra.has_logprob = True
-                extra.logprob = r.logprob
-            if r.top_logprobs:
-                extra.top_logprobs.extend(pb.TopToken(token_id=t, logprob=lp) for t, lp in r.top_logprobs)
-            if r.constraint_done:
-                extra.constraint_done = True
-            if r.error:
-                extra.error = r.error
+        if _has_extras(r):
+            _set_extras(cols.extras.add(index=i), r)
 
 
 def info_to_pb(

@@ -140,21 +140,18 @@ def test_the_demos_sweep_is_kvfleet_sweeps_reference_run() -> None:
     assert {k: demo.get(k) for k in cluster} == {k: sweep.get(k) for k in cluster}
 
 
-def test_the_step_stream_is_turned_off_by_its_flag_or_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert SchedulerConfig(workers=("w:1",)).step_stream is True
-    assert scheduler_main.parse_args(["--workers", "w:1", "--no-step-stream"]).step_stream is False
-    assert _spec(build_parser().parse_args(["up"])).step_stream is True
-    assert _spec(build_parser().parse_args(["up", "--no-step-stream"])).step_stream is False
-    monkeypatch.setenv("KVFLEET_STEP_STREAM", "false")
-    assert scheduler_main.parse_args(["--workers", "w:1"]).step_stream is False
-    assert scheduler_main.parse_args(["--workers", "w:1", "--step-stream"]).step_stream is True
-
-
-def test_step_spans_are_turned_off_by_their_flag_or_their_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert SchedulerConfig(workers=("w:1",)).step_spans is True
-    assert scheduler_main.parse_args(["--workers", "w:1", "--no-step-spans"]).step_spans is False
-    assert _spec(build_parser().parse_args(["up"])).step_spans is True
-    assert _spec(build_parser().parse_args(["up", "--no-step-spans"])).step_spans is False
-    monkeypatch.setenv("KVFLEET_STEP_SPANS", "false")
-    assert scheduler_main.parse_args(["--workers", "w:1"]).step_spans is False
-    assert scheduler_main.parse_args(["--workers", "w:1", "--step-spans"]).step_spans is True
+@pytest.mark.parametrize(
+    "switch, field, variable",
+    [("step-stream", "step_stream", "KVFLEET_STEP_STREAM"), ("step-spans", "step_spans", "KVFLEET_STEP_SPANS")],
+)
+def test_a_scheduler_switch_on_by_default_is_turned_off_by_its_flag_or_its_variable(
+    monkeypatch: pytest.MonkeyPatch, switch: str, field: str, variable: str
+) -> None:
+    """The scheduler's, and `kvfleet up`'s, which passes it on."""
+    assert getattr(SchedulerConfig(workers=("w:1",)), field) is True
+    assert getattr(scheduler_main.parse_args(["--workers", "w:1", f"--no-{switch}"]), field) is False
+    assert getattr(_spec(build_parser().parse_args(["up"])), field) is True
+    assert getattr(_spec(build_parser().parse_args(["up", f"--no-{switch}"])), field) is False
+    monkeypatch.setenv(variable, "false")
+    assert getattr(scheduler_main.parse_args(["--workers", "w:1"]), field) is False
+    assert getattr(scheduler_main.parse_args(["--workers", "w:1", f"--{switch}"]), field) is True
