@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,6 +35,8 @@ from scheduler_svc.core.types import SessionRequest
 from scheduler_svc.experiments import ExperimentArm
 from scheduler_svc.observers import SessionObserver
 from scheduler_svc.output import Usage
+
+log = logging.getLogger(__name__)
 
 LIVE_READ_S = 1.0  # how long a scrape waits for the event loop to read the live state
 
@@ -259,20 +262,24 @@ class SchedulerMetrics(SessionObserver):
             self.show(snapshot)  # on the loop's thread, as every other update of these metrics
             return snapshot
 
-        if threading.get_ident() == loop_thread:
-            return on_loop()
-        answer: concurrent.futures.Future[TelemetrySnapshot] = concurrent.futures.Future()
-
-        def answer_on_loop() -> None:
-            try:
-                answer.set_result(on_loop())
-            except BaseException as exc:  # a scrape must not take the loop down
-                answer.set_exception(exc)
-
         try:
-            loop.call_soon_threadsafe(answer_on_loop)
-            return answer.result(timeout=LIVE_READ_S)
-        except (RuntimeError, concurrent.futures.TimeoutError):  # the loop is closed, or busy
+            if threading.get_ident() == loop_thread:
+                return on_loop()
+            answer: concurrent.futures.Future[TelemetrySnapshot] = concurrent.futures.Future()
+
+            def answer_on_loop() -> None:
+                try:
+                    answer.set_result(on_loop())
+                except BaseException as exc:  # a scrape must not take the loop down
+                    answer.set_exception(exc)
+
+            try:
+                loop.call_soon_threadsafe(answer_on_loop)
+                return answer.result(timeout=LIVE_READ_S)
+            except (RuntimeError, concurrent.futures.TimeoutError):  # the loop is closed, or busy
+                return self._snapshot
+        except Exception:  # a bug in the read: the other families are still served
+            log.exception("reading the scheduler's state for a scrape failed; showing the last one read")
             return self._snapshot
 
     def _readings(self) -> Iterator[Reading]:

@@ -198,3 +198,26 @@ def test_a_scrape_reads_the_core_s_state_now_on_the_loop_s_thread(monkeypatch: p
     loop.close()
     # The loop, free again, ran the late read (7) before it stopped; closed, it leaves that.
     assert _sample(_scheduler_text(m), running) == 7
+
+
+def test_a_read_that_fails_leaves_the_last_state_and_every_other_family() -> None:
+    import asyncio
+    import dataclasses
+
+    from scheduler_svc.core.limits import SchedulerLimits
+    from scheduler_svc.core.scheduler import SchedulerCore
+
+    def broken():
+        raise ZeroDivisionError("a bug in the read")
+
+    m = SchedulerMetrics("tiny", 64)
+    m.show(dataclasses.replace(SchedulerCore(SchedulerLimits()).snapshot(), active_sessions=4))
+    m.iteration(5, 0)
+    loop = asyncio.new_event_loop()
+    try:
+        m.read_live(broken, loop)  # this thread is "the loop's": the scrape reads at once
+        text = _scheduler_text(m)
+    finally:
+        loop.close()
+    assert _sample(text, "kvfleet:num_requests_running") == 4
+    assert _sample(text, "kvfleet:iteration_tokens_count") == 1
