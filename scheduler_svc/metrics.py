@@ -262,22 +262,17 @@ class SchedulerMetrics(SessionObserver):
             self.show(snapshot)  # on the loop's thread, as every other update of these metrics
             return snapshot
 
+        async def on_loop_async() -> TelemetrySnapshot:
+            return on_loop()
+
         try:
             if threading.get_ident() == loop_thread:
                 return on_loop()
-            answer: concurrent.futures.Future[TelemetrySnapshot] = concurrent.futures.Future()
-
-            def answer_on_loop() -> None:
-                try:
-                    answer.set_result(on_loop())
-                except BaseException as exc:  # a scrape must not take the loop down
-                    answer.set_exception(exc)
-
-            try:
-                loop.call_soon_threadsafe(answer_on_loop)
-                return answer.result(timeout=LIVE_READ_S)
-            except (RuntimeError, concurrent.futures.TimeoutError):  # the loop is closed, or busy
+            if loop.is_closed():
                 return self._snapshot
+            return asyncio.run_coroutine_threadsafe(on_loop_async(), loop).result(LIVE_READ_S)
+        except concurrent.futures.TimeoutError:  # the loop is busy
+            return self._snapshot
         except Exception:  # a bug in the read: the other families are still served
             log.exception("reading the scheduler's state for a scrape failed; showing the last one read")
             return self._snapshot
