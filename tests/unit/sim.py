@@ -136,13 +136,13 @@ class FakeWorkers:
                 self.last[p.session_id] = tok
             results[p.session_id] = StepResult(p.session_id, StepStatus.OK, tok, self.kv[p.session_id])
         for d in plan.decode:
-            held = self.kv.get(d.session_id)
+            held = self.kv.get(d.session_id, -1)  # -1: none held (no position is -1)
             token = self.last.get(d.session_id) if d.last_sampled else d.token_id
             if not d.last_sampled and d.session_id in self.last:
                 # The scheduler names the token it was given: the one this worker sampled last.
                 assert token == self.last[d.session_id], (d.session_id, token, self.last[d.session_id])
             if held != d.position or token is None:
-                results[d.session_id] = StepResult(d.session_id, StepStatus.CACHE_MISS, None, held or 0)
+                results[d.session_id] = StepResult(d.session_id, StepStatus.CACHE_MISS, None, max(held, 0))
                 continue
             self.kv[d.session_id] = held + 1
             self.seq[d.session_id].append(token)
