@@ -10,6 +10,7 @@ import sys
 from gateway_svc.config import GatewayConfig
 from kvfleet_common.flags import FlagParser
 from kvfleet_common.logs import LogSettings
+from kvfleet_common.parent_watch import exit_with_parent
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, LogSettings]:
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         sys.exit(f"gateway: {exc}")
     logs.apply()
+    exit_with_parent()
     try:
         asyncio.run(serve(config))
     except OSError as exc:  # the port is taken, say

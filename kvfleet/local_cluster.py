@@ -4,7 +4,9 @@
 its old address after a backoff; only a scheduler that keeps crashing stops the cluster.
 
 The processes run in their own session, so a Ctrl-C at the terminal reaches only the caller,
-which stops them in order (the scheduler drains while its workers still serve)."""
+which stops them in order (the scheduler drains while its workers still serve). Each is told
+this process's id (KVFLEET_PARENT_PID) and stops by itself if this process dies without
+stopping it (kvfleet_common/parent_watch.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfleet_common.grpcutil import check_health
+from kvfleet_common.parent_watch import PARENT_PID_ENV
 from kvfleet_common.security import TlsConfig
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.limits import SchedulerLimits
@@ -246,6 +249,7 @@ class LocalCluster:
             ):
                 env.pop(var, None)
         env.update(self._env(name))
+        env[PARENT_PID_ENV] = str(os.getpid())  # the service stops when this process is gone
         proc = subprocess.Popen(
             [sys.executable, *args, *self._log_args()],
             stdout=out,

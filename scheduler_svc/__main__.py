@@ -8,6 +8,7 @@ import sys
 
 from kvfleet_common.flags import FlagParser, add_switch
 from kvfleet_common.logs import setup_logging
+from kvfleet_common.parent_watch import exit_with_parent
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core import SchedulerLimits
 from scheduler_svc.prompts import PromptLimits
@@ -184,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     from kvfleet_models.errors import ModelLoadError
     from scheduler_svc.server import serve
 
+    exit_with_parent()
     try:
         asyncio.run(serve(config))
     except ConnectionError as exc:

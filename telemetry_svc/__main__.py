@@ -7,6 +7,7 @@ import os
 
 from kvfleet_common.flags import FlagParser
 from kvfleet_common.logs import LogSettings
+from kvfleet_common.parent_watch import exit_with_parent
 from telemetry_svc.auth import AuthPolicy
 from telemetry_svc.http_api import JAEGER_QUERY_PORT
 from telemetry_svc.retention import DEFAULT_MAX_DB_MB, DEFAULT_RETENTION_HOURS, RetentionPolicy
@@ -70,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TelemetryConfig, LogSetti
 def main(argv: list[str] | None = None) -> None:
     config, logs = parse_args(argv)
     logs.apply()
+    exit_with_parent()
     asyncio.run(serve(config))
 
 

@@ -6,6 +6,7 @@ import sys
 
 from kvfleet_common.flags import FlagParser, add_switch
 from kvfleet_common.logs import setup_logging
+from kvfleet_common.parent_watch import exit_with_parent
 from worker_svc.config import WorkerConfig
 from worker_svc.kv_memory import DEFAULT_POOL_TEXT, KV_DTYPES
 from worker_svc.kv_views_mode import KVViewsMode
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     from worker_svc.platform import resolve_device
     from worker_svc.server import build_engine, serve_on_main_thread
 
+    exit_with_parent()
     try:
         resolve_device(config.device)  # before the model loads: a device that is not there is a line
         loaded = build_engine(config)  # on this thread, which then runs every step

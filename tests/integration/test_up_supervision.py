@@ -7,11 +7,13 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
 
 from kvfleet.client import NO_RETRY, SchedulerClient, build_request
+from tests.helpers.processes import running
 from tests.helpers.telemetry_db import wait_for_rows
 from tests.helpers.up import Up, wait_live
 
@@ -129,3 +131,23 @@ def test_up_hands_its_drain_grace_on_and_a_closed_terminal_stops_it(tmp_path: Pa
     while any(Path(f"/proc/{pid}").exists() for pid in up.pids.values()):
         assert time.monotonic() < deadline, f"children left running: {up.pids}"
         time.sleep(0.1)
+
+
+def test_the_services_of_a_killed_kvfleet_up_stop_by_themselves(tmp_path: Path):
+    """SIGKILL leaves `kvfleet up` no chance to stop what it started: each service notices that
+    its parent is gone (KVFLEET_PARENT_PID) and stops by itself within seconds, instead of
+    holding its port and memory as an orphan."""
+    up = Up(["--model", "tiny", "--workers", "1"], tmp_path / "up.err", start_timeout_s=60)
+    pids = dict(up.pids)
+    assert {"scheduler", "worker-0", "telemetry"} <= set(pids), up.banner
+    up.proc.kill()
+    up.proc.wait()
+    try:
+        end = time.monotonic() + 30
+        while (alive := sorted(n for n, p in pids.items() if running(p))) and time.monotonic() < end:
+            time.sleep(0.2)
+        assert not alive, f"still running 30 s after kvfleet up was killed: {alive}"
+    finally:
+        for pid in pids.values():
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
