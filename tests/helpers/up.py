@@ -43,6 +43,9 @@ class Up:
         self.banner = banner
         self.scheduler = re.search(r"scheduler at (\S+?)[,\s]", banner).group(1)
         self.pids = {n: int(p) for n, p in re.findall(r"([\w-]+)=(\d+)", banner.split("pids: ")[1])}
+        logs = re.search(r"logs in (\S+?)\)", banner)
+        assert logs is not None, banner
+        self.log_dir = Path(logs.group(1))  # its processes' logs and telemetry.db
 
     def _read_until(self, marker: str, timeout_s: float) -> str:
         text, end = "", time.monotonic() + timeout_s

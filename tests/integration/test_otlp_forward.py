@@ -86,12 +86,10 @@ def test_kvfleet_up_forwards_to_the_users_otlp_endpoint(tmp_path: Path) -> None:
             "the cluster's spans at the user's endpoint",
         )
         assert {"kvfleet-scheduler", "kvfleet-worker"} <= services
-        import re
 
         from tests.helpers.telemetry_db import wait_for_rows
 
-        log_dir = re.search(r"logs in (\S+?)\)", up.banner).group(1)  # type: ignore[union-attr]
-        wait_for_rows(Path(log_dir) / "telemetry.db", "SELECT 1 FROM spans WHERE service = 'kvfleet-scheduler'",
+        wait_for_rows(up.log_dir / "telemetry.db", "SELECT 1 FROM spans WHERE service = 'kvfleet-scheduler'",
                       what="the cluster's own store keeping the spans too")  # fmt: skip
     finally:
         assert up.stop() == 0, up.stderr()

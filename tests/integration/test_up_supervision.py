@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -113,7 +114,7 @@ def test_up_hands_its_drain_grace_on_and_a_closed_terminal_stops_it(tmp_path: Pa
             assert client.telemetry().kv_budget_bytes == 1536000  # --kv-budget-bytes in force
         # --no-step-spans: the request's trace has its session span and ticks, and no step spans
         # (the scheduler exports in order: its step spans would have come before its session's end).
-        db = Path(re.search(r"logs in (\S+?)\)", up.banner).group(1)) / "telemetry.db"
+        db = up.log_dir / "telemetry.db"
         rows = wait_for_rows(
             db,
             "SELECT name FROM spans WHERE service = 'kvfleet-scheduler'",
@@ -151,3 +152,4 @@ def test_the_services_of_a_killed_kvfleet_up_stop_by_themselves(tmp_path: Path):
         for pid in pids.values():
             if running(pid):
                 os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(up.log_dir, ignore_errors=True)  # its own to remove, had it not been killed
