@@ -189,14 +189,21 @@ def test_a_scrape_reads_the_core_s_state_now_on_the_loop_s_thread(monkeypatch: p
     release = threading.Event()
     loop.call_soon_threadsafe(release.wait, 5)
     state["running"] = 7
+    reads = len(read_on)
     t0 = time.monotonic()
     assert _sample(_scheduler_text(m), running) == 6
     assert time.monotonic() - t0 < 2
     release.set()
+    # The loop, free again, runs the late read (7). Stopped only once it has: a stop queued
+    # beside the read's task could end the loop first (the test raced so before).
+    deadline = time.monotonic() + 5
+    while len(read_on) == reads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(read_on) == reads + 1, "the late read never ran"
     loop.call_soon_threadsafe(loop.stop)
     thread.join(5)
     loop.close()
-    # The loop, free again, ran the late read (7) before it stopped; closed, it leaves that.
+    # Closed, the loop leaves the last state read: the late one.
     assert _sample(_scheduler_text(m), running) == 7
 
 
