@@ -204,6 +204,13 @@ class BlockTables:
         new._owned, self._owned = set(), set()
         return new
 
+    def claim(self) -> None:
+        """The books this copy was made from are dropped (a plan's draft became the state): it
+        alone holds what they shared, so it writes in place from now on instead of copying the
+        allocator (O(num_blocks)) at its next write, a result's full block or a finish."""
+        self._own_allocator = True
+        self._owned = set(self._tables)
+
     def _writable_allocator(self) -> BlockAllocator:
         if not self._own_allocator:
             self.allocator = self.allocator.copy()

@@ -92,6 +92,7 @@ class KvReservations:
         for wid, planned in draft._workers.items():
             slot = self._workers[wid]
             slot.tables, slot.sessions, slot.live = planned.tables, planned.sessions, planned.live
+            slot.tables.claim()  # the books it was drafted from go with this
         self._by_session = draft._by_session
 
     # ---- workers ---------------------------------------------------------------------------
