@@ -206,10 +206,14 @@ def test_a_tensor_type_without_kernels_is_refused_naming_those_served(fmt: str, 
     load_model(str(path))  # the ordinary load still dequantizes it
 
 
-def test_worker_builds_the_gguf_engine(gguf_file: Path) -> None:
+def test_worker_builds_the_gguf_engine(gguf_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no level asked for, at the best this CPU runs (a KVFLEET_Q8_LEVEL in the caller's
+    environment, as in a run capped at avx2, would pick another)."""
     from worker_svc.config import WorkerConfig
+    from worker_svc.model.q8 import LEVEL_ENV
     from worker_svc.server import build_engine
 
+    monkeypatch.delenv(LEVEL_ENV, raising=False)
     cfg, engine = build_engine(WorkerConfig(model=str(gguf_file), quant="gguf", num_blocks=8, metrics_port=0))
     assert engine.quant == "gguf" and engine.model.kernel_level == gguf_quant.runnable_levels()[-1]
     assert info_to_pb("w", cfg, engine, 8, 16, "i0").kernels == engine.model.kernel_level  # GetInfo says it
