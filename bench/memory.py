@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import IO
 
@@ -42,6 +43,7 @@ class IdleMemory:
     # on this. The rest is the libraries' file pages, shared and droppable, and their count moves
     # with the page cache (worker_svc/memory.py).
     private_bytes: int = 0
+    start_line: str = ""  # the worker's "... serving ..." log line (its device, formats, kernels, KV)
 
     @property
     def bound_bytes(self) -> int:
@@ -88,8 +90,17 @@ def idle_memory(
         for mode, (proc, address, log) in started.items():
             _wait_serving(proc, address, log, deadline, mode)
             time.sleep(settle_s)
-            out[mode] = worker_memory(address, name=mode)
+            out[mode] = replace(worker_memory(address, name=mode), start_line=_start_line(log))
         return out
+
+
+def _start_line(log: IO[bytes]) -> str:
+    """The worker's start line, logged before its server answers anything. Read with pread: the
+    worker writes through the same open file, whose offset a seek here would move."""
+    fd = log.fileno()
+    text = os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+    lines = [line for line in text.splitlines() if " serving " in line]
+    return lines[-1] if lines else ""
 
 
 def _wait_serving(proc: subprocess.Popen, address: str, log: IO[bytes], deadline: float, mode: str) -> None:

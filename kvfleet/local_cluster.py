@@ -488,7 +488,7 @@ class RestartPolicy:
     first_delay_s: float = 0.5  # wait before the first restart, doubled for each crash in a row ...
     max_delay_s: float = 30.0  # ... up to this
     stable_after_s: float = 30.0  # up this long: its next crash counts as the first again
-    max_restarts: int = 0  # crashes in a row before giving up on the cluster; 0 = never
+    max_restarts: int = 0  # restarts in a row; the crash after them ends the cluster (0 = never)
 
     def __post_init__(self) -> None:
         if not 0 < self.first_delay_s <= self.max_delay_s:

@@ -26,8 +26,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         env="KVFLEET_QUANT",
         default=d.quant,
         choices=["none", "int8", "gguf"],
-        help="weight quantization (CPU, float32): int8 = dynamic int8 products; gguf = a GGUF model's own "
-        "Q8_0/Q4_0/Q4_1 blocks, kept as they are",
+        help="weight quantization (CPU, float32): int8 = weight-only int8 blocks of 32; gguf = a GGUF model's "
+        "own quantized blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), kept as they are",
     )
     p.add_argument("--block-size", type=int, env="KVFLEET_BLOCK_SIZE", default=d.block_size)
     p.add_argument(

@@ -462,7 +462,7 @@ async def start_worker(
 
     serve_metrics(servicer.metrics.registry, config.host, config.metrics_port)
     log.info(
-        "worker %s serving %s on %s:%d (device %s, dtype %s, quant %s%s, fused CPU ops %s, %s, %d KV blocks of %d)",
+        "worker %s serving %s on %s:%d (device %s, dtype %s, quant %s%s, fused CPU ops %s, %s, %d %s KV blocks of %d)",
         config.worker_id,
         cfg.name,
         config.host,
@@ -474,6 +474,7 @@ async def start_worker(
         f"on ({engine.model.fused.origin.value})" if engine.model.fused is not None else "off",
         f"{engine.num_threads} thread{'s' if engine.num_threads != 1 else ''}",
         engine.config.num_blocks,
+        engine.kv_dtype_name,
         config.block_size,
     )
     return server, port, health, servicer

@@ -92,13 +92,28 @@ def test_the_kv_pool_sized_by_memory() -> None:
 
 
 @needs_smollm2
-def test_a_real_worker_s_idle_memory_is_within_its_weights_pool_and_headroom() -> None:
+def test_a_real_worker_s_idle_memory_is_within_its_weights_pool_and_headroom(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 25: a SmolLM2 worker process in each weight format, at idle, holds at most its
     weights in that format + its KV pool + RSS_HEADROOM_BYTES (no float copy beside packed
-    weights, the load's buffers returned)."""
+    weights, the load's buffers returned). Its start line names its formats, the kernels' level
+    and the KV cache's type (README, "Faster CPU modes")."""
     from bench.memory import MODES, idle_memory
+    from worker_svc.model import gguf_quant, q8
 
+    monkeypatch.delenv(q8.LEVEL_ENV, raising=False)  # the workers pick their best level
     got = idle_memory(SMOLLM2, list(MODES), num_blocks=64)
+    starts = {mode: m.start_line for mode, m in got.items()}
+    best = {"int8": q8.runnable_levels()[-1], "gguf": gguf_quant.runnable_levels()[-1]}
+    want = {
+        "float32": "dtype float32, quant none, ",
+        "bfloat16": "dtype bfloat16, quant none, ",
+        "int8": f"dtype float32, quant int8 on {best['int8']} kernels, ",
+        "gguf": f"dtype float32, quant gguf on {best['gguf']} kernels, ",
+    }
+    for mode, line in starts.items():
+        assert want[mode] in line, (mode, line)
+        kv = "float32" if mode == "float32" else "float16"  # --kv-dtype auto
+        assert f" 64 {kv} KV blocks of 16" in line, (mode, line)
     for mode, m in got.items():
         assert m.within, f"{mode}: {m.row()}"
         assert 0 < m.private_bytes <= m.rss_bytes, m.row()

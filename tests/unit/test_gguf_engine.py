@@ -206,6 +206,27 @@ def test_a_tensor_type_without_kernels_is_refused_naming_those_served(fmt: str, 
     load_model(str(path))  # the ordinary load still dequantizes it
 
 
+def test_the_worker_s_help_names_the_formats_served(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvfleet_models.gguf_blocks import FORMATS
+    from worker_svc.__main__ import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"own quantized blocks ({', '.join(FORMATS)})" in text, text
+
+
+def test_phi3_s_fused_blocks_are_refused_and_its_float_load_still_works(tmp_path: Path) -> None:
+    """README: Phi-3's fused q/k/v and gate/up are not split in blocks yet, so --quant gguf
+    refuses the file with a message saying so; without it the file loads dequantized."""
+    hf = make_checkpoint(CASES["phi3"], tmp_path / "hf", seed=1)
+    path = write_gguf(CASES["phi3"], hf, tmp_path / "phi3.gguf", quant=QUANT)
+    with pytest.raises(ModelLoadError, match="does not split phi3's fused q/k/v and gate/up blocks"):
+        load_model_blocks(str(path))
+    cfg, weights = load_model(str(path))
+    assert cfg.num_layers > 0 and "model.layers.0.self_attn.q_proj.weight" in weights
+
+
 def test_worker_builds_the_gguf_engine(gguf_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With no level asked for, at the best this CPU runs (a KVFLEET_Q8_LEVEL in the caller's
     environment, as in a run capped at avx2, would pick another)."""

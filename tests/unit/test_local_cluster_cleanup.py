@@ -81,6 +81,47 @@ def test_cluster_down_keeps_the_logs(temp_root: Path, monkeypatch: pytest.Monkey
     assert list(temp_root.iterdir()) == [cluster.log_dir]
 
 
+def test_the_default_policies_back_off_and_give_up_only_on_the_scheduler(
+    temp_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README ("`kvfleet up` supervises"): a restart waits 0.5 s, doubled for each crash in a row
+    up to 30 s, and counts from the first again once the process stayed up 30 s; a worker is
+    restarted for ever, the scheduler 5 times in a row: its next crash ends the cluster."""
+    cluster = LocalCluster(ClusterSpec())
+    now = [100.0]
+    starts: dict[str, list[float]] = {}
+
+    def respawn(name: str) -> _Dead:
+        cluster.procs[name], cluster.started_at[name] = _Dead(), now[0]
+        starts.setdefault(name, []).append(now[0])
+        return cluster.procs[name]
+
+    monkeypatch.setattr(cluster, "respawn", respawn)
+    supervisor = Supervisor(cluster, clock=lambda: now[0])
+
+    def crash_until_restarted(name: str) -> float:
+        """Poll in 0.25 s steps from its crash until it is started again; the wait."""
+        crashed = now[0]
+        before = len(starts[name])
+        supervisor.poll()
+        while len(starts[name]) == before:
+            now[0] += 0.25
+            supervisor.poll()
+        return now[0] - crashed
+
+    respawn("worker-0")
+    waits = [crash_until_restarted("worker-0") for _ in range(8)]
+    assert waits == [0.5, 1, 2, 4, 8, 16, 30, 30]
+    now[0] += 30  # up 30 s: the next crash is the first in a row again
+    assert crash_until_restarted("worker-0") == 0.5
+
+    respawn("scheduler")
+    assert [crash_until_restarted("scheduler") for _ in range(5)] == [0.5, 1, 2, 4, 8]
+    with pytest.raises(ClusterDown, match="scheduler exited 6 times in a row"):
+        supervisor.poll()
+    cluster.stop()
+
+
 def test_a_log_dir_of_the_callers_is_kept(tmp_path: Path) -> None:
     mine = tmp_path / "logs"
     mine.mkdir()
