@@ -56,6 +56,7 @@ def test_scheduler_drains_on_sigterm():
                 client.generate(build_request([4, 5], 3), timeout=30)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "shutting down" in info.value.details()
+            assert client.retries == 0  # health NOT_SERVING: "go elsewhere", never re-sent here
             assert proc.poll() is None and reader.is_alive(), "the drain ended before the session did"
         finally:
             worker.send_signal(signal.SIGCONT)

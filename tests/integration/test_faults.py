@@ -116,6 +116,7 @@ def test_with_no_live_worker_sessions_wait_bounded_then_unavailable():
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
         assert "no live worker for 1s" in info.value.details()
         assert waited >= 1.0
+        assert client.retries == 0  # a serving scheduler's own refusal before any event: not re-sent
         snap = client.telemetry()
         assert snap.queue_depth == 0 and snap.active_sessions == 0
 
