@@ -257,7 +257,7 @@ class Gateway:
         span.update_name(f"{req.endpoint.value} {req.model}")
         builder = ResponseBuilder(
             req.endpoint,
-            new_response_id(req.endpoint),
+            new_response_id(req.endpoint, req.request_id),
             int(time.time()),
             req.model,
             include_usage=req.include_usage,

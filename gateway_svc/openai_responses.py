@@ -33,8 +33,10 @@ def finish_reason(kvfleet_name: str) -> str:
         raise ValueError(f"unknown finish reason {kvfleet_name!r}") from None
 
 
-def new_response_id(endpoint: Endpoint) -> str:
-    return endpoint.id_prefix + secrets.token_hex(12)
+def new_response_id(endpoint: Endpoint, request_id: str = "") -> str:
+    """The response's `id`: the caller's request_id after the endpoint's prefix, as vLLM does
+    (`cmpl-<request_id>`), so the caller's id comes back; else a random one."""
+    return endpoint.id_prefix + (request_id or secrets.token_hex(12))
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,11 @@ class InProcessCluster:
         """loaded_model: (config, weights) already loaded for ``model`` (a session fixture's).
         device: the workers' torch device; default KVFLEET_TEST_WORKER_DEVICE, else cpu (the GPU
         check, bench/gpu_session.sh, runs the cluster tests with cuda). overlap: the scheduler's
-        overlapped scheduling; default KVFLEET_TEST_OVERLAP_SCHEDULING (1: on), else off, the
-        reference's tick figures (a test that compares with them passes overlap=False)."""
+        overlapped scheduling; default on, as the service runs (KVFLEET_TEST_OVERLAP_SCHEDULING=0:
+        off, one tick at a time); a test that compares with the reference's tick figures passes
+        overlap=False."""
         if overlap is None:
-            overlap = os.environ.get("KVFLEET_TEST_OVERLAP_SCHEDULING", "") == "1"
+            overlap = os.environ.get("KVFLEET_TEST_OVERLAP_SCHEDULING", "1") != "0"
         self.overlap = overlap
         self.loaded_model = loaded_model
         self.stats_interval_s = stats_interval_s

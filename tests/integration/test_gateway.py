@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -321,7 +322,15 @@ def test_api_key(cluster):
         status, body, _ = http("POST", keyed.url + "/v1/completions", {"model": MODEL, "prompt": "x"})
         assert status == 401 and "Authorization: Bearer" in body["error"]["message"]
         assert [m.id for m in keyed.client("sesame").models.list().data] == [MODEL]
-        assert http("GET", keyed.url + "/health")[0] == 200  # probes need no key
+        # /tokenize and /detokenize need the key as /v1/* does; probes, metrics and the version not
+        for path, body in (("/tokenize", {"model": MODEL, "prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+            assert http("POST", keyed.url + path, body)[0] == 401, path
+        ok = {"authorization": "Bearer sesame"}
+        assert http("POST", keyed.url + "/tokenize", {"model": MODEL, "prompt": "Hi"}, headers=ok)[0] == 200
+        for path in ("/health", "/version"):
+            assert http("GET", keyed.url + path)[0] == 200, path
+        with urllib.request.urlopen(keyed.url + "/metrics", timeout=30) as resp:  # Prometheus text
+            assert resp.status == 200 and b"kvfleet:" in resp.read()
     finally:
         keyed.stop()
 

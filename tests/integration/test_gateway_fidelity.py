@@ -18,6 +18,7 @@ import pytest
 from kvfleet.client import SchedulerClient, build_request
 from kvfleet.v1 import scheduler_pb2 as spb
 from tests.helpers.gateway import http
+from tests.helpers.telemetry_db import wait_for_rows
 
 pytestmark = pytest.mark.slow
 
@@ -327,3 +328,34 @@ def test_version_and_models(gateway, client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].model_extra["max_model_len"] >= 2048
+
+
+def test_request_id_names_the_response_and_the_session_span(client, cluster):
+    """A body's request_id (vLLM's extension) is the response's id after its prefix, in every
+    streamed chunk too, and reaches the scheduler's session span (kvfleet.request.id)."""
+    rid = "http-rid-42"
+    done = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=2, temperature=0, extra_body={"request_id": rid}
+    )
+    assert done.id == f"cmpl-{rid}"
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=USER, max_tokens=2, stream=True, extra_body={"request_id": rid + "-chat"}
+        )
+    )
+    assert chunks and {c.id for c in chunks} == {f"chatcmpl-{rid}-chat"}
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=1).id.startswith("cmpl-")
+
+    def tagged(rows) -> list[dict]:
+        return [a for a in (json.loads(r[0]) for r in rows) if a.get("kvfleet.request.id") == rid]
+
+    rows = wait_for_rows(
+        cluster.log_dir / "telemetry.db",
+        "SELECT attributes FROM spans WHERE attributes LIKE ?",
+        (f'%"{rid}"%',),
+        until=lambda rows: bool(tagged(rows)),
+        what=f"the session span of request {rid}",
+        timeout=30,
+        interval=0.3,
+    )
+    assert tagged(rows)[0]["kvfleet.span"] == "session"

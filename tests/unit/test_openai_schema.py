@@ -308,6 +308,7 @@ def test_unknown_finish_reason_is_an_error():
 def test_response_ids(endpoint, prefix):
     a, b = new_response_id(endpoint), new_response_id(endpoint)
     assert a.startswith(prefix) and b.startswith(prefix) and a != b
+    assert new_response_id(endpoint, "mine-1") == prefix + "mine-1"  # the caller's request_id
 
 
 def test_usage_totals():
