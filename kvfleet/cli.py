@@ -35,28 +35,51 @@ def _ints(text: str) -> tuple[int, ...]:
 REFERENCE_KV_BUDGET_BYTES = 64 * 1024 * 1024
 
 
-def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None, overlap: bool | None = None) -> None:
-    """overlap: the local cluster's overlapped scheduling by default (None: the scheduler's)."""
+def _add_cluster_flags(
+    p: FlagParser, model: str | None = None, overlap: bool | None = None, environment: bool = False
+) -> None:
+    """overlap: the local cluster's overlapped scheduling by default (None: the scheduler's).
+
+    environment: each flag also reads the variable that the service it configures reads for the
+    same setting (`kvfleet up`: KVFLEET_MAX_RUNNING=3 is 3 there as under `python -m
+    scheduler_svc`). The measurement commands leave it off: their runs are their flags' alone."""
     from kvfleet.local_cluster import ClusterSpec
     from worker_svc.kv_memory import DEFAULT_POOL_TEXT, KV_DTYPES
 
+    def var(name: str) -> str | None:
+        return name if environment else None
+
     d = ClusterSpec()  # every flag's default is the cluster's (which are the services')
-    p.add_argument("--model", default=model or d.model, help="tiny | smollm2-135m | a .gguf file | a HF directory")
+    p.add_argument(
+        "--model",
+        default=model or d.model,
+        env=var("KVFLEET_MODEL"),
+        help="tiny | smollm2-135m | a .gguf file | a HF directory",
+    )
+    # No variable: the scheduler's KVFLEET_WORKERS is its list of worker addresses, not a count.
     p.add_argument("--workers", type=int, default=d.workers, help="worker processes to start")
-    p.add_argument("--device", default=d.device, help="cpu | cuda | cuda:N | xpu | auto")
-    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=d.device, env=var("KVFLEET_DEVICE"), help="cpu | cuda | cuda:N | xpu | auto")
+    p.add_argument("--dtype", default=d.dtype, env=var("KVFLEET_DTYPE"), choices=["float32", "bfloat16", "float16"])
     p.add_argument(
         "--quant",
         default=d.quant,
+        env=var("KVFLEET_QUANT"),
         choices=["none", "int8", "gguf"],
-        help="workers' weight quantization (CPU, float32): int8 = dynamic int8 products; gguf = a GGUF's own blocks",
+        help="workers' weight quantization (CPU, float32): int8 = weight-only int8 blocks of 32; gguf = a GGUF's "
+        "own quantized blocks",
     )
-    p.add_argument("--max-running", type=int, default=d.max_running)
-    p.add_argument("--prefill-token-budget", type=int, default=d.prefill_token_budget)
+    p.add_argument("--max-running", type=int, default=d.max_running, env=var("KVFLEET_MAX_RUNNING"))
+    p.add_argument(
+        "--prefill-token-budget",
+        type=int,
+        default=d.prefill_token_budget,
+        env=var("KVFLEET_PREFILL_TOKEN_BUDGET"),
+    )
     p.add_argument(
         "--kv-budget-bytes",
         type=int,
         default=d.kv_budget_bytes,
+        env=var("KVFLEET_KV_BUDGET_BYTES"),
         help="the scheduler's cap on KV bytes reserved across workers (0 = none: the workers' caches)",
     )
     add_switch(
@@ -65,6 +88,7 @@ def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None, ove
         d.overlap_scheduling if overlap is None else overlap,
         "the scheduler plans and sends tick N+1 while tick N computes (the same tokens, other tick counts)",
         "the scheduler runs one tick at a time (the tick figures of tests/data's sweep reference)",
+        env=var("KVFLEET_OVERLAP_SCHEDULING"),
     )
     add_switch(
         p,
@@ -72,6 +96,7 @@ def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None, ove
         d.step_stream,
         "the scheduler sends each worker its steps over one open stream (default on)",
         "the scheduler sends each step as a Step call of its own",
+        env=var("KVFLEET_STEP_STREAM"),
     )
     add_switch(
         p,
@@ -79,27 +104,32 @@ def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None, ove
         d.step_spans,
         "with tracing on, each request's trace has a span for each step it took part in (default on)",
         "no per-request step spans (at 64 sessions they were most of the cluster's tracing cost)",
+        env=var("KVFLEET_STEP_SPANS"),
     )
     p.add_argument(
         "--num-blocks",
         type=int,
         default=d.num_blocks,
+        env=var("KVFLEET_NUM_BLOCKS"),
         help=f"KV blocks per worker (of 16 tokens; 0 = the worker's default pool: {DEFAULT_POOL_TEXT})",
     )
     p.add_argument(
         "--threads",
         type=int,
         default=d.threads,
+        env=var("KVFLEET_WORKER_THREADS"),
         help="CPU threads per worker (0 = the machine's cores shared out among the CPU workers)",
     )
     p.add_argument(
         "--kv-cache-memory",
         default=d.kv_cache_memory,
+        env=var("KVFLEET_KV_CACHE_MEMORY"),
         help="each worker's KV pool by memory instead of --num-blocks: 2GiB, 512MB, or 0.25 (of the available memory)",
     )
     p.add_argument(
         "--kv-dtype",
         default=d.kv_dtype,
+        env=var("KVFLEET_KV_DTYPE"),
         choices=list(KV_DTYPES),
         help="workers' KV cache element type: auto = float32 for float32 weights, float16 for bfloat16, int8 "
         "and gguf on a CPU",
@@ -108,11 +138,18 @@ def _add_cluster_flags(p: argparse.ArgumentParser, model: str | None = None, ove
         "--max-model-len",
         type=int,
         default=d.max_model_len,
+        env=var("KVFLEET_MAX_MODEL_LEN"),
         help="longest prompt + generated tokens served (0 = the model's own context; at most that)",
     )
 
 
 def _spec(a: argparse.Namespace, port: int = 0):
+    """The cluster the flags describe. LocalCluster gives a worker no --max-model-len,
+    --kv-cache-memory or --threads, and the scheduler no --kv-budget-bytes, where the value is 0
+    or "" (the service's own default); the service would then read its variable from the
+    environment it inherits. So each process gets that variable set to the value found here:
+    else `KVFLEET_MAX_MODEL_LEN=2048 kvfleet up --max-model-len 0` ran 2048, and the caller's
+    shell reached a sweep's workers."""
     from kvfleet.local_cluster import ClusterSpec
 
     return ClusterSpec(
@@ -135,6 +172,13 @@ def _spec(a: argparse.Namespace, port: int = 0):
         max_model_len=a.max_model_len,
         log_format=getattr(a, "log_format", ""),
         log_level=getattr(a, "log_level", ""),
+        extra_env={
+            "KVFLEET_KV_BUDGET_BYTES": str(a.kv_budget_bytes),
+            "KVFLEET_KV_CACHE_MEMORY": a.kv_cache_memory,
+            "KVFLEET_MAX_MODEL_LEN": str(a.max_model_len),
+            # Left out only where it is 0 (ClusterSpec.worker_threads), the worker's own default.
+            "KVFLEET_WORKER_THREADS": str(a.threads),
+        },
     )
 
 
@@ -495,7 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
     from telemetry_svc.server import TelemetryConfig
 
     up = sub.add_parser("up", help="start a local cluster (scheduler + workers); Ctrl-C drains and stops")
-    _add_cluster_flags(up)
+    _add_cluster_flags(up, environment=True)
     up.add_logging_flags()
     # `kvfleet up` serves on each service's own default port (a ClusterSpec takes free ones).
     up.add_argument("--port", type=int, default=SchedulerConfig.port, help="the scheduler's client port")

@@ -413,3 +413,39 @@ def test_deadline_no_worker_and_no_scheduler():
             assert status == 503 and health["scheduler"].startswith("unreachable")
         finally:
             g.stop()
+
+
+def test_sigterm_lets_a_running_request_finish_then_stops(tmp_path):
+    """SIGTERM drains the gateway: it stops taking connections, a request already running gets its
+    every token, and the process exits 0 (README, "SIGTERM drains every service"). The worker is
+    held (SIGSTOP) so that the request is still running when the signal comes."""
+    with (
+        LocalCluster(ClusterSpec(workers=1, model="tiny", telemetry=False)) as c,
+        SchedulerClient(c.scheduler_address) as sched,
+    ):
+        g = GatewayProcess(c.scheduler_address, tmp_path, args=("--drain-grace", "30"))
+        worker = c.procs["worker-0"]
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 50, "ignore_eos": True}
+        try:
+            worker.send_signal(signal.SIGSTOP)
+            with cf.ThreadPoolExecutor(1) as pool:
+                try:
+                    running = pool.submit(http, "POST", g.url + "/v1/completions", body)
+                    deadline = time.monotonic() + 30
+                    while sched.telemetry().active_sessions + sched.telemetry().queue_depth == 0:
+                        assert time.monotonic() < deadline, "the request never reached the scheduler"
+                        time.sleep(0.05)
+                    g.proc.send_signal(signal.SIGTERM)
+                    while http("GET", g.url + "/health")[0] != 0:  # the listener closes first
+                        assert time.monotonic() < deadline, "the gateway kept listening after SIGTERM"
+                        time.sleep(0.05)
+                    time.sleep(0.5)
+                    assert g.proc.poll() is None, "the gateway stopped before its running request ended"
+                finally:
+                    worker.send_signal(signal.SIGCONT)
+                status, done, _ = running.result(60)
+            assert g.proc.wait(30) == 0, g.log_path.read_text()
+        finally:
+            g.stop()
+    assert status == 200, done
+    assert done["usage"]["completion_tokens"] == 50 and done["choices"][0]["finish_reason"] == "length"

@@ -88,6 +88,18 @@ UP_DIFFERENCES = {
     # ClusterSpec's "" leaves each process its own default, which is the same (text, INFO).
     "log_format": ("text", ""),
     "log_level": ("INFO", ""),
+    # The settings LocalCluster passes no flag for when they are 0 or "" reach its processes as
+    # their variables instead, at the values `kvfleet up` found, so that the caller's variable
+    # cannot override a flag there (tests/unit/test_up_environment.py).
+    "extra_env": (
+        {
+            "KVFLEET_KV_BUDGET_BYTES": "0",
+            "KVFLEET_KV_CACHE_MEMORY": "",
+            "KVFLEET_MAX_MODEL_LEN": "0",
+            "KVFLEET_WORKER_THREADS": "0",
+        },
+        {},
+    ),
 }
 
 
