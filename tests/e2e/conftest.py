@@ -76,6 +76,7 @@ class Stack:
     model: str
     project: str = PROJECT
     files: tuple[str, ...] = ("docker-compose.yml",)  # compose files, relative to the repository
+    trace_api_port: int = 0  # telemetry's HTTP port (Jaeger query API, trace UI, /api/scheduler)
 
     def compose(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
         files = [arg for f in self.files for arg in ("-f", str(REPO / f))]
@@ -227,7 +228,7 @@ def run_stack(
         _BUILT.add(image)
 
     model = model or os.environ.get("KVFLEET_E2E_MODEL", "smollm2-135m")
-    sched_port, tel_port, gw_port = free_port(), free_port(), free_port()
+    sched_port, tel_port, gw_port, trace_port = free_port(), free_port(), free_port(), free_port()
     env = {
         **os.environ,
         "KVFLEET_IMAGE": image,
@@ -236,6 +237,7 @@ def run_stack(
         "KVFLEET_PUBLISH_SCHEDULER": str(sched_port),
         "KVFLEET_PUBLISH_TELEMETRY": str(tel_port),
         "KVFLEET_PUBLISH_GATEWAY": str(gw_port),
+        "KVFLEET_PUBLISH_TRACE_API": str(trace_port),
         **(extra_env or {}),
     }
     s = Stack(
@@ -247,6 +249,7 @@ def run_stack(
         model,
         project,
         files,
+        trace_port,
     )
     s.compose("down", "-v", "--remove-orphans", check=False, timeout=120)  # leftovers of a killed run
     try:

@@ -244,6 +244,18 @@ def test_telemetry_stored_spans_from_scheduler_and_workers(stack: Stack) -> None
     _wait_for(lambda: joined() >= 1, 30, "a worker_step span in the trace of a session")
 
 
+def test_telemetry_serves_the_schedulers_live_snapshot(stack: Stack) -> None:
+    """The trace UI's Scheduler page: telemetry asks the scheduler (KVFLEET_TELEMETRY_SCHEDULER)
+    for its telemetry and workers, through the published trace API port."""
+    url = f"http://127.0.0.1:{stack.trace_api_port}/api/scheduler"
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        assert resp.status == 200
+        data = json.load(resp)["data"]
+    assert data["scheduler"] == "scheduler:50051", data
+    assert {w["worker_id"]: w["live"] for w in data["workers"]} == {"worker-0": True, "worker-1": True}, data
+    assert data["telemetry"], data
+
+
 def test_stopped_worker_is_reported_and_sessions_finish_on_the_other(stack: Stack) -> None:
     n, new_tokens = 6, 48
     victim = "worker-1"

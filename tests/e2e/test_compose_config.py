@@ -1,10 +1,12 @@
 """docker-compose renders every way the README starts the stack: plain, with the dashboards
 profile (whose images cannot be pulled on a machine without registry access, so it is checked
-here as far as docker-compose goes), and with the TLS overlay. Needs docker-compose only."""
+here as far as docker-compose goes), with the TLS overlay, and with the README's override that
+mounts a model of one's own. Needs docker-compose only."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 import pytest
@@ -104,3 +106,25 @@ def test_every_span_writer_gets_the_telemetry_token_and_only_the_scheduler_and_w
     collector = services["otel-collector"]
     assert "--config=file:/run/kvfleet-telemetry/collector-auth.yaml" in collector["command"]
     assert "telemetry-token" in " ".join(str(v) for v in collector["volumes"])
+
+
+def test_the_readmes_model_override_mounts_it_beside_each_services_own_volumes(tmp_path) -> None:
+    """The README's docker-compose.override.yml: the scheduler (its tokenizer) and both workers
+    get the model folder, and keep their secret, token (and TLS) mounts, which compose merges by
+    their path in the container."""
+    readme = (REPO / "README.md").read_text()
+    start = readme.index("\n### One host: docker compose\n")
+    (block,) = re.findall(r"```yaml\n(.*?)```", readme[start : readme.find("\n### ", start + 1)], re.S)
+    override = tmp_path / "docker-compose.override.yml"
+    override.write_text(block)
+    tls = ("-f", "docker-compose.tls.yml")
+    for overlay, env in (((), {}), (tls, {"KVFLEET_TLS_DIR": str(tmp_path), "KVFLEET_API_TOKEN": "t"})):
+        files = ("-f", "docker-compose.yml", *overlay, "-f", str(override))
+        out = _config(*files, env={"KVFLEET_MODEL": "/models/x.gguf", **env})
+        assert out.returncode == 0, out.stderr
+        services = yaml.safe_load(out.stdout)["services"]
+        for name in ("scheduler", "worker-0", "worker-1"):
+            mounts = " ".join(str(v) for v in services[name]["volumes"])
+            wanted = ["/models", "/run/kvfleet", "/run/kvfleet-telemetry", *(["/tls"] if overlay else [])]
+            assert all(f"{m}:" in mounts or f"'{m}'" in mounts for m in wanted), (name, mounts)
+            assert services[name]["environment"]["KVFLEET_MODEL"] == "/models/x.gguf", name

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import ssl
 import tempfile
 import textwrap
 import time
@@ -193,6 +194,23 @@ def test_spans_reach_telemetry_over_mutual_tls(tls_stack: Stack, certs: Path) ->
                 )
         codes.append(forged.value.code())
     assert codes == [grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED], codes
+
+
+def test_telemetry_serves_the_schedulers_live_snapshot_with_the_token(tls_stack: Stack, certs: Path) -> None:
+    """The trace UI's Scheduler page under TLS: telemetry's HTTP port is HTTPS wanting a
+    certificate of the CA, and its calls to the scheduler carry the overlay's token (without it
+    the scheduler refuses them and the page gets a 502)."""
+    ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+    ctx.load_cert_chain(str(certs / "client.pem"), str(certs / "client.key"))
+    url = f"https://127.0.0.1:{tls_stack.trace_api_port}/api/scheduler"
+    try:
+        with urllib.request.urlopen(url, timeout=30, context=ctx) as resp:
+            status, body = resp.status, json.load(resp)
+    except urllib.error.HTTPError as err:
+        status, body = err.code, json.load(err)
+    assert status == 200, body
+    workers = {w["worker_id"]: w["live"] for w in body["data"]["workers"]}
+    assert workers == {"worker-0": True, "worker-1": True}, body
 
 
 def _gateway_completion(stack: Stack, key: str | None) -> tuple[int, dict]:

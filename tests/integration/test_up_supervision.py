@@ -11,6 +11,7 @@ import signal
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from kvfleet.client import NO_RETRY, SchedulerClient, build_request
@@ -153,3 +154,45 @@ def test_the_services_of_a_killed_kvfleet_up_stop_by_themselves(tmp_path: Path):
             if running(pid):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(up.log_dir, ignore_errors=True)  # its own to remove, had it not been killed
+
+
+def test_ctrl_c_drains_and_a_second_ctrl_c_kills_at_once(tmp_path: Path):
+    """README: Ctrl-C drains (running sessions get --drain-grace), a second Ctrl-C kills at once.
+    A session is held running by a stopped worker, so the drain would last the whole grace (60 s
+    here); the second SIGINT ends `kvfleet up` and every process it started within seconds."""
+    up = Up(
+        ["--model", "tiny", "--workers", "1", "--no-gateway", "--drain-grace", "60"],
+        tmp_path / "up.err",
+        start_timeout_s=60,
+    )
+    pids = dict(up.pids)
+    try:
+        with SchedulerClient(up.scheduler, retry=NO_RETRY) as client:
+            os.kill(pids["worker-0"], signal.SIGSTOP)
+            stream = client.stream(build_request([1, 2, 3], 200, ignore_eos=True))
+            end = time.monotonic() + 30
+            while client.telemetry().active_sessions == 0:
+                assert time.monotonic() < end, "the session never started"
+                time.sleep(0.05)
+            up.proc.send_signal(signal.SIGINT)
+            out = up._read_until("Ctrl-C again to kill now", 30)
+            assert "draining (up to" in out, out
+            time.sleep(1.0)
+            assert up.proc.poll() is None, "the drain ended although the session could not"
+            started = time.monotonic()
+            up.proc.send_signal(signal.SIGINT)
+            assert up.proc.wait(15) == 0, up.stderr()
+            assert time.monotonic() - started < 10
+            with pytest.raises(grpc.RpcError):  # the session was cut, not finished
+                list(stream)
+        assert "killing" in up.proc.stdout.read().decode()
+        end = time.monotonic() + 10
+        while alive := sorted(n for n, p in pids.items() if running(p)):
+            assert time.monotonic() < end, f"left running after the second Ctrl-C: {alive}"
+            time.sleep(0.1)
+    finally:
+        for pid in pids.values():
+            if running(pid):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+        up.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -272,3 +273,227 @@ def test_compose_services_start_with_their_environment(
     environ("scheduler", drop="KVFLEET_SCHEDULER_ALLOW_ANONYMOUS")
     with pytest.raises(ValueError, match="beyond loopback"):
         scheduler_args(["--host", "0.0.0.0"])
+
+
+# ---- the header's settings, the services' variables and their defaults --------------------------
+
+SETTING = re.compile(r"^#   (KVFLEET_\w+) ", re.M)  # an entry of the header's settings list
+DEFAULT = re.compile(r"^\$\{(KVFLEET_\w+):-([^}]*)\}$")  # a value that is one setting with its default
+# Settings of compose itself (the image, its build, the host side of published ports), not of a service.
+COMPOSE_LEVEL = {"KVFLEET_IMAGE", "KVFLEET_BASE_IMAGE", "KVFLEET_BUILD_NETWORK", "KVFLEET_BIND"}
+# Compose's own choices, said so in its header: the real model rather than tiny, anonymous while loopback.
+COMPOSE_CHOICES = {"KVFLEET_MODEL", "KVFLEET_ANONYMOUS"}
+# Variables the services read outside their flag parsers (kvfleet_common.security, tracing): TLS
+# and the span exporters' token file everywhere, then each service's own.
+READ_DIRECTLY = {
+    "KVFLEET_TLS_CERT",
+    "KVFLEET_TLS_KEY",
+    "KVFLEET_TLS_CA",
+    "KVFLEET_TLS_CLIENT_AUTH",
+    "KVFLEET_TLS_ALLOWED_CLIENTS",
+    "KVFLEET_TELEMETRY_TOKEN_FILE",
+}
+READ_DIRECTLY_BY = {
+    "scheduler": {"KVFLEET_API_TOKEN", "KVFLEET_WORKER_SECRET_FILE"},
+    "worker": {"KVFLEET_WORKER_SECRET_FILE"},
+    "gateway": {"KVFLEET_API_TOKEN"},  # its scheduler_token
+    "telemetry": {"KVFLEET_API_TOKEN"},  # its live scheduler snapshot's calls
+}
+# What each entry point needs to parse at all (the container passes the same).
+ARGV = {"scheduler": ["--workers", "worker-0:50061"], "telemetry": ["--db", "/data/telemetry.db"]}
+ONE_HOST = "One host: docker compose"
+
+
+def _entry_points() -> dict[str, Callable[[list[str]], object]]:
+    from gateway_svc.__main__ import parse_args as gateway
+    from scheduler_svc.__main__ import parse_args as scheduler
+    from telemetry_svc.__main__ import parse_args as telemetry
+    from worker_svc.__main__ import parse_args as worker
+
+    return {"telemetry": telemetry, "worker-0": worker, "worker-1": worker, "scheduler": scheduler, "gateway": gateway}
+
+
+def _clear_kvfleet_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in [k for k in os.environ if k.startswith("KVFLEET_")]:
+        monkeypatch.delenv(k)
+
+
+def _help(parse: Callable[[list[str]], object], monkeypatch: pytest.MonkeyPatch, capsys) -> str:
+    _clear_kvfleet_env(monkeypatch)
+    monkeypatch.setenv("COLUMNS", "1000")  # one line a flag: no name split by wrapping
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        parse(["--help"])
+    return capsys.readouterr().out
+
+
+def _flag_variables(parse: Callable[[list[str]], object], monkeypatch: pytest.MonkeyPatch, capsys) -> set[str]:
+    """The variables of a parser's flags, as its --help names them ("[env KVFLEET_...]")."""
+    return set(re.findall(r"\[env\s+(KVFLEET_\w+)\]", _help(parse, monkeypatch, capsys)))
+
+
+def _header() -> str:
+    text = (REPO / "docker-compose.yml").read_text()
+    return "\n".join(line for line in text.split("\n\n", 1)[0].splitlines() if line.startswith("#"))
+
+
+def _uses(svc: dict) -> dict[str, set[str]]:
+    """{KVFLEET_* setting: the service's keys (environment, ports, image, ...) that interpolate it}"""
+    out: dict[str, set[str]] = {}
+
+    def walk(key: str, value: object) -> None:
+        if isinstance(value, dict):
+            for v in value.values():
+                walk(key, v)
+        elif isinstance(value, list):
+            for v in value:
+                walk(key, v)
+        else:
+            for var in re.findall(r"\$\{(KVFLEET_\w+)", str(value)):
+                out.setdefault(var, set()).add(key)
+
+    for key, value in svc.items():
+        walk(key, value)
+    return out
+
+
+def _readme_section(title: str) -> str:
+    text = (REPO / "README.md").read_text()
+    start = text.index(f"\n### {title}\n")
+    return text[start : text.find("\n### ", start + 1)]
+
+
+def _sentences(text: str) -> list[str]:
+    return re.split(r"(?<=[.!?])\s+", " ".join(text.split()))
+
+
+def test_every_setting_the_header_lists_reaches_a_service_and_none_goes_unlisted(base: dict) -> None:
+    listed = set(SETTING.findall(_header()))
+    where: dict[str, set[str]] = {}
+    for svc in base.values():
+        for var, keys in _uses(svc).items():
+            where.setdefault(var, set()).update(keys)
+    assert listed - set(where) == set(), "listed in the header, but no service receives it"
+    assert set(where) - listed == set(), "used by a service, but not in the header's list"
+    for var in sorted(listed):
+        compose_level = var in COMPOSE_LEVEL or var.startswith("KVFLEET_PUBLISH_")
+        assert where[var] & ({"image", "build", "ports"} if compose_level else {"environment"}), (var, where[var])
+
+
+@pytest.mark.parametrize("overlay", [False, True], ids=["base", "tls"])
+def test_each_service_gets_only_variables_it_reads(
+    base: dict, tls: dict, overlay: bool, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """A variable no parser reads would be a setting that silently does nothing."""
+    for name, parse in _entry_points().items():
+        known = _flag_variables(parse, monkeypatch, capsys) | READ_DIRECTLY | READ_DIRECTLY_BY[name.split("-")[0]]
+        env = {**base[name]["environment"], **(tls[name]["environment"] if overlay else {})}
+        assert sorted(k for k in env if k.startswith("KVFLEET_") and k not in known) == [], name
+
+
+def test_compose_defaults_are_the_services_own(base: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Setting a variable to compose's default parses to the same configuration as leaving it
+    unset: an unset setting means the service's own default (an empty string is a value, not
+    "unset", for the flag parser: a choice such as --kv-dtype refuses it)."""
+    checked = set()
+    for name, parse in _entry_points().items():
+        argv = ARGV.get(name, [])
+        for key, value in base[name]["environment"].items():
+            m = DEFAULT.match(str(value))
+            if not key.startswith("KVFLEET_") or not m or m[1] in COMPOSE_CHOICES:
+                continue
+            _clear_kvfleet_env(monkeypatch)
+            own = parse(argv)
+            monkeypatch.setenv(key, m[2])
+            assert parse(argv) == own, (name, key, m[2])
+            checked.add(m[1])
+    assert {"KVFLEET_NUM_BLOCKS", "KVFLEET_KV_CACHE_MEMORY", "KVFLEET_KV_DTYPE", "KVFLEET_QUANT"} <= checked
+
+
+def test_readme_states_composes_defaults(base: dict) -> None:
+    defaults = {
+        m[1]: m[2] for svc in base.values() for v in svc.get("environment", {}).values() if (m := DEFAULT.match(str(v)))
+    }
+    stated = re.findall(r"`(KVFLEET_\w+)` \(default ([^\s:;,)]+)", " ".join(_readme_section(ONE_HOST).split()))
+    assert stated
+    for var, value in stated:
+        assert defaults[var] == value, (var, value)
+
+
+def test_without_the_overlay_anonymous_false_refuses_to_start_and_the_docs_say_so(
+    base: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The base file gives the scheduler and gateway no token: with anonymous callers off they
+    have nothing to know callers by, beyond loopback (0.0.0.0 in their containers), and refuse
+    to start. Tokens come with the TLS overlay; the header and README must not promise otherwise."""
+    entry = _entry_points()
+    secret = tmp_path / "worker-secret"
+    secret.write_text("s" * 43 + "\n")
+    for name in ("scheduler", "gateway"):
+        env = base[name]["environment"]
+        assert not {"KVFLEET_API_TOKEN", "KVFLEET_GATEWAY_API_KEY"} & set(env), name
+        _clear_kvfleet_env(monkeypatch)
+        for k, v in env.items():
+            if k.startswith("KVFLEET_"):
+                # compose's defaults, but KVFLEET_ANONYMOUS=false
+                value = re.sub(
+                    r"\$\{(\w+):-([^}]*)\}", lambda m: "false" if m[1] == "KVFLEET_ANONYMOUS" else m[2], str(v)
+                )
+                monkeypatch.setenv(k, value)
+        monkeypatch.setenv("KVFLEET_WORKER_SECRET_FILE", str(secret))
+        with pytest.raises(ValueError, match="beyond loopback"):
+            entry[name]([*ARGV.get(name, []), "--host", "0.0.0.0"])
+    header_entries = re.split(r"\n(?=#   KVFLEET_\w+ )", _header())
+    readme = (REPO / "README.md").read_text()
+    (security,) = [p for p in readme.split("\n\n") if p.startswith("To open compose's scheduler and gateway")]
+    said = [s for text in (*header_entries, security) for s in _sentences(text.replace("#", ""))]
+    said = [s for s in said if "KVFLEET_ANONYMOUS=false" in s]
+    assert said
+    for sentence in said:
+        assert "refuse" in sentence and "overlay" in sentence, sentence
+
+
+def test_tls_overlay_gives_telemetry_the_token_its_scheduler_snapshot_needs(
+    base: dict, tls: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under the overlay the scheduler's client API wants the token for every call, the trace
+    UI's live snapshot (GetTelemetry, ListWorkers) included; telemetry's link sends
+    $KVFLEET_API_TOKEN over TLS with its own certificate."""
+    from kvfleet_common.security import TlsConfig, token_metadata
+
+    assert base["telemetry"]["environment"]["KVFLEET_TELEMETRY_SCHEDULER"] == "scheduler:50051"
+    env = tls["telemetry"]["environment"]
+    assert env["KVFLEET_API_TOKEN"] == tls["scheduler"]["environment"]["KVFLEET_API_TOKEN"]
+    assert TlsConfig.from_env(env).dials_tls
+    _clear_kvfleet_env(monkeypatch)
+    monkeypatch.setenv("KVFLEET_API_TOKEN", "t")
+    assert token_metadata() == [("authorization", "Bearer t")]
+
+
+def test_a_mounted_model_reaches_every_service_that_reads_kvfleet_model(
+    base: dict, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """The scheduler tokenizes with the model, the workers run it: the README's override mounts
+    the model folder into exactly the services that read KVFLEET_MODEL."""
+    readers = {
+        n for n, parse in _entry_points().items() if "KVFLEET_MODEL" in _flag_variables(parse, monkeypatch, capsys)
+    }
+    assert readers == {"scheduler", "worker-0", "worker-1"}
+    assert {n for n in CORE if "KVFLEET_MODEL" in base[n]["environment"]} == readers
+    (block,) = re.findall(r"```yaml\n(.*?)```", _readme_section(ONE_HOST), re.S)
+    override = yaml.safe_load(block)["services"]
+    assert {n for n, svc in override.items() if any(v.split(":")[1] == "/models" for v in svc["volumes"])} == readers
+
+
+def test_the_header_and_k8s_name_every_quant_and_kv_dtype_choice(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from worker_svc.__main__ import parse_args as worker_args
+
+    usage = _help(worker_args, monkeypatch, capsys)
+    entries = {SETTING.match(e)[1]: e for e in re.split(r"\n(?=#   KVFLEET_\w+ )", _header()) if SETTING.match(e)}
+    k8s = (REPO / "deploy/k8s/workers.yaml").read_text()
+    for flag, var in (("--quant", "KVFLEET_QUANT"), ("--kv-dtype", "KVFLEET_KV_DTYPE")):
+        choices = re.search(rf"{flag} \{{([^}}]+)\}}", usage)[1].split(",")
+        assert set(choices) <= set(re.findall(r"\w+", entries[var])), (var, choices)
+    (quant,) = [line for line in k8s.splitlines() if "name: KVFLEET_QUANT" in line]
+    choices = re.search(r"--quant \{([^}]+)\}", usage)[1].split(",")
+    assert set(choices) <= set(re.findall(r"\w+", quant.split("#", 1)[1])), quant
