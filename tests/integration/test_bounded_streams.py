@@ -11,12 +11,14 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import generate_latest
 
 from kvfleet.client import SchedulerClient, build_request
 from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet.v1 import scheduler_pb2_grpc as spb_grpc
 from kvfleet_common import grpcutil
 from scheduler_svc.core import SchedulerLimits
+from tests.helpers.prometheus import value
 from tests.helpers.worker_stats import wait_for_worker_stats
 from tests.integration.inproc import InProcessCluster
 
@@ -60,9 +62,15 @@ def _holds(cluster: InProcessCluster, session_ids) -> list[str]:
     return cluster.run(check())
 
 
+def _cut_off(cluster: InProcessCluster) -> float:
+    text = generate_latest(cluster.scheduler.runtime.metrics.registry).decode()
+    return value(text, "kvfleet:streams_cut_off_total")
+
+
 @pytest.mark.parametrize("kind", ["generate", "workload"])
 def test_a_client_that_stops_reading_is_cut_off_and_its_kv_freed(cluster, kind):
     worker = cluster.worker_addresses[0]
+    cut_before = _cut_off(cluster)
     with SchedulerClient(cluster.address, token="other-caller") as other:
         reference = other.generate(build_request([7, 7, 2], 24, ignore_eos=True)).token_ids
         before = other.telemetry()
@@ -87,6 +95,7 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_kv_freed(cluster, kind):
                     pass
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
             assert "stopped reading" in info.value.details() and "max_stream_backlog" in info.value.details()
+            assert _cut_off(cluster) == cut_before + 1  # kvfleet:streams_cut_off_total
         finally:
             channel.close()
         assert other.generate(build_request([7, 7, 2], 24, ignore_eos=True)).token_ids == reference

@@ -123,3 +123,26 @@ def test_gateway_serves_its_own_metrics(metered):
     )
     assert value(text, "kvfleet:gateway_requests_in_flight") == 0
     _assert_totals_are_counters(text)
+
+
+def test_every_metric_the_readme_names_is_served(metered):
+    """Each `kvfleet:` metric README's "Metrics" section lists (up to its "Renamed:" note, which
+    names the old ones) is served by the scheduler, a worker or the gateway: by its sample name,
+    or by its family's (a labelled counter or a histogram with no sample yet is its TYPE line)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0].split("\nRenamed:", 1)[0]
+    listed = set(re.findall(r"kvfleet:[a-z0-9_]+", section))
+    assert len(listed) > 30, listed
+    with SchedulerClient(metered.scheduler_address) as client:
+        client.generate(build_request([1, 2, 3], 3))
+    texts = [scrape(metered.metrics_ports[n]) for n in ("scheduler", "worker-0")]
+    with urllib.request.urlopen(metered.gateway_url + "/metrics", timeout=30) as resp:
+        texts.append(resp.read().decode())
+    served = set()
+    for text in texts:
+        served |= {s.name for s in samples(text)} | set(types(text))
+    missing = sorted(n for n in listed if n not in served and n.removesuffix("_total") not in served)
+    assert not missing, f"README names metrics no service serves: {missing}"

@@ -283,6 +283,21 @@ def test_span_text_from_a_sender_stays_text(served: Served, page: Page) -> None:
     assert page.errors == []
 
 
+def test_the_pages_policy_stops_markup_from_running(served: Served, page: Page) -> None:
+    """README: the UI is served with a Content-Security-Policy under which only its own script
+    runs, so markup that got into the page could not run anything: a real browser holds it."""
+    with urllib.request.urlopen(served.url + "/", timeout=10) as resp:
+        policy = resp.headers["Content-Security-Policy"]
+    assert "default-src 'none'" in policy and "script-src 'self'" in policy and "unsafe" not in policy
+    page.open(served.url + "/#/traces")
+    ran = page.page.evaluate(
+        "() => { const s = document.createElement('script'); s.textContent = 'window.injected = 1';"
+        " document.body.appendChild(s); return window.injected === 1; }"
+    )
+    assert ran is False
+    assert any("Content Security Policy" in e for e in page.errors), page.errors  # the browser says why
+
+
 # --- experiments ---------------------------------------------------------------------------------
 
 

@@ -38,8 +38,10 @@ def _kill_a_worker_mid_stream(
         assert re.search(r"worker-1 exited with code -9 .*restarting in", log), log
         assert "worker-1 restarted" in log
         # New sessions are served afterwards, on both workers (the restarted one included).
-        after = [client.generate(build_request(p, new_tokens, ignore_eos=True)) for p in prompts]
-        assert [r.token_ids for r in after] == solo
+        streams = [client.stream(build_request(p, new_tokens, ignore_eos=True)) for p in prompts]
+        events = [list(s) for s in streams]
+        assert [[t for ev in evs for t in ev.token_ids] for evs in events] == solo
+        assert {evs[0].worker_id for evs in events} == {"worker-0", "worker-1"}, "the restarted worker got none"
 
 
 def test_up_keeps_serving_when_a_worker_is_killed_tiny(tmp_path: Path):

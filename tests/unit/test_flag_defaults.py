@@ -167,3 +167,11 @@ def test_a_scheduler_switch_on_by_default_is_turned_off_by_its_flag_or_its_varia
     monkeypatch.setenv(variable, "false")
     assert getattr(scheduler_main.parse_args(["--workers", "w:1"]), field) is False
     assert getattr(scheduler_main.parse_args(["--workers", "w:1", f"--{switch}"]), field) is True
+
+
+def test_no_cache_aware_routing_reaches_the_core_s_limits() -> None:
+    """--no-cache-aware-routing: placement by load alone (its effect: test_scheduler_blocks)."""
+    assert scheduler_main.parse_args(["--workers", "w:1"]).limits.cache_aware_routing is True
+    assert (
+        scheduler_main.parse_args(["--workers", "w:1", "--no-cache-aware-routing"]).limits.cache_aware_routing is False
+    )

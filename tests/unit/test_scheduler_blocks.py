@@ -5,6 +5,8 @@ wrote it came back."""
 
 from __future__ import annotations
 
+import pytest
+
 from scheduler_svc.core import SchedulerCore, SchedulerLimits, SessionRequest, StepResult, StepStatus
 from tests.unit.sim import FakeWorkers, complete_tick, plan_tick, sequential_ids, settled, tiny_worker
 
@@ -126,8 +128,11 @@ def test_blocks_are_shared_only_after_the_step_that_wrote_them_came_back() -> No
     assert core.workers.get("w0").tables.cached_prefix((7,) * 12 + (2,)) == 0
 
 
-def test_placement_prefers_the_worker_holding_the_longest_cached_prefix() -> None:
-    core, fake = _core(("w0", "w1")), FakeWorkers()
+@pytest.mark.parametrize("cache_aware", [True, False])
+def test_placement_prefers_the_worker_holding_the_longest_cached_prefix(cache_aware: bool) -> None:
+    """Off (--no-cache-aware-routing), the least loaded worker only; a session placed there
+    still reuses what that worker holds."""
+    core, fake = _core(("w0", "w1"), cache_aware_routing=cache_aware), FakeWorkers()
     warm = core.submit(_req(SHARED + (20,), new=2))
     _run(core, fake)
     assert core.workers.get("w0").tables.cached_prefix(SHARED + (1,)) == 12  # (w0: ties go by id)
@@ -139,8 +144,8 @@ def test_placement_prefers_the_worker_holding_the_longest_cached_prefix() -> Non
     miss = core.submit(_req((9,) * 13))
     plan, early = plan_tick(core)
     placed = {p.session_id: (p.worker_id, p.cached_tokens) for p in plan.prefill}
-    # Least loaded alone would send both to w1; the cached prefix keeps `hit` on w0.
-    assert placed == {hit: ("w0", 12), miss: ("w1", 0)}
+    # Least loaded alone sends both to w1; the cached prefix keeps `hit` on w0.
+    assert placed == ({hit: ("w0", 12), miss: ("w1", 0)} if cache_aware else {hit: ("w1", 0), miss: ("w1", 0)})
     assert core.session(warm).cached_tokens == 0
 
 
