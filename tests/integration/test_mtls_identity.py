@@ -6,7 +6,11 @@ refuses a call that carries `authorization` twice."""
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -87,17 +91,22 @@ def test_the_prefix_cache_is_partitioned_by_client_certificate(mtls_cluster, cer
 
 
 def _non_loopback_ipv4() -> str | None:
-    """This machine's address on the interface of its default route (a UDP connect sends nothing)."""
+    """An address of this machine beyond loopback: the one of its default route (a UDP connect
+    looks the route up and sends nothing), else one its host name resolves to."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
-            s.connect(("192.0.2.255", 9))  # TEST-NET-1: only the route is looked up
+            s.connect(("198.51.100.1", 9))  # TEST-NET-2: never answered, only routed
+            found = [s.getsockname()[0]]
         except OSError:
-            return None
-        address = s.getsockname()[0]
-    return None if address.startswith("127.") else address
+            found = []
+    try:
+        found += [a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
+    except OSError:
+        pass
+    return next((a for a in found if not ipaddress.ip_address(a).is_loopback), None)
 
 
-def test_mutual_tls_alone_lets_the_scheduler_listen_beyond_loopback(mtls_cluster, certs, monkeypatch):
+def test_mutual_tls_alone_lets_the_scheduler_listen_beyond_loopback(mtls_cluster, certs):
     """Served over a non-loopback address with no token; the same TLS settings without client
     certificates refuse to start (the plaintext, tokenless refusal: tests/unit/test_secure_defaults)."""
     assert mtls_cluster.procs["scheduler"].poll() is None
@@ -111,23 +120,21 @@ def test_mutual_tls_alone_lets_the_scheduler_listen_beyond_loopback(mtls_cluster
         events = list(spb_grpc.SchedulerStub(ch).Generate(build_request([1, 2, 3], 4), timeout=30))
     assert events[-1].finish_reason == spb.FINISH_LENGTH
 
-    from scheduler_svc.__main__ import parse_args
-
-    env = {
-        "KVFLEET_TLS_CERT": str(certs / "scheduler.pem"),
-        "KVFLEET_TLS_KEY": str(certs / "scheduler.key"),
-        "KVFLEET_TLS_CA": str(certs / "ca.pem"),
-    }
-    for var in ("KVFLEET_API_TOKEN", "KVFLEET_SCHEDULER_ALLOW_ANONYMOUS", "KVFLEET_WORKER_SECRET"):
-        monkeypatch.delenv(var, raising=False)
-    for var, value in env.items():
-        monkeypatch.setenv(var, value)
-    args = ["--host", "0.0.0.0", "--workers", "127.0.0.1:1"]
-    monkeypatch.setenv("KVFLEET_TLS_CLIENT_AUTH", "false")
-    with pytest.raises(ValueError, match="beyond loopback"):
-        parse_args(args)
-    monkeypatch.setenv("KVFLEET_TLS_CLIENT_AUTH", "true")
-    assert parse_args(args).host == "0.0.0.0"
+    # The same certificates, but without client certificates required: refused before serving.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLEET_")}
+    env.update(
+        KVFLEET_TLS_CERT=str(certs / "scheduler.pem"),
+        KVFLEET_TLS_KEY=str(certs / "scheduler.key"),
+        KVFLEET_TLS_CA=str(certs / "ca.pem"),
+    )
+    argv = ["--host", "0.0.0.0", "--port", "0", "--metrics-port", "0", "--workers", "127.0.0.1:1"]
+    try:  # it refuses in its flags' parsing, well within a second
+        refused = subprocess.run(
+            [sys.executable, "-m", "scheduler_svc", *argv], env=env, capture_output=True, text=True, timeout=20
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"a scheduler on 0.0.0.0 with TLS but no client certificates and no token started: {exc}")
+    assert refused.returncode != 0 and "beyond loopback" in refused.stderr, refused.stderr
 
 
 @pytest.mark.parametrize("second", ["Bearer one", "Bearer two"], ids=["same-value", "other-value"])

@@ -198,3 +198,35 @@ def test_ctrl_c_drains_and_a_second_ctrl_c_kills_at_once(tmp_path: Path):
                 os.kill(pid, signal.SIGCONT)
                 os.kill(pid, signal.SIGKILL)
         up.stop()
+
+
+def test_a_session_still_running_when_the_drain_grace_ends_is_cut_off(tmp_path: Path):
+    """README: a drain gives running sessions --drain-grace seconds, then cuts them off. A session
+    held running by a stopped worker outlasts a 1 s grace: its stream ends with an error within
+    seconds, not at its end, and `kvfleet up` then stops with exit code 0."""
+    up = Up(
+        ["--model", "tiny", "--workers", "1", "--no-gateway", "--drain-grace", "1"],
+        tmp_path / "up.err",
+        start_timeout_s=60,
+    )
+    worker = up.pids["worker-0"]
+    try:
+        with SchedulerClient(up.scheduler, retry=NO_RETRY) as client:
+            os.kill(worker, signal.SIGSTOP)
+            stream = client.stream(build_request([1, 2, 3], 200, ignore_eos=True))
+            end = time.monotonic() + 30
+            while client.telemetry().active_sessions == 0:
+                assert time.monotonic() < end, "the session never started"
+                time.sleep(0.05)
+            up.proc.send_signal(signal.SIGTERM)
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                list(stream)
+            cut_after = time.monotonic() - started
+        assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), info.value
+        # After the grace (1 s, then the server's own stop of 1 s), before `up` kills what is left
+        # (twice the grace plus 5 s: a kill would end the stream too, at about 7 s).
+        assert 0.8 < cut_after < 5.5, cut_after
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    assert up.proc.wait(30) == 0, up.stderr()
