@@ -1,4 +1,4 @@
-"""transformers' own SmolLM2 from the GGUF file: the reference model, loaded once per environment.
+"""transformers' own SmolLM2 from the GGUF file: the reference model (and tokenizer), loaded once per environment.
 
 transformers takes ~11 s to build SmolLM2 from the GGUF file (measured on the 2-core Xeon), in
 every test process that needs the reference. Its result (transformers' own dequantized weights
@@ -78,3 +78,24 @@ def hf_reference(gguf: Path, cache: Path = CACHE) -> Any:
             _save(model, folder)
             return model.eval()
     return _from_folder(folder).eval()
+
+
+def hf_tokenizer(gguf: Path, cache: Path = CACHE) -> Any:
+    """transformers' tokenizer of ``gguf`` (~6 s to build from the file on the EPYC), kept in the
+    cache as transformers saves it (its own tokenizer.json) under the same key, and read back
+    from there (~0.1 s): what transformers made of the file, never our tokenizer's output."""
+    from transformers import AutoTokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    folder = cache / f"hf-tokenizer-{gguf.stem}-{_key(gguf)}"
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f"{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not folder.is_dir():
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            partial = folder.with_name(folder.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            tokenizer.save_pretrained(str(partial))
+            os.replace(partial, folder)  # a folder that exists is whole
+            return tokenizer
+    return AutoTokenizer.from_pretrained(str(folder))

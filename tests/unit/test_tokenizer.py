@@ -57,9 +57,11 @@ def ours() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def hf():  # type: ignore[no-untyped-def]
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from tests.helpers.hf_reference import hf_tokenizer
+
     assert SMOLLM is not None
-    return transformers.AutoTokenizer.from_pretrained(SMOLLM.parent, gguf_file=SMOLLM.name)
+    return hf_tokenizer(SMOLLM)
 
 
 # ----------------------------------------------------------------------------- parity
