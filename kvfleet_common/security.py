@@ -202,15 +202,20 @@ def token_refusal(metadata: Iterable[tuple[str, str | bytes]] | None, token: str
 
 
 def caller_identity(context) -> str:
-    """Who is calling, as far as the transport tells: the bearer token (hashed), else the client
-    certificate's name, else "" (anonymous). A session may be cancelled only by the same caller."""
+    """Who is calling, as far as the transport tells: the bearer token (hashed) and the client
+    certificate's name, each where there is one, else "" (anonymous). Both count: callers that
+    share one API token are still told apart by their certificates under mutual TLS, and a
+    caller's own token cannot make it another certificate's holder. A session may be cancelled
+    only by the same caller; the prefix cache and the queue's shares are per caller."""
+    parts = []
     for key, value in context.invocation_metadata() or ():
         if key == "authorization" and value:
-            return "token:" + hashlib.sha256(value.encode()).hexdigest()[:32]
+            parts.append("token:" + hashlib.sha256(value.encode()).hexdigest()[:32])
+            break
     names = (context.auth_context() or {}).get("x509_common_name")
     if names:
-        return "peer:" + names[0].decode(errors="replace")
-    return ""
+        parts.append("peer:" + names[0].decode(errors="replace"))
+    return "|".join(parts)
 
 
 async def authorize_token(context, token: str) -> None:

@@ -68,8 +68,9 @@ class SchedulerConfig:
             raise ValueError(
                 f"listening on {self.host or 'every interface'} (beyond loopback) without a token would let "
                 "anyone who reaches the port generate, and cancel other anonymous callers' sessions: set "
-                "KVFLEET_API_TOKEN, or --allow-anonymous (KVFLEET_SCHEDULER_ALLOW_ANONYMOUS=true) if an open "
-                "scheduler is meant, or listen on 127.0.0.1"
+                "KVFLEET_API_TOKEN, or require client certificates (KVFLEET_TLS_CLIENT_AUTH=true with TLS), "
+                "or --allow-anonymous (KVFLEET_SCHEDULER_ALLOW_ANONYMOUS=true) if an open scheduler is meant, "
+                "or listen on 127.0.0.1"
             )
 
     @property

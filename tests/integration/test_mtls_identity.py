@@ -1,7 +1,7 @@
-"""Under mutual TLS a caller is its client certificate: on a real scheduler and worker (TLS
-everywhere, the scheduler requiring client certificates and holding no API token), a session is
-cancelled only by the certificate that started it and the prefix cache is partitioned by
-certificate. That scheduler listens on every interface, which mutual TLS alone allows, and it
+"""Under mutual TLS a caller is its client certificate (with its bearer token, where it sends one):
+on a real scheduler and worker (TLS everywhere, the scheduler requiring client certificates and
+holding no API token), a session is cancelled only by the certificate that started it, even
+among callers sending one shared token, and the prefix cache is partitioned by certificate. That scheduler listens on every interface, which mutual TLS alone allows, and it
 refuses a call that carries `authorization` twice."""
 
 from __future__ import annotations
@@ -72,6 +72,26 @@ def test_only_the_certificate_that_started_a_session_may_cancel_it(mtls_cluster,
             assert alice_again.cancel(first.session_id).cancelled
         last = list(stream)[-1]
     assert last.finished and last.finish_reason == spb.FINISH_CANCELLED
+
+
+def test_callers_sharing_a_bearer_token_are_still_told_apart_by_their_certificates(mtls_cluster, certs):
+    """Token and certificate both make the identity: two certificate holders sending the same
+    bearer token (one API token shared by every client, as a deployment hands out) are two
+    callers, and the token cannot make one the other."""
+    shared = "the-one-api-token"
+    alice = SchedulerClient(mtls_cluster.scheduler_address, _as(certs, "client"), token=shared)
+    mallory = SchedulerClient(mtls_cluster.scheduler_address, _as(certs, "gateway"), token=shared)
+    with alice, mallory:
+        stream = alice.stream(build_request([1, 2, 3], 500, ignore_eos=True), timeout=60)
+        first = next(iter(stream))
+        with pytest.raises(grpc.RpcError) as refused:
+            mallory.cancel(first.session_id)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value
+        with _client(mtls_cluster, certs, "client") as no_token:  # the certificate alone: another caller too
+            with pytest.raises(grpc.RpcError):
+                no_token.cancel(first.session_id)
+        assert alice.cancel(first.session_id).cancelled
+        list(stream)
 
 
 def test_the_prefix_cache_is_partitioned_by_client_certificate(mtls_cluster, certs):

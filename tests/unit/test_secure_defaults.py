@@ -148,7 +148,7 @@ def test_worker_beyond_loopback_needs_the_secret_or_mutual_tls(tmp_path: Path) -
 
 def test_scheduler_beyond_loopback_needs_a_token_unless_told_anonymous() -> None:
     SchedulerConfig(host="127.0.0.1", workers=("w:1",))
-    with pytest.raises(ValueError, match="beyond loopback.*--allow-anonymous"):
+    with pytest.raises(ValueError, match="beyond loopback.*KVFLEET_TLS_CLIENT_AUTH=true.*--allow-anonymous"):
         SchedulerConfig(host="0.0.0.0", workers=("w:1",))
     SchedulerConfig(host="0.0.0.0", workers=("w:1",), api_token="t" * 20)
     SchedulerConfig(host="0.0.0.0", workers=("w:1",), allow_anonymous=True)
