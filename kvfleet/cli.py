@@ -45,6 +45,7 @@ def _add_cluster_flags(
     scheduler_svc`). The measurement commands leave it off: their runs are their flags' alone."""
     from kvfleet.local_cluster import ClusterSpec
     from worker_svc.kv_memory import DEFAULT_POOL_TEXT, KV_DTYPES
+    from worker_svc.kv_views_mode import KVViewsMode
 
     def var(name: str) -> str | None:
         return name if environment else None
@@ -114,6 +115,21 @@ def _add_cluster_flags(
         help=f"KV blocks per worker (of 16 tokens; 0 = the worker's default pool: {DEFAULT_POOL_TEXT})",
     )
     p.add_argument(
+        "--block-size",
+        type=int,
+        default=d.block_size,
+        env=var("KVFLEET_BLOCK_SIZE"),
+        help="tokens per KV block on every worker (the scheduler plans in the workers' blocks)",
+    )
+    p.add_argument(
+        "--kv-views",
+        default=d.kv_views,
+        env=var("KVFLEET_KV_VIEWS"),
+        choices=[m.value for m in KVViewsMode],
+        help="how the workers' attention gets contiguous K/V: rebuild (gathered every layer) or persistent "
+        "(per-session rows kept across steps)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=d.threads,
@@ -166,6 +182,8 @@ def _spec(a: argparse.Namespace, port: int = 0):
         step_stream=a.step_stream,
         step_spans=a.step_spans,
         num_blocks=a.num_blocks,
+        block_size=a.block_size,
+        kv_views=a.kv_views,
         threads=a.threads,
         kv_cache_memory=a.kv_cache_memory,
         kv_dtype=a.kv_dtype,

@@ -158,6 +158,18 @@ def test_the_services_of_a_killed_kvfleet_up_stop_by_themselves(tmp_path: Path):
         shutil.rmtree(up.log_dir, ignore_errors=True)  # its own to remove, had it not been killed
 
 
+def _a_session_held_running(client: SchedulerClient, worker_pid: int):
+    """A session admitted while its worker is stopped (SIGSTOP): it stays running until the
+    worker is continued or the cluster cuts it. Returns its stream."""
+    os.kill(worker_pid, signal.SIGSTOP)
+    stream = client.stream(build_request([1, 2, 3], 200, ignore_eos=True))
+    end = time.monotonic() + 30
+    while client.telemetry().active_sessions == 0:
+        assert time.monotonic() < end, "the session never started"
+        time.sleep(0.05)
+    return stream
+
+
 def test_ctrl_c_drains_and_a_second_ctrl_c_kills_at_once(tmp_path: Path):
     """README: Ctrl-C drains (running sessions get --drain-grace), a second Ctrl-C kills at once.
     A session is held running by a stopped worker, so the drain would last the whole grace (60 s
@@ -170,12 +182,7 @@ def test_ctrl_c_drains_and_a_second_ctrl_c_kills_at_once(tmp_path: Path):
     pids = dict(up.pids)
     try:
         with SchedulerClient(up.scheduler, retry=NO_RETRY) as client:
-            os.kill(pids["worker-0"], signal.SIGSTOP)
-            stream = client.stream(build_request([1, 2, 3], 200, ignore_eos=True))
-            end = time.monotonic() + 30
-            while client.telemetry().active_sessions == 0:
-                assert time.monotonic() < end, "the session never started"
-                time.sleep(0.05)
+            stream = _a_session_held_running(client, pids["worker-0"])
             up.proc.send_signal(signal.SIGINT)
             out = up._read_until("Ctrl-C again to kill now", 30)
             assert "draining (up to" in out, out
@@ -212,12 +219,7 @@ def test_a_session_still_running_when_the_drain_grace_ends_is_cut_off(tmp_path: 
     worker = up.pids["worker-0"]
     try:
         with SchedulerClient(up.scheduler, retry=NO_RETRY) as client:
-            os.kill(worker, signal.SIGSTOP)
-            stream = client.stream(build_request([1, 2, 3], 200, ignore_eos=True))
-            end = time.monotonic() + 30
-            while client.telemetry().active_sessions == 0:
-                assert time.monotonic() < end, "the session never started"
-                time.sleep(0.05)
+            stream = _a_session_held_running(client, worker)
             up.proc.send_signal(signal.SIGTERM)
             started = time.monotonic()
             with pytest.raises(grpc.RpcError) as info:

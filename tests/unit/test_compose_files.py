@@ -15,6 +15,7 @@ import yaml
 from scheduler_svc.config import SchedulerConfig
 from tests.helpers.certs import SCRIPT as CERTS_SCRIPT
 from tests.helpers.certs import make_dev_certs
+from tests.helpers.environment import clear_kvfleet_env
 from worker_svc.config import WorkerConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -313,13 +314,8 @@ def _entry_points() -> dict[str, Callable[[list[str]], object]]:
     return {"telemetry": telemetry, "worker-0": worker, "worker-1": worker, "scheduler": scheduler, "gateway": gateway}
 
 
-def _clear_kvfleet_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in [k for k in os.environ if k.startswith("KVFLEET_")]:
-        monkeypatch.delenv(k)
-
-
 def _help(parse: Callable[[list[str]], object], monkeypatch: pytest.MonkeyPatch, capsys) -> str:
-    _clear_kvfleet_env(monkeypatch)
+    clear_kvfleet_env(monkeypatch)
     monkeypatch.setenv("COLUMNS", "1000")  # one line a flag: no name split by wrapping
     capsys.readouterr()
     with pytest.raises(SystemExit):
@@ -402,7 +398,7 @@ def test_compose_defaults_are_the_services_own(base: dict, monkeypatch: pytest.M
             m = DEFAULT.match(str(value))
             if not key.startswith("KVFLEET_") or not m or m[1] in COMPOSE_CHOICES:
                 continue
-            _clear_kvfleet_env(monkeypatch)
+            clear_kvfleet_env(monkeypatch)
             own = parse(argv)
             monkeypatch.setenv(key, m[2])
             assert parse(argv) == own, (name, key, m[2])
@@ -432,7 +428,7 @@ def test_without_the_overlay_anonymous_false_refuses_to_start_and_the_docs_say_s
     for name in ("scheduler", "gateway"):
         env = base[name]["environment"]
         assert not {"KVFLEET_API_TOKEN", "KVFLEET_GATEWAY_API_KEY"} & set(env), name
-        _clear_kvfleet_env(monkeypatch)
+        clear_kvfleet_env(monkeypatch)
         for k, v in env.items():
             if k.startswith("KVFLEET_"):
                 # compose's defaults, but KVFLEET_ANONYMOUS=false
@@ -465,7 +461,7 @@ def test_tls_overlay_gives_telemetry_the_token_its_scheduler_snapshot_needs(
     env = tls["telemetry"]["environment"]
     assert env["KVFLEET_API_TOKEN"] == tls["scheduler"]["environment"]["KVFLEET_API_TOKEN"]
     assert TlsConfig.from_env(env).dials_tls
-    _clear_kvfleet_env(monkeypatch)
+    clear_kvfleet_env(monkeypatch)
     monkeypatch.setenv("KVFLEET_API_TOKEN", "t")
     assert token_metadata() == [("authorization", "Bearer t")]
 

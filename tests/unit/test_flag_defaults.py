@@ -4,7 +4,6 @@ equal to the dataclass's defaults, field by field, except the differences listed
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import pytest
@@ -21,17 +20,15 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.limits import SchedulerLimits
 from telemetry_svc.http_api import JAEGER_QUERY_PORT
 from telemetry_svc.server import TelemetryConfig
+from tests.helpers.environment import clear_kvfleet_env, no_service_logging
 from worker_svc.config import WorkerConfig
 
 
 @pytest.fixture(autouse=True)
 def _no_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """Flags fall back on KVFLEET_* variables: none may be set, nor logging configured."""
-    for name in list(os.environ):
-        if name.startswith("KVFLEET_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setattr(worker_main, "setup_logging", lambda *a: None)
-    monkeypatch.setattr(scheduler_main, "setup_logging", lambda *a: None)
+    clear_kvfleet_env(monkeypatch)
+    no_service_logging(monkeypatch)
 
 
 def _differences(got: Any, want: Any) -> dict[str, tuple[Any, Any]]:

@@ -5,7 +5,6 @@ reports as its max_position, and `kvfleet up` passing it to the workers."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 
@@ -13,16 +12,15 @@ import worker_svc.__main__ as worker_main
 from kvfleet.cli import _spec, build_parser
 from kvfleet.local_cluster import ClusterSpec
 from kvfleet_models.config import tiny_config
+from tests.helpers.environment import clear_kvfleet_env, no_service_logging
 from worker_svc.config import WorkerConfig
 from worker_svc.engine import served_length
 
 
 @pytest.fixture(autouse=True)
 def _no_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("KVFLEET_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setattr(worker_main, "setup_logging", lambda *a: None)
+    clear_kvfleet_env(monkeypatch)
+    no_service_logging(monkeypatch)
 
 
 def test_worker_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:

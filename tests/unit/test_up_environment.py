@@ -18,6 +18,7 @@ import worker_svc.__main__ as worker_main
 from kvfleet import local_cluster
 from kvfleet.cli import _spec, build_parser
 from kvfleet.local_cluster import ClusterSpec, LocalCluster
+from tests.helpers.environment import clear_kvfleet_env, no_service_logging
 
 # (up's flag, its variable, the service whose same flag reads that variable, a value for the
 # variable, the ClusterSpec field, what the field then holds): every cluster flag but --workers,
@@ -34,6 +35,8 @@ CASES = [
     ("--step-stream", "KVFLEET_STEP_STREAM", "scheduler", "false", "step_stream", False),
     ("--step-spans", "KVFLEET_STEP_SPANS", "scheduler", "false", "step_spans", False),
     ("--num-blocks", "KVFLEET_NUM_BLOCKS", "worker", "32", "num_blocks", 32),
+    ("--block-size", "KVFLEET_BLOCK_SIZE", "worker", "32", "block_size", 32),
+    ("--kv-views", "KVFLEET_KV_VIEWS", "worker", "persistent", "kv_views", "persistent"),
     ("--threads", "KVFLEET_WORKER_THREADS", "worker", "2", "threads", 2),
     ("--kv-cache-memory", "KVFLEET_KV_CACHE_MEMORY", "worker", "64MiB", "kv_cache_memory", "64MiB"),
     ("--kv-dtype", "KVFLEET_KV_DTYPE", "worker", "float16", "kv_dtype", "float16"),
@@ -44,11 +47,8 @@ MEASUREMENTS = ("sweep", "demo", "soak", "experiment")
 
 @pytest.fixture(autouse=True)
 def _no_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("KVFLEET_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setattr(worker_main, "setup_logging", lambda *a: None)
-    monkeypatch.setattr(scheduler_main, "setup_logging", lambda *a: None)
+    clear_kvfleet_env(monkeypatch)
+    no_service_logging(monkeypatch)
 
 
 def _help(parse: Callable[[list[str]], Any], argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
