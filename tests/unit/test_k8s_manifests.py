@@ -17,6 +17,8 @@ from typing import Any, Iterator
 import pytest
 import yaml  # noqa: E402  (a test dependency: pyyaml)
 
+from tests.helpers.environment import clear_kvfleet_env
+
 K8S_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 K8S_VERSION = "1.30.0"  # grpc probes are GA since 1.27; validate against a widely deployed release
 WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
@@ -335,6 +337,22 @@ def test_the_scheduler_wants_a_token_and_the_gateway_passes_callers_through(monk
             monkeypatch.setenv(name, e["value"])
     config, _ = parse_args([])
     assert config.auth_mode is AuthMode.PASS_THROUGH
+
+
+def test_telemetry_asks_the_scheduler_service_with_its_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trace UI's live scheduler page (README, "The trace UI"): telemetry is told the
+    scheduler's Service and port, and holds the client API token the scheduler wants."""
+    from telemetry_svc.__main__ import parse_args
+
+    env = _env("Deployment", "kvfleet-telemetry")
+    service = _one("Service", "kvfleet-scheduler")
+    grpc_port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc")
+    assert env["KVFLEET_TELEMETRY_SCHEDULER"]["value"] == f"kvfleet-scheduler:{grpc_port}"
+    scheduler_token = _env("Deployment", "kvfleet-scheduler")["KVFLEET_API_TOKEN"]["valueFrom"]
+    assert env["KVFLEET_API_TOKEN"]["valueFrom"] == scheduler_token
+    clear_kvfleet_env(monkeypatch)
+    monkeypatch.setenv("KVFLEET_TELEMETRY_SCHEDULER", env["KVFLEET_TELEMETRY_SCHEDULER"]["value"])
+    assert parse_args(["--db", "/data/telemetry.db"])[0].scheduler == f"kvfleet-scheduler:{grpc_port}"
 
 
 def test_workers_and_the_scheduler_share_the_worker_secret_from_one_secret() -> None:
