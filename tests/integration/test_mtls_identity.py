@@ -1,8 +1,10 @@
 """Under mutual TLS a caller is its client certificate (with its bearer token, where it sends one):
 on a real scheduler and worker (TLS everywhere, the scheduler requiring client certificates and
 holding no API token), a session is cancelled only by the certificate that started it, even
-among callers sending one shared token, and the prefix cache is partitioned by certificate. That scheduler listens on every interface, which mutual TLS alone allows, and it
-refuses a call that carries `authorization` twice."""
+among callers sending one shared token, and the prefix cache is partitioned by certificate. That
+scheduler listens on every interface, which mutual TLS alone allows; it lets only the certificate
+named in KVFLEET_EXPERIMENT_WRITERS tag a workload with an experiment, and it refuses a call that
+carries `authorization` twice."""
 
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ def mtls_cluster(certs: Path) -> Iterator[LocalCluster]:
         model="tiny",
         tls_dir=str(certs),
         telemetry=False,
-        extra_env={"KVFLEET_TLS_CLIENT_AUTH": "true"},
+        # the certificate kvfleet-client may tag a workload with an experiment; no other caller
+        extra_env={"KVFLEET_TLS_CLIENT_AUTH": "true", "KVFLEET_EXPERIMENT_WRITERS": "kvfleet-client"},
         scheduler_args=("--host", "0.0.0.0"),
     )
     with LocalCluster(spec) as cluster:
@@ -173,3 +176,20 @@ def test_a_call_carrying_authorization_twice_is_refused(mtls_cluster, certs, sec
                 call()
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, (name, refused.value)
             assert "more than one 'authorization'" in refused.value.details(), name
+
+
+def test_only_a_certificate_named_an_experiment_writer_may_tag_a_workload(mtls_cluster, certs):
+    """README ("Artifact limits and experiment writers"): KVFLEET_EXPERIMENT_WRITERS names the
+    certificates that may tag a workload with an experiment (its spans decide an A/B test)."""
+    request = spb.WorkloadRequest(
+        sessions=[build_request([1, 2, 3], 2)],
+        experiment=spb.Experiment(id="mtls-writers", arm="control", lever="persistent_kv_views"),
+    )
+    with _client(mtls_cluster, certs, "client") as writer, _client(mtls_cluster, certs, "gateway") as other:
+        events = list(writer.submit_workload(request, timeout=60))
+        assert events[-1].done and events[-1].stats.sessions == 1, events[-1]
+        with pytest.raises(grpc.RpcError) as refused:
+            list(other.submit_workload(request, timeout=60))
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value
+        untagged = spb.WorkloadRequest(sessions=[build_request([1, 2, 3], 2)])
+        assert list(other.submit_workload(untagged, timeout=60))[-1].done  # no experiment: served
