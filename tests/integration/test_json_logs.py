@@ -31,7 +31,7 @@ def test_scheduler_json_logs_carry_trace_and_session(tmp_path):
     assert any(d["message"].startswith("scheduler serving on") for d in docs)
     traced = [d for d in docs if d.get("trace_id") == trace_id]
     assert traced, f"no line with trace id {trace_id}: {lines[-10:]}"
-    assert all(len(d["span_id"]) == 16 for d in traced)
+    assert {d["span_id"] for d in traced} == {parent_span}  # the calling span (README, "Logs")
     mine = [d for d in traced if d.get("session_id") == session_id]
     assert any(d["level"] == "DEBUG" and "prompt tokens" in d["message"] for d in mine), traced
     assert any(d.get("session_id") == session_id and "queued" in d["message"] for d in docs)
