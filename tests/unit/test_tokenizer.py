@@ -586,3 +586,27 @@ def test_the_originals_are_the_families_own_tokenizers(tmp_path: Path, name: str
         same = own.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False)
         legacy_only = name == "llama2" and (text.startswith(" ") or any(t in text for t in case.control))
         assert same != legacy_only, text
+
+
+def test_an_unknown_pre_tokenizer_is_split_as_gpt2_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """README ("Models"): a GGUF naming a `tokenizer.ggml.pre` we do not know is split with
+    GPT-2's rules, with a warning naming it, rather than refused."""
+    pytest.importorskip("transformers")
+    original = make_original(VOCAB_CASES["qwen2"], tmp_path / "hf")
+    as_gpt2 = dataclasses.replace(original, case=dataclasses.replace(original.case, pre="gpt2"))
+    unknown = dataclasses.replace(original, case=dataclasses.replace(original.case, pre="kvfleet-new-pre"))
+    gpt2 = Tokenizer.from_gguf(write_gguf_vocab(as_gpt2, tmp_path / "gpt2.gguf"))
+    with caplog.at_level("WARNING"):
+        ours = Tokenizer.from_gguf(write_gguf_vocab(unknown, tmp_path / "unknown.gguf"))
+    assert "unknown tokenizer.ggml.pre 'kvfleet-new-pre': splitting text with GPT-2's rules" in caplog.text
+    qwen2 = Tokenizer.from_gguf(write_gguf_vocab(original, tmp_path / "qwen2.gguf"))
+
+    def splits(tok: Tokenizer, text: str) -> list[str]:
+        return [piece for piece, _ in tok.backend.pre_tokenizer.pre_tokenize_str(text)]
+
+    text = "year 2024 and 1999"  # GPT-2 keeps a number whole; Qwen2's rules split it digit by digit
+    assert splits(ours, text) == splits(gpt2, text) != splits(qwen2, text)
+    for text in ("Hello, world! 12345 apples", "  spaced   out\ttabs\nlines", "naïve café 東京"):
+        assert ours.encode(text) == gpt2.encode(text), text
