@@ -17,7 +17,9 @@ from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet_models.config import tiny_config
 from kvfleet_models.registry import SMOLLM2_135M
 from kvfleet_models.tokenizer import Tokenizer
+from tests.helpers.gateway import http
 from tests.helpers.models import SMOLLM2_FILE, needs_smollm2
+from tests.helpers.prometheus import samples, scrape
 from tests.helpers.telemetry_db import wait_for_rows
 from tests.integration.inproc import InProcessCluster
 
@@ -233,13 +235,18 @@ def test_served_name_request_id_in_span_and_logs(tmp_path):
     telemetry service, JSON logs."""
     config = tmp_path / "scheduler.toml"
     config.write_text('log-level = "DEBUG"\nserved-model-name = "acme-llm"\n')
-    spec = ClusterSpec(workers=1, log_format="json", scheduler_args=("--config", str(config)))
+    spec = ClusterSpec(workers=1, log_format="json", scheduler_args=("--config", str(config)), gateway=True)
     rid = "trace-me-7f3a"
     with LocalCluster(spec, log_dir=tmp_path) as cluster, SchedulerClient(cluster.scheduler_address) as client:
         assert client.model_info().model_id == "acme-llm"
         events = list(client.stream(build_request([1, 2, 3], 4, request_id=rid)))
         sid = events[0].session_id
         attrs = _session_span_attrs(cluster.log_dir / "telemetry.db", sid)
+        # the gateway's /v1/models and the scheduler's metrics name the served model too (README)
+        status, models, _ = http("GET", cluster.gateway_url + "/v1/models")
+        assert status == 200 and [m["id"] for m in models["data"]] == ["acme-llm"], models
+        labels = {s.labels.get("model_name") for s in samples(scrape(cluster.metrics_ports["scheduler"]))}
+        assert labels - {None} == {"acme-llm"}, labels
     assert attrs["kvfleet.request.id"] == rid
     assert attrs["gen_ai.request.model"] == "acme-llm"
     docs = [json.loads(line) for line in (tmp_path / "scheduler.log").read_text().splitlines() if line.strip()]
