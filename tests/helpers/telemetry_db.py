@@ -55,3 +55,24 @@ def wait_for_rows(
         if time.monotonic() >= deadline:
             pytest.fail(f"{db_path}: waited {timeout:g}s for {what} in vain; last saw {last!r:.2000}")
         time.sleep(interval)
+
+
+def wait_for_session_span(db_path: Path | str, key: str, value: str, timeout: float = 30.0) -> dict[str, Any]:
+    """The attributes of the session span (kvfleet.span = session) whose attribute `key` is
+    `value` (kvfleet.session.id, kvfleet.request.id), once it is in the store."""
+    import json
+
+    def found(rows: Rows) -> list[dict[str, Any]]:
+        attrs = (json.loads(r[0]) for r in rows)
+        return [a for a in attrs if a.get("kvfleet.span") == "session" and a.get(key) == value]
+
+    rows = wait_for_rows(
+        db_path,
+        "SELECT attributes FROM spans WHERE attributes LIKE ?",
+        (f'%"{value}"%',),
+        until=lambda rows: bool(found(rows)),
+        what=f"the session span with {key} = {value}",
+        timeout=timeout,
+        interval=0.3,
+    )
+    return found(rows)[0]

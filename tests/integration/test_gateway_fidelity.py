@@ -18,7 +18,7 @@ import pytest
 from kvfleet.client import SchedulerClient, build_request
 from kvfleet.v1 import scheduler_pb2 as spb
 from tests.helpers.gateway import http
-from tests.helpers.telemetry_db import wait_for_rows
+from tests.helpers.telemetry_db import wait_for_session_span
 
 pytestmark = pytest.mark.slow
 
@@ -346,16 +346,5 @@ def test_request_id_names_the_response_and_the_session_span(client, cluster):
     assert chunks and {c.id for c in chunks} == {f"chatcmpl-{rid}-chat"}
     assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=1).id.startswith("cmpl-")
 
-    def tagged(rows) -> list[dict]:
-        return [a for a in (json.loads(r[0]) for r in rows) if a.get("kvfleet.request.id") == rid]
-
-    rows = wait_for_rows(
-        cluster.log_dir / "telemetry.db",
-        "SELECT attributes FROM spans WHERE attributes LIKE ?",
-        (f'%"{rid}"%',),
-        until=lambda rows: bool(tagged(rows)),
-        what=f"the session span of request {rid}",
-        timeout=30,
-        interval=0.3,
-    )
-    assert tagged(rows)[0]["kvfleet.span"] == "session"
+    attrs = wait_for_session_span(cluster.log_dir / "telemetry.db", "kvfleet.request.id", rid)
+    assert attrs["gen_ai.request.model"] == MODEL

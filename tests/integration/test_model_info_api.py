@@ -20,7 +20,7 @@ from kvfleet_models.tokenizer import Tokenizer
 from tests.helpers.gateway import http
 from tests.helpers.models import SMOLLM2_FILE, needs_smollm2
 from tests.helpers.prometheus import samples, scrape
-from tests.helpers.telemetry_db import wait_for_rows
+from tests.helpers.telemetry_db import wait_for_session_span
 from tests.integration.inproc import InProcessCluster
 
 SMOLLM = SMOLLM2_FILE
@@ -241,7 +241,7 @@ def test_served_name_request_id_in_span_and_logs(tmp_path):
         assert client.model_info().model_id == "acme-llm"
         events = list(client.stream(build_request([1, 2, 3], 4, request_id=rid)))
         sid = events[0].session_id
-        attrs = _session_span_attrs(cluster.log_dir / "telemetry.db", sid)
+        attrs = wait_for_session_span(cluster.log_dir / "telemetry.db", "kvfleet.session.id", sid)
         # the gateway's /v1/models and the scheduler's metrics name the served model too (README)
         status, models, _ = http("GET", cluster.gateway_url + "/v1/models")
         assert status == 200 and [m["id"] for m in models["data"]] == ["acme-llm"], models
@@ -253,19 +253,3 @@ def test_served_name_request_id_in_span_and_logs(tmp_path):
     mine = [d for d in docs if d.get("request_id") == rid]
     assert mine, "no scheduler log line carries the request_id"
     assert any(d.get("session_id") == sid and "prompt tokens" in d["message"] for d in mine)
-
-
-def _session_span_attrs(db_path, session_id: str) -> dict:
-    def sessions(rows) -> list[dict]:
-        return [a for a in (json.loads(r[0]) for r in rows) if a.get("kvfleet.span") == "session"]
-
-    rows = wait_for_rows(
-        db_path,
-        "SELECT attributes FROM spans WHERE attributes LIKE ?",
-        (f'%"{session_id}"%',),
-        until=lambda rows: bool(sessions(rows)),
-        what=f"the session span of {session_id}",
-        timeout=30,
-        interval=0.3,
-    )
-    return sessions(rows)[0]
