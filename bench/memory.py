@@ -71,8 +71,9 @@ def idle_memory(
     model: str, modes: list[str], num_blocks: int, timeout_s: float = 300.0, settle_s: float = 1.0
 ) -> dict[str, IdleMemory]:
     """Start ``python -m worker_svc`` once per mode (keys of MODES), all at once (each reads
-    its own RSS; the loads share the cores), wait for each to serve, let it settle at idle,
-    read its memory, stop them. RuntimeError with the log of one that does not start."""
+    its own RSS; the loads share the cores), wait for each to serve, let them settle at idle
+    (settle_s, once all serve), read their memory, stop them. RuntimeError with the log of one
+    that does not start."""
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ValueError(f"modes must be among {sorted(MODES)}, got {bad}")
@@ -86,12 +87,13 @@ def idle_memory(
             stack.callback(_stop, proc)
             started[mode] = (proc, f"127.0.0.1:{port}", log)
         deadline = time.monotonic() + timeout_s
-        out = {}
         for mode, (proc, address, log) in started.items():
             _wait_serving(proc, address, log, deadline, mode)
-            time.sleep(settle_s)
-            out[mode] = replace(worker_memory(address, name=mode), start_line=_start_line(log))
-        return out
+        time.sleep(settle_s)  # all serving: each settles at idle meanwhile
+        return {
+            mode: replace(worker_memory(address, name=mode), start_line=_start_line(log))
+            for mode, (_, address, log) in started.items()
+        }
 
 
 def _start_line(log: IO[bytes]) -> str:

@@ -23,6 +23,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -263,12 +264,14 @@ class LocalCluster:
         self.started_at[name] = time.monotonic()
         return proc
 
-    def respawn(self, name: str) -> subprocess.Popen:
-        """Start a process again with its old arguments (so on its old address); does not wait."""
+    def respawn(self, name: str, extra_args: Sequence[str] = ()) -> subprocess.Popen:
+        """Start a process again with its old arguments (so on its old address), then
+        ``extra_args`` (a flag given again there wins: a worker restarted with another
+        --max-model-len, say); does not wait."""
         old = self.procs.get(name)
         if old is not None and old.poll() is None:
             raise RuntimeError(f"{name} is still running (pid {old.pid})")
-        return self._spawn(name, self.commands[name])
+        return self._spawn(name, [*self.commands[name], *extra_args])
 
     def start(self) -> "LocalCluster":
         s = self.spec
@@ -410,9 +413,9 @@ class LocalCluster:
         proc.kill()
         proc.wait()
 
-    def restart_worker(self, i: int) -> None:
-        """Start worker i again on its old address and wait until it is healthy."""
-        self.respawn(f"worker-{i}")
+    def restart_worker(self, i: int, extra_args: Sequence[str] = ()) -> None:
+        """Start worker i again on its old address (see ``respawn``) and wait until it is healthy."""
+        self.respawn(f"worker-{i}", extra_args)
         self._wait_healthy([self.worker_addresses[i]])
 
     def pid(self, name: str) -> int:

@@ -183,12 +183,13 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         sys.exit(f"scheduler: {exc}")
     from kvfleet_models.errors import ModelLoadError
+    from scheduler_svc.core.served_model import WorkersDisagree
     from scheduler_svc.server import serve
 
     exit_with_parent()
     try:
         asyncio.run(serve(config))
-    except ConnectionError as exc:
+    except (ConnectionError, WorkersDisagree) as exc:
         sys.exit(f"scheduler: {exc}")
     except ModelLoadError as exc:  # the model's tokenizer is there but unreadable
         sys.exit(f"scheduler: cannot load the model's tokenizer: {exc}")

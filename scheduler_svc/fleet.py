@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry.trace import Span
 
 from scheduler_svc.core import SchedulerCore, StepResult, StepStatus, TickPlan, WorkerSpec
+from scheduler_svc.core.served_model import ServedModel, returned_mismatch
 from scheduler_svc.experiments import ExperimentArm
 from scheduler_svc.observers import Observers
 from scheduler_svc.workers import WorkerCallFailed, WorkerClient, WorkerView
@@ -38,7 +39,10 @@ class WorkerFleet:
         core: SchedulerCore,
         observe: Observers,
         step_timeout_s: float,
+        model: ServedModel | None = None,
     ) -> None:
+        """model: the one the workers agreed on at startup (scheduler_svc.server); a worker that
+        comes back serving another is kept out (None: not compared)."""
         self._clients = {c.worker_id: c for c in clients}
         self._core = core  # read only
         self._observe = observe
@@ -48,6 +52,8 @@ class WorkerFleet:
         # blocks are free at once: the core owns them.
         self._pending_release: dict[str, list[str]] = {}
         self._rss_bytes: dict[str, tuple[int, int]] = {}  # each worker's (RSS, its own part), from its GetStats
+        self._model = model
+        self._refused_instances: set[str] = set()  # instances kept out, their refusal logged once
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self._clients.values()), return_exceptions=True)
@@ -154,13 +160,14 @@ class WorkerFleet:
 
     async def watch(
         self,
-        on_back: Callable[[WorkerSpec], None],
+        on_back: Callable[[WorkerSpec, int, int], None],
         health_interval_s: float,
         stats_interval_s: float,
         stopping: Callable[[], bool],
     ) -> None:
         """A worker marked dead is used again once it answers GetInfo, with fresh books (its
-        first step tells it to forget every session): `on_back` is told its spec. Live workers'
+        first step tells it to forget every session): `on_back` is told its spec, vocabulary size
+        and served context. One that comes back serving another model stays dead. Live workers'
         memory is read every stats_interval_s for ListWorkers."""
         interval = health_interval_s
         next_stats = 0.0
@@ -174,6 +181,8 @@ class WorkerFleet:
                     continue
                 if not await client.answers(timeout=min(interval, 2.0)):
                     continue
+                if self._another_model(client):
+                    continue
                 # Whatever it still holds is stale now (its sessions moved): it forgets it all
                 # at once, before it is used again, so that nothing waits on a next step there.
                 client.reset_pending = True
@@ -182,8 +191,19 @@ class WorkerFleet:
                 except WorkerCallFailed as exc:
                     log.warning("worker %s answers again but its reset failed: %s", worker_id, exc)
                     continue
-                on_back(client.spec())
+                assert client.info is not None  # answers() read it
+                on_back(client.spec(), client.info.model.vocab_size, client.info.model.max_position)
                 log.info("worker %s is back (instance %s)", worker_id, client.info.instance_id if client.info else "?")
+
+    def _another_model(self, client: WorkerClient) -> bool:
+        """Whether a worker that answers again serves another model than the fleet's."""
+        if self._model is None or client.info is None:
+            return False
+        why = returned_mismatch(client.worker_id, self._model, client.served_model())
+        if why and client.info.instance_id not in self._refused_instances:
+            self._refused_instances.add(client.info.instance_id)
+            log.error("%s", why)
+        return bool(why)
 
     async def _read_rss(self, worker_id: str) -> None:
         try:

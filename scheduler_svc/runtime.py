@@ -34,6 +34,7 @@ from scheduler_svc.core import (
     WorkerSpec,
     WorkloadPolicy,
 )
+from scheduler_svc.core.served_model import ServedModel
 from scheduler_svc.core.session import Phase
 from scheduler_svc.core.stats import TelemetrySnapshot, WorkloadStats
 from scheduler_svc.core.types import RejectReason
@@ -77,7 +78,10 @@ class SchedulerRuntime:
         config: RuntimeConfig = RuntimeConfig(),
         output: OutputProcessor | None = None,
         observers: Sequence[SessionObserver] = (),
+        served_model: ServedModel | None = None,
     ) -> None:
+        """served_model: the model the workers agreed on at startup, which a worker coming back
+        must serve to be used again (None, in tests of the loop alone: not compared)."""
         self._core = core
         # Without one (tests of the loop alone): no text, as for a model without a tokenizer.
         self._output = output if output is not None else OutputProcessor(lambda request: NoText(), lambda token: "")
@@ -85,7 +89,7 @@ class SchedulerRuntime:
         self._metrics = metrics
         # Every session and tick event goes to both through one interface.
         self._observe = Observers([spans, metrics, *observers])
-        self._fleet = WorkerFleet(clients, core, self._observe, config.step_timeout_s)
+        self._fleet = WorkerFleet(clients, core, self._observe, config.step_timeout_s, served_model)
         self._config = config
         self._arms = ExperimentArms()
         self._subscribers: dict[str, asyncio.Queue[SessionEvent]] = {}
@@ -555,9 +559,9 @@ class SchedulerRuntime:
     async def _flush_releases(self) -> None:
         await self._fleet.flush_releases()
 
-    def _worker_back(self, spec: WorkerSpec) -> None:
+    def _worker_back(self, spec: WorkerSpec, vocab_size: int, max_position: int) -> None:
         """A worker marked dead answers again and has forgotten every session: use it again."""
-        self._core.worker_recovered(spec)
+        self._core.worker_recovered(spec, vocab_size, max_position)
         self._wake.set()
 
 

@@ -14,6 +14,7 @@ from kvfleet.v1 import scheduler_pb2_grpc as spb_grpc
 from kvfleet_common import grpcutil
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core import SchedulerCore
+from scheduler_svc.core.served_model import WorkersDisagree, fleet_mismatch
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.output import OutputProcessor
 from scheduler_svc.prompts import PromptResolver
@@ -30,6 +31,15 @@ async def create_server(config: SchedulerConfig):
     core = SchedulerCore(config.limits)
     clients = [WorkerClient.open(a, config.tls, config.worker_secret, config.step_stream) for a in config.workers]
     infos = await asyncio.gather(*(c.wait_ready(config.worker_connect_timeout_s) for c in clients))
+    models = {f"{c.worker_id} at {c.address}": c.served_model() for c in clients}
+    mismatch = fleet_mismatch(models)
+    if mismatch:
+        raise WorkersDisagree(mismatch)
+    if len({m.name for m in models.values()}) > 1:
+        log.warning(
+            "the workers name their (equal) model differently: %s",
+            ", ".join(f"{w}: {m.name}" for w, m in models.items()),
+        )
     for client, info in zip(clients, infos):
         core.add_worker(client.spec(), info.model.vocab_size, info.model.max_position)
         log.info(
@@ -62,6 +72,7 @@ async def create_server(config: SchedulerConfig):
             overlap=config.overlap_scheduling,
         ),
         OutputProcessor(prompts.stream, prompts.token_text),
+        served_model=next(iter(models.values())),
     )
     servicer = SchedulerServicer(runtime, prompts, config.api_token, served, config.experiments)
     server = grpc.aio.server(options=grpcutil.SERVER_OPTIONS)

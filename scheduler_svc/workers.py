@@ -21,6 +21,7 @@ from kvfleet_common.security import TlsConfig, aio_channel, worker_secret_metada
 from kvfleet_common.tracing import inject_metadata
 from scheduler_svc import convert
 from scheduler_svc.core import DecodeWork, PrefillWork, StepResult, WorkerSpec
+from scheduler_svc.core.served_model import ServedModel
 from scheduler_svc.experiments import ExperimentArm
 from scheduler_svc.step_stream import StepStream
 from scheduler_svc.worker_errors import WorkerCallFailed
@@ -105,6 +106,24 @@ class WorkerClient:
             kv_bytes_per_token=i.kv_bytes_per_token,
             weight_bytes=i.weight_bytes,
             prefix_caching=i.prefix_caching,
+        )
+
+    def served_model(self) -> ServedModel:
+        """The model this worker said it serves, as the core compares workers' models."""
+        assert self.info is not None
+        m = self.info.model
+        return ServedModel(
+            name=m.name,
+            vocab_size=m.vocab_size,
+            hidden_size=m.hidden_size,
+            num_layers=m.num_layers,
+            num_heads=m.num_heads,
+            num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim,
+            intermediate_size=m.intermediate_size,
+            # a worker from before the field reports 0: its max_position was the model's
+            model_max_position=m.model_max_position or m.max_position,
+            eos_token_ids=tuple(sorted(m.eos_token_ids)),
         )
 
     async def fetch_info(self, timeout: float = 5.0) -> wpb.WorkerInfo:

@@ -65,6 +65,7 @@ class SchedulerCore:
         self.kv = KvReservations(limits.kv_budget_bytes, limits.cache_aware_routing)
         self.accounting = Accounting(limits.max_running)
         self._bounds = ModelBounds()
+        self._worker_bounds: dict[str, tuple[int, int]] = {}  # worker -> (vocab_size, max_position)
         self._sessions: dict[str, Session] = {}
         # The queue, the running sessions, the finishes asked for, the work still out, the KV:
         # what a tick is planned from (on a draft of it) and changes.
@@ -82,7 +83,15 @@ class SchedulerCore:
     def add_worker(self, spec: WorkerSpec, vocab_size: int, max_position: int) -> None:
         self._state.changed()
         self.kv.add(spec)
-        self._bounds = self._bounds.merged(vocab_size, max_position)
+        self._set_bounds(spec.worker_id, vocab_size, max_position)
+
+    def _set_bounds(self, worker_id: str, vocab_size: int, max_position: int) -> None:
+        """Admission takes the smallest of every worker's bounds (a session may go to any)."""
+        self._worker_bounds[worker_id] = (vocab_size, max_position)
+        bounds = ModelBounds()
+        for vocab, position in self._worker_bounds.values():
+            bounds = bounds.merged(vocab, position)
+        self._bounds = bounds
 
     def worker_failed(self, worker_id: str, why: str = "") -> TickOutcome:
         """Mark a worker dead and send its sessions back to the queue to be recomputed elsewhere
@@ -113,11 +122,14 @@ class SchedulerCore:
         out.requeued.append(session.session_id)
         self._state.requeue(session, out)
 
-    def worker_recovered(self, spec: WorkerSpec) -> None:
-        """A worker marked dead answers again (as `spec` says now): it is used with fresh books,
-        since it may have restarted; the adapter has told it to forget every session."""
+    def worker_recovered(self, spec: WorkerSpec, vocab_size: int, max_position: int) -> None:
+        """A worker marked dead answers again (as `spec` and its model's bounds say now): it is
+        used with fresh books, since it may have restarted; the adapter has told it to forget
+        every session. A restart with a shorter --max-model-len lowers the admission bound at
+        once; sessions already admitted beyond it are refused by the worker, with its reason."""
         self._state.changed()
         self.kv.add(spec)
+        self._set_bounds(spec.worker_id, vocab_size, max_position)
 
     # ---- admission -----------------------------------------------------------------------
 

@@ -43,3 +43,33 @@ def needs_smollm2(test):  # type: ignore[no-untyped-def]
     if SMOLLM2_FILE is None and os.environ.get("CI"):
         raise RuntimeError(f"SmolLM2-135M is missing under CI ({_WHY}); {INSTALL}")
     return pytest.mark.slow(pytest.mark.skipif(SMOLLM2_FILE is None, reason=INSTALL)(test))
+
+
+def write_small_hf_model(folder: Path, vocab_size: int = 64, num_layers: int = 2, seed: int = 1) -> Path:
+    """A Hugging Face model folder (config.json + model.safetensors) of another small Llama than
+    the tiny model (its vocabulary and depth by default), random weights, written without
+    transformers: a second model for the tests of workers that disagree."""
+    import dataclasses
+    import json
+
+    from safetensors.numpy import save_file
+
+    from kvfleet_models.config import tiny_config
+    from kvfleet_models.tiny import tiny_weights
+
+    cfg = dataclasses.replace(tiny_config(), vocab_size=vocab_size, num_layers=num_layers)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "max_position_embeddings": cfg.max_position,
+        "tie_word_embeddings": False,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({k: v for k, v in tiny_weights(cfg, seed=seed).items()}, str(folder / "model.safetensors"))
+    return folder

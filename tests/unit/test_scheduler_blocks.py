@@ -166,7 +166,7 @@ def test_a_worker_taken_back_starts_with_empty_books() -> None:
     _run(core, fake)
     assert core.workers.get("w0").tables.cached_prefix(SHARED + (1,)) == 12
     core.worker_failed("w0", "test")
-    core.worker_recovered(core.workers.get("w0").spec)  # it may have restarted: its KV is gone
+    core.worker_recovered(core.workers.get("w0").spec, 48, 512)  # it may have restarted: its KV is gone
     slot = core.workers.get("w0")
     assert slot.live and slot.tables.cached_prefix(SHARED + (1,)) == 0 and slot.reserved_tokens == 0
 

@@ -818,7 +818,7 @@ def test_random_workloads_keep_invariants(seed):
                 assert core.queue_depth == before
         for wid, back in list(down.items()):
             if it >= back:
-                core.worker_recovered(core.workers.get(wid).spec)
+                core.worker_recovered(core.workers.get(wid).spec, VOCAB, MAX_POSITION)
                 del down[wid]
         live = [s for s in accepted if core.session(s).phase != Phase.FINISHED]
         if live and rng.random() < 0.15:
