@@ -22,7 +22,7 @@ from kvfleet_common.security import TlsConfig
 from telemetry_svc.auth import AuthPolicy
 from telemetry_svc.retention import RetentionPolicy
 from telemetry_svc.server import MAX_EXPORT_BYTES, TelemetryConfig
-from tests.helpers.prometheus import scrape
+from tests.helpers.prometheus import scrape, value
 from tests.helpers.telemetry_server import RunningServer, export_request, health_status, otlp_export, raw_span
 
 TOKEN = "telemetry-s3cret"
@@ -234,6 +234,38 @@ def test_retention_runs_in_the_background_and_is_exported_as_metrics(tmp_path: A
         assert deleted in text
         assert "kvfleet:telemetry_store_max_bytes 6.7108864e+07" in text
         assert "kvfleet:telemetry_store_bytes " in text and "kvfleet:telemetry_spans_accepted_total 5.0" in text
+    finally:
+        srv.stop()
+
+
+def test_size_retention_deletes_the_oldest_artifacts_and_counts_them(tmp_path: Any) -> None:
+    """Artifacts alone past --max-db-mb: the service's retention deletes the oldest, and
+    kvfleet:telemetry_artifacts_deleted_total counts exactly those gone (README, "Artifact limits")."""
+    port = free_port()
+    policy = RetentionPolicy(max_age_s=3600, max_bytes=1 * 2**20, interval_s=0.2)
+    srv = RunningServer(_config(tmp_path, retention=policy, metrics_port=port))
+    try:
+        stub = telemetry_pb2_grpc.TelemetryStub(srv.channel)
+        recorded = [f"x{i:03d}" for i in range(200)]  # ~2 MB of 10 KB treatments, oldest first
+        for name in recorded:
+            kind = telemetry_pb2.ARTIFACT_KIND_TREATMENT
+            stub.RecordArtifact(telemetry_pb2.ArtifactRequest(experiment_id=name, kind=kind, value=name + "v" * 10_000),
+                                timeout=5)  # fmt: skip
+
+        def state() -> tuple[float, list[str], int]:
+            kept = sorted(e.experiment_id for e in srv.server.store.experiments())
+            deleted = value(scrape(port), "kvfleet:telemetry_artifacts_deleted_total")
+            return deleted, kept, srv.server.store.live_bytes()
+
+        # Retention runs every 0.2 s, also while the artifacts came: wait for a run after the last.
+        deadline = time.monotonic() + 20
+        deleted, kept, size = state()
+        while not (size <= policy.max_bytes and len(kept) == len(recorded) - deleted) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            deleted, kept, size = state()
+        assert size <= policy.max_bytes and deleted > 0, (size, deleted)
+        assert len(kept) == len(recorded) - deleted, (deleted, len(kept))
+        assert kept == recorded[-len(kept) :]  # the newest kept, the oldest gone first
     finally:
         srv.stop()
 

@@ -76,6 +76,17 @@ def test_telemetry_flags_default_to_telemetry_config() -> None:
     assert not config.tls.serves_tls
 
 
+def test_telemetry_http_port_0_turns_the_trace_api_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """README: `--http-port` (KVFLEET_TELEMETRY_HTTP_PORT) 0 = off, where a TelemetryConfig's 0
+    would take a free port: the entry point hands the service None for it."""
+    monkeypatch.delenv("KVFLEET_TELEMETRY_HTTP_PORT", raising=False)
+    assert telemetry_main.parse_args(["--http-port", "0"])[0].http_port is None
+    assert telemetry_main.parse_args(["--http-port", "16700"])[0].http_port == 16700
+    monkeypatch.setenv("KVFLEET_TELEMETRY_HTTP_PORT", "0")
+    assert telemetry_main.parse_args([])[0].http_port is None
+    assert telemetry_main.parse_args(["--http-port", "16701"])[0].http_port == 16701  # the flag wins
+
+
 # Deliberate differences of `kvfleet up` from ClusterSpec(), each with its reason.
 UP_DIFFERENCES = {
     # `kvfleet up` serves the scheduler on its own default port, where a ClusterSpec (a library
