@@ -164,17 +164,20 @@ class WorkerFleet:
         health_interval_s: float,
         stats_interval_s: float,
         stopping: Callable[[], bool],
+        on_lost: Callable[[str, str], None] = lambda worker_id, why: None,
     ) -> None:
         """A worker marked dead is used again once it answers GetInfo, with fresh books (its
         first step tells it to forget every session): `on_back` is told its spec, vocabulary size
         and served context. One that comes back serving another model stays dead. Live workers'
-        memory is read every stats_interval_s for ListWorkers."""
+        memory is read every stats_interval_s for ListWorkers; one that does not answer, or
+        answers as another instance (it restarted), is reported to `on_lost` with why."""
         interval = health_interval_s
         next_stats = 0.0
         while not stopping():
             if time.monotonic() >= next_stats:
                 next_stats = time.monotonic() + stats_interval_s
-                await asyncio.gather(*(self._read_rss(w) for w in self._clients if self._core.workers.get(w).live))
+                live = [w for w in self._clients if self._core.workers.get(w).live]
+                await asyncio.gather(*(self._check_live(w, on_lost) for w in live))
             await asyncio.sleep(interval)
             for worker_id, client in self._clients.items():
                 if self._core.workers.get(worker_id).live:
@@ -205,11 +208,21 @@ class WorkerFleet:
             log.error("%s", why)
         return bool(why)
 
-    async def _read_rss(self, worker_id: str) -> None:
+    async def _check_live(self, worker_id: str, on_lost: Callable[[str, str], None]) -> None:
+        """A live worker's memory (GetStats), and what no step may show: a worker that holds no
+        session gets none, so its death or restart would go unseen until one is placed there."""
+        client = self._clients[worker_id]
         try:
-            held = await self._clients[worker_id].held(timeout=self._step_timeout_s)
+            held = await client.held(timeout=self._step_timeout_s)
         except WorkerCallFailed as exc:
-            log.warning("could not read worker %s's stats: %s", worker_id, exc)
+            if exc.worker_unreachable:
+                on_lost(worker_id, f"it does not answer GetStats ({exc.code.name}: {exc.details})")
+            else:
+                log.warning("could not read worker %s's stats: %s", worker_id, exc)
+            return
+        known = client.info.instance_id if client.info is not None else ""
+        if held.instance_id and known and held.instance_id != known:
+            on_lost(worker_id, f"it restarted (instance {held.instance_id}, was {known})")
             return
         self._rss_bytes[worker_id] = (held.rss_bytes, held.private_bytes)
 

@@ -115,6 +115,7 @@ class SchedulerRuntime:
                     self._config.health_interval_s,
                     self._config.stats_interval_s,
                     lambda: self._stopping,
+                    self._worker_lost,
                 ),
                 name="worker-probe",
             ),
@@ -558,6 +559,19 @@ class SchedulerRuntime:
 
     async def _flush_releases(self) -> None:
         await self._fleet.flush_releases()
+
+    def _worker_lost(self, worker_id: str, why: str) -> None:
+        """A live worker found dead or restarted between steps: one that holds no session is
+        marked dead now (ListWorkers says so, nothing is placed there, and it is taken back as
+        any dead worker: reset, its model compared, its bounds read). One that holds sessions is
+        left to its next step, whose failure moves them."""
+        slot = self._core.workers.get(worker_id)
+        if not slot.live or slot.sessions:
+            return
+        log.warning("worker %s holds no session and %s: marked dead until it answers again", worker_id, why)
+        self._emit(self._core.worker_failed(worker_id, why))  # (nothing to move; emitted as any outcome)
+        self._observe.worker_failed(worker_id)
+        self._wake.set()
 
     def _worker_back(self, spec: WorkerSpec, vocab_size: int, max_position: int) -> None:
         """A worker marked dead answers again and has forgotten every session: use it again."""

@@ -38,6 +38,7 @@ class HeldSessions:
     free_blocks: int
     rss_bytes: int = 0  # the worker process's resident memory
     private_bytes: int = 0  # of which its own (RSS less shared library pages)
+    instance_id: str = ""  # the instance that answered ("" from a worker from before the field)
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,9 @@ class WorkerClient:
             s = await self.stub.GetStats(wpb.GetStatsRequest(), timeout=timeout, metadata=self.auth)
         except grpc.aio.AioRpcError as exc:
             raise WorkerCallFailed(self.address, exc.code(), exc.details() or "") from exc
-        return HeldSessions(s.active_sessions, s.used_blocks, s.free_blocks, s.rss_bytes, s.private_bytes)
+        return HeldSessions(
+            s.active_sessions, s.used_blocks, s.free_blocks, s.rss_bytes, s.private_bytes, s.instance_id
+        )
 
     async def close(self) -> None:
         for stream in (*self._retired, *([self._stream] if self._stream is not None else [])):

@@ -355,6 +355,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             prefix_cache_hits=s.prefix_cache_hits,
             rss_bytes=resident_bytes(),
             private_bytes=private_bytes(),
+            instance_id=self.instance_id,
         )
 
 

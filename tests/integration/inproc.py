@@ -81,10 +81,10 @@ class InProcessCluster:
 
         self._thread.start()
         # One load of the weights for every worker; each worker's engine (and KV cache) its own.
-        model = self.loaded_model or load_model(self.model)
+        self.loaded_model = self.loaded_model or load_model(self.model)
         for i in range(self.n_workers):
             cfg = replace(self.worker_config, worker_id=f"worker-{i}")
-            server, port, _ = self.run(create_worker(cfg, build_engine(cfg, model), self._executors[i]))
+            server, port, _ = self.run(create_worker(cfg, build_engine(cfg, self.loaded_model), self._executors[i]))
             self.worker_servers.append(server)
             self.worker_addresses.append(f"127.0.0.1:{port}")
         config = SchedulerConfig(
@@ -104,6 +104,35 @@ class InProcessCluster:
         _, port, self.scheduler = self.run(create_scheduler(config))
         self.address = f"127.0.0.1:{port}"
         return self
+
+    def wait_first_stats(self, timeout_s: float = 20.0) -> None:
+        """Until the scheduler's first reading of its workers' memory, made as it starts, is in:
+        the next comes stats_interval_s later, so a worker stopped now is found gone by its next
+        step, not by a reading (which marks an idle worker dead at once)."""
+        import time
+
+        from kvfleet.client import SchedulerClient
+
+        deadline = time.monotonic() + timeout_s
+        with SchedulerClient(self.address) as client:
+            while not all(w.rss_bytes for w in client.list_workers()):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the scheduler never read its workers' memory")
+                time.sleep(0.02)
+
+    def stop_worker(self, i: int) -> None:
+        """Worker i's server stops at once (a crash, as the scheduler sees it)."""
+        self.run(self.worker_servers[i].stop(0))
+
+    def start_worker(self, i: int) -> str:
+        """Worker i anew on its old port (a fresh engine: a restart); returns its instance id."""
+        from worker_svc.server import build_engine, start_worker
+
+        port = int(self.worker_addresses[i].rsplit(":", 1)[1])
+        cfg = replace(self.worker_config, worker_id=f"worker-{i}", port=port)
+        server, _, _, servicer = self.run(start_worker(cfg, build_engine(cfg, self.loaded_model), self._executors[i]))
+        self.worker_servers[i] = server
+        return servicer.instance_id
 
     def stop(self) -> None:
         if self.scheduler is not None:

@@ -104,8 +104,10 @@ def test_preemption_under_kv_pressure_keeps_tokens_exact():
 
 
 def test_with_no_live_worker_sessions_wait_bounded_then_unavailable():
-    with InProcessCluster(workers=1, step_timeout_s=2, no_worker_wait_s=1.0) as c, SchedulerClient(c.address) as client:
-        c.run(c.worker_servers[0].stop(0))
+    cluster = InProcessCluster(workers=1, step_timeout_s=2, no_worker_wait_s=1.0, stats_interval_s=3600)
+    with cluster as c, SchedulerClient(c.address) as client:
+        c.wait_first_stats()  # then the worker's death is found by the session's step
+        c.stop_worker(0)
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as info:
             client.generate(build_request([1, 2], 4), timeout=30)

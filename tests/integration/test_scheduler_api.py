@@ -141,8 +141,9 @@ def test_workload_policy_above_limit_is_invalid(small_cluster):
 
 def test_no_worker_is_unavailable():
     limits = SchedulerLimits()
-    with InProcessCluster(workers=1, limits=limits, step_timeout_s=2) as c:
-        c.run(c.worker_servers[0].stop(0))
+    with InProcessCluster(workers=1, limits=limits, step_timeout_s=2, stats_interval_s=3600) as c:
+        c.wait_first_stats()  # then the worker's death is found by the first session's step
+        c.stop_worker(0)
         with SchedulerClient(c.address) as client:
             # The first session finds the worker gone: the worker is marked dead, the session waits.
             fut = cf.ThreadPoolExecutor(1).submit(client.generate, build_request([1], 2), 3)

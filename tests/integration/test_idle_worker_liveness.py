@@ -1,0 +1,62 @@
+"""A worker that holds no session gets no step, so no failed step tells the scheduler that it
+died or restarted: the scheduler's periodic GetStats of its live workers does (every
+stats_interval_s). One that does not answer is marked dead at once (ListWorkers says so, nothing
+is placed there) and one that answers as another instance is taken back as a restarted worker is
+(reset, its model compared, its bounds read). In-process servers on loopback ports."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvfleet.client import SchedulerClient, build_request
+from tests.integration.inproc import InProcessCluster
+
+
+@pytest.fixture
+def cluster() -> Iterator[InProcessCluster]:
+    with InProcessCluster(workers=2, stats_interval_s=0.3) as c:
+        yield c
+
+
+def _wait_for(what: str, check, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while not (got := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return got
+
+
+def _live(client: SchedulerClient) -> dict[str, bool]:
+    return {w.worker_id: w.live for w in client.list_workers()}
+
+
+def test_an_idle_worker_that_stops_is_marked_dead_before_any_session_is_sent(cluster):
+    with SchedulerClient(cluster.address) as client:
+        assert _live(client) == {"worker-0": True, "worker-1": True}
+        cluster.stop_worker(1)
+        _wait_for("worker-1 marked dead", lambda: _live(client) == {"worker-0": True, "worker-1": False})
+        streams = [client.stream(build_request([k, 3, 5], 20, ignore_eos=True), timeout=30) for k in range(4)]
+        events = [list(s) for s in streams]
+        assert {e[0].worker_id for e in events} == {"worker-0"}
+        assert [sum(len(x.token_ids) for x in e) for e in events] == [20] * 4
+
+
+def test_an_idle_worker_that_restarts_is_taken_back_as_its_new_instance(cluster, caplog):
+    caplog.set_level(logging.INFO, logger="scheduler_svc")
+    with SchedulerClient(cluster.address) as client:
+        cluster.stop_worker(1)
+        new = cluster.start_worker(1)  # at once: the scheduler may see the new instance, or no answer first
+        back = f"worker worker-1 is back (instance {new})"
+        _wait_for("the new instance taken back", lambda: back in caplog.text)
+        lost = [r.getMessage() for r in caplog.records if "worker-1 holds no session" in r.getMessage()]
+        assert lost and ("it restarted (instance " in lost[0] or "it does not answer GetStats" in lost[0]), lost
+        assert _live(client) == {"worker-0": True, "worker-1": True}
+        # Served there again: the sessions spread over both.
+        streams = [client.stream(build_request([k, 2, 9], 20, ignore_eos=True), timeout=30) for k in range(6)]
+        events = [list(s) for s in streams]
+        assert {e[0].worker_id for e in events} == {"worker-0", "worker-1"}
+        assert [sum(len(x.token_ids) for x in e) for e in events] == [20] * 6
