@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvfleet.client import SchedulerClient, build_request
+from kvfleet.client import SchedulerClient
+from tests.helpers.placement import workload_placement
 from tests.integration.inproc import InProcessCluster
 
 
@@ -39,10 +40,7 @@ def test_an_idle_worker_that_stops_is_marked_dead_before_any_session_is_sent(clu
         assert _live(client) == {"worker-0": True, "worker-1": True}
         cluster.stop_worker(1)
         _wait_for("worker-1 marked dead", lambda: _live(client) == {"worker-0": True, "worker-1": False})
-        streams = [client.stream(build_request([k, 3, 5], 20, ignore_eos=True), timeout=30) for k in range(4)]
-        events = [list(s) for s in streams]
-        assert {e[0].worker_id for e in events} == {"worker-0"}
-        assert [sum(len(x.token_ids) for x in e) for e in events] == [20] * 4
+        assert workload_placement(client, [[k, 3, 5] for k in range(4)], 20) == ({"worker-0"}, [20] * 4)
 
 
 def test_an_idle_worker_that_restarts_is_taken_back_as_its_new_instance(cluster, caplog):
@@ -56,7 +54,4 @@ def test_an_idle_worker_that_restarts_is_taken_back_as_its_new_instance(cluster,
         assert lost and ("it restarted (instance " in lost[0] or "it does not answer GetStats" in lost[0]), lost
         assert _live(client) == {"worker-0": True, "worker-1": True}
         # Served there again: the sessions spread over both.
-        streams = [client.stream(build_request([k, 2, 9], 20, ignore_eos=True), timeout=30) for k in range(6)]
-        events = [list(s) for s in streams]
-        assert {e[0].worker_id for e in events} == {"worker-0", "worker-1"}
-        assert [sum(len(x.token_ids) for x in e) for e in events] == [20] * 6
+        assert workload_placement(client, [[k, 2, 9] for k in range(6)], 20) == ({"worker-0", "worker-1"}, [20] * 6)

@@ -21,6 +21,7 @@ from kvfleet.client import NO_RETRY, SchedulerClient, build_request
 from kvfleet.local_cluster import ClusterSpec, LocalCluster, free_port
 from tests.helpers.environment import clear_kvfleet_env
 from tests.helpers.models import write_small_hf_model
+from tests.helpers.placement import workload_placement
 
 LONG_PROMPT = [(5 * i + 1) % 48 for i in range(100)]  # fits the tiny model's 512, not 64
 
@@ -118,23 +119,16 @@ def test_a_worker_back_with_another_model_is_kept_out_until_it_serves_the_fleet_
         # The scheduler learns of the restart from a step there (refused: another instance), the
         # sessions sent together being spread over both workers; they are served all the same
         # (moved to worker-0), and worker-1 is probed until it answers.
-        streams = [client.stream(build_request([k, k + 1, 7], 100, ignore_eos=True), timeout=30) for k in range(6)]
-        assert [sum(len(e.token_ids) for e in s) for s in streams] == [100] * 6
+        assert workload_placement(client, [[k, k + 1, 7] for k in range(6)], 20) == ({"worker-0"}, [20] * 6)
         log = cluster.log_dir / "scheduler.log"
         _wait_for("the scheduler's refusal", lambda: "answers again but serves 'other-model'" in log.read_text())
         assert "not the fleet's 'tiny' (vocab_size 48 vs 64" in log.read_text()
         (back,) = [w for w in client.list_workers() if w.worker_id == "worker-1"]
         assert (back.live, back.model, back.vocab_size) == (False, "other-model", 64)
         # Every session goes to the fleet's model meanwhile.
-        streams = [client.stream(build_request([k, k + 1, 7], 6, ignore_eos=True), timeout=30) for k in range(4)]
-        events = [list(s) for s in streams]
-        assert {e[0].worker_id for e in events} == {"worker-0"}
-        assert [sum(len(x.token_ids) for x in e) for e in events] == [6] * 4
+        assert workload_placement(client, [[k, k + 1, 7] for k in range(4)], 6) == ({"worker-0"}, [6] * 4)
         # Restarted on the fleet's model (the later --model wins), it is taken back.
         cluster.kill_worker(1)
         cluster.restart_worker(1, ["--model", "tiny"])
         _wait_for("worker-1 back", lambda: all(w.live for w in client.list_workers()))
-        streams = [client.stream(build_request([k, 2, 9], 6, ignore_eos=True), timeout=30) for k in range(6)]
-        events = [list(s) for s in streams]
-        assert {e[0].worker_id for e in events} == {"worker-0", "worker-1"}
-        assert [sum(len(x.token_ids) for x in e) for e in events] == [6] * 6
+        assert workload_placement(client, [[k, 2, 9] for k in range(6)], 6) == ({"worker-0", "worker-1"}, [6] * 6)
