@@ -119,7 +119,8 @@ def engine_steps_per_s(model: str, c: int, new_tokens: int, threads: int) -> flo
     from worker_svc.local import LocalSteps
 
     cfg, weights = load_model(model)
-    engine = Engine(cfg, weights, EngineConfig(num_blocks=max(64, c * 4), num_threads=threads))
+    per_session = -(-(4 + new_tokens) // EngineConfig.block_size)  # a 4-token prompt and its tokens
+    engine = Engine(cfg, weights, EngineConfig(num_blocks=max(64, c * per_session), num_threads=threads))
     steps = LocalSteps(engine, prefix_caching=False)
     greedy = SamplingSpec()
     prompts = _prompts(c, cfg.vocab_size)
