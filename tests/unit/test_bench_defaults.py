@@ -36,3 +36,11 @@ def test_kv_views_default_is_the_workers(main: Callable[[list[str]], int]) -> No
     assert _parsed(main, []).kv_views == WorkerConfig.kv_views.value
     other = next(m.value for m in KVViewsMode if m is not WorkerConfig.kv_views)
     assert _parsed(main, ["--kv-views", other]).kv_views == other
+
+
+def test_control_plane_s_engine_alone_run_holds_long_generations() -> None:
+    """bench.control_plane's engine-alone figure for --new-tokens past 60 (its KV pool had four
+    blocks a session: OutOfBlocks)."""
+    from bench.control_plane import engine_steps_per_s
+
+    assert engine_steps_per_s("tiny", 4, 100, threads=1) > 0
