@@ -161,10 +161,10 @@ class WorkerFleet:
     async def watch(
         self,
         on_back: Callable[[WorkerSpec, int, int], None],
+        on_lost: Callable[[str, str], None],
         health_interval_s: float,
         stats_interval_s: float,
         stopping: Callable[[], bool],
-        on_lost: Callable[[str, str], None] = lambda worker_id, why: None,
     ) -> None:
         """A worker marked dead is used again once it answers GetInfo, with fresh books (its
         first step tells it to forget every session): `on_back` is told its spec, vocabulary size
@@ -196,7 +196,7 @@ class WorkerFleet:
                     continue
                 assert client.info is not None  # answers() read it
                 on_back(client.spec(), client.info.model.vocab_size, client.info.model.max_position)
-                log.info("worker %s is back (instance %s)", worker_id, client.info.instance_id if client.info else "?")
+                log.info("worker %s is back (instance %s)", worker_id, client.info.instance_id)
 
     def _another_model(self, client: WorkerClient) -> bool:
         """Whether a worker that answers again serves another model than the fleet's."""

@@ -112,10 +112,10 @@ class SchedulerRuntime:
             asyncio.create_task(
                 self._fleet.watch(
                     self._worker_back,
+                    self._worker_lost,
                     self._config.health_interval_s,
                     self._config.stats_interval_s,
                     lambda: self._stopping,
-                    self._worker_lost,
                 ),
                 name="worker-probe",
             ),

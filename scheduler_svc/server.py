@@ -34,6 +34,7 @@ async def create_server(config: SchedulerConfig):
     models = {f"{c.worker_id} at {c.address}": c.served_model() for c in clients}
     mismatch = fleet_mismatch(models)
     if mismatch:
+        await asyncio.gather(*(c.close() for c in clients))
         raise WorkersDisagree(mismatch)
     if len({m.name for m in models.values()}) > 1:
         log.warning(
