@@ -209,6 +209,24 @@ def _build_image(client: Any, tag: str, base: str, log_dir: Path) -> None:
     print(f"built {tag} on {base} in {time.monotonic() - started:.0f} s")
 
 
+def logs_dir() -> Path:
+    """Where the stacks' and the build's logs are kept (KVFLEET_E2E_LOGS)."""
+    log_dir = Path(os.environ.get("KVFLEET_E2E_LOGS", REPO / "out" / "e2e"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return log_dir
+
+
+def built_image() -> tuple[Any, str, str]:
+    """(docker client, image tag, base image): the image built once per test session."""
+    client = _docker_client()
+    image = os.environ.get("KVFLEET_IMAGE", "kvfleet:e2e")
+    base = _base_image(client)
+    if os.environ.get("KVFLEET_E2E_BUILD", "1") != "0" and image not in _BUILT:
+        _build_image(client, image, base, logs_dir())
+        _BUILT.add(image)
+    return client, image, base
+
+
 @contextlib.contextmanager
 def run_stack(
     project: str,
@@ -218,15 +236,8 @@ def run_stack(
 ) -> Iterator[Stack]:
     """Build the image (once per test session), bring a compose project up on free host ports,
     wait until every service is healthy, yield it; always tear it down and keep its logs."""
-    client = _docker_client()
-    log_dir = Path(os.environ.get("KVFLEET_E2E_LOGS", REPO / "out" / "e2e"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    image = os.environ.get("KVFLEET_IMAGE", "kvfleet:e2e")
-    base = _base_image(client)
-    if os.environ.get("KVFLEET_E2E_BUILD", "1") != "0" and image not in _BUILT:
-        _build_image(client, image, base, log_dir)
-        _BUILT.add(image)
-
+    client, image, base = built_image()
+    log_dir = logs_dir()
     model = model or os.environ.get("KVFLEET_E2E_MODEL", "smollm2-135m")
     sched_port, tel_port, gw_port, trace_port = free_port(), free_port(), free_port(), free_port()
     env = {
