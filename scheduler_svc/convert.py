@@ -275,12 +275,14 @@ def model_info_to_pb(
     eos_token_ids: Iterable[int],
     supports_tools: bool,
     version: str,
+    max_model_len: int,
 ) -> spb.ModelInfo:
-    """GetModelInfo: the served model as a worker reported it, with the scheduler's tokenizer."""
+    """GetModelInfo: the served model as a worker reported it, with the scheduler's tokenizer;
+    max_model_len: the context every worker serves (the admission bound)."""
     msg = spb.ModelInfo(
         model_id=model_id,
         architecture=ARCHITECTURE,
-        max_context_length=info.model.max_position,
+        max_context_length=max_model_len,
         vocab_size=info.model.vocab_size,
         eos_token_ids=sorted(eos_token_ids),
         dtype=info.dtype,
@@ -288,7 +290,7 @@ def model_info_to_pb(
         version=version,
         chat_template=bool(tokenizer is not None and tokenizer.chat_template),
         supports_tools=supports_tools,
-        max_model_len=info.model.max_position,
+        max_model_len=max_model_len,
         # a worker from before the field reports 0: its max_position was the model's
         model_max_position=info.model.model_max_position or info.model.max_position,
         kv_block_size=info.block_size,

@@ -289,6 +289,11 @@ class SchedulerRuntime:
         """The GetInfo answer of the served model's worker (see WorkerFleet.model_info)."""
         return self._fleet.model_info()
 
+    def served_context(self) -> int | None:
+        """The longest sequence every worker serves, which admission holds sessions to (workers'
+        --max-model-len may differ; one that came back with a shorter one lowers it)."""
+        return self._core.max_position
+
     # ---- the loop -------------------------------------------------------------------------
 
     async def _run(self) -> None:

@@ -240,15 +240,15 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
             )
         assert info is not None  # (abort raised)
         p = self._prompts
+        context = self._runtime.served_context() or info.model.max_position
         return convert.model_info_to_pb(
-            info, self._served_model, p.tokenizer, p.eos_token_ids, p.supports_tools, kvfleet_version()
+            info, self._served_model, p.tokenizer, p.eos_token_ids, p.supports_tools, kvfleet_version(), context
         )
 
     async def Tokenize(self, request, context):
         ids, tokens = await self._tokenizer_call(context, self._prompts.tokenize, request)
-        info = self._runtime.worker_info()
         return spb.TokenizeResponse(
-            token_ids=ids, tokens=tokens, max_context_length=info.model.max_position if info is not None else 0
+            token_ids=ids, tokens=tokens, max_context_length=self._runtime.served_context() or 0
         )
 
     async def Detokenize(self, request, context):

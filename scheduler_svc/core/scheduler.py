@@ -85,6 +85,12 @@ class SchedulerCore:
         self.kv.add(spec)
         self._set_bounds(spec.worker_id, vocab_size, max_position)
 
+    @property
+    def max_position(self) -> int | None:
+        """The longest sequence (prompt + generated) every worker serves: what admission allows
+        and what clients are told (None before any worker)."""
+        return self._bounds.max_position
+
     def _set_bounds(self, worker_id: str, vocab_size: int, max_position: int) -> None:
         """Admission takes the smallest of every worker's bounds (a session may go to any)."""
         self._worker_bounds[worker_id] = (vocab_size, max_position)

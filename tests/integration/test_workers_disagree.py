@@ -102,6 +102,27 @@ def test_a_worker_restarted_with_a_shorter_context_refuses_what_no_longer_fits(o
         assert len(client.generate(build_request([1, 2, 3], 8, ignore_eos=True), timeout=30).token_ids) == 8
 
 
+def test_clients_are_told_the_context_every_worker_serves(monkeypatch):
+    """GetModelInfo's max_model_len is what admission holds sessions to, the smallest of the
+    workers' (it was the first live worker's: 512 here while a prompt of 100 was refused)."""
+    clear_kvfleet_env(monkeypatch)
+    with (
+        LocalCluster(ClusterSpec(workers=2, model="tiny", telemetry=False)) as cluster,
+        SchedulerClient(cluster.scheduler_address, retry=NO_RETRY) as client,
+    ):
+        assert client.model_info().max_model_len == 512
+        cluster.kill_worker(1)
+        cluster.restart_worker(1, ["--max-model-len", "64"])
+        # Sessions spread over both find worker-1 restarted (moved, served); it is taken back.
+        assert workload_placement(client, [[k, 1, 2] for k in range(6)], 8)[1] == [8] * 6
+        _wait_for("worker-1 back", lambda: all(w.live for w in client.list_workers()))
+        info = client.model_info()
+        assert (info.max_model_len, info.max_context_length, info.model_max_position) == (64, 64, 512)
+        with pytest.raises(grpc.RpcError) as too_long:
+            client.generate(build_request(LONG_PROMPT, 8, ignore_eos=True), timeout=30)
+        assert "exceeds the model's context of 64 tokens" in too_long.value.details()
+
+
 def _wait_for(what: str, check, timeout_s: float = 30.0):
     deadline = time.monotonic() + timeout_s
     while not (got := check()):
