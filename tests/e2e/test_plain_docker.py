@@ -93,6 +93,17 @@ def _tls_env(name: str, client_auth: bool = False) -> dict[str, str]:
     return {**env, "KVFLEET_TLS_CLIENT_AUTH": "true"} if client_auth else env
 
 
+def _scheduler(
+    hosts: Hosts, name: str, ports: dict[str, int], env: dict[str, str], certs: Path | None = None
+) -> tuple[str, Any]:
+    """The control host's scheduler naming the workers at `ports` (KVFLEET_WORKERS), with the API
+    token and `env`; (its address, its container)."""
+    port = free_port()
+    workers = ",".join(f"127.0.0.1:{p}" for p in ports.values())
+    env = {"KVFLEET_WORKERS": workers, "KVFLEET_SCHEDULER_PORT": str(port), "KVFLEET_API_TOKEN": TOKEN, **env}
+    return f"127.0.0.1:{port}", hosts.run(name, "scheduler", env, certs)
+
+
 def _serving(address: str, tls: TlsConfig, token: str, containers: list[Any], timeout_s: float = 180.0) -> None:
     """Until the scheduler lists every worker live; a container that exits fails it with its log."""
     deadline = time.monotonic() + timeout_s
@@ -122,19 +133,8 @@ def test_workers_on_their_hosts_behind_a_scheduler_over_mutual_tls(hosts: Hosts,
                                   **_tls_env("worker", client_auth=True)}, certs / "worker")
         for wid, port in ports.items()
     ]  # fmt: skip
-    sched_port = free_port()
-    scheduler = hosts.run(
-        "scheduler",
-        "scheduler",
-        {
-            "KVFLEET_WORKERS": ",".join(f"127.0.0.1:{p}" for p in ports.values()),
-            "KVFLEET_SCHEDULER_PORT": str(sched_port),
-            "KVFLEET_API_TOKEN": TOKEN,
-            **_tls_env("scheduler"),
-        },
-        certs / "scheduler",
-    )
-    address, tls = f"127.0.0.1:{sched_port}", TlsConfig(ca=str(certs / "ca.pem"))
+    address, scheduler = _scheduler(hosts, "scheduler", ports, _tls_env("scheduler"), certs / "scheduler")
+    tls = TlsConfig(ca=str(certs / "ca.pem"))
     _serving(address, tls, TOKEN, [*workers, scheduler])
     with SchedulerClient(address, tls, token=TOKEN) as client:
         assert sorted(w.worker_id for w in client.list_workers()) == ["worker-a", "worker-b"]
@@ -160,18 +160,7 @@ def test_workers_on_their_hosts_share_the_scheduler_s_secret_and_one_with_neithe
         hosts.run(f"s-{wid}", "worker", {"KVFLEET_WORKER_ID": wid, "KVFLEET_WORKER_PORT": str(port), **secret})
         for wid, port in ports.items()
     ]
-    sched_port = free_port()
-    scheduler = hosts.run(
-        "s-scheduler",
-        "scheduler",
-        {
-            "KVFLEET_WORKERS": ",".join(f"127.0.0.1:{p}" for p in ports.values()),
-            "KVFLEET_SCHEDULER_PORT": str(sched_port),
-            "KVFLEET_API_TOKEN": TOKEN,
-            **secret,
-        },
-    )
-    address = f"127.0.0.1:{sched_port}"
+    address, scheduler = _scheduler(hosts, "s-scheduler", ports, secret)
     _serving(address, TlsConfig(), TOKEN, [*workers, scheduler])
     with SchedulerClient(address, TlsConfig(), token=TOKEN) as client:
         got = [client.generate(build_request([k, 5, 1], 8, ignore_eos=True)) for k in range(4)]

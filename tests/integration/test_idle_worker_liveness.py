@@ -7,13 +7,13 @@ is placed there) and one that answers as another instance is taken back as a res
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from kvfleet.client import SchedulerClient
 from tests.helpers.placement import workload_placement
+from tests.helpers.waiting import wait_for
 from tests.integration.inproc import InProcessCluster
 
 
@@ -21,14 +21,6 @@ from tests.integration.inproc import InProcessCluster
 def cluster() -> Iterator[InProcessCluster]:
     with InProcessCluster(workers=2, stats_interval_s=0.3) as c:
         yield c
-
-
-def _wait_for(what: str, check, timeout_s: float = 20.0):
-    deadline = time.monotonic() + timeout_s
-    while not (got := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return got
 
 
 def _live(client: SchedulerClient) -> dict[str, bool]:
@@ -39,7 +31,7 @@ def test_an_idle_worker_that_stops_is_marked_dead_before_any_session_is_sent(clu
     with SchedulerClient(cluster.address) as client:
         assert _live(client) == {"worker-0": True, "worker-1": True}
         cluster.stop_worker(1)
-        _wait_for("worker-1 marked dead", lambda: _live(client) == {"worker-0": True, "worker-1": False})
+        wait_for("worker-1 marked dead", lambda: _live(client) == {"worker-0": True, "worker-1": False})
         assert workload_placement(client, [[k, 3, 5] for k in range(4)], 20) == ({"worker-0"}, [20] * 4)
 
 
@@ -49,7 +41,7 @@ def test_an_idle_worker_that_restarts_is_taken_back_as_its_new_instance(cluster,
         cluster.stop_worker(1)
         new = cluster.start_worker(1)  # at once: the scheduler may see the new instance, or no answer first
         back = f"worker worker-1 is back (instance {new})"
-        _wait_for("the new instance taken back", lambda: back in caplog.text)
+        wait_for("the new instance taken back", lambda: back in caplog.text)
         lost = [r.getMessage() for r in caplog.records if "worker-1 holds no session" in r.getMessage()]
         assert lost and ("it restarted (instance " in lost[0] or "it does not answer GetStats" in lost[0]), lost
         assert _live(client) == {"worker-0": True, "worker-1": True}

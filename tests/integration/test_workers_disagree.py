@@ -22,6 +22,7 @@ from kvfleet.local_cluster import ClusterSpec, LocalCluster, free_port
 from tests.helpers.environment import clear_kvfleet_env
 from tests.helpers.models import write_small_hf_model
 from tests.helpers.placement import workload_placement
+from tests.helpers.waiting import wait_for
 
 LONG_PROMPT = [(5 * i + 1) % 48 for i in range(100)]  # fits the tiny model's 512, not 64
 
@@ -115,20 +116,12 @@ def test_clients_are_told_the_context_every_worker_serves(monkeypatch):
         cluster.restart_worker(1, ["--max-model-len", "64"])
         # Sessions spread over both find worker-1 restarted (moved, served); it is taken back.
         assert workload_placement(client, [[k, 1, 2] for k in range(6)], 8)[1] == [8] * 6
-        _wait_for("worker-1 back", lambda: all(w.live for w in client.list_workers()))
+        wait_for("worker-1 back", lambda: all(w.live for w in client.list_workers()))
         info = client.model_info()
         assert (info.max_model_len, info.max_context_length, info.model_max_position) == (64, 64, 512)
         with pytest.raises(grpc.RpcError) as too_long:
             client.generate(build_request(LONG_PROMPT, 8, ignore_eos=True), timeout=30)
         assert "exceeds the model's context of 64 tokens" in too_long.value.details()
-
-
-def _wait_for(what: str, check, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while not (got := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return got
 
 
 def test_a_worker_back_with_another_model_is_kept_out_until_it_serves_the_fleet_s(other_model, monkeypatch):
@@ -142,7 +135,7 @@ def test_a_worker_back_with_another_model_is_kept_out_until_it_serves_the_fleet_
         # (moved to worker-0), and worker-1 is probed until it answers.
         assert workload_placement(client, [[k, k + 1, 7] for k in range(6)], 20) == ({"worker-0"}, [20] * 6)
         log = cluster.log_dir / "scheduler.log"
-        _wait_for("the scheduler's refusal", lambda: "answers again but serves 'other-model'" in log.read_text())
+        wait_for("the scheduler's refusal", lambda: "answers again but serves 'other-model'" in log.read_text())
         assert "not the fleet's 'tiny' (vocab_size 48 vs 64" in log.read_text()
         (back,) = [w for w in client.list_workers() if w.worker_id == "worker-1"]
         assert (back.live, back.model, back.vocab_size) == (False, "other-model", 64)
@@ -151,5 +144,5 @@ def test_a_worker_back_with_another_model_is_kept_out_until_it_serves_the_fleet_
         # Restarted on the fleet's model (the later --model wins), it is taken back.
         cluster.kill_worker(1)
         cluster.restart_worker(1, ["--model", "tiny"])
-        _wait_for("worker-1 back", lambda: all(w.live for w in client.list_workers()))
+        wait_for("worker-1 back", lambda: all(w.live for w in client.list_workers()))
         assert workload_placement(client, [[k, 2, 9] for k in range(6)], 6) == ({"worker-0", "worker-1"}, [6] * 6)
