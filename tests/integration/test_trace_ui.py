@@ -120,6 +120,7 @@ class Served:
     telemetry: str  # its OTLP/gRPC address
     session_id: str
     trace: dict[str, Any]  # the request's trace as the Jaeger API answers it
+    scheduler: str  # the cluster's scheduler, for a request sent during a test
 
 
 def _settled_trace(url: str, session_id: str, timeout_s: float = 30) -> dict[str, Any]:
@@ -154,7 +155,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
                                  end_time_unix_nano=10**18 + 5_000, attributes=[_attr("note", "<b>not bold</b>")])  # fmt: skip
         _export(cluster.telemetry_address, "evil<script>", [hostile])
         yield Served(cluster.trace_api_url, cluster.telemetry_address, session,
-                     _settled_trace(cluster.trace_api_url, session))  # fmt: skip
+                     _settled_trace(cluster.trace_api_url, session), cluster.scheduler_address)  # fmt: skip
 
 
 # --- the browser ---------------------------------------------------------------------------------
@@ -269,6 +270,33 @@ def test_a_search_finds_the_request_and_its_waterfall_has_its_spans(served: Serv
     assert page.errors == []
 
 
+def test_a_search_by_duration_and_limit_finds_what_the_api_finds(served: Served, page: Page) -> None:
+    """README: the Traces page searches by durations and limit too. The experiment's service has
+    16 worker-step traces of about 0.1 ms and 12 generation walls of 3-3.5 ms."""
+    service = "kvfleet-worker-ui-experiment"
+
+    def search(**fields: str) -> list[str]:
+        page.open(served.url + "/#/traces?" + urllib.parse.urlencode({"service": service}))
+        for selector, value in fields.items():
+            page.page.fill(selector, value)
+        page.page.click("#search-button")
+        page.page.wait_for_function(
+            "() => location.hash.includes('search=1') && document.body.dataset.loaded === location.hash"
+        )
+        return sorted(r.get_attribute("data-trace-id") or "" for r in page.page.locator(".trace-row").all())
+
+    def found(**params: str) -> list[str]:
+        body = _get(f"{served.url}/api/traces?" + urllib.parse.urlencode({"service": service, **params}))
+        return sorted(t["traceID"] for t in body["data"])
+
+    long = search(**{"#search-min": "1ms", "#search-limit": "50"})
+    assert long == found(minDuration="1ms", limit="50") and len(long) == 12
+    short = search(**{"#search-max": "1ms", "#search-limit": "50"})
+    assert short == found(maxDuration="1ms", limit="50") and len(short) == 16
+    assert len(search(**{"#search-min": "1ms", "#search-limit": "5"})) == 5
+    assert page.errors == []
+
+
 def test_span_text_from_a_sender_stays_text(served: Served, page: Page) -> None:
     page.open(served.url + "/#/traces?" + urllib.parse.urlencode({"service": "evil<script>"}))
     page.page.wait_for_selector(".trace-row")
@@ -328,6 +356,16 @@ def test_the_experiment_page_shows_the_gate_and_decision_summary(served: Served,
     assert page.errors == []
 
 
+def test_the_experiment_summary_downloads_as_the_json_getsummary_answers(served: Served, page: Page) -> None:
+    page.open(served.url + f"/#/experiment/{EXP}")
+    with page.page.expect_download() as got:
+        page.page.click("#summary-download")
+    download = got.value
+    assert download.suggested_filename == f"{EXP}-summary.json"
+    assert json.loads(Path(download.path()).read_text()) == _get(f"{served.url}/api/experiments/{EXP}/summary")["data"]
+    assert page.errors == []
+
+
 # --- the scheduler -------------------------------------------------------------------------------
 
 
@@ -347,6 +385,37 @@ def test_the_scheduler_page_shows_the_latest_exported_ticks(served: Served, page
     assert page.page.locator("#no-live").count() == 0
     page.shot("scheduler")
     assert page.errors == []
+
+
+def test_the_scheduler_page_refreshes_itself_every_5_s(served: Served, page: Page) -> None:
+    """A tick exported after the page loaded shows up on it without a reload: the page's clock
+    (Playwright's) is moved 5 s on once the tick is in the store."""
+    from kvfleet.client import SchedulerClient, build_request
+
+    page.page.clock.install()
+    page.open(served.url + "/#/scheduler")
+    shown = page.page.locator("#latest-tick .card .v").first
+    before = int(shown.text_content() or 0)
+    with SchedulerClient(served.scheduler) as client:
+        client.generate(build_request([3, 1, 4], 4, ignore_eos=True))
+    deadline = time.monotonic() + 30
+    while _latest_tick(served.url) <= before:
+        assert time.monotonic() < deadline, "the request's ticks never reached the store"
+        time.sleep(0.2)
+    assert int(shown.text_content() or 0) == before  # nothing moves until the page's 5 s are up
+    page.page.clock.run_for(5_000)
+    page.page.wait_for_function(
+        "n => +document.querySelector('#latest-tick .card .v').textContent > n", arg=before, timeout=15_000
+    )
+    assert int(shown.text_content() or 0) == _latest_tick(served.url)
+    assert page.errors == []
+
+
+def _latest_tick(url: str) -> int:
+    body = _get(f"{url}/api/traces?service=kvfleet-scheduler&operation=tick&limit=40")
+    ticks = [s for t in body["data"] for s in t["spans"] if s["operationName"] == "tick"]
+    latest = max(ticks, key=lambda s: s["startTime"])
+    return int(next(t["value"] for t in latest["tags"] if t["key"] == "kvfleet.tick"))
 
 
 # --- reads guarded as the API's are --------------------------------------------------------------
