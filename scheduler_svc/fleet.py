@@ -170,33 +170,46 @@ class WorkerFleet:
         first step tells it to forget every session): `on_back` is told its spec, vocabulary size
         and served context. One that comes back serving another model stays dead. Live workers'
         memory is read every stats_interval_s for ListWorkers; one that does not answer, or
-        answers as another instance (it restarted), is reported to `on_lost` with why."""
+        answers as another instance (it restarted), is reported to `on_lost` with why. Each
+        worker's read runs apart, from the others' and from the probes: a hung worker holds its
+        own read up to the step timeout, and nothing else waits for it."""
         interval = health_interval_s
         next_stats = 0.0
-        while not stopping():
-            if time.monotonic() >= next_stats:
-                next_stats = time.monotonic() + stats_interval_s
-                live = [w for w in self._clients if self._core.workers.get(w).live]
-                await asyncio.gather(*(self._check_live(w, on_lost) for w in live))
-            await asyncio.sleep(interval)
-            for worker_id, client in self._clients.items():
-                if self._core.workers.get(worker_id).live:
-                    continue
-                if not await client.answers(timeout=min(interval, 2.0)):
-                    continue
-                if self._another_model(client):
-                    continue
-                # Whatever it still holds is stale now (its sessions moved): it forgets it all
-                # at once, before it is used again, so that nothing waits on a next step there.
-                client.reset_pending = True
-                try:
-                    await client.step((), (), (), None, None, self._step_timeout_s)
-                except WorkerCallFailed as exc:
-                    log.warning("worker %s answers again but its reset failed: %s", worker_id, exc)
-                    continue
-                assert client.info is not None  # answers() read it
-                on_back(client.spec(), client.info.model.vocab_size, client.info.model.max_position)
-                log.info("worker %s is back (instance %s)", worker_id, client.info.instance_id)
+        reads: dict[str, asyncio.Task[None]] = {}
+        try:
+            while not stopping():
+                if time.monotonic() >= next_stats:
+                    next_stats = time.monotonic() + stats_interval_s
+                    for w in self._clients:
+                        if self._core.workers.get(w).live and (w not in reads or reads[w].done()):
+                            reads[w] = asyncio.ensure_future(self._check_live(w, on_lost))
+                await asyncio.sleep(interval)
+                await self._probe_dead(on_back, interval)
+        finally:
+            for read in reads.values():
+                read.cancel()
+
+    async def _probe_dead(self, on_back: Callable[[WorkerSpec, int, int], None], interval: float) -> None:
+        """Each dead worker that answers GetInfo, serves the fleet's model and takes its reset is
+        handed to `on_back`."""
+        for worker_id, client in self._clients.items():
+            if self._core.workers.get(worker_id).live:
+                continue
+            if not await client.answers(timeout=min(interval, 2.0)):
+                continue
+            if self._another_model(client):
+                continue
+            # Whatever it still holds is stale now (its sessions moved): it forgets it all
+            # at once, before it is used again, so that nothing waits on a next step there.
+            client.reset_pending = True
+            try:
+                await client.step((), (), (), None, None, self._step_timeout_s)
+            except WorkerCallFailed as exc:
+                log.warning("worker %s answers again but its reset failed: %s", worker_id, exc)
+                continue
+            assert client.info is not None  # answers() read it
+            on_back(client.spec(), client.info.model.vocab_size, client.info.model.max_position)
+            log.info("worker %s is back (instance %s)", worker_id, client.info.instance_id)
 
     def _another_model(self, client: WorkerClient) -> bool:
         """Whether a worker that answers again serves another model than the fleet's."""
@@ -212,19 +225,32 @@ class WorkerFleet:
         """A live worker's memory (GetStats), and what no step may show: a worker that holds no
         session gets none, so its death or restart would go unseen until one is placed there."""
         client = self._clients[worker_id]
+        known = client.info.instance_id if client.info is not None else ""
         try:
             held = await client.held(timeout=self._step_timeout_s)
         except WorkerCallFailed as exc:
+            if self._read_is_stale(worker_id, known):
+                return
             if exc.worker_unreachable:
                 on_lost(worker_id, f"it does not answer GetStats ({exc.code.name}: {exc.details})")
             else:
                 log.warning("could not read worker %s's stats: %s", worker_id, exc)
             return
-        known = client.info.instance_id if client.info is not None else ""
+        except Exception:  # a bug: this read is lost, the next one is taken
+            log.exception("reading worker %s's stats failed", worker_id)
+            return
+        if self._read_is_stale(worker_id, known):
+            return
         if held.instance_id and known and held.instance_id != known:
             on_lost(worker_id, f"it restarted (instance {held.instance_id}, was {known})")
             return
         self._rss_bytes[worker_id] = (held.rss_bytes, held.private_bytes)
+
+    def _read_is_stale(self, worker_id: str, known: str) -> bool:
+        """Whether the worker was marked dead, or taken back as another instance, while its read
+        was out (the reads run apart from the steps and the probes): what it said is old news."""
+        info = self._clients[worker_id].info
+        return (info.instance_id if info is not None else "") != known or not self._core.workers.get(worker_id).live
 
     # ---- views ---------------------------------------------------------------------------------------
 

@@ -120,6 +120,13 @@ class InProcessCluster:
                     raise TimeoutError("the scheduler never read its workers' memory")
                 time.sleep(0.02)
 
+    def hold_worker(self, i: int) -> threading.Event:
+        """Worker i's compute thread kept busy until the returned event is set: its steps and its
+        stats reads wait meanwhile, as a hung worker's would."""
+        release = threading.Event()
+        self._executors[i].submit(release.wait)
+        return release
+
     def stop_worker(self, i: int) -> None:
         """Worker i's server stops at once (a crash, as the scheduler sees it)."""
         self.run(self.worker_servers[i].stop(0))

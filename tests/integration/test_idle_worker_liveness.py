@@ -47,3 +47,22 @@ def test_an_idle_worker_that_restarts_is_taken_back_as_its_new_instance(cluster,
         assert _live(client) == {"worker-0": True, "worker-1": True}
         # Served there again: the sessions spread over both.
         assert workload_placement(client, [[k, 2, 9] for k in range(6)], 20) == ({"worker-0", "worker-1"}, [20] * 6)
+
+
+def test_a_hung_worker_does_not_hold_up_taking_back_another(caplog):
+    """Each worker's stats read runs apart, from the others' and from the probes of dead workers:
+    while worker-1 hangs (its read waits for the step timeout, a minute here), worker-0's death is
+    still found and, restarted, it is taken back."""
+    caplog.set_level(logging.INFO, logger="scheduler_svc")
+    with (
+        InProcessCluster(workers=2, stats_interval_s=0.3, step_timeout_s=60) as c,
+        SchedulerClient(c.address) as client,
+    ):
+        release = c.hold_worker(1)
+        try:
+            c.stop_worker(0)
+            wait_for("worker-0 marked dead", lambda: not _live(client)["worker-0"])
+            new = c.start_worker(0)
+            wait_for("worker-0 taken back", lambda: f"worker worker-0 is back (instance {new})" in caplog.text)
+        finally:
+            release.set()
