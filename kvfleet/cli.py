@@ -488,18 +488,17 @@ def cmd_telemetry(a: argparse.Namespace) -> int:
 
 
 def cmd_workers(a: argparse.Namespace) -> int:
-    from google.protobuf.json_format import MessageToDict
-
     from kvfleet.client import SchedulerClient
+    from kvfleet.proto_json import message_dict
     from worker_svc.memory import RSS_HEADROOM_BYTES
 
     with SchedulerClient(a.scheduler) as client:
         for w in client.list_workers():
-            row = MessageToDict(w, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+            row = message_dict(w)
             # Issue 25's idle bound beside the RSS and the worker's own part of it (private_bytes),
             # which the bound holds: weights in their format + KV pool + headroom.
             pool = w.kv_bytes_per_token * w.kv_capacity_tokens
-            row.update(kv_pool_bytes=str(pool), rss_bound_bytes=str(w.weight_bytes + pool + RSS_HEADROOM_BYTES))
+            row.update(kv_pool_bytes=pool, rss_bound_bytes=w.weight_bytes + pool + RSS_HEADROOM_BYTES)
             print(json.dumps(row))
     return 0
 

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
-from google.protobuf.json_format import MessageToDict
 
 from kvfleet.client import SchedulerClient
 from kvfleet.progress import Progress
+from kvfleet.proto_json import message_dict
 from kvfleet.v1 import scheduler_pb2 as spb
 
 # The smallest concurrency reaching this share of the best tokens_per_tick is the saturation point.
@@ -108,17 +107,8 @@ def saturation(rows: list[dict]) -> int:
 
 
 def snapshot_dict(snap: spb.TelemetrySnapshot) -> dict:
-    d = MessageToDict(snap, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-    # JSON numbers, not the strings protobuf uses for 64-bit integers.
-    out: dict[str, Any] = {}
-    for k, v in sorted(d.items()):
-        if k == "rejected_by_reason":
-            out[k] = {r: int(n) for r, n in v.items()}
-        elif isinstance(v, str):
-            out[k] = int(v)
-        else:
-            out[k] = v
-    return out
+    """The snapshot's fields in name order, its 64-bit counts as JSON numbers."""
+    return dict(sorted(message_dict(snap).items()))
 
 
 def run_sweep(client: SchedulerClient, spec: SweepSpec, progress: Progress | None = None) -> dict:

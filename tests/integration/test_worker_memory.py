@@ -33,11 +33,13 @@ def test_resident_memory_is_reported_by_the_worker_and_the_scheduler(capsys: pyt
         # `kvfleet workers` prints it beside issue 25's bound.
         cli_main(["workers", "--scheduler", cluster.scheduler_address])
     (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    pool = int(row["kv_bytes_per_token"]) * int(row["kv_capacity_tokens"])
-    assert int(row["kv_pool_bytes"]) == pool > 0
-    assert int(row["rss_bound_bytes"]) == int(row["weight_bytes"]) + pool + RSS_HEADROOM_BYTES
-    assert 0 < int(row["rss_bytes"]) <= int(row["rss_bound_bytes"]), row
-    assert 0 < int(row["private_bytes"]) <= int(row["rss_bytes"]), row  # its own part, which the bound holds
+    sizes = ("kv_bytes_per_token", "kv_capacity_tokens", "kv_pool_bytes", "rss_bound_bytes", "weight_bytes")
+    assert all(type(row[k]) is int for k in (*sizes, "rss_bytes", "private_bytes")), row  # JSON numbers
+    pool = row["kv_bytes_per_token"] * row["kv_capacity_tokens"]
+    assert row["kv_pool_bytes"] == pool > 0
+    assert row["rss_bound_bytes"] == row["weight_bytes"] + pool + RSS_HEADROOM_BYTES
+    assert 0 < row["rss_bytes"] <= row["rss_bound_bytes"], row
+    assert 0 < row["private_bytes"] <= row["rss_bytes"], row  # its own part, which the bound holds
 
 
 def _logits(model: LlamaModel, threads: int) -> np.ndarray:
