@@ -58,3 +58,18 @@ def test_missing_store_session_or_trace_say_what_is_wrong(tmp_path: Path) -> Non
         trace_of_session(db, "s-y")
     with pytest.raises(ValueError, match="no trace"):
         spans_of(db, "c" * 32)
+
+
+def test_spans_that_start_together_are_listed_longest_first_then_by_name() -> None:
+    """A worker step's phase spans all start with it (each its phase's total): the same order
+    every time, however the store returns them."""
+    ms = 1_000_000
+    phases = [("kv_write", 1), ("post_step_sync", 1), ("attention", 3), ("kv_view_prepare", 2)]
+    step = SpanRecord(T1, "1" * 16, "", "worker_step", "kvfleet-worker", 0, 4 * ms)
+    spans = [step] + [
+        SpanRecord(T1, f"{i + 2:016x}", "1" * 16, name, "kvfleet-worker", 0, n * ms)
+        for i, (name, n) in enumerate(phases)
+    ]
+    for order in (spans, spans[::-1]):
+        names = [ln.split(" (")[0].strip() for ln in waterfall(order).splitlines()[1:]]
+        assert names == ["worker_step", "attention", "kv_view_prepare", "kv_write", "post_step_sync"]
