@@ -64,9 +64,9 @@ def spans_of(db: Path, trace_id: str) -> list[SpanRecord]:
 
 
 def waterfall(spans: list[SpanRecord]) -> str:
-    """Each span under its parent (in start order; of spans that start together, the longest
-    first, then by name: a step's phase spans all start with it), with its duration and a bar on
-    the trace's timeline; a span whose parent is not in the trace is shown at the top level."""
+    """Each span under its parent (in start order; spans that start together, as a step's phase
+    spans all do, by name, as the trace UI lists them), with its duration and a bar on the
+    trace's timeline; a span whose parent is not in the trace is shown at the top level."""
     ids = {s.span_id for s in spans}
     children: dict[str, list[SpanRecord]] = {}
     for s in spans:
@@ -76,7 +76,7 @@ def waterfall(spans: list[SpanRecord]) -> str:
     lines = [f"trace {spans[0].trace_id}: {len(spans)} spans, {total / 1e6:.2f} ms"]
 
     def walk(parent: str, depth: int) -> None:
-        for s in sorted(children.get(parent, []), key=lambda s: (s.start_ns, -s.end_ns, s.name)):
+        for s in sorted(children.get(parent, []), key=lambda s: (s.start_ns, s.name)):
             a = int((s.start_ns - t0) / total * BAR)
             b = max(int((s.end_ns - t0) / total * BAR), a + 1)
             bar = " " * a + "#" * (b - a) + " " * (BAR - b)
