@@ -228,6 +228,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             # it could otherwise block the loop first, and the scheduler would plan the tick
             # after that one a step late, the engine idle meanwhile.
             await asyncio.sleep(0)
+        if not call.prefill and not call.decode:
+            # Only a reset or releases (the scheduler frees finished sessions so when idle): no
+            # model work to show, and no tick to hang under: written, each was a trace of its own.
+            return convert.step_to_pb(out, step_ns, call.result_columns)
         kv_views = call.kv_views or self._config.kv_views
         attrs: dict[str, str | int] = {
             "kvfleet.worker.id": self._config.worker_id,

@@ -208,6 +208,32 @@ def test_the_trace_context_travels_with_each_streamed_step(monkeypatch: pytest.M
     assert {(p.trace_id, p.span_id) for p in parents} == {(tick.trace_id, tick.span_id)}
 
 
+def test_a_step_of_only_releases_or_a_reset_writes_no_spans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler frees finished sessions with a step of releases alone when it is idle, and
+    takes a worker back with a step that only resets: no model work, no tick to hang under. Their
+    spans were a five-span trace of their own per request (half of `kvfleet traces`' list)."""
+    written: list[int] = []
+    emit = worker_server.emit_step_spans
+
+    def record(parent, start_ns, profile, layers, attrs):  # type: ignore[no-untyped-def]
+        written.append(int(attrs["kvfleet.step.prefill_items"]) + int(attrs["kvfleet.step.decode_items"]))
+        return emit(parent, start_ns, profile, layers, attrs)
+
+    monkeypatch.setattr(worker_server, "emit_step_spans", record)
+
+    async def main() -> None:
+        async with _connected() as (client, _):
+            out = await client.step([_prefill("0", PROMPTS[0])], [], [], None, None, 10)
+            assert out["0"].status.name == "OK"
+            assert await client.step([], [], ["0"], None, None, 10) == {}  # releases alone
+            client.reset_pending = True
+            assert await client.step([], [], [], None, None, 10) == {}  # a reset alone
+            await client.step([_prefill("1", PROMPTS[1])], [], [], None, None, 10)
+
+    asyncio.run(main())
+    assert written == [1, 1]  # the two steps with an item each, and nothing for the other two
+
+
 def test_a_step_past_its_deadline_cancels_the_stream_and_the_steps_behind_it_never_run() -> None:
     hold = Hold()
 
