@@ -685,7 +685,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except grpc.RpcError as exc:
-        print(f"kvfleet: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        code, details = exc.code(), exc.details()  # type: ignore[attr-defined]
+        timeout = getattr(args, "timeout", None)
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
+            # gRPC's own words ("Deadline Exceeded", "Stream removed") do not name the flag.
+            details = f"no complete answer within --timeout {timeout:g} s ({details})"
+        print(f"kvfleet: {code.name}: {details}", file=sys.stderr)
         return 2
     except (RuntimeError, TimeoutError, ValueError) as exc:
         print(f"kvfleet: {exc}", file=sys.stderr)
