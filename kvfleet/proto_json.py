@@ -35,9 +35,15 @@ def _value(field: FieldDescriptor, value: Any) -> Any:
     if kind is not None and kind.GetOptions().map_entry:
         entry = kind.fields_by_name["value"]
         return {k: _one(entry, v) for k, v in value.items()}
-    if field.is_repeated:
+    if _repeated(field):
         return [_one(field, v) for v in value]
     return _one(field, value)
+
+
+def _repeated(field: FieldDescriptor) -> bool:
+    # `is_repeated` is protobuf 6's; older releases (the pin allows 5) have only `label`.
+    flag = getattr(field, "is_repeated", None)
+    return bool(flag) if flag is not None else field.label == FieldDescriptor.LABEL_REPEATED
 
 
 def _one(field: FieldDescriptor, value: Any) -> Any:
