@@ -690,6 +690,10 @@ def main(argv: list[str] | None = None) -> int:
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
             # gRPC's own words ("Deadline Exceeded", "Stream removed") do not name the flag.
             details = f"no complete answer within --timeout {timeout:g} s ({details})"
+        elif code == grpc.StatusCode.UNAVAILABLE and str(details).startswith("failed to connect"):
+            # Nothing listens there (gRPC's words for it); a scheduler that answers is not so.
+            where = getattr(args, "scheduler", None)
+            details = f"{details} (is a scheduler running at {where}? `kvfleet up` starts one)"
         print(f"kvfleet: {code.name}: {details}", file=sys.stderr)
         return 2
     except (RuntimeError, TimeoutError, ValueError) as exc:
