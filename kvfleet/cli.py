@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -680,10 +681,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@contextlib.contextmanager
+def _client_retries_said() -> Iterator[None]:
+    """While a command runs, the client library's retry lines (kvfleet.client logs one per retry
+    of an unreachable scheduler) on stderr, as the CLI's other lines are written (not through
+    the root logger's handlers, or Python's bare last-resort one). `up` sets up logging its own way."""
+    client_log = logging.getLogger("kvfleet.client")
+    handler, propagate = _StderrLines(), client_log.propagate
+    client_log.addHandler(handler)
+    client_log.propagate = False
+    try:
+        yield
+    finally:
+        client_log.removeHandler(handler)
+        client_log.propagate = propagate
+
+
+class _StderrLines(logging.Handler):
+    """`kvfleet: <message>` on whatever sys.stderr is when the line is written."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"kvfleet: {record.getMessage()}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        with _client_retries_said() if args.fn is not cmd_up else contextlib.nullcontext():
+            return args.fn(args)
     except grpc.RpcError as exc:
         code, details = exc.code(), exc.details()  # type: ignore[attr-defined]
         timeout = getattr(args, "timeout", None)

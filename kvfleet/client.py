@@ -14,6 +14,7 @@ and so is an UNAVAILABLE before any event from one that is up (its own refusal, 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from kvfleet.v1 import scheduler_pb2 as spb
 from kvfleet.v1 import scheduler_pb2_grpc as spb_grpc
 from kvfleet_common import grpcutil
 from kvfleet_common.security import TlsConfig, channel, token_metadata
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -221,7 +224,17 @@ class SchedulerClient:
                 failures += 1
                 if not self._should_retry(exc, request, started, failures, deadline):
                     raise
-                self._sleep(self.retry.backoff_s(failures))
+                wait = self.retry.backoff_s(failures)
+                # Said as it happens (the CLI shows it on stderr): the attempts can take 15 s in all.
+                log.warning(
+                    "the scheduler at %s is unreachable (%s); trying again in %g s (attempt %d of %d)",
+                    self.address,
+                    exc.code().name,  # type: ignore[attr-defined]
+                    wait,
+                    failures + 1,
+                    self.retry.attempts,
+                )
+                self._sleep(wait)
                 self.retries += 1
             finally:
                 call.cancel()  # a no-op once it ended; frees the session if the caller stopped early
