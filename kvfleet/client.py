@@ -225,7 +225,7 @@ class SchedulerClient:
                 if not self._should_retry(exc, request, started, failures, deadline):
                     raise
                 wait = self.retry.backoff_s(failures)
-                # Said as it happens (the CLI shows it on stderr): the attempts can take 15 s in all.
+                # Said as it happens (the CLI shows it on stderr): by default the attempts take about 16 s.
                 log.warning(
                     "the scheduler at %s is unreachable (%s); trying again in %g s (attempt %d of %d)",
                     self.address,

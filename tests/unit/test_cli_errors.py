@@ -21,7 +21,7 @@ def test_no_scheduler_at_the_address_is_said_with_how_to_start_one(
 
 
 def test_each_retry_of_an_unreachable_scheduler_is_said_as_it_happens(caplog: pytest.LogCaptureFixture) -> None:
-    """The client's retries of a scheduler that does not answer take up to 15 s by default: each
+    """The client's retries of a scheduler that does not answer take about 16 s by default: each
     is logged (the CLI shows it on stderr) with where, why, the wait and the attempt."""
     import grpc
 
