@@ -124,10 +124,11 @@ def run_sweep(client: SchedulerClient, spec: SweepSpec, progress: Progress | Non
     prompts = make_prompts(spec, cfg.vocab_size)
     progress(f"reference outputs from the numpy model ({model_name})")
     reference = reference_outputs(model_name, prompts, spec.max_new_tokens)
-    rows, exact, snapshot = [], True, None
+    rows, exact, snapshot, overlapped = [], True, None, False
     for c in spec.concurrency:
         outputs, stats, snap = run_one(client, spec, prompts, c)
         exact = exact and outputs == reference
+        overlapped = overlapped or stats.overlapped
         rows.append(result_row(c, stats))
         progress.advance(message=f"concurrency {c}: {stats.ticks} ticks, {stats.tokens_per_tick:.2f} tokens/tick")
         if snap is not None:
@@ -136,6 +137,9 @@ def run_sweep(client: SchedulerClient, spec: SweepSpec, progress: Progress | Non
         "concurrency_sweep": {
             "corruption_free": exact,
             "reference_outputs": {f"s{i}": out for i, out in enumerate(reference)},
+            # Ticks planned ahead (a scheduler with --overlap-scheduling): the same tokens, other
+            # tick counts than the reference's one tick at a time.
+            "overlap_scheduling": overlapped,
             "results": rows,
             "saturation_concurrency": saturation(rows),
             "schema_version": 1,
@@ -203,4 +207,9 @@ def format_table(doc: dict) -> str:
     lines.append(
         f"corruption_free: {sweep['corruption_free']}   saturation_concurrency: {sweep['saturation_concurrency']}"
     )
+    if sweep.get("overlap_scheduling"):
+        lines.append(
+            "note: this scheduler overlaps its ticks (--overlap-scheduling): the tokens are those of one tick "
+            "at a time, the tick figures are not the reference's (a sweep's own cluster runs with it off)"
+        )
     return "\n".join(lines)

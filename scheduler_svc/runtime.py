@@ -289,6 +289,11 @@ class SchedulerRuntime:
         """The GetInfo answer of the served model's worker (see WorkerFleet.model_info)."""
         return self._fleet.model_info()
 
+    @property
+    def overlapped(self) -> bool:
+        """Whether ticks are planned while the one before computes (their counts then differ)."""
+        return self._config.overlap
+
     def served_context(self) -> int | None:
         """The longest sequence every worker serves, which admission holds sessions to (workers'
         --max-model-len may differ; one that came back with a shorter one lowers it)."""

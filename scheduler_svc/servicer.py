@@ -154,7 +154,9 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                         yield spb.WorkloadEvent(workload_id=wid, session_index=i, event=msg)
         stats = self._runtime.workload_stats(wid)
         assert stats is not None, "a workload whose sessions all finished has its stats"
-        yield spb.WorkloadEvent(workload_id=wid, done=True, stats=convert.workload_stats_to_pb(stats))
+        done = convert.workload_stats_to_pb(stats)
+        done.overlapped = self._runtime.overlapped
+        yield spb.WorkloadEvent(workload_id=wid, done=True, stats=done)
 
     async def _stream(
         self, sub: Submission, sreqs: Sequence[SessionRequest], context, label: str, prompt_ids: bool

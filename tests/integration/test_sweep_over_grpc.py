@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from kvfleet.client import SchedulerClient
-from kvfleet.sweep import SweepSpec, run_sweep
+from kvfleet.sweep import SweepSpec, format_table, run_sweep
 from tests.integration.inproc import InProcessCluster
 
 # Kept inside the repository: a fresh clone must pass `make test` with nothing beside it.
@@ -38,6 +38,7 @@ def test_results_equal_the_example(sweep_doc):
 def test_outputs_equal_the_numpy_reference(sweep_doc):
     sweep = sweep_doc["concurrency_sweep"]
     assert sweep["corruption_free"] is True
+    assert sweep["overlap_scheduling"] is False and "note:" not in format_table(sweep_doc)
     assert len(sweep["reference_outputs"]) == 8
     assert all(len(v) == 8 for v in sweep["reference_outputs"].values())
     assert sweep["saturation_concurrency"] == 8
@@ -67,3 +68,15 @@ def test_other_workload_shapes_follow_the_same_rules(cluster):
     assert row["ticks"] == 6
     assert row["prefill_tokens"] == 10 and row["decode_tokens"] == 3
     assert row["peak_kv_bytes"] == (10 + 2) * 1536
+
+
+def test_a_sweep_of_a_scheduler_that_overlaps_its_ticks_says_so():
+    """Against a running scheduler with --overlap-scheduling (`kvfleet up`'s default) the tokens
+    are the reference's and the tick counts are not: the document and the table say why."""
+    with InProcessCluster(workers=1, overlap=True) as c, SchedulerClient(c.address) as client:
+        doc = run_sweep(client, SweepSpec(concurrency=(2, 8)))
+    sweep = doc["concurrency_sweep"]
+    assert sweep["overlap_scheduling"] is True and sweep["corruption_free"] is True
+    example = {r["concurrency"]: r for r in _example()["concurrency_sweep"]["results"]}
+    assert [r["ticks"] for r in sweep["results"]] != [example[c]["ticks"] for c in (2, 8)]  # why it says so
+    assert format_table(doc).splitlines()[-1].startswith("note: this scheduler overlaps its ticks")
