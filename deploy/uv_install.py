@@ -1,10 +1,10 @@
 """`uv pip install ARGS` with pip's own configuration carried over, so it installs what pip would.
 
 make install uses it: uv resolves, downloads, unpacks and compiles in parallel (the test
-environment in a fraction of pip's time), but it reads none of pip's settings. A
-machine that points pip at local indexes, wheel folders, constraints or a CA bundle (pip.conf or
-PIP_* variables) gets the same from uv here. pip looks at every index for the best version; uv's
-default takes the first index that has a package, so `unsafe-best-match` keeps pip's choice.
+environment in well under half of pip's time), but it reads none of pip's settings. A machine
+that points pip at local indexes, wheel folders, constraints, a CA bundle or a proxy (pip.conf
+or PIP_* variables) gets the same from uv here. pip looks at every index for the best version;
+uv's default takes the first index that has a package, so `unsafe-best-match` keeps pip's choice.
 
     python deploy/uv_install.py UV [uv pip install arguments...]
 
@@ -83,6 +83,10 @@ def uv_settings(pip: dict[str, list[str]]) -> UvSettings:
         out.args.append("--no-index")
     for cert in pip.get("cert", [])[:1]:
         out.env["SSL_CERT_FILE"] = cert
+    for cert in pip.get("client-cert", [])[:1]:
+        out.env["SSL_CLIENT_CERT"] = cert
+    for proxy in pip.get("proxy", [])[:1]:  # pip's one proxy serves both schemes
+        out.env["HTTP_PROXY"] = out.env["HTTPS_PROXY"] = proxy
     for seconds in pip.get("default-timeout", pip.get("timeout", []))[:1]:
         out.env["UV_HTTP_TIMEOUT"] = seconds
     return out

@@ -58,6 +58,12 @@ def test_pip_s_settings_become_uv_s_flags_and_variables():
         *("--allow-insecure-host", "pypi.internal", "--allow-insecure-host", "mirror.internal"),
     ]
     assert got.env == {"SSL_CERT_FILE": "/etc/ssl/certs/ca-certificates.crt", "UV_HTTP_TIMEOUT": "180"}
+    behind = uv_install.uv_settings({"proxy": ["http://proxy:3128"], "client-cert": ["/etc/me.pem"]}).env
+    assert behind == {
+        "HTTP_PROXY": "http://proxy:3128",
+        "HTTPS_PROXY": "http://proxy:3128",
+        "SSL_CLIENT_CERT": "/etc/me.pem",
+    }
     assert "--no-index" in uv_install.uv_settings({"no-index": ["true"]}).args
     assert "--no-index" not in uv_install.uv_settings({"no-index": ["false"]}).args
     for told in ({"no-compile": ["yes"]}, {"compile": ["false"]}):  # pip told not to compile
