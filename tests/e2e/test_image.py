@@ -1,5 +1,6 @@
-"""A rebuild of the image under test removes the one it replaced (untagged images used to pile
-up, one per `make test-compose` run of a changed checkout)."""
+"""The image itself: its Python packages are compiled, and a rebuild of the image under test
+removes the one it replaced (untagged images used to pile up, one per `make test-compose` run of
+a changed checkout)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,25 @@ import io
 
 import pytest
 
-from tests.e2e.conftest import _base_image, _docker_client, replace_image
+from tests.e2e.conftest import _base_image, _docker_client, built_image, replace_image
 
 TAG = "kvfleet-e2e-rebuild:test"
+
+# Run in the image as its services run (their user, PYTHONDONTWRITEBYTECODE): the modules a worker
+# imports first come from .pyc files, not from source compiled again at each start.
+COMPILED = """
+import importlib.util, pathlib, sys
+import grpc, numpy, torch, worker_svc.server
+missing = [m.__name__ for m in (grpc, numpy, torch) if not pathlib.Path(importlib.util.cache_from_source(m.__file__)).exists()]
+assert sys.flags.dont_write_bytecode and not missing, (sys.flags.dont_write_bytecode, missing)
+print("compiled")
+"""
+
+
+def test_the_image_s_packages_are_compiled() -> None:
+    client, image, _ = built_image()
+    out = client.containers.run(image, entrypoint=["python", "-c", COMPILED], remove=True)
+    assert out.decode().strip() == "compiled"
 
 
 def test_a_rebuild_removes_the_image_it_replaced_and_keeps_an_unchanged_one() -> None:
