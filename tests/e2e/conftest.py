@@ -155,7 +155,7 @@ def _engine_unreachable() -> str:
     return _ENGINE[0]
 
 
-def _docker_client() -> Any:
+def docker_client() -> Any:
     """The docker SDK's client of the engine. Only an engine that is not there skips (see
     _docker_missing); with one there, any failure here is the test's error."""
     why = _engine_unreachable()
@@ -172,7 +172,7 @@ def _docker_client() -> Any:
     return client
 
 
-def _base_image(client: Any) -> str:
+def base_image(client: Any) -> str:
     base = os.environ.get("KVFLEET_BASE_IMAGE")
     if base:
         return base
@@ -250,9 +250,9 @@ def logs_dir() -> Path:
 
 def built_image() -> tuple[Any, str, str]:
     """(docker client, image tag, base image): the image built once per test session."""
-    client = _docker_client()
+    client = docker_client()
     image = os.environ.get("KVFLEET_IMAGE", "kvfleet:e2e")
-    base = _base_image(client)
+    base = base_image(client)
     if os.environ.get("KVFLEET_E2E_BUILD", "1") != "0" and image not in _BUILT:
         _build_image(client, image, base, logs_dir())
         _BUILT.add(image)

@@ -8,7 +8,7 @@ import io
 
 import pytest
 
-from tests.e2e.conftest import _base_image, _docker_client, built_image, replace_image
+from tests.e2e.conftest import base_image, built_image, docker_client, replace_image
 
 TAG = "kvfleet-e2e-rebuild:test"
 
@@ -32,8 +32,8 @@ def test_the_image_s_packages_are_compiled() -> None:
 def test_a_rebuild_removes_the_image_it_replaced_and_keeps_an_unchanged_one() -> None:
     import docker.errors
 
-    client = _docker_client()
-    base = _base_image(client)
+    client = docker_client()
+    base = base_image(client)
 
     def build(label: str):
         dockerfile = io.BytesIO(f"FROM {base}\nLABEL kvfleet.test.rebuild={label}\n".encode())
