@@ -30,6 +30,7 @@ from gateway_svc.tokenize_api import detokenize_request, tokenize_request, token
 from gateway_svc.tool_calls import declared_tool_names
 from gateway_svc.upstream import Auth, ModelInfo, Upstream, events, to_delta
 from kvfleet.v1 import scheduler_pb2 as spb
+from kvfleet_common.listen import cannot_listen
 from kvfleet_common.security import token_metadata
 from kvfleet_common.tracing import extract_context, inject_metadata
 from kvfleet_common.version import kvfleet_version
@@ -271,7 +272,7 @@ class Gateway:
         # inject_metadata() carries the current span, ours, so the scheduler's span is its child.
         call = self.upstream.generate(req, inject_metadata(), auth, self.config.request_timeout_s)
         try:
-            stream = events(call, req.n)
+            stream = events(call, req.n, req.http_names())
             # Wait for the first event before answering, so a rejection (queue full, bad prompt,
             # no worker, tools on a template without them) is an HTTP status and not an error
             # event inside a 200 stream.
@@ -438,7 +439,11 @@ async def create_server(config: GatewayConfig) -> tuple[RunningGateway, int]:
     )
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise cannot_listen("the OpenAI-compatible HTTP API", config.host, config.port, "--port", exc) from None
     port = runner.addresses[0][1]
     log.info(
         "gateway serving on http://%s:%d in front of the scheduler at %s (callers: %s)",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,15 +60,47 @@ def _reason(details: str) -> str | None:
     return head if sep and head.replace("_", "").isalnum() and head.islower() else None
 
 
-def from_grpc(error: grpc.aio.AioRpcError | grpc.RpcError, what: str = "the scheduler") -> ApiError:
-    """Map a failed scheduler call to the HTTP error the client sees."""
+# The scheduler's rejections name the fields of its gRPC request; an HTTP client sent others.
+# The body's names for the GenerateRequest fields whose names differ, each as a phrase for the
+# message and the body field (the OpenAI error's param). The chat endpoint's max_tokens may be
+# max_completion_tokens: GenerationRequest.http_names.
+HTTP_NAMES: Mapping[str, tuple[str, str]] = {
+    "max_new_tokens": ("max_tokens", "max_tokens"),
+    "tools_json": ("tools", "tools"),
+    "tool_calls_json": ("tool_calls", "messages"),
+    "prompt_ids": ("token ids as the prompt", "prompt"),
+}
+_GRPC_NAME = re.compile(r"\b(" + "|".join(HTTP_NAMES) + r")\b")
+
+
+def in_http_terms(details: str, names: Mapping[str, tuple[str, str]] = HTTP_NAMES) -> tuple[str, str | None]:
+    """The scheduler's message with the gRPC field names it mentions in the body's terms, and
+    the body field of the first of them (the OpenAI error's param), if any."""
+    params: list[str] = []
+
+    def rename(m: re.Match[str]) -> str:
+        phrase, param = names.get(m.group(1)) or HTTP_NAMES[m.group(1)]
+        params.append(param)
+        return phrase
+
+    return _GRPC_NAME.sub(rename, details), params[0] if params else None
+
+
+def from_grpc(
+    error: grpc.aio.AioRpcError | grpc.RpcError,
+    what: str = "the scheduler",
+    names: Mapping[str, tuple[str, str]] = HTTP_NAMES,
+) -> ApiError:
+    """Map a failed scheduler call to the HTTP error the client sees; ``names``: the request
+    body's names for the gRPC fields a rejection may name (HTTP_NAMES)."""
     code: grpc.StatusCode = error.code()  # type: ignore[attr-defined]
     details: str = error.details() or code.name  # type: ignore[attr-defined]
     reason = _reason(details)
+    details, param = in_http_terms(details, names)
     # FAILED_PRECONDITION: the served model cannot do what was asked (no tokenizer to tokenize
     # with); the request is the thing to change, as with a bad argument.
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE):
-        return ApiError(400, details, code=reason)
+        return ApiError(400, details, param=param, code=reason)
     if code is grpc.StatusCode.PERMISSION_DENIED:
         return ApiError(403, details, type="permission_error", code=reason or "permission_denied")
     if code is grpc.StatusCode.UNAUTHENTICATED:

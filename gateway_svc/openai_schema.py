@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from gateway_svc.errors import HTTP_NAMES
 from kvfleet_common import sampling_rules
 from kvfleet_common.sampling_rules import MAX_LOGIT_BIAS, UINT32_MAX, SamplingRuleError
 
@@ -255,6 +256,11 @@ class GenerationRequest:
     response_format: tuple[str, str] | None = None  # (type, JSON schema text); None = plain text
     tools_json: str = ""  # the tools array, as JSON, when they go to the scheduler
     request_id: str = ""
+    max_tokens_name: str = "max_tokens"  # the body's name for it (chat: or max_completion_tokens)
+
+    def http_names(self) -> dict[str, tuple[str, str]]:
+        """errors.HTTP_NAMES as this body names them: the scheduler's rejections in its terms."""
+        return {**HTTP_NAMES, "max_new_tokens": (self.max_tokens_name, self.max_tokens_name)}
 
     # The sampling fields, as flat names, for callers that read them (spans, tests).
     @property
@@ -669,7 +675,8 @@ def parse_request(endpoint: Endpoint, body: Any, *, chat_max_tokens: int = 256) 
     prompt: Prompt
     if endpoint is Endpoint.COMPLETIONS:
         prompt = _parse_prompt(body)
-        max_tokens = _get_int(body, "max_tokens", 16, minimum=1, maximum=UINT32_MAX)  # OpenAI's default: 16
+        name = "max_tokens"
+        max_tokens = _get_int(body, name, 16, minimum=1, maximum=UINT32_MAX)  # OpenAI's default: 16
     else:
         prompt = parse_messages(body)
         # max_completion_tokens is the current name, max_tokens the deprecated one.
@@ -706,4 +713,5 @@ def parse_request(endpoint: Endpoint, body: Any, *, chat_max_tokens: int = 256) 
         response_format=response_format,
         tools_json=_parse_tools(body) if endpoint is Endpoint.CHAT else "",
         request_id=request_id or "",
+        max_tokens_name=name,
     )

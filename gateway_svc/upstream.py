@@ -6,13 +6,13 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway_svc.errors import ApiError, from_grpc, model_not_found
+from gateway_svc.errors import HTTP_NAMES, ApiError, from_grpc, model_not_found
 from gateway_svc.openai_responses import Delta, TokenLogprob, TopToken, Usage, finish_reason
 from gateway_svc.openai_schema import ChatMessage, Endpoint, GenerationRequest
 from kvfleet.client import finish_name
@@ -186,8 +186,11 @@ class Upstream:
         return self._stub.Generate(to_pb(req), metadata=tuple(metadata) + auth, timeout=timeout_s)
 
 
-async def events(call: grpc.aio.UnaryStreamCall, n: int = 1) -> AsyncIterator[spb.GenerateEvent]:
-    """The call's events until all n choices finished; a failed call raises the client's ApiError."""
+async def events(
+    call: grpc.aio.UnaryStreamCall, n: int = 1, names: Mapping[str, tuple[str, str]] = HTTP_NAMES
+) -> AsyncIterator[spb.GenerateEvent]:
+    """The call's events until all n choices finished; a failed call raises the client's ApiError
+    (``names``: the body's names for the request's fields, GenerationRequest.http_names)."""
     finished = 0
     try:
         async for ev in call:
@@ -196,5 +199,5 @@ async def events(call: grpc.aio.UnaryStreamCall, n: int = 1) -> AsyncIterator[sp
             if finished >= n:
                 return
     except grpc.aio.AioRpcError as exc:
-        raise from_grpc(exc) from exc
+        raise from_grpc(exc, names=names) from exc
     raise ApiError(502, "the scheduler ended the stream before the session finished", type="server_error")

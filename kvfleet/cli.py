@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 
 from kvfleet_common.flags import FlagParser, add_switch
+from kvfleet_common.listen import CannotListen
 from kvfleet_common.version import kvfleet_version
 
 DEFAULT_SCHEDULER = "localhost:50051"
@@ -721,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
             details = f"{details} (is a scheduler running at {where}? `kvfleet up` starts one)"
         print(f"kvfleet: {code.name}: {details}", file=sys.stderr)
         return 2
-    except (RuntimeError, TimeoutError, ValueError) as exc:
+    except (RuntimeError, TimeoutError, ValueError, CannotListen) as exc:
         print(f"kvfleet: {exc}", file=sys.stderr)
         return 2
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfleet_common.grpcutil import check_health
+from kvfleet_common.listen import check_ports
 from kvfleet_common.parent_watch import PARENT_PID_ENV
 from kvfleet_common.security import TlsConfig
 from scheduler_svc.config import SchedulerConfig
@@ -275,6 +276,17 @@ class LocalCluster:
 
     def start(self) -> "LocalCluster":
         s = self.spec
+        # The ports asked for are checked before anything starts (a model loads for seconds; a
+        # second `kvfleet up` would otherwise fail at its telemetry service), named by up's flags.
+        check_ports(
+            s.host,
+            (
+                ("the scheduler's gRPC API", s.scheduler_port, "--port"),
+                ("telemetry's OTLP", s.telemetry_port if s.telemetry else 0, "--telemetry-port"),
+                ("the trace UI and Jaeger API", s.trace_api_port if s.telemetry else 0, "--trace-api-port"),
+                ("the OpenAI-compatible API", s.gateway_port if s.gateway else 0, "--gateway-port"),
+            ),
+        )
         try:
             # Chosen first: telemetry's trace UI asks the scheduler for its live snapshot.
             scheduler_port = s.scheduler_port or free_port(s.host)

@@ -13,6 +13,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvfleet_common.listen import cannot_listen
+
 log = logging.getLogger(__name__)
 
 # Large enough for a long prompt's token ids or a batch of OTLP spans, small enough to bound memory.
@@ -94,15 +96,19 @@ def set_not_serving(health_servicer: health.HealthServicer, service_names: Itera
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-def bind(server: grpc.aio.Server, host: str, port: int, tls=None) -> int:
-    """Listen on host:port, with TLS when `tls` (a kvfleet_common.security.TlsConfig) has a certificate."""
+def bind(server: grpc.aio.Server, host: str, port: int, tls=None, what: str = "gRPC", flag: str = "--port") -> int:
+    """Listen on host:port, with TLS when `tls` (a kvfleet_common.security.TlsConfig) has a
+    certificate. listen.CannotListen (one line: why, and ``flag`` to move it) if it cannot."""
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    if tls is not None and tls.serves_tls:
-        bound = server.add_secure_port(address, tls.server_credentials())
-    else:
-        bound = server.add_insecure_port(address)
+    try:
+        if tls is not None and tls.serves_tls:
+            bound = server.add_secure_port(address, tls.server_credentials())
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError:  # grpc >= 1.5x raises where older ones returned 0
+        bound = 0
     if bound == 0:
-        raise OSError(f"could not bind {address}; is the port in use?")
+        raise cannot_listen(what, host, port, flag)
     return bound
 
 

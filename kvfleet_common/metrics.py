@@ -11,6 +11,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvfleet_common.listen import cannot_listen
+
 log = logging.getLogger(__name__)
 
 # Latency buckets (seconds) as vLLM uses for time to first token and inter-token latency.
@@ -132,10 +134,14 @@ class GaugeCollector(Collector):
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int | None:
-    """Start the /metrics HTTP server in a daemon thread; port 0 = off. Returns the port."""
+    """Start the /metrics HTTP server in a daemon thread; port 0 = off. Returns the port.
+    listen.CannotListen (naming --metrics-port) where the port cannot be bound."""
     if port == 0:
         return None
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise cannot_listen("Prometheus /metrics", host, port, "--metrics-port", exc) from None
     bound = server.server_address[1]
     log.info("metrics on http://%s:%d/metrics", host, bound)
     return bound

@@ -182,14 +182,20 @@ def main(argv: list[str] | None = None) -> None:
         config = parse_args(argv)
     except ValueError as exc:
         sys.exit(f"scheduler: {exc}")
+    from kvfleet_common.listen import CannotListen, check_ports
     from kvfleet_models.errors import ModelLoadError
     from scheduler_svc.core.served_model import WorkersDisagree
     from scheduler_svc.server import serve
 
     exit_with_parent()
     try:
+        # Now, not after the wait for the workers (up to a minute) that comes before the binds.
+        check_ports(
+            config.host,
+            (("gRPC", config.port, "--port"), ("Prometheus /metrics", config.metrics_port, "--metrics-port")),
+        )
         asyncio.run(serve(config))
-    except (ConnectionError, WorkersDisagree) as exc:
+    except (ConnectionError, WorkersDisagree, CannotListen) as exc:
         sys.exit(f"scheduler: {exc}")
     except ModelLoadError as exc:  # the model's tokenizer is there but unreadable
         sys.exit(f"scheduler: cannot load the model's tokenizer: {exc}")

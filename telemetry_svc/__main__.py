@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 
 from kvfleet_common.flags import FlagParser
+from kvfleet_common.listen import CannotListen, check_ports
 from kvfleet_common.logs import LogSettings
 from kvfleet_common.parent_watch import exit_with_parent
 from telemetry_svc.auth import AuthPolicy
@@ -72,7 +74,12 @@ def main(argv: list[str] | None = None) -> None:
     config, logs = parse_args(argv)
     logs.apply()
     exit_with_parent()
-    asyncio.run(serve(config))
+    try:
+        # Its OTLP port; it runs without its /metrics and trace API ports if it cannot have them.
+        check_ports(config.host, (("OTLP/gRPC", config.port, "--port"),))
+        asyncio.run(serve(config))
+    except CannotListen as exc:
+        sys.exit(f"telemetry: {exc}")
 
 
 if __name__ == "__main__":

@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         config = parse_args(argv)
     except ValueError as exc:
         sys.exit(f"worker: {exc}")
+    from kvfleet_common.listen import CannotListen, check_ports
     from kvfleet_models.errors import ModelLoadError
     from worker_svc.platform import resolve_device
     from worker_svc.server import build_engine, serve_on_main_thread
@@ -136,12 +137,20 @@ def main(argv: list[str] | None = None) -> None:
     exit_with_parent()
     try:
         resolve_device(config.device)  # before the model loads: a device that is not there is a line
+        # So are ports it cannot have (before the load, not seconds after it).
+        check_ports(
+            config.host,
+            (("gRPC", config.port, "--port"), ("Prometheus /metrics", config.metrics_port, "--metrics-port")),
+        )
         loaded = build_engine(config)  # on this thread, which then runs every step
     except ModelLoadError as exc:
         sys.exit(f"worker: cannot load model: {exc}")
-    except ValueError as exc:
+    except (ValueError, CannotListen) as exc:
         sys.exit(f"worker: {exc}")
-    serve_on_main_thread(config, loaded)
+    try:
+        serve_on_main_thread(config, loaded)
+    except CannotListen as exc:  # taken since the check
+        sys.exit(f"worker: {exc}")
 
 
 if __name__ == "__main__":

@@ -193,9 +193,24 @@ def test_client_errors(client, gateway):
     with pytest.raises(openai.BadRequestError) as n17:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=17)
     assert "n must be in 1..16, got 17" in n17.value.body["message"] and n17.value.body["param"] == "n"
-    with pytest.raises(openai.BadRequestError) as too_many:  # refused by the scheduler
+    # Refused by the scheduler, in the body's terms: its gRPC field names are not the client's.
+    with pytest.raises(openai.BadRequestError) as too_many:
         client.completions.create(model=MODEL, prompt="x", max_tokens=100000)
-    assert too_many.value.body["code"] == "invalid_request" and "max_new_tokens" in too_many.value.body["message"]
+    body = too_many.value.body
+    assert body["code"] == "invalid_request" and body["param"] == "max_tokens"
+    assert "max_tokens 100000 exceeds the limit" in body["message"] and "max_new_tokens" not in body["message"]
+    with pytest.raises(openai.BadRequestError) as too_many:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_completion_tokens=100000
+        )
+    body = too_many.value.body
+    assert body["param"] == "max_completion_tokens" and "max_completion_tokens 100000 exceeds" in body["message"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as no_tools:  # SmolLM2-135M's template renders none
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], tools=[tool])  # type: ignore[list-item]
+    body = no_tools.value.body
+    assert body["param"] == "tools" and "has no tool support; send no tools," in body["message"]
+    assert "_json" not in body["message"]
     with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="gpt-4o", prompt="x")
     assert missing.value.body["code"] == "model_not_found" and MODEL in missing.value.body["message"]

@@ -91,3 +91,68 @@ def test_a_device_that_is_not_there_is_one_line_naming_those_that_are(device: st
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and device in lines[0] and "devices here: cpu" in lines[0], proc.stderr
+
+
+@pytest.fixture
+def held_port():
+    """A port another program listens on."""
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def _one_line(proc: subprocess.CompletedProcess, prefix: str) -> str:
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.startswith(prefix)]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "module, args, flag",
+    [
+        ("telemetry_svc", ["--db", "{tmp}/t.db", "--port", "{held}"], "--port"),
+        ("telemetry_svc", ["--db", "{tmp}/t.db", "--port", "{held}", "--host", "localhost"], "--port"),
+        # Checked before it waits (up to a minute) for workers that are not there.
+        ("scheduler_svc", ["--model", "tiny", "--workers", "127.0.0.1:1", "--port", "{held}"], "--port"),
+        (
+            "scheduler_svc",
+            ["--model", "tiny", "--workers", "127.0.0.1:1", "--port", "0", "--metrics-port", "{held}"],
+            "--metrics-port",
+        ),  # fmt: skip
+        ("worker_svc", ["--model", "tiny", "--port", "{held}"], "--port"),
+        ("worker_svc", ["--model", "tiny", "--port", "0", "--metrics-port", "{held}"], "--metrics-port"),
+        ("gateway_svc", ["--port", "{held}"], "--port"),
+    ],
+)
+def test_a_service_on_a_taken_port_says_so_in_one_line(module, args, flag, held_port, tmp_path):
+    """grpc's own error was a traceback ending in "Failed to bind to address"; the gateway's an
+    OSError line without the flag; a scheduler said nothing until its workers had answered."""
+    argv = [a.format(held=held_port, tmp=tmp_path) for a in args]
+    proc = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=60)
+    name = module.removesuffix("_svc")
+    line = _one_line(proc, f"{name}: ")
+    assert "cannot listen on " in line and f":{held_port} (" in line, line
+    assert "the port is in use" in line and line.endswith(f"choose another with {flag}"), line
+
+
+def test_kvfleet_up_checks_its_ports_before_starting_anything(held_port, tmp_path):
+    """A second `kvfleet up` (its telemetry port taken) used to start its workers, then print the
+    telemetry service's traceback; now it names the port and up's flag at once."""
+    from kvfleet.local_cluster import free_port
+
+    cmd = [sys.executable, "-m", "kvfleet.cli", "up", "--model", "tiny", "--workers", "1", "--port", str(free_port()),
+           "--telemetry-port", str(held_port), "--trace-api-port", str(free_port()),
+           "--gateway-port", str(free_port())]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2
+    line = _one_line(proc, "kvfleet: ")
+    assert line == (
+        f"kvfleet: cannot listen on 127.0.0.1:{held_port} (telemetry's OTLP): the port is in use (another kvfleet "
+        "service, or a second `kvfleet up`?); free it or choose another with --telemetry-port"
+    )
+    assert "pids:" not in proc.stdout + proc.stderr  # nothing was started

@@ -9,7 +9,7 @@ import json
 import grpc
 import pytest
 
-from gateway_svc.errors import from_grpc
+from gateway_svc.errors import HTTP_NAMES, from_grpc
 from gateway_svc.openai_responses import (
     SSE_DONE,
     Delta,
@@ -509,7 +509,56 @@ def test_grpc_errors_map_to_http(code, details, status, err_code):
     assert (err.status, err.code) == (status, err_code)
     body = err.body()["error"]
     assert set(body) == {"message", "type", "param", "code"}
-    if status in (400, 429):
-        assert body["message"] == details  # the scheduler's reason and advice, whole
+    if status in (400, 429):  # the scheduler's reason and advice, whole, in the body's terms
+        assert body["message"] == details.replace("max_new_tokens", "max_tokens")
     if status == 429:
         assert err.headers() == {"Retry-After": "1"}
+
+
+@pytest.mark.parametrize(
+    "details, names, message, param",
+    [
+        (
+            "invalid_request: max_new_tokens 5000 exceeds the limit 2048",
+            HTTP_NAMES,
+            "invalid_request: max_tokens 5000 exceeds the limit 2048",
+            "max_tokens",
+        ),
+        (
+            "prompt_too_long: prompt (4) + max_new_tokens (9000) = 9004 exceeds the model's context",
+            parse_request(CHAT, {"model": "m", "messages": USER, "max_completion_tokens": 9000}).http_names(),
+            "prompt_too_long: prompt (4) + max_completion_tokens (9000) = 9004 exceeds the model's context",
+            "max_completion_tokens",
+        ),
+        (
+            "model 'm': its chat template has no tool support; send no tools_json, no 'tool' role messages and no "
+            "assistant tool_calls_json to this model",
+            HTTP_NAMES,
+            "model 'm': its chat template has no tool support; send no tools, no 'tool' role messages and no "
+            "assistant tool_calls to this model",
+            "tools",
+        ),
+        (
+            "message 2: tool_calls_json is not valid JSON",
+            HTTP_NAMES,
+            "message 2: tool_calls is not valid JSON",
+            "messages",
+        ),
+        (
+            "model 'tiny' has no tokenizer: send prompt_ids instead of text",
+            HTTP_NAMES,
+            "model 'tiny' has no tokenizer: send token ids as the prompt instead of text",
+            "prompt",
+        ),
+        # Names inside other words, and a message naming none, stay as they are.
+        ("my_max_new_tokens_x and prompt_idsx", HTTP_NAMES, "my_max_new_tokens_x and prompt_idsx", None),
+        ("queue_full: the queue holds 1 of 1", HTTP_NAMES, "queue_full: the queue holds 1 of 1", None),
+    ],
+)
+def test_scheduler_rejections_read_in_the_body_s_terms(details, names, message, param):
+    """A scheduler rejection names its gRPC request's fields; the HTTP client is told the names
+    it sent (max_tokens or max_completion_tokens, tools, tool_calls, a token-id prompt), and the
+    first of them is the error's param."""
+    err = from_grpc(_Rpc(grpc.StatusCode.INVALID_ARGUMENT, details), names=names)
+    assert (err.body()["error"]["message"], err.param) == (message, param)
+    assert parse_request(C, {"model": "m", "prompt": "x"}).http_names() == HTTP_NAMES
