@@ -16,6 +16,7 @@ _WHY = {
     ),
     errno.EADDRNOTAVAIL: ("the host is not an address of this machine", "listen on one of its addresses (--host)"),
     errno.EACCES: ("permission denied", "a port below 1024 needs root: choose another with {flag}"),
+    errno.EINVAL: ("not a port number (0..65535)", "choose another with {flag}"),
 }
 
 
@@ -41,6 +42,8 @@ class CannotListen(OSError):
 
 def bind_error(host: str, port: int) -> OSError | None:
     """What a plain bind of host:port raises now (SO_REUSEADDR, as grpc and aiohttp bind), or None."""
+    if not 0 <= port <= 65535:  # getaddrinfo takes 70000 as 4464
+        return OSError(errno.EINVAL, "not a port number")
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:

@@ -56,6 +56,16 @@ def test_a_host_that_is_not_this_machine_s_says_so(host: str, why: str, todo: st
     assert f"cannot listen on {host}:5000 (gRPC): {why}" in str(err) and str(err).endswith(todo)
 
 
+@pytest.mark.parametrize("port", [-3, 65536, 70000])
+def test_a_number_that_is_no_port_says_so(port: int) -> None:
+    with pytest.raises(CannotListen) as err:
+        check_ports("127.0.0.1", [("the OpenAI-compatible API", port, "--gateway-port")])
+    assert str(err.value) == (
+        f"cannot listen on 127.0.0.1:{port} (the OpenAI-compatible API): not a port number (0..65535); "
+        "choose another with --gateway-port"
+    )
+
+
 @pytest.mark.parametrize(
     "cause, want",
     [
