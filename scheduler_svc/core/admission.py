@@ -75,6 +75,10 @@ def check_request(req: SessionRequest, limits: SchedulerLimits, bounds: ModelBou
         out = [t for t in req.prompt_ids if not 0 <= t < bounds.vocab_size]
         if out:
             raise _reject(_BAD, f"{where}prompt token id {out[0]} is outside the vocabulary 0..{bounds.vocab_size - 1}")
+        # An id the model can never sample would never stop anything: a mistake, said so.
+        out = sorted(t for t in req.stop_token_ids if not 0 <= t < bounds.vocab_size)
+        if out:
+            raise _reject(_BAD, f"{where}stop token id {out[0]} is outside the vocabulary 0..{bounds.vocab_size - 1}")
     if len(req.prompt_ids) > limits.max_prompt_tokens:
         raise _reject(
             RejectReason.PROMPT_TOO_LONG,

@@ -148,3 +148,15 @@ def test_messages_give_the_allowed_range() -> None:
     with pytest.raises(SamplingRuleError) as info:
         validate(SamplingValues(logit_bias=((7, 1.0),)), vocab_size=5)
     assert str(info.value) == "logit_bias token id 7 is outside the vocabulary 0..4"
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_field() -> None:
+    """A prompt id the model has no row for, and a stop id it can never sample (which used to be
+    taken and never stop anything)."""
+    bounds, limits = ModelBounds(vocab_size=100), SchedulerLimits()
+    check_request(SessionRequest((1, 99), 4, stop_token_ids=frozenset({0, 99})), limits, bounds)  # the edges
+    with pytest.raises(AdmissionRejected, match=r"^prompt token id 100 is outside the vocabulary 0\.\.99$"):
+        check_request(SessionRequest((1, 100), 4), limits, bounds)
+    with pytest.raises(AdmissionRejected, match=r"^stop token id 100 is outside the vocabulary 0\.\.99$"):
+        check_request(SessionRequest((1, 2), 4, stop_token_ids=frozenset({100, 7, 10**8})), limits, bounds)
+    check_request(SessionRequest((1, 2), 4, stop_token_ids=frozenset({10**8})), limits, ModelBounds())  # not known yet
