@@ -374,6 +374,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
         concurrency=a.concurrency,
         seed=a.seed,
     )
+    _check_out(a.out)
     from kvfleet.progress import for_terminal
 
     with _scheduler(a) as address, SchedulerClient(address) as client, for_terminal("sweep") as progress:
@@ -404,6 +405,7 @@ def cmd_experiment(a: argparse.Namespace) -> int:
     )
     if a.scheduler and not a.telemetry:
         raise ValueError("with --scheduler, also give --telemetry HOST:PORT (where its spans go)")
+    _check_out(a.out)
     from kvfleet.progress import for_terminal
 
     with (
@@ -415,6 +417,20 @@ def cmd_experiment(a: argparse.Namespace) -> int:
     print(format_summary(doc))
     _write_outputs(doc, html, a.out)
     return 0
+
+
+def _check_out(out: str) -> None:
+    """Before the work: an --out that could not be written is said now, not after a whole run."""
+    if not out:
+        return
+    path = Path(out)
+    folder = path.parent
+    if path.is_dir():
+        raise ValueError(f"--out {out} is a directory; name a file in it (e.g. {path / 'out.json'})")
+    if not folder.is_dir():
+        raise ValueError(f"cannot write --out {out}: the folder {folder} does not exist; create it first")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"cannot write --out {out}: permission denied")
 
 
 def _write_outputs(doc: dict, html: str, out: str) -> None:
@@ -432,6 +448,7 @@ def cmd_summary(a: argparse.Namespace) -> int:
     from kvfleet.v1 import telemetry_pb2_grpc as tpb_grpc
 
     spec_json = Path(a.gates).read_text() if a.gates else ""
+    _check_out(a.out)
     from kvfleet_common.security import channel as open_channel
 
     with open_channel(a.telemetry) as channel:
@@ -450,6 +467,10 @@ def cmd_soak(a: argparse.Namespace) -> int:
     from kvfleet.progress import for_terminal
     from kvfleet.soak import SoakSpec, engine_reference, run_soak
 
+    if a.max_new_tokens < 4:
+        raise ValueError(
+            f"--max-new-tokens must be at least 4 (each soak session decodes 4 of them or more), got {a.max_new_tokens}"
+        )
     spec = SoakSpec(
         sessions=a.sessions,
         concurrency=a.concurrency,
@@ -511,6 +532,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     from kvfleet.client import SchedulerClient, build_request
     from kvfleet.local_cluster import LocalCluster
 
+    _check_out(a.out)  # the sweep's, written at the end
     print(
         f"== starting a local cluster: {a.workers} workers on {a.model} (loading the model takes a little while) ...",
         flush=True,
@@ -718,8 +740,12 @@ def main(argv: list[str] | None = None) -> int:
             details = f"no complete answer within --timeout {timeout:g} s ({details})"
         elif code == grpc.StatusCode.UNAVAILABLE and str(details).startswith("failed to connect"):
             # Nothing listens there (gRPC's words for it); a scheduler that answers is not so.
-            where = getattr(args, "scheduler", None)
-            details = f"{details} (is a scheduler running at {where}? `kvfleet up` starts one)"
+            # `summary` talks to the telemetry service alone.
+            if getattr(args, "scheduler", None) is None and getattr(args, "telemetry", None):
+                what, where = "the telemetry service", args.telemetry
+            else:
+                what, where = "a scheduler", getattr(args, "scheduler", None)
+            details = f"{details} (is {what} running at {where}? `kvfleet up` starts one)"
         print(f"kvfleet: {code.name}: {details}", file=sys.stderr)
         return 2
     except (RuntimeError, TimeoutError, ValueError, CannotListen) as exc:

@@ -36,6 +36,20 @@ class SoakSpec:
     seed: int = 0
     time_limit_s: float = 600.0
 
+    def __post_init__(self) -> None:
+        for name in ("sessions", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("prompt_len", "new_tokens"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name} must be a range of at least 1 token: each session takes {lo}..{hi}")
+        for name in ("cancel_share", "deadline_share", "sampled_share", "kill_after_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in 0..1, got {getattr(self, name)}")
+        if self.restart_after_s < 0 or self.time_limit_s <= 0:
+            raise ValueError("restart_after_s must be >= 0 and time_limit_s > 0")
+
 
 @dataclass
 class _Plan:

@@ -55,3 +55,54 @@ def test_the_cli_writes_the_client_s_retry_lines_as_its_own(capsys: pytest.Captu
         client_log.warning("the scheduler at %s is unreachable", "h:1")
     assert capsys.readouterr().err == "kvfleet: the scheduler at h:1 is unreachable\n"
     assert (client_log.handlers, client_log.propagate) == before  # as it was once the command ends
+
+
+def test_summary_without_a_telemetry_service_names_that_service(capsys: pytest.CaptureFixture[str]) -> None:
+    """`summary` asks the telemetry service alone: the hint used to name a scheduler at None."""
+    address = f"127.0.0.1:{free_port()}"
+    assert main(["summary", "e1", "--telemetry", address]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"(is the telemetry service running at {address}? `kvfleet up` starts one)"), err
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["sweep", "--scheduler", "127.0.0.1:1"],
+        ["experiment", "--scheduler", "127.0.0.1:1", "--telemetry", "127.0.0.1:1"],
+        ["summary", "e1", "--telemetry", "127.0.0.1:1"],
+        ["demo"],
+    ],
+)
+def test_an_out_that_cannot_be_written_is_said_before_any_work(
+    command: list[str], tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A sweep used to run to its end and then die in a traceback writing --out (its results
+    lost); now nothing is started (here nothing even listens at the addresses given)."""
+    missing = tmp_path / "no-such-folder" / "out.json"
+    assert main([*command, "--out", str(missing)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"kvfleet: cannot write --out {missing}: the folder {missing.parent} does not exist; create it first"
+    assert main([*command, "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"kvfleet: --out {tmp_path} is a directory; name a file in it (e.g. {tmp_path / 'out.json'})"
+    )
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--sessions", "-1"], "sessions must be at least 1, got -1"),
+        (["--concurrency", "0"], "concurrency must be at least 1, got 0"),
+        (
+            ["--max-new-tokens", "2"],
+            "--max-new-tokens must be at least 4 (each soak session decodes 4 of them or more), got 2",
+        ),
+    ],
+)
+def test_a_soak_that_cannot_run_is_refused_before_it_starts(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`soak --sessions -1` used to load the model, start a cluster and report a soak of nothing."""
+    assert main(["soak", "--model", "tiny", *flags]) == 2
+    assert capsys.readouterr().err.strip() == f"kvfleet: {message}"
