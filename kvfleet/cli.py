@@ -352,8 +352,15 @@ def _run_generate(a: argparse.Namespace, prompt) -> int:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    prompt = [int(t) for t in a.prompt.split(",")] if a.token_ids else a.prompt
-    return _run_generate(a, prompt)
+    if not a.token_ids:
+        return _run_generate(a, a.prompt)
+    try:
+        ids = [int(t) for t in a.prompt.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"with --token-ids the prompt is token ids joined by commas (1,2,3), got {a.prompt!r}"
+        ) from None
+    return _run_generate(a, ids)
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
@@ -733,11 +740,19 @@ def main(argv: list[str] | None = None) -> int:
         with _client_retries_said() if args.fn is not cmd_up else contextlib.nullcontext():
             return args.fn(args)
     except grpc.RpcError as exc:
+        from kvfleet.client import not_grpc
+
         code, details = exc.code(), exc.details()  # type: ignore[attr-defined]
         timeout = getattr(args, "timeout", None)
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
             # gRPC's own words ("Deadline Exceeded", "Stream removed") do not name the flag.
             details = f"no complete answer within --timeout {timeout:g} s ({details})"
+        elif code == grpc.StatusCode.UNAVAILABLE and not_grpc(exc):
+            where = getattr(args, "scheduler", None) or getattr(args, "telemetry", None)
+            details = (
+                f"{where} answers, but not in gRPC (an HTTP port? the gateway's OpenAI API at :8000 is for "
+                f"HTTP clients; kvfleet's commands talk to the scheduler's gRPC port, 50051 by default) ({details})"
+            )
         elif code == grpc.StatusCode.UNAVAILABLE and str(details).startswith("failed to connect"):
             # Nothing listens there (gRPC's words for it); a scheduler that answers is not so.
             # `summary` talks to the telemetry service alone.

@@ -67,6 +67,13 @@ class ResumeMismatch(RuntimeError):
     """A resumed session did not reproduce the tokens already delivered (not deterministic)."""
 
 
+def not_grpc(exc: grpc.RpcError) -> bool:
+    """The address answered, but not in gRPC (an HTTP/1 server, such as the gateway's OpenAI
+    API): grpc's UNAVAILABLE then says its first frame was no HTTP/2 one. Retrying cannot help."""
+    details = str(exc.details() or "")  # type: ignore[attr-defined]
+    return "Failed parsing HTTP/2" in details or "Expected SETTINGS frame" in details
+
+
 def resumable(request: spb.GenerateRequest) -> bool:
     """Greedy or explicitly seeded output is the same on every run, so it can be regenerated.
     Not for n > 1: the choices' events interleave, and resuming splices one stream."""
@@ -243,6 +250,8 @@ class SchedulerClient:
         self, exc: grpc.RpcError, request: spb.GenerateRequest, started: bool, failures: int, deadline: float | None
     ) -> bool:
         if exc.code() != grpc.StatusCode.UNAVAILABLE or failures >= self.retry.attempts:  # type: ignore[attr-defined]
+            return False
+        if not_grpc(exc):
             return False
         if started and not resumable(request):
             return False  # a fresh sampling would not continue what the caller has

@@ -106,3 +106,40 @@ def test_a_soak_that_cannot_run_is_refused_before_it_starts(
     """`soak --sessions -1` used to load the model, start a cluster and report a soak of nothing."""
     assert main(["soak", "--model", "tiny", *flags]) == 2
     assert capsys.readouterr().err.strip() == f"kvfleet: {message}"
+
+
+@pytest.fixture
+def http_server():
+    """An HTTP/1 server (as the gateway's OpenAI API is), where a gRPC address was meant."""
+    import http.server
+    import threading
+
+    class Quiet(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:  # its lines would mix with the CLI's stderr
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["workers"]])
+def test_an_http_port_given_for_the_scheduler_is_said_at_once(
+    command: list[str], http_server: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It used to be retried for about 16 s (8 attempts), then said only gRPC's "Failed parsing
+    HTTP/2" and asked whether a scheduler was running there."""
+    assert main([*command, "--scheduler", http_server]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "trying again" not in err, err
+    assert err.startswith(f"kvfleet: UNAVAILABLE: {http_server} answers, but not in gRPC (an HTTP port?"), err
+
+
+def test_token_ids_that_are_not_numbers_are_said(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "1,x", "--token-ids", "--scheduler", "127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "kvfleet: with --token-ids the prompt is token ids joined by commas (1,2,3), got '1,x'"
+    )
