@@ -270,6 +270,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         forward_otlp=_forward_endpoint(a.telemetry_port),
     )
     cluster = LocalCluster(spec)
+    cluster.on_ready = lambda what: print(f"kvfleet: {what}", file=sys.stderr, flush=True)
     print(
         f"starting {a.workers} workers ({a.model} on {a.device}), the scheduler, telemetry"
         f"{' and the HTTP gateway' if spec.gateway else ''} ...",

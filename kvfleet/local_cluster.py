@@ -23,7 +23,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -183,6 +183,9 @@ class LocalCluster:
         self.trace_api_url = ""  # telemetry's Jaeger query API (Grafana's Jaeger data source URL)
         self.metrics_ports: dict[str, int] = {}
         self.gateway_url = ""
+        # Told each part of start() as it answers, with the seconds since start() began (`kvfleet
+        # up` writes them on stderr: a model's load is seconds of otherwise silent waiting).
+        self.on_ready: Callable[[str], None] | None = None
 
     @property
     def client_tls(self) -> TlsConfig:
@@ -287,6 +290,12 @@ class LocalCluster:
                 ("the OpenAI-compatible API", s.gateway_port if s.gateway else 0, "--gateway-port"),
             ),
         )
+        began = time.monotonic()
+
+        def ready(what: str) -> None:
+            if self.on_ready is not None:
+                self.on_ready(f"{what} ready ({time.monotonic() - began:.1f} s)")
+
         try:
             # Chosen first: telemetry's trace UI asks the scheduler for its live snapshot.
             scheduler_port = s.scheduler_port or free_port(s.host)
@@ -314,10 +323,12 @@ class LocalCluster:
                     ],
                 )
                 self._wait_healthy([self.telemetry_address])
+                ready("telemetry")
             for i in range(s.workers):
                 self.worker_addresses.append(f"{s.host}:{free_port(s.host)}")
                 self._spawn_worker(i)
             self._wait_healthy(self.worker_addresses)
+            ready(f"{s.workers} worker{'s' if s.workers != 1 else ''} ({s.model})")
             port = scheduler_port
             self.scheduler_address = f"{s.host}:{port}"
             self.metrics_ports["scheduler"] = free_port(s.host)
@@ -351,6 +362,7 @@ class LocalCluster:
                 ],
             )
             self._wait_healthy([self.scheduler_address])
+            ready("scheduler")
             if s.gateway:
                 port = s.gateway_port or free_port(s.host)
                 self.gateway_url = f"http://{s.host}:{port}"
@@ -374,6 +386,7 @@ class LocalCluster:
                     ],
                 )
                 self._wait_http("gateway", self.gateway_url + "/health")
+                ready("gateway")
         except BaseException as exc:
             self.failed = self.failed or isinstance(exc, Exception)  # not on Ctrl-C
             self.stop()

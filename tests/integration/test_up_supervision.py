@@ -54,6 +54,10 @@ def test_up_keeps_serving_when_a_worker_is_killed_tiny(tmp_path: Path):
     prompts = [[i, i + 1, (i * 5) % 48] for i in range(6)]
     solo = [reference_generate(cfg, weights, p, 200) for p in prompts]
     up = Up(["--model", "tiny", "--workers", "2"], tmp_path / "up.err", start_timeout_s=60)
+    # Its start was told part by part on stderr, in order (a model's load is otherwise silent).
+    parts = re.findall(r"^kvfleet: (.+) ready \((\d+\.\d) s\)$", up.stderr(), re.M)
+    assert [p for p, _ in parts] == ["telemetry", "2 workers (tiny)", "scheduler", "gateway"], up.stderr()
+    assert [float(s) for _, s in parts] == sorted(float(s) for _, s in parts)
     try:
         _kill_a_worker_mid_stream(up, prompts, 200, solo, restart_timeout_s=30)
     finally:
