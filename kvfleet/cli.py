@@ -545,7 +545,9 @@ def cmd_demo(a: argparse.Namespace) -> int:
         f"== starting a local cluster: {a.workers} workers on {a.model} (loading the model takes a little while) ...",
         flush=True,
     )
-    with LocalCluster(_spec(a)) as cluster, SchedulerClient(cluster.scheduler_address) as client:
+    cluster = LocalCluster(_spec(a))
+    cluster.on_ready = lambda what: print(f"   {what}", flush=True)  # the load, part by part
+    with cluster, SchedulerClient(cluster.scheduler_address) as client:
         print(f"scheduler at {cluster.scheduler_address}, telemetry at {cluster.telemetry_address}")
         for title, prompt in (
             ("completion", "The capital of France is"),

@@ -81,6 +81,10 @@ def test_demo_streams_real_answers_then_prints_and_writes_the_sweep(tmp_path: Pa
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = proc.stdout
+    # The cluster's start, part by part, before anything is asked of it.
+    assert re.search(r"^   2 workers \(smollm2-135m\) ready \(\d+\.\d s\)$", text.split("== completion", 1)[0], re.M), (
+        text
+    )
     # Two streamed answers on SmolLM2, each closed by its usage line.
     usage = re.compile(r"\[(\d+) prompt tokens, (\d+) generated, finish: (eos|length)\]")
     completion = text.split(f"== completion: {PROMPT!r}", 1)[1].split("== chat:", 1)[0]
