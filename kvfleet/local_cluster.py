@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfleet_common.grpcutil import check_health
-from kvfleet_common.listen import check_ports
+from kvfleet_common.listen import CannotListen, check_ports
 from kvfleet_common.parent_watch import PARENT_PID_ENV
 from kvfleet_common.security import TlsConfig
 from scheduler_svc.config import SchedulerConfig
@@ -281,15 +281,19 @@ class LocalCluster:
         s = self.spec
         # The ports asked for are checked before anything starts (a model loads for seconds; a
         # second `kvfleet up` would otherwise fail at its telemetry service), named by up's flags.
-        check_ports(
-            s.host,
-            (
-                ("the scheduler's gRPC API", s.scheduler_port, "--port"),
-                ("telemetry's OTLP", s.telemetry_port if s.telemetry else 0, "--telemetry-port"),
-                ("the trace UI and Jaeger API", s.trace_api_port if s.telemetry else 0, "--trace-api-port"),
-                ("the OpenAI-compatible API", s.gateway_port if s.gateway else 0, "--gateway-port"),
-            ),
-        )
+        try:
+            check_ports(
+                s.host,
+                (
+                    ("the scheduler's gRPC API", s.scheduler_port, "--port"),
+                    ("telemetry's OTLP", s.telemetry_port if s.telemetry else 0, "--telemetry-port"),
+                    ("the trace UI and Jaeger API", s.trace_api_port if s.telemetry else 0, "--trace-api-port"),
+                    ("the OpenAI-compatible API", s.gateway_port if s.gateway else 0, "--gateway-port"),
+                ),
+            )
+        except CannotListen:
+            self.stop()  # nothing ran: its log folder, empty, goes too
+            raise
         began = time.monotonic()
 
         def ready(what: str) -> None:

@@ -34,6 +34,22 @@ def test_a_cluster_never_started_leaves_nothing_behind(temp_root: Path) -> None:
     assert list(temp_root.iterdir()) == []
 
 
+def test_a_start_refused_for_a_taken_port_leaves_nothing_behind(temp_root: Path) -> None:
+    """Nothing ran, so there are no logs to keep: its empty folder goes, and no process starts."""
+    import socket
+
+    from kvfleet_common.listen import CannotListen
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        cluster = LocalCluster(ClusterSpec(workers=1, model="tiny", gateway=True, gateway_port=held.getsockname()[1]))
+        with pytest.raises(CannotListen, match="--gateway-port$"):
+            cluster.start()
+    assert cluster.procs == {}
+    assert list(temp_root.iterdir()) == []
+
+
 def test_a_failed_start_keeps_its_logs(temp_root: Path) -> None:
     cluster = LocalCluster(ClusterSpec(workers=1, model="no-such-model", telemetry=False))
     with pytest.raises(RuntimeError, match="worker-0 exited"):
