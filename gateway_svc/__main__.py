@@ -104,8 +104,11 @@ async def serve(config: GatewayConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from kvfleet_common.security import TlsConfig
+
     try:
         config, logs = parse_args(argv)
+        TlsConfig.from_env().checked()  # what it dials the scheduler with (Upstream's channel)
     except ValueError as exc:
         sys.exit(f"gateway: {exc}")
     logs.apply()

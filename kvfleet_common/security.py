@@ -29,6 +29,7 @@ import hmac
 import inspect
 import ipaddress
 import os
+import ssl
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +59,20 @@ def _read(path: str | None, what: str) -> bytes | None:
     try:
         return Path(path).read_bytes()
     except OSError as exc:
-        raise ValueError(f"cannot read the TLS {what} {path}: {exc.strerror}") from exc
+        raise ValueError(f"cannot read the TLS {what} {path} ({_VARIABLES[what]}): {exc.strerror}") from exc
+
+
+_VARIABLES = {"certificate": "KVFLEET_TLS_CERT", "key": "KVFLEET_TLS_KEY", "CA": "KVFLEET_TLS_CA"}
+
+
+def _switch(env: Mapping[str, str], name: str) -> bool:
+    """A true/false variable, said so when it is neither (a typo must not turn a check off)."""
+    value = env.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name} must be true or false, got {env[name]!r}")
 
 
 @dataclass(frozen=True)
@@ -84,9 +98,32 @@ class TlsConfig:
             cert=env.get("KVFLEET_TLS_CERT") or None,
             key=env.get("KVFLEET_TLS_KEY") or None,
             ca=env.get("KVFLEET_TLS_CA") or None,
-            client_auth=env.get("KVFLEET_TLS_CLIENT_AUTH", "").lower() in ("1", "true", "yes"),
+            client_auth=_switch(env, "KVFLEET_TLS_CLIENT_AUTH"),
             allowed_clients=allowed or None,
         )
+
+    def checked(self) -> "TlsConfig":
+        """Itself, once the files it names are read and are what they should be: a PEM
+        certificate and its private key, a PEM CA bundle. A ValueError naming the variable
+        otherwise; a service checks at start-up, where grpc would only fail to bind its port."""
+        for path, what in ((self.cert, "certificate"), (self.key, "key"), (self.ca, "CA")):
+            _read(path, what)
+        try:
+            if self.cert and self.key:
+                ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.cert, self.key)
+        except ssl.SSLError as exc:
+            raise ValueError(
+                f"the TLS certificate {self.cert} (KVFLEET_TLS_CERT) and key {self.key} (KVFLEET_TLS_KEY) are not a "
+                f"PEM certificate and its private key: {exc.reason or exc}"
+            ) from None
+        try:
+            if self.ca:
+                ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=self.ca)
+        except ssl.SSLError as exc:
+            raise ValueError(
+                f"the TLS CA {self.ca} (KVFLEET_TLS_CA) holds no PEM certificate: {exc.reason or exc}"
+            ) from None
+        return self
 
     @property
     def serves_tls(self) -> bool:

@@ -154,7 +154,7 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
     from kvfleet_common.security import TlsConfig, worker_secret_from_env
 
     return SchedulerConfig(
-        tls=TlsConfig.from_env(),
+        tls=TlsConfig.from_env().checked(),
         api_token=env("KVFLEET_API_TOKEN", ""),
         worker_secret=worker_secret_from_env(),
         allow_anonymous=a.allow_anonymous,

@@ -53,8 +53,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TelemetryConfig, LogSetti
     a = p.parse_args(argv)
     from kvfleet_common.security import TlsConfig, telemetry_token_from_env
 
-    tls = TlsConfig.from_env()
     try:
+        tls = TlsConfig.from_env().checked()
         if not a.api_token:  # the flag's variable, else KVFLEET_TELEMETRY_TOKEN_FILE
             a.api_token = telemetry_token_from_env(
                 {"KVFLEET_TELEMETRY_TOKEN_FILE": os.environ.get("KVFLEET_TELEMETRY_TOKEN_FILE", "")}

@@ -102,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     from kvfleet_common.security import TlsConfig, worker_secret_from_env
 
     return WorkerConfig(
-        tls=TlsConfig.from_env(),
+        tls=TlsConfig.from_env().checked(),
         worker_secret=worker_secret_from_env(),
         host=a.host,
         port=a.port,

@@ -1,6 +1,7 @@
 """TLS everywhere, mutual TLS towards workers and telemetry, and the client API's bearer token."""
 
 import asyncio
+import os
 from pathlib import Path
 
 import grpc
@@ -173,3 +174,39 @@ def test_server_certificates_carry_only_their_own_service_names(certs, serving, 
     finally:
         server.stop(0)
     assert answered is ok
+
+
+def test_tls_files_are_checked_at_start_up_naming_the_variable(certs, tmp_path):
+    """A missing or wrong certificate, key or CA used to surface as a traceback, or as grpc failing
+    to bind the port ("the bind failed"); a typo in KVFLEET_TLS_CLIENT_AUTH turned the check off."""
+    import subprocess
+    import sys
+
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    ok = TlsConfig(cert=str(certs / "worker.pem"), key=str(certs / "worker.key"), ca=str(certs / "ca.pem"))
+    assert ok.checked() is ok
+    cases = [
+        (TlsConfig(cert=str(tmp_path / "no.pem"), key=str(certs / "worker.key")),
+         f"cannot read the TLS certificate {tmp_path / 'no.pem'} (KVFLEET_TLS_CERT): No such file or directory"),
+        (TlsConfig(cert=str(garbage), key=str(garbage)),
+         f"the TLS certificate {garbage} (KVFLEET_TLS_CERT) and key {garbage} (KVFLEET_TLS_KEY) are not a PEM "
+         "certificate and its private key"),
+        (TlsConfig(cert=str(certs / "worker.pem"), key=str(certs / "client.key")), "KEY_VALUES_MISMATCH"),
+        (TlsConfig(ca=str(garbage)), f"the TLS CA {garbage} (KVFLEET_TLS_CA) holds no PEM certificate"),
+    ]  # fmt: skip
+    for tls, said in cases:
+        with pytest.raises(ValueError) as err:
+            tls.checked()
+        assert said in str(err.value), str(err.value)
+    with pytest.raises(ValueError, match="^KVFLEET_TLS_CLIENT_AUTH must be true or false, got 'maybe'$"):
+        TlsConfig.from_env({"KVFLEET_TLS_CLIENT_AUTH": "maybe"})
+    assert not TlsConfig.from_env({"KVFLEET_TLS_CLIENT_AUTH": "False"}).client_auth
+    # A service says it in one line, before anything else.
+    env = {**os.environ, "KVFLEET_TLS_CERT": str(garbage), "KVFLEET_TLS_KEY": str(garbage)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker_svc", "--model", "tiny", "--port", "0"],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().startswith(f"worker: the TLS certificate {garbage} (KVFLEET_TLS_CERT)"), proc.stderr
