@@ -258,9 +258,16 @@ def test_size_retention_deletes_the_oldest_artifacts_and_counts_them(tmp_path: A
             return deleted, kept, srv.server.store.live_bytes()
 
         # Retention runs every 0.2 s, also while the artifacts came: wait for a run after the last.
+        # The three reads are not one snapshot: read before a pass, `kept` (all 200) and the count
+        # (0) agree, and a size read after it is under the bound; so a state counts only once
+        # something was deleted (that torn read ended the wait once, and the test failed).
         deadline = time.monotonic() + 20
+
+        def settled(deleted: float, kept: list[str], size: int) -> bool:
+            return deleted > 0 and size <= policy.max_bytes and len(kept) == len(recorded) - deleted
+
         deleted, kept, size = state()
-        while not (size <= policy.max_bytes and len(kept) == len(recorded) - deleted) and time.monotonic() < deadline:
+        while not settled(deleted, kept, size) and time.monotonic() < deadline:
             time.sleep(0.1)
             deleted, kept, size = state()
         assert size <= policy.max_bytes and deleted > 0, (size, deleted)
