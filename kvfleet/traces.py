@@ -16,7 +16,15 @@ BAR = 32  # characters of the waterfall's timeline
 def _connect(db: Path) -> sqlite3.Connection:
     if not db.exists():
         raise ValueError(f"no telemetry store at {db}; `kvfleet up` prints its logs folder, which holds telemetry.db")
-    return sqlite3.connect(db.resolve().as_uri() + "?mode=ro", uri=True)
+    conn = sqlite3.connect(db.resolve().as_uri() + "?mode=ro", uri=True)
+    try:
+        conn.execute("SELECT 1 FROM spans LIMIT 1").fetchall()
+    except sqlite3.Error as exc:
+        conn.close()
+        raise ValueError(
+            f"{db} is no telemetry store ({exc}); `kvfleet up` prints its logs folder, which holds telemetry.db"
+        ) from None
+    return conn
 
 
 def recent(db: Path, limit: int = 20) -> list[tuple[str, str, int, int, int]]:

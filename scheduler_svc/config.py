@@ -55,8 +55,9 @@ class SchedulerConfig:
         if not self.workers:
             raise ValueError("the scheduler needs at least one worker address (--workers host:port,...)")
         for a in self.workers:
-            if ":" not in a:
-                raise ValueError(f"worker address {a!r} must be host:port")
+            host, _, port = a.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"worker address {a!r} must be host:port, the port a number in 1..65535")
         if len(self.served_model_name) > 256 or not self.served_model_name.isprintable():
             raise ValueError("served_model_name must be at most 256 printable characters")
         if self.step_timeout_s <= 0:

@@ -14,6 +14,7 @@ from telemetry_svc.auth import AuthPolicy
 from telemetry_svc.http_api import JAEGER_QUERY_PORT
 from telemetry_svc.retention import DEFAULT_MAX_DB_MB, DEFAULT_RETENTION_HOURS, RetentionPolicy
 from telemetry_svc.server import TelemetryConfig, serve
+from telemetry_svc.store import StoreUnusable
 
 DEFAULT_METRICS_PORT = 9402  # scheduler 9400, workers 9401
 
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         # Its OTLP port; it runs without its /metrics and trace API ports if it cannot have them.
         check_ports(config.host, (("OTLP/gRPC", config.port, "--port"),))
         asyncio.run(serve(config))
-    except CannotListen as exc:
+    except (CannotListen, StoreUnusable) as exc:
         sys.exit(f"telemetry: {exc}")
 
 

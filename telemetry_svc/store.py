@@ -218,6 +218,10 @@ def _quantile_at(db: sqlite3.Connection, where: str, args: Sequence[object], n: 
     return quantile(pair, h - lo)  # the same interpolation numpy does between those two
 
 
+class StoreUnusable(ValueError):
+    """The path given for the store cannot be one (not a database, no such folder, no rights)."""
+
+
 class SqliteSpanStore:
     """Thread-safe: writes share one connection under a lock; reads use their own connection."""
 
@@ -225,14 +229,23 @@ class SqliteSpanStore:
         self._path = path
         self._memory = path == ":memory:"
         self._lock = threading.Lock()
-        self._conn: sqlite3.Connection | None = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        # Only takes effect on a new file: lets retention hand freed pages back to the OS.
-        self._conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=NORMAL")  # durable at checkpoints; fine for telemetry
-        self._conn.executescript(_TABLES)
-        self._migrate()
-        self._conn.executescript(_INDEXES)
+        self._conn: sqlite3.Connection | None = None
+        try:
+            self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            # Only takes effect on a new file: lets retention hand freed pages back to the OS.
+            self._conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=NORMAL")  # durable at checkpoints; fine for telemetry
+            self._conn.executescript(_TABLES)
+            self._migrate()
+            self._conn.executescript(_INDEXES)
+        except sqlite3.Error as exc:
+            if self._conn is not None:
+                self._conn.close()
+            raise StoreUnusable(
+                f"cannot keep spans in {path} (--db): {exc}; name a kvfleet telemetry.db, or a new file in a folder "
+                "that exists and can be written"
+            ) from None
 
     def _migrate(self) -> None:
         """Stores written before retention existed: their rows count as received now; before

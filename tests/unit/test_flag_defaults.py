@@ -183,3 +183,11 @@ def test_no_cache_aware_routing_reaches_the_core_s_limits() -> None:
     assert (
         scheduler_main.parse_args(["--workers", "w:1", "--no-cache-aware-routing"]).limits.cache_aware_routing is False
     )
+
+
+@pytest.mark.parametrize("address", ["localhost", ":50061", "host:99999", "host:0", "host:port"])
+def test_a_worker_address_without_a_host_and_a_port_is_refused(address: str) -> None:
+    """host:99999 used to be taken, and the scheduler waited a minute for a worker there."""
+    with pytest.raises(ValueError, match=r"must be host:port, the port a number in 1\.\.65535$"):
+        SchedulerConfig(workers=(address,))
+    SchedulerConfig(workers=("[::1]:50061", "w:1", "host:65535"))

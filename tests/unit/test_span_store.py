@@ -246,3 +246,17 @@ def test_span_detail_round_trips_and_an_older_store_is_migrated(tmp_path: Any) -
         assert by_name["old"].detail == {} and by_name["attention"].detail == detail
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("make", ["not a database", "missing folder", "a folder"])
+def test_a_path_that_cannot_be_a_store_is_said_naming_db(tmp_path, make: str) -> None:
+    """sqlite3's own errors used to end the telemetry service in a traceback."""
+    from telemetry_svc.store import StoreUnusable
+
+    path = {"not a database": tmp_path / "t.db", "missing folder": tmp_path / "no" / "t.db", "a folder": tmp_path}[make]
+    if make == "not a database":
+        path.write_text("not sqlite\n" * 100)
+    with pytest.raises(
+        StoreUnusable, match=rf"^cannot keep spans in {path} \(--db\): .+; name a kvfleet telemetry\.db"
+    ):
+        SqliteSpanStore(str(path))

@@ -73,3 +73,14 @@ def test_spans_that_start_together_are_listed_by_name() -> None:
     for order in (spans, spans[::-1]):
         names = [ln.split(" (")[0].strip() for ln in waterfall(order).splitlines()[1:]]
         assert names == ["worker_step", "attention", "kv_view_prepare", "kv_write", "post_step_sync"]
+
+
+def test_a_file_that_is_no_store_is_said_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It was sqlite3's traceback, "file is not a database"."""
+    bad = tmp_path / "notes.txt"
+    bad.write_text("not sqlite\n" * 100)
+    assert main(["traces", "--db", str(bad)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"kvfleet: {bad} is no telemetry store (file is not a database); `kvfleet up` prints its logs folder, "
+        "which holds telemetry.db"
+    )
