@@ -25,7 +25,7 @@ import grpc
 
 from kvfleet.v1 import worker_pb2 as wpb
 from kvfleet.v1 import worker_pb2_grpc as wpb_grpc
-from scheduler_svc.worker_errors import WorkerCallFailed
+from scheduler_svc.worker_errors import WorkerCallFailed, connection_status
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}  # a StepReply's code -> the status
 
@@ -77,7 +77,7 @@ class StepStream:
                 await self._call.write(request)
             await self._call.done_writing()
         except grpc.aio.AioRpcError as exc:
-            self._fail(self._failed(exc.code(), exc.details() or "the step stream failed"))
+            self._fail(self._failed(*connection_status(exc.code(), exc.details() or "the step stream failed")))
         except asyncio.InvalidStateError:  # the call is over; the reader says why
             pass
 
@@ -99,7 +99,7 @@ class StepStream:
                     else:
                         answer.set_result(reply.response)
         except grpc.aio.AioRpcError as exc:
-            self._fail(self._failed(exc.code(), exc.details() or "the step stream failed"))
+            self._fail(self._failed(*connection_status(exc.code(), exc.details() or "the step stream failed")))
             return
         self._fail(self._failed(grpc.StatusCode.UNAVAILABLE, "the worker ended the step stream"))
 

@@ -21,6 +21,19 @@ UNREACHABLE = frozenset(
 )
 
 
+# Where a worker's connection is cut in the middle of a write, grpc core ends the call with INTERNAL
+# "Internal error from Core" (seen on a step stream in a CI run, session 33) rather than
+# UNAVAILABLE: the same loss. A worker's own INTERNAL (a step that failed on it) says otherwise.
+_CUT_IN_A_WRITE = "Internal error from Core"
+
+
+def connection_status(code: grpc.StatusCode, details: str) -> tuple[grpc.StatusCode, str]:
+    """A failed worker call's status as the worker's reachability reads it (UNREACHABLE)."""
+    if code is grpc.StatusCode.INTERNAL and details.startswith(_CUT_IN_A_WRITE):
+        return grpc.StatusCode.UNAVAILABLE, f"the connection was cut under the call (grpc: {details})"
+    return code, details
+
+
 class WorkerCallFailed(Exception):
     """A worker did not answer a call (down, timed out, or refused it)."""
 

@@ -24,7 +24,7 @@ from scheduler_svc.core import DecodeWork, PrefillWork, StepResult, WorkerSpec
 from scheduler_svc.core.served_model import ServedModel
 from scheduler_svc.experiments import ExperimentArm
 from scheduler_svc.step_stream import StepStream
-from scheduler_svc.worker_errors import WorkerCallFailed
+from scheduler_svc.worker_errors import WorkerCallFailed, connection_status
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ class WorkerClient:
         try:
             resp = await call
         except grpc.aio.AioRpcError as exc:
-            raise WorkerCallFailed(self.address, exc.code(), exc.details() or "") from exc
+            raise WorkerCallFailed(self.address, *connection_status(exc.code(), exc.details() or "")) from exc
         return convert.step_results(resp)
 
     async def _streamed(self, answer: Awaitable[wpb.StepResponse]) -> Mapping[str, StepResult]:
@@ -210,7 +210,7 @@ class WorkerClient:
         try:
             s = await self.stub.GetStats(wpb.GetStatsRequest(), timeout=timeout, metadata=self.auth)
         except grpc.aio.AioRpcError as exc:
-            raise WorkerCallFailed(self.address, exc.code(), exc.details() or "") from exc
+            raise WorkerCallFailed(self.address, *connection_status(exc.code(), exc.details() or "")) from exc
         return HeldSessions(
             s.active_sessions, s.used_blocks, s.free_blocks, s.rss_bytes, s.private_bytes, s.instance_id
         )
