@@ -28,6 +28,15 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
 
+def parse_switch(value: str) -> bool:
+    """A true/false setting's text (1/0, true/false, yes/no, on/off; empty: false); ValueError
+    for anything else, so that a typo does not quietly mean off."""
+    word = value.strip().lower()
+    if word in _TRUE + _FALSE:
+        return word in _TRUE
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
 def load_config_file(path: str) -> dict[str, Any]:
     """The file's top-level table as a dict; ValueError saying what is wrong with it."""
     p = Path(path)
@@ -63,8 +72,8 @@ def _coerce(action: argparse.Action, value: Any) -> Any:
     if _is_switch(action):
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-            return value.strip().lower() in _TRUE
+        if isinstance(value, str):
+            return parse_switch(value)
         raise ValueError(f"expected true or false, got {value!r}")
     if isinstance(value, bool):
         raise ValueError(f"expected a value, not {value!r}")

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import grpc
 
+from kvfleet_common.flags import parse_switch
+
 SCHEDULER_CLIENT = "kvfleet-scheduler"  # the common name of the scheduler's certificate
 ANY_CLIENT = "*"  # KVFLEET_TLS_ALLOWED_CLIENTS: any certificate of the CA
 WORKER_SECRET_HEADER = "x-kvfleet-worker-secret"  # gRPC metadata keys are lower case
@@ -66,13 +68,11 @@ _VARIABLES = {"certificate": "KVFLEET_TLS_CERT", "key": "KVFLEET_TLS_KEY", "CA":
 
 
 def _switch(env: Mapping[str, str], name: str) -> bool:
-    """A true/false variable, said so when it is neither (a typo must not turn a check off)."""
-    value = env.get(name, "").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{name} must be true or false, got {env[name]!r}")
+    """A true/false variable (flags.parse_switch: a typo must not turn a check off)."""
+    try:
+        return parse_switch(env.get(name, ""))
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
 
 
 @dataclass(frozen=True)

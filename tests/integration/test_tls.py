@@ -199,7 +199,7 @@ def test_tls_files_are_checked_at_start_up_naming_the_variable(certs, tmp_path):
         with pytest.raises(ValueError) as err:
             tls.checked()
         assert said in str(err.value), str(err.value)
-    with pytest.raises(ValueError, match="^KVFLEET_TLS_CLIENT_AUTH must be true or false, got 'maybe'$"):
+    with pytest.raises(ValueError, match="^KVFLEET_TLS_CLIENT_AUTH: expected true or false, got 'maybe'$"):
         TlsConfig.from_env({"KVFLEET_TLS_CLIENT_AUTH": "maybe"})
     assert not TlsConfig.from_env({"KVFLEET_TLS_CLIENT_AUTH": "False"}).client_auth
     # A service says it in one line, before anything else.
