@@ -11,7 +11,11 @@ matmul with [out, in], which its bfloat16 CPU kernels run 1.4-1.5x faster than [
 bfloat16 on a CPU: oneDNN's linear with the weight reordered once into its blocked layout
 (``pack_bf16``), 1.3-1.5x faster than torch's matmul on the same [out, in] bfloat16 weights
 (measured, the 30 layers' products on 2 threads: 1 row 19.0 -> 13.4 ms, 32 rows 21.9 ->
-16.6 ms, 256 rows 48.7 -> 33.2 ms), with float32 activations cast around it.
+16.6 ms, 256 rows 48.7 -> 33.2 ms), with float32 activations cast around it. Where oneDNN has
+no bfloat16 kernels (an AVX2-only CPU), torch's bfloat16 matmul costs about a gemv per row
+(a 576x1536 product on the 2-core AVX2 EPYC: 0.8 ms at 8 rows, 51 ms at 512, 8x float32's);
+from ``WIDEN_ROWS`` rows the weight is widened to float32 for the product instead (0.53 ms,
+10.3 ms), the same inputs and outputs rounded to bfloat16 (``_bf16_product``).
 
 With ``quant="int8"`` (CPU, float32 activations) every product's weight is int8 in blocks of
 32 instead (``q8``), one scale per row and block, widened to float in the kernel at the CPU's
@@ -103,6 +107,21 @@ def _dnn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "")
 
 
+# Rows from which a bfloat16 product without oneDNN's kernels widens its weight to float32 (the
+# widening, O(in x out), costs less than torch's bfloat16 kernel from 4 rows: measured above).
+WIDEN_ROWS = 4
+
+
+def _bf16_product(x: torch.Tensor, nk: torch.Tensor) -> torch.Tensor:
+    """x [M, in] float32 times nk [out, in] bfloat16 -> [M, out] bfloat16: the input rounded
+    to bfloat16, the products summed in float32, the sum rounded to bfloat16, as torch's (and
+    oneDNN's) bfloat16 matmul does."""
+    xb = x.to(torch.bfloat16)
+    if x.shape[0] >= WIDEN_ROWS and x.device.type == "cpu":
+        return (xb.float() @ nk.float().t()).to(torch.bfloat16)
+    return xb @ nk.t()
+
+
 def torch_rows(host_blas: bool, threads: int) -> range:
     """Row counts sent to torch instead of the host BLAS: with more than one thread every
     product goes to the BLAS, as MKL would run on torch's single thread."""
@@ -121,7 +140,7 @@ def matmul(x: torch.Tensor, w: Matrix, rows_to_torch: range) -> torch.Tensor:
         return torch.from_numpy(np.matmul(x.numpy(), w.kn_array))
     assert w.nk is not None
     if x.dtype != w.nk.dtype:  # bfloat16 weights, float32 activations (CPU)
-        return (x.to(w.nk.dtype) @ w.nk.t()).to(x.dtype)
+        return _bf16_product(x, w.nk).to(x.dtype)
     return x @ w.nk.t()
 
 
@@ -139,7 +158,7 @@ def matmul_add_(h: torch.Tensor, x: torch.Tensor, w: Matrix, rows_to_torch: rang
     else:
         assert w.nk is not None
         if x.dtype != w.nk.dtype:
-            h.add_(x.to(w.nk.dtype) @ w.nk.t())
+            h.add_(_bf16_product(x, w.nk))
         else:
             h.addmm_(x, w.nk.t())
 
