@@ -5,7 +5,9 @@ each engine's own prefill in 512-token chunks. Against float32: top-1 agreement 
 of positions whose argmax is the same) and the perplexity ratio. The thresholds are what the
 README promises of each mode, whatever the CPU: bfloat16 >= 0.95 / <= 1.01, int8 >= 0.95 /
 <= 1.02. Measured on the 2-core AMD EPYC with AVX2 only: bfloat16 weights 0.978 / 1.0006; int8
-(blocks of 32, avx2 kernels) 0.963 / 1.000. A broken mode fails them: fbgemm's per-row int8 on
+(blocks of 32, avx2 kernels) 0.963 / 1.000; with session 34's kernels and each mode's default KV
+cache (float16), bfloat16 0.9755 / x1.0008, int8 0.9738 / x0.9983 (avx2; scalar 0.9727 / x1.0000
+on the slice), gguf 0.9633 / x1.0048 (avx2; scalar 0.9668 / x1.0032). A broken mode fails them: fbgemm's per-row int8 on
 that CPU (saturating AVX2 products) measured 0.897 / 1.039, and with 7-bit inputs 0.880.
 On the 2-core Intel Xeon (AVX-512 VNNI): bfloat16 0.980 / 1.0003; int8 (weight-only since
 session 14: float32 inputs, int8 weight blocks of 32) 0.9733 / x0.9984 at every level on the
