@@ -168,9 +168,10 @@ def test_100k_stop_strings_are_refused_before_any_work_and_other_streams_keep_th
             control.append(c)
     assert len(during) >= 0.75 * len(windows), (len(during), len(windows))
     # A refusal that did work (a stop-string automaton over 100k strings, say) holds the
-    # scheduler for tens of ms: one gap of that size in its window. Checked by putting a 30 ms
-    # C call holding the GIL into the refusal: this fails. Allowed: the extra decode, and the
-    # GIL's switch interval (the handler's thread, once it has the GIL, keeps it that long).
+    # scheduler for tens of ms: one gap of that size in its window. Checked by putting a C call
+    # holding the GIL for 35-50 ms into the refusal (AVX2 EPYC): 45-51 ms against a bound of
+    # 23, so this fails. Allowed: the extra decode, and the GIL's switch interval (the
+    # handler's thread, once it has the GIL, keeps it that long).
     slack = statistics.median(decode) + sys.getswitchinterval() + 0.002
     assert statistics.median(during) <= 2 * statistics.median(control) + slack, (
         statistics.median(during),
