@@ -51,3 +51,15 @@ def test_the_widened_product_is_taken_from_widen_rows_and_matmul_uses_it(monkeyp
         widened.clear()
         matmul_add_(h, x, w, cpu_backend.NO_ROWS)
         assert bool(widened) == wide and torch.equal(h, out), rows
+
+
+def test_float16_weights_keep_torch_s_own_product() -> None:
+    """--dtype float16 on a CPU reaches the same branch: its input is rounded to float16 and
+    the product stays torch's (no bfloat16 anywhere), at any row count."""
+    g = torch.Generator().manual_seed(7)
+    nk = torch.randn(96, 128, generator=g).to(torch.float16)
+    w = Matrix(kn=None, nk=nk, shape=(96, 128))
+    for rows in (1, WIDEN_ROWS, 40):
+        x = torch.randn(rows, 128, generator=g)
+        assert _bf16_product(x, nk).dtype == torch.float16
+        assert torch.equal(matmul(x, w, cpu_backend.NO_ROWS), (x.to(torch.float16) @ nk.t()).to(torch.float32))

@@ -113,13 +113,14 @@ WIDEN_ROWS = 4
 
 
 def _bf16_product(x: torch.Tensor, nk: torch.Tensor) -> torch.Tensor:
-    """x [M, in] float32 times nk [out, in] bfloat16 -> [M, out] bfloat16: the input rounded
-    to bfloat16, the products summed in float32, the sum rounded to bfloat16, as torch's (and
-    oneDNN's) bfloat16 matmul does."""
-    xb = x.to(torch.bfloat16)
-    if x.shape[0] >= WIDEN_ROWS and x.device.type == "cpu":
-        return (xb.float() @ nk.float().t()).to(torch.bfloat16)
-    return xb @ nk.t()
+    """x [M, in] float32 times nk [out, in] of reduced precision -> [M, out] in nk's dtype: the
+    input rounded to that dtype, as torch's matmul in it does. bfloat16 on a CPU from
+    WIDEN_ROWS rows: the products summed in float32 and the sum rounded to bfloat16, as torch's
+    (and oneDNN's) bfloat16 matmul does; float16 weights as before, in torch's own kernel."""
+    xr = x.to(nk.dtype)
+    if nk.dtype == torch.bfloat16 and x.shape[0] >= WIDEN_ROWS and x.device.type == "cpu":
+        return (xr.float() @ nk.float().t()).to(torch.bfloat16)
+    return xr @ nk.t()
 
 
 def torch_rows(host_blas: bool, threads: int) -> range:
