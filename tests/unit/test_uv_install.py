@@ -50,7 +50,6 @@ def test_pip_s_settings_become_uv_s_flags_and_variables():
     got = uv_install.uv_settings(uv_install.pip_settings(LISTED + "global.index-url='https://mirror/simple'\n"))
     assert got.args == [
         *("--index-strategy", "unsafe-best-match"),  # pip's choice across indexes: the best version
-        "--compile-bytecode",  # pip writes the .pyc files as it installs
         *("--index-url", "https://mirror/simple"),
         *("--extra-index-url", "file:///opt/pypi/simple", "--extra-index-url", "file:///opt/pypi-more/simple"),
         *("--find-links", "/opt/wheels"),
@@ -66,10 +65,12 @@ def test_pip_s_settings_become_uv_s_flags_and_variables():
     }
     assert "--no-index" in uv_install.uv_settings({"no-index": ["true"]}).args
     assert "--no-index" not in uv_install.uv_settings({"no-index": ["false"]}).args
-    for told in ({"no-compile": ["yes"]}, {"compile": ["false"]}):  # pip told not to compile
+    # no bytecode compiled by uv, whatever pip's setting: make install's deploy/precompile.py
+    # compiles what is imported
+    for told in ({"no-compile": ["yes"]}, {"compile": ["true"]}):
         assert "--compile-bytecode" not in uv_install.uv_settings(told).args
     # nothing set (a machine without a pip.conf): pip's defaults, uv's own otherwise
-    assert uv_install.uv_settings({}).args == ["--index-strategy", "unsafe-best-match", "--compile-bytecode"]
+    assert uv_install.uv_settings({}).args == ["--index-strategy", "unsafe-best-match"]
 
 
 def test_the_installed_uv_takes_the_flags_made_from_this_machine_s_pip_settings():
@@ -92,18 +93,3 @@ def test_the_installed_uv_takes_the_flags_made_from_this_machine_s_pip_settings(
         timeout=60,
     )
     assert bad.returncode == 2 and "--no-such-flag" in bad.stderr
-
-
-def test_the_installed_packages_were_compiled_as_pip_compiles_them():
-    """uv writes no .pyc files unless told: without them, where PYTHONDONTWRITEBYTECODE is set (as
-    on CI), every process the tests start compiled torch's and transformers' modules again."""
-    import importlib.util
-
-    import torch
-    import transformers
-
-    listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
-    if "--compile-bytecode" not in uv_install.uv_settings(uv_install.pip_settings(listed)).args:
-        pytest.skip("pip is configured not to compile here")
-    for module in (torch, transformers):
-        assert Path(importlib.util.cache_from_source(module.__file__)).exists(), module.__file__
