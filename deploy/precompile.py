@@ -32,26 +32,31 @@ SOURCES += ("telemetry_svc", "gateway_svc", "bench", "tests")
 FIRST = "torch"
 
 # The child: import each module named on stdin with bytecode written, whatever the environment
-# says; one that does not import (an optional dependency, another platform's module) is passed
-# over.
+# says (`module:name` also takes the name, a submodule or a lazy package's attribute); one that
+# does not import (an optional dependency, another platform's module) is passed over. Then the
+# modules loaded before the switch (the site's start-up hooks) are compiled where they lack it.
 _CHILD = """
-import importlib, sys
+import compileall, importlib, sys
 sys.dont_write_bytecode = False
 for name in sys.stdin.read().split():
     module, _, attr = name.partition(":")
     try:
         found = importlib.import_module(module)
-        if attr:
-            getattr(found, attr)
+        if attr and not hasattr(found, attr):
+            importlib.import_module(f"{module}.{attr}")
     except BaseException:
         pass
+for loaded in list(sys.modules.values()):
+    source = getattr(loaded, "__file__", None) or ""
+    if source.endswith(".py"):
+        compileall.compile_file(source, quiet=2)
 """
 
 
-def imported_names(root: Path) -> list[str]:
-    """The third-party modules the project's sources import: `module` or `module:name`."""
+def imported_names(root: Path, folders: tuple[str, ...] = SOURCES) -> list[str]:
+    """The third-party modules the sources in `folders` import: `module` or `module:name`."""
     names: set[str] = set()
-    for folder in SOURCES:
+    for folder in folders:
         for path in sorted((root / folder).rglob("*.py")):
             try:
                 tree = ast.parse(path.read_bytes(), str(path))
@@ -63,8 +68,8 @@ def imported_names(root: Path) -> list[str]:
                 elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
                     # module:name, as a lazy package (transformers) loads a name on first use
                     names.update(f"{node.module}:{alias.name}" for alias in node.names)
-    stdlib = sys.stdlib_module_names
-    return sorted(n for n in names if n.split(".")[0] not in OWN and n.split(".")[0] not in stdlib)
+    skip = OWN | sys.stdlib_module_names
+    return sorted(n for n in names if n.partition(":")[0].split(".")[0] not in skip)
 
 
 def _start(names: list[str]) -> subprocess.Popen[bytes]:
