@@ -20,7 +20,7 @@ from tests.helpers.models import SMOLLM2, require_smollm2
 
 _CACHE_KEY = pytest.StashKey[str]()
 
-# Under pytest-xdist (`make test` runs two test processes) each process, and the servers it
+# Under pytest-xdist (`make test` runs three test processes) each process, and the servers it
 # starts, gets one core's share of OpenMP threads: two processes of two threads each on two cores
 # leave OpenMP's threads spinning for descheduled peers (a gateway test went 4 -> 37 s). Tests
 # of the multi-threaded paths set their threads themselves.
