@@ -2,15 +2,16 @@
 
 make install runs it after uv, in place of compiling the whole environment: uv's
 --compile-bytecode compiled all 15,657 modules of the test environment (32 s on the 2-core AVX2
-EPYC), where the services and the tests import about 4,600 (transformers' 400 other model
-families, pip, setuptools, networkx and most of sympy are never imported). Where
+EPYC); the services and the tests import about 4,600 of them (not transformers' other model
+families, most of sympy, networkx, pip's and setuptools' modules). Here: 16-18 s. Where
 PYTHONDONTWRITEBYTECODE is set a module without its .pyc is compiled again in every process that
-imports it, so what is imported must be compiled once here; a module left out only costs that.
+imports it, so what the services import must be compiled once here; a module left out (one only
+imported by name at run time, as transformers' model families are) costs only that.
 
 What is compiled is found, not listed: every module named by an import statement in the project's
 sources (inside functions too) that is not the project's own nor the standard library is
 imported in a child interpreter that writes bytecode; what those import is compiled with them.
-torch first, alone (everything else imports it), then the rest in two children at once.
+torch first, alone (most of the rest import it), then the rest in two children at once.
 
     python deploy/precompile.py [ROOT]
 """
@@ -23,12 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-# The project's own top-level packages and folders: compiled by `make test` itself (their
-# sources change between installs), never imported here.
-OWN = {"kvfleet", "kvfleet_common", "kvfleet_models", "scheduler_svc", "worker_svc", "telemetry_svc"}
-OWN |= {"gateway_svc", "bench", "tests", "deploy", "setup"}
-SOURCES = ("kvfleet", "kvfleet_common", "kvfleet_models", "scheduler_svc", "worker_svc")
+# The folders whose import statements are read: the packages, the benchmark and the tests.
+SOURCES: tuple[str, ...] = ("kvfleet", "kvfleet_common", "kvfleet_models", "scheduler_svc", "worker_svc")
 SOURCES += ("telemetry_svc", "gateway_svc", "bench", "tests")
+# The project's own top-level modules: compiled by `make test` itself (their sources change
+# between installs), never imported here.
+OWN = {*SOURCES, "deploy", "setup"}
 FIRST = "torch"
 
 # The child: import each module named on stdin with bytecode written, whatever the environment
@@ -80,16 +81,27 @@ def _start(names: list[str]) -> subprocess.Popen[bytes]:
     return child
 
 
-def main(argv: list[str]) -> int:
+def _finish(child: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Waits for a child; one that hangs (an import waiting on something) is stopped: what it
+    compiled stays, the rest is compiled by the processes that import it."""
+    try:
+        child.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        print(f"precompile: a child still importing after {timeout_s:.0f} s was stopped", file=sys.stderr)
+
+
+def main(argv: list[str], timeout_s: float = 300) -> int:
     root = Path(argv[1] if len(argv) > 1 else ".").resolve()
     started = time.monotonic()
     names = imported_names(root)
     # torch alone first (most of the rest import it: two children would compile it twice), then
     # the rest in two children, one a core.
-    _start([FIRST]).wait()
+    _finish(_start([FIRST]), timeout_s)
     rest = [n for n in names if n != FIRST]
     for child in [_start(rest[0::2]), _start(rest[1::2])]:
-        child.wait()
+        _finish(child, timeout_s)
     print(f"precompile: the bytecode of {len(names)} imported modules and theirs, {time.monotonic() - started:.1f} s")
     return 0
 

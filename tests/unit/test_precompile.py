@@ -62,6 +62,17 @@ def test_a_child_writes_the_bytecode_of_what_it_imports_whatever_the_environment
     assert not compiled(tmp_path / "unnamed.py")
 
 
+def test_a_child_that_hangs_is_stopped_and_what_it_compiled_stays(tmp_path, monkeypatch, capsys) -> None:
+    _write(tmp_path / "first.py", "X = 1\n")
+    _write(tmp_path / "hangs.py", "import time\ntime.sleep(600)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    child = precompile._start(["first", "hangs"])
+    precompile._finish(child, timeout_s=3)
+    assert child.returncode is not None  # stopped, not left running
+    assert "stopped" in capsys.readouterr().err
+    assert Path(importlib.util.cache_from_source(str(tmp_path / "first.py"))).exists()
+
+
 def test_every_installed_module_a_worker_imports_is_compiled(tmp_path, monkeypatch) -> None:
     """What the worker's sources import, compiled by the child into an empty cache folder
     (PYTHONPYCACHEPREFIX: the environment's own .pyc files are not seen), then a worker's
