@@ -1,10 +1,11 @@
 """`uv pip install ARGS` with pip's own configuration carried over, so it installs what pip would.
 
-make install uses it: uv resolves, downloads, unpacks and compiles in parallel (the test
-environment in well under half of pip's time), but it reads none of pip's settings. A machine
+make install uses it: uv resolves, downloads and unpacks in parallel (the test environment in
+well under half of pip's time), but it reads none of pip's settings. A machine
 that points pip at local indexes, wheel folders, constraints, a CA bundle or a proxy (pip.conf
 or PIP_* variables) gets the same from uv here. pip looks at every index for the best version;
 uv's default takes the first index that has a package, so `unsafe-best-match` keeps pip's choice.
+pip's bytecode compilation is not carried over: make install runs deploy/precompile.py after it.
 
     python deploy/uv_install.py UV [uv pip install arguments...]
 
