@@ -45,7 +45,7 @@ for name in sys.stdin.read().split():
         found = importlib.import_module(module)
         if attr and not hasattr(found, attr):
             importlib.import_module(f"{module}.{attr}")
-    except BaseException:
+    except (Exception, SystemExit):  # Ctrl-C stops it
         pass
 for loaded in list(sys.modules.values()):
     source = getattr(loaded, "__file__", None) or ""
