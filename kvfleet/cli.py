@@ -271,30 +271,46 @@ def cmd_up(a: argparse.Namespace) -> int:
     )
     cluster = LocalCluster(spec)
     cluster.on_ready = lambda what: print(f"kvfleet: {what}", file=sys.stderr, flush=True)
+    # The children run in sessions of their own (they never see the terminal's Ctrl-C), so this
+    # process must stop them however it is told to stop, at any moment: SIGTERM and SIGHUP act as
+    # Ctrl-C while the cluster starts (start() stops what it started) and ask for a drain after.
+    stop: list[int] = []
+
+    def on_stop_signal(*_) -> None:
+        stop.append(1)
+        if not started:
+            raise KeyboardInterrupt
+
+    started = False
+    signal.signal(signal.SIGTERM, on_stop_signal)
+    signal.signal(signal.SIGHUP, on_stop_signal)  # the terminal closed
     print(
         f"starting {a.workers} workers ({a.model} on {a.device}), the scheduler, telemetry"
         f"{' and the HTTP gateway' if spec.gateway else ''} ...",
         flush=True,
     )
-    cluster.start()
-    gateway = f", OpenAI API at {cluster.gateway_url}/v1" if cluster.gateway_url else ""
-    # The UI and Jaeger's query API share the port: the API's URL is Grafana's data source URL.
-    traces = f", trace UI at {cluster.trace_api_url}/ (Jaeger API under /api)" if cluster.trace_api_url else ""
-    print(
-        f"kvfleet is up: scheduler at {cluster.scheduler_address}{gateway}, telemetry (OTLP) at "
-        f"{cluster.telemetry_address}{traces} (workers {', '.join(cluster.worker_addresses)}; "
-        f"metrics ports {cluster.metrics_ports}; logs in {cluster.log_dir}). Ctrl-C drains and stops.",
-        flush=True,
-    )
-    if spec.forward_otlp:
-        print(f"traces also go to {spec.forward_otlp} (OTEL_EXPORTER_OTLP_ENDPOINT), through kvfleet's telemetry")
-    print("pids: " + ", ".join(f"{n}={p.pid}" for n, p in cluster.procs.items()), flush=True)
-    stop: list[int] = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    signal.signal(signal.SIGHUP, lambda *_: stop.append(1))  # the terminal closed: the children run apart
-    supervisor = Supervisor(cluster)
-    code = 0
     try:
+        cluster.start()
+        started = True
+    except KeyboardInterrupt:
+        cluster.stop()  # start() stopped what it had started; this also covers a signal before any
+        print("kvfleet: stopped while starting; every process it had started is stopped", file=sys.stderr, flush=True)
+        return 130
+    code = 0
+    try:  # a Ctrl-C from here on, even during the banner, drains
+        gateway = f", OpenAI API at {cluster.gateway_url}/v1" if cluster.gateway_url else ""
+        # The UI and Jaeger's query API share the port: the API's URL is Grafana's data source URL.
+        traces = f", trace UI at {cluster.trace_api_url}/ (Jaeger API under /api)" if cluster.trace_api_url else ""
+        print(
+            f"kvfleet is up: scheduler at {cluster.scheduler_address}{gateway}, telemetry (OTLP) at "
+            f"{cluster.telemetry_address}{traces} (workers {', '.join(cluster.worker_addresses)}; "
+            f"metrics ports {cluster.metrics_ports}; logs in {cluster.log_dir}). Ctrl-C drains and stops.",
+            flush=True,
+        )
+        if spec.forward_otlp:
+            print(f"traces also go to {spec.forward_otlp} (OTEL_EXPORTER_OTLP_ENDPOINT), through kvfleet's telemetry")
+        print("pids: " + ", ".join(f"{n}={p.pid}" for n, p in cluster.procs.items()), flush=True)
+        supervisor = Supervisor(cluster)
         while not stop:
             supervisor.poll()
             time.sleep(0.2)
@@ -303,8 +319,8 @@ def cmd_up(a: argparse.Namespace) -> int:
     except ClusterDown as exc:
         print(f"kvfleet: {exc}; stopping", file=sys.stderr, flush=True)
         code = 1
-    print(f"draining (up to {spec.stop_timeout_s:.0f}s; Ctrl-C again to kill now) ...", flush=True)
     try:
+        print(f"draining (up to {spec.stop_timeout_s:.0f}s; Ctrl-C again to kill now) ...", flush=True)
         cluster.stop()
     except KeyboardInterrupt:
         print("killing ...", flush=True)

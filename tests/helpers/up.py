@@ -17,7 +17,15 @@ from kvfleet.client import SchedulerClient
 class Up:
     """A `kvfleet up` process: its scheduler address and its children's pids, read from its banner."""
 
-    def __init__(self, args: list[str], log: Path, start_timeout_s: float, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        log: Path,
+        start_timeout_s: float,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+    ) -> None:
+        """With ``wait=False`` it returns once the process is started, before its banner."""
         self.stderr_path = log
         self.proc = subprocess.Popen(
             [
@@ -39,6 +47,8 @@ class Up:
             stderr=open(log, "wb"),
             env=None if env is None else {**os.environ, **env},
         )
+        if not wait:
+            return
         banner = self._read_until("pids: ", start_timeout_s)
         self.banner = banner
         self.scheduler = re.search(r"scheduler at (\S+?)[,\s]", banner).group(1)

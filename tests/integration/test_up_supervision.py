@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from kvfleet.client import NO_RETRY, SchedulerClient, build_request
-from tests.helpers.processes import running
+from tests.helpers.processes import children, running
 from tests.helpers.telemetry_db import wait_for_rows
 from tests.helpers.up import Up, wait_live
 
@@ -207,6 +207,32 @@ def test_ctrl_c_drains_and_a_second_ctrl_c_kills_at_once(tmp_path: Path):
         for pid in pids.values():
             if running(pid):
                 os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+        up.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_stop_signal_while_starting_leaves_no_process_behind(tmp_path: Path, sig: int):
+    """`kvfleet up`'s children run in sessions of their own (out of the terminal's Ctrl-C), so a
+    Ctrl-C or SIGTERM while it starts must stop each one it started: it exits with 130 and says so.
+    (Before, SIGTERM there killed it alone and left its telemetry and workers running.)"""
+    up = Up(["--model", "tiny", "--workers", "2", "--no-gateway"], tmp_path / "up.err", 60, wait=False)
+    started: list[int] = []
+    try:
+        end = time.monotonic() + 60
+        # The telemetry is up and the workers are loading (seconds: each imports torch).
+        while "kvfleet: telemetry ready" not in up.stderr() or len(started := children(up.proc.pid)) < 3:
+            assert up.proc.poll() is None, up.stderr()
+            assert time.monotonic() < end, f"no workers started within 60 s:\n{up.stderr()}"
+            time.sleep(0.02)
+        up.proc.send_signal(sig)
+        assert up.proc.wait(30) == 130, up.stderr()
+        assert "kvfleet: stopped while starting" in up.stderr()
+        assert "kvfleet is up" not in up.proc.stdout.read().decode(), "it had finished starting: nothing tested"
+        assert [p for p in started if running(p)] == []
+    finally:
+        for pid in started:
+            if running(pid):
                 os.kill(pid, signal.SIGKILL)
         up.stop()
 
