@@ -215,7 +215,8 @@ def test_ctrl_c_drains_and_a_second_ctrl_c_kills_at_once(tmp_path: Path):
 def test_a_stop_signal_while_starting_leaves_no_process_behind(tmp_path: Path, sig: int):
     """`kvfleet up`'s children run in sessions of their own (out of the terminal's Ctrl-C), so a
     Ctrl-C or SIGTERM while it starts must stop each one it started: it exits with 130 and says so.
-    (Before, SIGTERM there killed it alone and left its telemetry and workers running.)"""
+    (Before, the signal ended `up` alone, SIGTERM by its default action and Ctrl-C with a traceback:
+    its children, undrained, stopped only once their parent-watch saw it gone.)"""
     up = Up(["--model", "tiny", "--workers", "2", "--no-gateway"], tmp_path / "up.err", 60, wait=False)
     started: list[int] = []
     try:
