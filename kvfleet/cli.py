@@ -753,11 +753,38 @@ class _StderrLines(logging.Handler):
         print(f"kvfleet: {record.getMessage()}", file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a cancelled job, `timeout`) ends a command as Ctrl-C does: the local cluster it
+    started, if any, is stopped on the way out (its logs folder removed) rather than left to
+    notice its parent gone. On the main thread only (signal handlers live there); restored after,
+    since tests call ``main`` in their own process."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(*_) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        with _client_retries_said() if args.fn is not cmd_up else contextlib.nullcontext():
+        if args.fn is cmd_up:  # up handles its own signals: a drain
             return args.fn(args)
+        with _client_retries_said(), _terminate_as_interrupt():
+            return args.fn(args)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what the command started is stopped by now
+        print("kvfleet: interrupted", file=sys.stderr)
+        return 130
     except grpc.RpcError as exc:
         from kvfleet.client import not_grpc
 
