@@ -272,18 +272,19 @@ def cmd_up(a: argparse.Namespace) -> int:
     cluster = LocalCluster(spec)
     cluster.on_ready = lambda what: print(f"kvfleet: {what}", file=sys.stderr, flush=True)
     # The children run in sessions of their own (they never see the terminal's Ctrl-C), so this
-    # process must stop them however it is told to stop, at any moment: SIGTERM and SIGHUP act as
-    # Ctrl-C while the cluster starts (start() stops what it started) and ask for a drain after.
+    # process must stop them however it is told to stop, at any moment. A stop signal only sets
+    # flags: a start gives up at its next check (start() stops what it started), after it the loop
+    # below ends and the cluster drains. (A KeyboardInterrupt raised by the signal itself could
+    # land inside grpc's channel finalizer, which drops it, or between a child's start and its
+    # record: see LocalCluster.interrupt.)
     stop: list[int] = []
 
     def on_stop_signal(*_) -> None:
         stop.append(1)
-        if not started:
-            raise KeyboardInterrupt
+        cluster.interrupt()
 
-    started = False
-    signal.signal(signal.SIGTERM, on_stop_signal)
-    signal.signal(signal.SIGHUP, on_stop_signal)  # the terminal closed
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # Ctrl-C, a stop, the terminal closed
+        signal.signal(sig, on_stop_signal)
     print(
         f"starting {a.workers} workers ({a.model} on {a.device}), the scheduler, telemetry"
         f"{' and the HTTP gateway' if spec.gateway else ''} ...",
@@ -291,13 +292,11 @@ def cmd_up(a: argparse.Namespace) -> int:
     )
     try:
         cluster.start()
-        started = True
     except KeyboardInterrupt:
-        cluster.stop()  # start() stopped what it had started; this also covers a signal before any
         print("kvfleet: stopped while starting; every process it had started is stopped", file=sys.stderr, flush=True)
         return 130
     code = 0
-    try:  # a Ctrl-C from here on, even during the banner, drains
+    try:
         gateway = f", OpenAI API at {cluster.gateway_url}/v1" if cluster.gateway_url else ""
         # The UI and Jaeger's query API share the port: the API's URL is Grafana's data source URL.
         traces = f", trace UI at {cluster.trace_api_url}/ (Jaeger API under /api)" if cluster.trace_api_url else ""
@@ -314,11 +313,10 @@ def cmd_up(a: argparse.Namespace) -> int:
         while not stop:
             supervisor.poll()
             time.sleep(0.2)
-    except KeyboardInterrupt:
-        pass
     except ClusterDown as exc:
         print(f"kvfleet: {exc}; stopping", file=sys.stderr, flush=True)
         code = 1
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C interrupts the drain
     try:
         print(f"draining (up to {spec.stop_timeout_s:.0f}s; Ctrl-C again to kill now) ...", flush=True)
         cluster.stop()
@@ -754,25 +752,30 @@ class _StderrLines(logging.Handler):
 
 
 @contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM (a cancelled job, `timeout`) ends a command as Ctrl-C does: the local cluster it
-    started, if any, is stopped on the way out (its logs folder removed) rather than left to
-    notice its parent gone. On the main thread only (signal handlers live there); restored after,
-    since tests call ``main`` in their own process."""
+def _stop_signals() -> Iterator[None]:
+    """Ctrl-C and SIGTERM (a cancelled job, `timeout`) end a command alike: a local cluster it is
+    starting gives up at its next check and stops what it started; otherwise KeyboardInterrupt,
+    and the `with LocalCluster` it runs in stops the cluster (its logs folder removed) rather than
+    leaving its processes to notice their parent gone. On the main thread only (signal handlers
+    live there); restored after, since tests call ``main`` in their own process."""
     import threading
+
+    from kvfleet.local_cluster import interrupt_starts
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def interrupt(*_) -> None:
-        raise KeyboardInterrupt
+    def stop(*_) -> None:
+        if not interrupt_starts():
+            raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -780,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.fn is cmd_up:  # up handles its own signals: a drain
             return args.fn(args)
-        with _client_retries_said(), _terminate_as_interrupt():
+        with _client_retries_said(), _stop_signals():
             return args.fn(args)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what the command started is stopped by now
         print("kvfleet: interrupted", file=sys.stderr)

@@ -23,6 +23,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,6 +163,19 @@ class ClusterSpec:
         return 2 * self.drain_grace_s + STOP_MARGIN_S
 
 
+# The clusters of this process that are starting (start() running): what a signal stops.
+_STARTING: weakref.WeakSet[LocalCluster] = weakref.WeakSet()
+
+
+def interrupt_starts() -> bool:
+    """For a signal handler: every cluster of this process now starting gives up at its next safe
+    point (``LocalCluster.interrupt``). False when none is starting."""
+    starting = list(_STARTING)
+    for cluster in starting:
+        cluster.interrupt()
+    return bool(starting)
+
+
 class LocalCluster:
     """The processes' logs (and telemetry's database) go to ``log_dir``: a folder of the caller's
     is left as it is; without one, a temporary folder is made and removed by ``stop``, except
@@ -186,6 +200,19 @@ class LocalCluster:
         # Told each part of start() as it answers, with the seconds since start() began (`kvfleet
         # up` writes them on stderr: a model's load is seconds of otherwise silent waiting).
         self.on_ready: Callable[[str], None] | None = None
+        self._interrupted = False  # see interrupt()
+
+    def interrupt(self) -> None:
+        """Stop waiting: a start (or a worker's restart) waiting for a process raises
+        KeyboardInterrupt at its next check, within about a second, and start() then stops what it
+        had started. Only a flag is set, so a signal handler may call it. A KeyboardInterrupt raised
+        by the signal itself could land anywhere: between a process's start and its record here
+        (that process then never stopped), or inside grpc's channel finalizer, which drops it."""
+        self._interrupted = True
+
+    def _check_interrupted(self) -> None:
+        if self._interrupted:
+            raise KeyboardInterrupt
 
     @property
     def client_tls(self) -> TlsConfig:
@@ -266,6 +293,7 @@ class LocalCluster:
         self.procs[name] = proc
         self.commands[name] = list(args)
         self.started_at[name] = time.monotonic()
+        self._check_interrupted()  # recorded first, so that stop() stops it
         return proc
 
     def respawn(self, name: str, extra_args: Sequence[str] = ()) -> subprocess.Popen:
@@ -278,6 +306,13 @@ class LocalCluster:
         return self._spawn(name, [*self.commands[name], *extra_args])
 
     def start(self) -> "LocalCluster":
+        _STARTING.add(self)
+        try:
+            return self._start()
+        finally:
+            _STARTING.discard(self)
+
+    def _start(self) -> "LocalCluster":
         s = self.spec
         # The ports asked for are checked before anything starts (a model loads for seconds; a
         # second `kvfleet up` would otherwise fail at its telemetry service), named by up's flags.
@@ -454,6 +489,7 @@ class LocalCluster:
         end = time.monotonic() + self.spec.start_timeout_s
         pending = list(addresses)
         while pending:
+            self._check_interrupted()
             for name, proc in self.procs.items():
                 if proc.poll() is not None:
                     tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
@@ -469,6 +505,7 @@ class LocalCluster:
     def _wait_http(self, name: str, url: str) -> None:
         end = time.monotonic() + self.spec.start_timeout_s
         while True:
+            self._check_interrupted()
             proc = self.procs[name]
             if proc.poll() is not None:
                 tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -24,4 +27,16 @@ def children(pid: int) -> list[int]:
             continue  # it exited while the folder was read
         if int(fields[1]) == pid and fields[0] != "Z":
             found.append(int(stat.parent.name))
+    return found
+
+
+def wait_for_children(proc: subprocess.Popen, count: int, timeout_s: float, log: Callable[[], str]) -> list[int]:
+    """Wait until ``proc`` has ``count`` live children (a cluster starting: its telemetry first, then
+    its workers, which load for seconds); returns them. Fails, showing ``log()``, if it exits first
+    or does not get there within ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while len(found := children(proc.pid)) < count:
+        assert proc.poll() is None, log()
+        assert time.monotonic() < end, f"fewer than {count} child processes within {timeout_s} s:\n{log()}"
+        time.sleep(0.02)
     return found

@@ -8,12 +8,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.processes import children, running
+from tests.helpers.processes import running, wait_for_children
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
@@ -26,15 +25,12 @@ def test_a_stopped_command_stops_its_local_cluster_and_leaves_nothing(tmp_path: 
         stdout=subprocess.DEVNULL,
         stderr=open(err, "wb"),
         env={**os.environ, "TMPDIR": str(temp)},
+        cwd=tmp_path,  # were it to finish, its sweep.json would go there
     )
     started: list[int] = []
     try:
-        end = time.monotonic() + 60
         # Its telemetry is up and its two workers are loading (seconds: each imports torch).
-        while len(started := children(proc.pid)) < 3:
-            assert proc.poll() is None, err.read_text()
-            assert time.monotonic() < end, f"no workers started within 60 s:\n{err.read_text()}"
-            time.sleep(0.02)
+        started = wait_for_children(proc, 3, 60, err.read_text)
         assert list(temp.glob("kvfleet-*")), "no logs folder made: nothing to see removed"
         proc.send_signal(sig)
         assert proc.wait(30) == 130, err.read_text()

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from kvfleet.client import NO_RETRY, SchedulerClient, build_request
-from tests.helpers.processes import children, running
+from tests.helpers.processes import running, wait_for_children
 from tests.helpers.telemetry_db import wait_for_rows
 from tests.helpers.up import Up, wait_live
 
@@ -220,12 +220,8 @@ def test_a_stop_signal_while_starting_leaves_no_process_behind(tmp_path: Path, s
     up = Up(["--model", "tiny", "--workers", "2", "--no-gateway"], tmp_path / "up.err", 60, wait=False)
     started: list[int] = []
     try:
-        end = time.monotonic() + 60
         # The telemetry is up and the workers are loading (seconds: each imports torch).
-        while "kvfleet: telemetry ready" not in up.stderr() or len(started := children(up.proc.pid)) < 3:
-            assert up.proc.poll() is None, up.stderr()
-            assert time.monotonic() < end, f"no workers started within 60 s:\n{up.stderr()}"
-            time.sleep(0.02)
+        started = wait_for_children(up.proc, 3, 60, up.stderr)
         up.proc.send_signal(sig)
         assert up.proc.wait(30) == 130, up.stderr()
         assert "kvfleet: stopped while starting" in up.stderr()
