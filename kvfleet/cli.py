@@ -313,6 +313,8 @@ def cmd_up(a: argparse.Namespace) -> int:
         while not stop:
             supervisor.poll()
             time.sleep(0.2)
+    except KeyboardInterrupt:  # a restart the stop signal interrupted (its process recorded): drain
+        pass
     except ClusterDown as exc:
         print(f"kvfleet: {exc}; stopping", file=sys.stderr, flush=True)
         code = 1

@@ -145,3 +145,18 @@ def test_a_log_dir_of_the_callers_is_kept(tmp_path: Path) -> None:
     with LocalCluster(ClusterSpec(workers=1, model="tiny", telemetry=False), log_dir=mine):
         pass
     assert (mine / "notes.txt").read_text() == "mine" and (mine / "worker-0.log").exists()
+
+
+def test_an_interrupted_spawn_records_its_process_so_that_stop_stops_it(temp_root: Path) -> None:
+    """LocalCluster.interrupt (what a stop signal calls) acts only at safe points: a process being
+    started when it comes is recorded before the KeyboardInterrupt, so stop() still stops it, and
+    the folder goes (an interrupt is no failure). A supervisor's restart in `kvfleet up` relies on it."""
+    cluster = LocalCluster(ClusterSpec())
+    cluster.interrupt()
+    with pytest.raises(KeyboardInterrupt):
+        cluster._spawn("sleeper", ["-c", "import time; time.sleep(60)"])
+    proc = cluster.procs["sleeper"]
+    assert proc.poll() is None
+    cluster.stop(grace_s=5)
+    assert proc.poll() is not None
+    assert list(temp_root.iterdir()) == []
