@@ -29,9 +29,16 @@ def _kill_a_worker_mid_stream(
         firsts = [next(s) for s in streams]
         assert "worker-1" in {f.worker_id for f in firsts}, "no stream on the victim; nothing tested"
         os.kill(up.pids["worker-1"], signal.SIGKILL)
-        got = [list(f.token_ids) + [t for ev in s for t in ev.token_ids] for f, s in zip(firsts, streams)]
+        rests = [list(s) for s in streams]
+        got = [list(f.token_ids) + [t for ev in rest for t in ev.token_ids] for f, rest in zip(firsts, rests)]
         for p, tokens, expected in zip(prompts, got, solo):
             assert tokens == expected, p
+        # The kill cut a stream short: one begun on worker-1 was finished by worker-0.
+        moved = [
+            f.worker_id == "worker-1" and any(ev.worker_id == "worker-0" for ev in rest)
+            for f, rest in zip(firsts, rests)
+        ]
+        assert any(moved), "every stream on the victim had ended before the kill; nothing tested"
         assert up.proc.poll() is None, f"kvfleet up stopped:\n{up.stderr()}"
         wait_live(client, "worker-1", restart_timeout_s)
         log = up.stderr()
