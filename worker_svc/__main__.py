@@ -130,18 +130,22 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         sys.exit(f"worker: {exc}")
     from kvfleet_common.listen import CannotListen, check_ports
-    from kvfleet_models.errors import ModelLoadError
-    from worker_svc.platform import resolve_device
-    from worker_svc.server import build_engine, serve_on_main_thread
 
     exit_with_parent()
     try:
-        resolve_device(config.device)  # before the model loads: a device that is not there is a line
-        # So are ports it cannot have (before the load, not seconds after it).
+        # Ports it cannot have are a line at once: before torch loads (about 2 s), not after it.
         check_ports(
             config.host,
             (("gRPC", config.port, "--port"), ("Prometheus /metrics", config.metrics_port, "--metrics-port")),
         )
+    except CannotListen as exc:
+        sys.exit(f"worker: {exc}")
+    from kvfleet_models.errors import ModelLoadError
+    from worker_svc.platform import resolve_device
+    from worker_svc.server import build_engine, serve_on_main_thread
+
+    try:
+        resolve_device(config.device)  # before the model loads: a device that is not there is a line
         loaded = build_engine(config)  # on this thread, which then runs every step
     except ModelLoadError as exc:
         sys.exit(f"worker: cannot load model: {exc}")

@@ -156,3 +156,15 @@ def test_kvfleet_up_checks_its_ports_before_starting_anything(held_port, tmp_pat
         "service, or a second `kvfleet up`?); free it or choose another with --telemetry-port"
     )
     assert "pids:" not in proc.stdout + proc.stderr  # nothing was started
+
+
+def test_a_worker_refuses_a_taken_port_before_it_imports_torch(held_port):
+    """The port check came after torch's import, so the one line came about 2 s late; now nothing
+    that imports torch has run when the worker names the port (-X importtime lists every import)."""
+    cmd = [sys.executable, "-X", "importtime", "-m", "worker_svc", "--model", "tiny", "--port", str(held_port)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    line = _one_line(proc, "worker: ")
+    assert f":{held_port} (" in line and line.endswith("choose another with --port"), line
+    imported = [ln.rsplit("|", 1)[-1].strip() for ln in proc.stderr.splitlines() if ln.startswith("import time:")]
+    assert "socket" in imported, proc.stderr[-2000:]  # the listing is there (the check uses it)
+    assert not [m for m in imported if m == "torch" or m.startswith("torch.")], "torch was imported first"
