@@ -285,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"tiny sweep, overlap {'on' if sweep['overlap_scheduling'] else 'off'}: "
             f"{sweep['ticks_per_s_median']} ticks/s median (best {sweep['ticks_per_s_best']}, {sweep['repeats']} repeats); "
-            f"CPU ms per tick {sweep['cpu_ms_per_tick']}, ceiling {sweep['ticks_per_s_ceiling']} ticks/s"
+            f"CPU ms per tick {sweep['cpu_ms_per_tick']}, ceiling {sweep['ticks_per_s_ceiling']} ticks/s; "
+            f"a tick's slowest worker step {sweep['worker_step_ms']} ms, which alone allows "
+            f"{sweep['ticks_per_s_engine_bound']} ticks/s"
         )
     print(f"load {out['load_avg_1m']} on {out['cpu_count']} CPUs")
     if a.json:

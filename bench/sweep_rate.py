@@ -3,7 +3,11 @@
 The sweep's own workload (8 sessions, 4-token prompts, 8 new tokens, prefill budget 4, at
 concurrency 1, 2, 4, 8) on the default two-worker cluster; the rate is the ticks the scheduler
 reports in the sweep results over the client's wall time for them, repeated to steady it; with
-it each process's CPU milliseconds per tick and the rate they allow (``bench.cpu_time``).
+it each process's CPU milliseconds per tick and the rate they allow (``bench.cpu_time``), and
+the rate the workers' steps alone allow: from each repeat's spans (``bench.ticks``), the mean of
+a tick's slowest ``worker_step``, and 1000 / that. A control plane that cost nothing would run
+the sweep at that rate, so it bounds what control-plane work can reach on the machine (the
+steps are the cluster's own, slowed as they are by the processes beside them).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import time
 from collections.abc import Callable
 
 from bench import cpu_time
+from bench.ticks import tick_breakdown, wait_for_spans
 from kvfleet.client import SchedulerClient
 from kvfleet.local_cluster import ClusterSpec, LocalCluster
 from kvfleet.sweep import SweepSpec, make_prompts, run_one
@@ -38,9 +43,11 @@ def sweep_ticks_per_s(
         prompts = make_prompts(spec, client.list_workers()[0].vocab_size)
         run_one(client, spec, prompts, spec.concurrency[-1])  # warm-up
         pids = {name: cluster.pid(name) for name in cluster.procs}
-        runs, cpu_runs = [], []
+        runs, cpu_runs, step_ms = [], [], []
+        db = cluster.log_dir / "telemetry.db"
         for r in range(repeats):
             ticks, wall = 0, 0.0
+            start_ns = time.time_ns()
             cpu_before = cpu_time.snapshot(pids)
             for c in spec.concurrency:
                 t0 = time.perf_counter()
@@ -49,9 +56,14 @@ def sweep_ticks_per_s(
                 ticks += stats.ticks
             runs.append(ticks / wall)
             cpu_runs.append(cpu_time.per_tick_ms(cpu_before, cpu_time.snapshot(pids), ticks))
+            if cluster_spec.telemetry:  # the spans settle between repeats, outside the timed part
+                wait_for_spans(db)
+                step_ms.append(tick_breakdown(db, start_ns, time.time_ns()).get("worker_step_ms"))
             progress(f"sweep repeat {r + 1}/{repeats}: {ticks} ticks, {ticks / wall:.0f} ticks/s")
     runs.sort()
     cpu = {name: round(statistics.median(r[name] for r in cpu_runs), 3) for name in cpu_runs[0]}
+    steps = [ms for ms in step_ms if ms]
+    step_median = round(statistics.median(steps), 3) if steps else None
     return {
         "ticks_per_sweep": ticks,
         "repeats": repeats,
@@ -61,4 +73,8 @@ def sweep_ticks_per_s(
         "ticks_per_s_best": round(runs[-1], 1),
         "cpu_ms_per_tick": cpu,
         "ticks_per_s_ceiling": cpu_time.tick_ceiling(cpu["total"]),
+        # The slowest worker step of a tick (mean over a repeat; median of repeats), and the rate
+        # those steps alone allow: None without telemetry's spans.
+        "worker_step_ms": step_median,
+        "ticks_per_s_engine_bound": round(1000 / step_median, 1) if step_median else None,
     }
