@@ -199,3 +199,36 @@ def test_a_status_the_scheduler_does_not_know_reads_as_a_cache_miss_in_either_fo
     cols = step_results(_result_columns(statuses=[pb.ITEM_OK, 99]))
     msgs = step_results(pb.StepResponse(results=[pb.ItemResult(session_id="b", status=99)]))
     assert cols["b"].status == msgs["b"].status == StepStatus.CACHE_MISS
+
+
+@pytest.mark.parametrize("blocks", [[(), (), ()], [(), (5,), (6, 7)]], ids=["no-new-blocks", "new-blocks"])
+def test_columns_and_items_give_the_worker_the_same_decode_items(blocks):
+    """Every field of DecodeItem, the invalid sampling's reason among them, comes out of the
+    columns as out of the per-item messages (the columns' items are built positionally)."""
+    samplings = [pb.Sampling(), pb.Sampling(temperature=0.5, seed=4), pb.Sampling(temperature=-1.0)]
+    items = [
+        pb.DecodeItem(
+            session_id=f"s{k}",
+            token_id=3 + k,
+            position=10 + k,
+            generated_so_far=20 + k,
+            sampling=samplings[k],
+            block_ids=list(blocks[k]),
+            last_sampled=k == 1,
+        )
+        for k in range(3)
+    ]
+    cols = pb.DecodeColumns(
+        session_ids=[i.session_id for i in items],
+        token_ids=[i.token_id for i in items],
+        positions=[i.position for i in items],
+        generated_so_far=[i.generated_so_far for i in items],
+        last_sampled=[i.last_sampled for i in items],
+        sampling=[0, 1, 2],
+        block_counts=[len(b) for b in blocks] if any(blocks) else [],
+        block_ids=[b for bs in blocks for b in bs],
+    )
+    from_columns = step_from_pb(pb.StepRequest(decode_columns=cols, samplings=samplings)).decode
+    assert from_columns == step_from_pb(pb.StepRequest(decode=items)).decode
+    assert from_columns[2].invalid and not from_columns[0].invalid  # the rule broken, named
+    assert [i.block_ids for i in from_columns] == [tuple(b) for b in blocks]
