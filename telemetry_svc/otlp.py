@@ -48,8 +48,16 @@ def any_value(v: AnyValue) -> Any:
     return getattr(v, kind)
 
 
+_SCALARS = frozenset({"string_value", "int_value", "double_value", "bool_value"})
+
+
 def attributes(kvs: Iterable[KeyValue]) -> dict[str, Any]:
-    return {kv.key: any_value(kv.value) for kv in kvs}
+    out = {}
+    for kv in kvs:  # a scalar read in place (nearly every attribute): no call per value
+        value = kv.value
+        kind = value.WhichOneof("value")
+        out[kv.key] = getattr(value, kind) if kind in _SCALARS else any_value(value)
+    return out
 
 
 @dataclass(frozen=True)
@@ -159,10 +167,15 @@ def _plain_detail_key(span: Span) -> tuple | None:
     if span.events or span.dropped_events_count or span.dropped_links_count or span.dropped_attributes_count:
         return None
     links = span.links
-    if len(links) > MAX_LINKS or any(link.attributes for link in links):
+    if len(links) > MAX_LINKS:
         return None
+    ids = []
+    for link in links:  # one pass: a link with attributes has a detail of its own
+        if link.attributes:
+            return None
+        ids.append((link.trace_id, link.span_id))
     status = span.status
-    return span.kind, status.code, status.message, tuple((link.trace_id, link.span_id) for link in links)
+    return span.kind, status.code, status.message, tuple(ids)
 
 
 def count_spans(request: ExportTraceServiceRequest) -> int:
