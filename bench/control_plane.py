@@ -287,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{sweep['ticks_per_s_median']} ticks/s median (best {sweep['ticks_per_s_best']}, {sweep['repeats']} repeats); "
             f"CPU ms per tick {sweep['cpu_ms_per_tick']}, ceiling {sweep['ticks_per_s_ceiling']} ticks/s; "
             f"a tick's slowest worker step {sweep['worker_step_ms']} ms, which alone allows "
-            f"{sweep['ticks_per_s_engine_bound']} ticks/s"
+            f"{sweep['ticks_per_s_engine_bound']} ticks/s; the rest of a tick {sweep['scheduler_rpc_ms']} ms, "
+            f"which alone allows {sweep['ticks_per_s_control_plane_bound']} ticks/s"
         )
     print(f"load {out['load_avg_1m']} on {out['cpu_count']} CPUs")
     if a.json:
