@@ -166,6 +166,10 @@ class EngineConfig:
     # group's attention); False = torch's ops only (an A/B lever; KVFLEET_FUSED_OPS=0 also
     # switches them off process-wide).
     fused_ops: bool = True
+    # A step of a plain Llama stack of small layers (the tiny model) as one C call, its tokens
+    # rows of their own (``LlamaModel.whole_step``); False = the per-op path (an A/B lever;
+    # KVFLEET_WHOLE_STEPS=0 also switches it off process-wide).
+    whole_steps: bool = True
     # The longest sequence (prompt + generated) served: 0 = the model's own max_position; at
     # most that (the rotary tables and a scaled RoPE's original context stay the model's).
     max_model_len: int = 0
@@ -318,6 +322,7 @@ class Engine:
             quant=config.quant,
             fused_ops=None if config.fused_ops else False,
             torch_copy=False,
+            whole_steps=config.whole_steps,
         )
         self.use_threads()
         kv_dtype = kv_cache_dtype(self.device, dtype, config.quant, config.kv_dtype)

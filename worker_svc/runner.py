@@ -16,7 +16,7 @@ import torch
 
 from kvfleet_common.records import record
 from kvfleet_models.config import LlamaConfig
-from worker_svc.kv_cache import AttnGroup, BatchLayout, KVViews, PagedKVCache
+from worker_svc.kv_cache import AttnGroup, BatchLayout, KVViews, PagedKVCache, RebuildViews
 from worker_svc.model.llama import TORCH_ATTENTION_NEVER, GroupTensors, LlamaModel, PhaseTimes, StepTensors
 
 
@@ -146,6 +146,30 @@ def step_tensors(
     )
 
 
+def _whole_step(model: LlamaModel, cache: PagedKVCache, admitted: Sequence[RunItem], times: PhaseTimes) -> torch.Tensor:
+    """``run_step`` as one C call (``LlamaModel.whole_step``): no groups, masks or reordering,
+    as every token is a row of its own, with its item's blocks and its own count of keys."""
+    tokens: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    sample_rows: list[int] = []
+    tables: list[tuple[int, ...]] = []
+    for a in admitted:
+        n = len(a.tokens)
+        tokens += a.tokens
+        positions += range(a.start, a.start + n)
+        slots += a.slots
+        tables += [a.blocks] * n
+        if a.sample:
+            sample_rows.append(len(tokens) - 1)
+    lens = torch.tensor(positions, dtype=torch.int64) + 1
+    table = cache.block_table(tuple(tables), int(lens.max()))
+    logits = model.whole_step(
+        cache, torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots), table, lens, times
+    )
+    return logits if len(sample_rows) == len(tokens) else logits[torch.tensor(sample_rows, dtype=torch.int64)]
+
+
 def run_step(
     model: LlamaModel,
     cache: PagedKVCache,
@@ -156,6 +180,8 @@ def run_step(
 ) -> torch.Tensor:
     """One forward over ``admitted`` (non-empty); returns logits [N, V] on the device, row k
     for the k-th item of ``admitted`` whose ``sample`` is set."""
+    if isinstance(views, RebuildViews) and model.whole_step_fits(sum(len(a.tokens) for a in admitted)):
+        return _whole_step(model, cache, admitted, times)
     # Attention groups want multi-token items first, then one-token items.
     order = sorted(range(len(admitted)), key=lambda i: len(admitted[i].tokens) == 1)
     items = [admitted[i] for i in order]

@@ -62,7 +62,8 @@ class MutationWatch:
         self.inside: dict[tuple[int, int], int] = {}  # (engine, thread) -> nesting depth
         self._guard = threading.Lock()
         watch = self
-        step, release, forward = Engine.step, Engine.release, LlamaModel.forward
+        step, release = Engine.step, Engine.release
+        forward, whole_step = LlamaModel.forward, LlamaModel.whole_step
         step_rpc = WorkerServicer.Step
 
         def watched(fn, name: str = ""):
@@ -77,19 +78,22 @@ class MutationWatch:
 
             return call
 
-        def slow_forward(self, st, *args, **kwargs):
-            if watch._take_slow(int(st.tokens.shape[0])):
-                watch.order.append("forward in")
-                watch.entered.set()
-                if watch.gate is not None:
-                    assert watch.gate.wait(60), "the test never opened the gate"
-                else:
-                    time.sleep(watch.slow_s)
-                try:
-                    return forward(self, st, *args, **kwargs)
-                finally:
-                    watch.order.append("forward out")
-            return forward(self, st, *args, **kwargs)
+        def slowed(fn, tokens_of):  # a model's forward: its per-op path, or a whole step
+            def call(self, *args, **kwargs):
+                if watch._take_slow(tokens_of(*args)):
+                    watch.order.append("forward in")
+                    watch.entered.set()
+                    if watch.gate is not None:
+                        assert watch.gate.wait(60), "the test never opened the gate"
+                    else:
+                        time.sleep(watch.slow_s)
+                    try:
+                        return fn(self, *args, **kwargs)
+                    finally:
+                        watch.order.append("forward out")
+                return fn(self, *args, **kwargs)
+
+            return call
 
         async def counted_step_rpc(self, request, context):
             if not request.prefill and not request.decode and not request.HasField("decode_columns"):
@@ -98,7 +102,10 @@ class MutationWatch:
 
         monkeypatch.setattr(Engine, "step", watched(step))
         monkeypatch.setattr(Engine, "release", watched(release, "release"))
-        monkeypatch.setattr(LlamaModel, "forward", slow_forward)
+        monkeypatch.setattr(LlamaModel, "forward", slowed(forward, lambda st, *a: int(st.tokens.shape[0])))
+        monkeypatch.setattr(
+            LlamaModel, "whole_step", slowed(whole_step, lambda cache, tokens, *a: int(tokens.shape[0]))
+        )
         monkeypatch.setattr(WorkerServicer, "Step", counted_step_rpc)
 
     def gate_forward(self) -> None:

@@ -368,7 +368,8 @@ def test_a_decode_step_plans_its_attention_once_for_every_layer(ops: fused.Fused
 
     monkeypatch.setattr(fused.FusedOps, "decode_attention_plan", counted_plan)
     monkeypatch.setattr(fused.DecodeAttention, "__call__", counted_run)
-    steps = LocalSteps(Engine(CFG, WEIGHTS, EngineConfig(block_size=4, num_blocks=32, fused_ops=True)))
+    config = EngineConfig(block_size=4, num_blocks=32, fused_ops=True, whole_steps=False)  # the per-op path
+    steps = LocalSteps(Engine(CFG, WEIGHTS, config))
     out = steps.step([PrefillItem(s, (1, 2, 3, 4, 5)[: 3 + k], 0, True, GREEDY) for k, s in enumerate("ab")], [])
     tokens = [r.token_id for r in out.results]
     for i in range(2):
@@ -393,7 +394,8 @@ def test_rebuild_decodes_read_the_paged_cache_without_a_gather(ops: fused.FusedO
     logits = []
     for on in (True, False):
         merged.clear()
-        engine = Engine(CFG, WEIGHTS, EngineConfig(block_size=4, num_blocks=64, kv_views="rebuild", fused_ops=on))
+        config = EngineConfig(block_size=4, num_blocks=64, kv_views="rebuild", fused_ops=on, whole_steps=False)
+        engine = Engine(CFG, WEIGHTS, config)
         assert isinstance(engine.views, RebuildViews)
         steps = LocalSteps(engine)
         first = steps.step(
@@ -546,8 +548,17 @@ def _mixed_steps(engine: Engine) -> np.ndarray:
 @pytest.mark.parametrize("kv_views", ["rebuild", "persistent"])
 @pytest.mark.parametrize(
     "mode,atol",
-    [({}, 1e-5), ({"kv_dtype": "float16"}, 1e-5), ({"quant": "int8"}, 1e-4), ({"dtype": "bfloat16"}, 1e-4)],
-    ids=["f32", "f32-kv16", "int8", "bf16"],  # int8 and bf16 keep a float16 KV by default
+    [
+        ({}, 1e-5),
+        ({"whole_steps": False}, 1e-5),
+        ({"kv_dtype": "float16"}, 1e-5),
+        ({"kv_dtype": "float16", "whole_steps": False}, 1e-5),
+        ({"quant": "int8"}, 1e-4),
+        ({"dtype": "bfloat16"}, 1e-4),
+    ],
+    # int8 and bf16 keep a float16 KV by default; float32 takes whole steps in the rebuild mode
+    # (``LlamaModel.whole_step``) unless switched off, then the per-op path
+    ids=["f32", "f32-perop", "f32-kv16", "f32-kv16-perop", "int8", "bf16"],
 )
 @pytest.mark.parametrize("threads", [1, 2])
 def test_engine_with_fused_ops_matches_torch_ops(

@@ -8,6 +8,10 @@ softmax and products) run at 3-5x their warm cost. ``FusedOps`` does each of tho
 call; so does the write of a step's new K/V into the paged cache (``KVStore``). (SiLU-gate
 was fused too and measured no faster in a step: it stays torch's.)
 
+For a model of small layers (the tiny one) even those calls are most of a step: ``decode_step``
+runs a whole step, every layer and the head, as one call (``kv_decode_step``: the same norms,
+RoPE, K/V write and attention, with the products as plain C loops), for ``LlamaModel.whole_step``.
+
 The library (``-O3 -march=native``) is compiled when the package is built (``native``: a wheel,
 ``pip install``, ``make install``) and used on a CPU with every flag of the build's; where no
 such build is installed (a checkout never built), it is compiled with the system's C compiler
@@ -23,7 +27,8 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -81,7 +86,9 @@ class FusedOps:
             fn.argtypes = [ctypes.POINTER(_AttentionArgs)]
         self._store = lib.kv_store
         self._store.argtypes = [ctypes.POINTER(_StoreArgs)]
-        for fn in (self._rms, self._add_rms, self._rope, self._store, *self._attn.values()):
+        self._step = lib.kv_decode_step
+        self._step.argtypes = [ctypes.POINTER(_StepArgs)]
+        for fn in (self._rms, self._add_rms, self._rope, self._store, self._step, *self._attn.values()):
             fn.restype = None
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -130,6 +137,68 @@ class FusedOps:
             half=int(cache.dtype == torch.float16),
         )
         return KVStore(self._store, args, cache, slots, qkv)
+
+    def decode_step(
+        self,
+        stack: DecodeStack,
+        h: torch.Tensor,
+        rot: torch.Tensor,
+        cache: torch.Tensor,
+        slots: torch.Tensor,
+        pages: BlockTable,
+        lens: torch.Tensor | None,
+        firsts: torch.Tensor | None,
+    ) -> StepResult:
+        """Every layer of a decode-only step and the head, in one C call (``kv_decode_step``).
+        h: [T, hidden] float32 contiguous, the embedding rows of the step's T tokens (one per
+        item), written over (the residual stream); rot: [T, D/2] complex64 contiguous, each
+        token's rotation; cache, slots: as ``kv_store_plan``'s; pages, lens, firsts: as
+        ``decode_attention_plan``'s (item b is row b). Returns the logits [T, V] of every row."""
+        t, s = h.shape[0], stack
+        if h.dtype != torch.float32 or not h.is_contiguous() or h.shape[1:] != (s.hidden,):
+            raise ValueError(f"h must be float32 [T, {s.hidden}] contiguous")
+        if rot.dtype != torch.complex64 or not rot.is_contiguous() or rot.shape != (t, s.head_dim // 2):
+            raise ValueError(f"rot must be complex64 [T, {s.head_dim // 2}] contiguous")
+        if cache.dim() != 5 or cache.shape[0] != s.n_layers:
+            raise ValueError(f"the cache must hold the model's {s.n_layers} layers, got {tuple(cache.shape)}")
+        widths = (s.hidden, s.qkv_out, s.q_width, 2 * s.inter)
+        scratch = torch.empty(t * sum(widths), dtype=torch.float32)
+        x, qkv, attn, gate_up = (part.view(t, w) for part, w in zip(scratch.split([t * w for w in widths]), widths))
+        store = self.kv_store_plan(cache, slots, qkv, s.q_width)
+        attention = self.decode_attention_plan(
+            qkv[:, : s.q_width], cache[0], lens, True, t, s.kv_heads, None, pages, firsts
+        )
+        logits = torch.empty((t, s.vocab), dtype=torch.float32)
+        args = _StepArgs(
+            h=h.data_ptr(),
+            logits=logits.data_ptr(),
+            rot=rot.data_ptr(),
+            final_norm=s.final_norm.data_ptr(),
+            head=s.head.data_ptr(),
+            layers=ctypes.addressof(s.layers),
+            x=x.data_ptr(),
+            qkv=qkv.data_ptr(),
+            attn=attn.data_ptr(),
+            gate_up=gate_up.data_ptr(),
+            attention=ctypes.addressof(attention._args),
+            store=ctypes.addressof(store._args),
+            cache=cache.data_ptr(),
+            layer_bytes=cache.stride(0) * cache.element_size(),
+            v_bytes=cache.stride(1) * cache.element_size(),
+            rows=t,
+            hidden=s.hidden,
+            qkv_out=s.qkv_out,
+            q_width=s.q_width,
+            inter=s.inter,
+            vocab=s.vocab,
+            n_layers=s.n_layers,
+            rope_heads=s.rope_heads,
+            half=s.head_dim // 2,
+            kv_half=int(cache.dtype == torch.float16),
+            eps=s.eps,
+        )
+        self._step(ctypes.byref(args))
+        return StepResult(logits, args.kv_write_ns, args.attention_ns)
 
     def decode_attention(self, q3: torch.Tensor, kv: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One call: ``decode_attention_plan`` with these arguments, made and run once."""
@@ -276,6 +345,90 @@ class _StoreArgs(ctypes.Structure):
         ("slots", _F),
         *((name, _L) for name in ("stride", "col", "rows", "hkv", "dim", "capacity", "half")),
     ]
+
+
+class _LayerWeights(ctypes.Structure):
+    """fused_ops.c's kv_layer_weights, field for field."""
+
+    _fields_ = [(name, _F) for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")]
+
+
+class _StepArgs(ctypes.Structure):
+    """fused_ops.c's kv_step_args, field for field."""
+
+    _fields_ = [
+        *(
+            (name, _F)
+            for name in (
+                "h", "logits", "rot", "final_norm", "head", "layers", "x", "qkv", "attn", "gate_up",
+                "attention", "store", "cache",
+            )
+        ),
+        *(
+            (name, _L)
+            for name in (
+                "layer_bytes", "v_bytes", "rows", "hidden", "qkv_out", "q_width", "inter", "vocab",
+                "n_layers", "rope_heads", "half", "kv_half",
+            )
+        ),
+        ("eps", ctypes.c_float),
+        ("kv_write_ns", ctypes.c_longlong),
+        ("attention_ns", ctypes.c_longlong),
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """``FusedOps.decode_step``'s logits [T, V], and the nanoseconds it spent in the K/V writes
+    and in attention (the per-op path's ``PhaseTimes`` phases)."""
+
+    logits: torch.Tensor
+    kv_write_ns: int
+    attention_ns: int
+
+
+class DecodeStack:
+    """A plain Llama stack's float32 weights, as ``kv_decode_step`` reads them: per layer the
+    norms and the [in, out] products (the host BLAS path's copies), made once per model (the tensors are held here, so the
+    pointers stay valid). Every tensor float32, contiguous, on the CPU."""
+
+    def __init__(
+        self,
+        layers: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+        final_norm: torch.Tensor,
+        head: torch.Tensor,
+        head_dim: int,
+        num_heads: int,
+        kv_heads: int,
+        eps: float,
+    ) -> None:
+        input_norm, qkv, _, _, _, down = layers[0]
+        self.hidden, self.qkv_out, self.inter = input_norm.shape[0], qkv.shape[1], down.shape[0]
+        self.head_dim, self.kv_heads, self.q_width = head_dim, kv_heads, num_heads * head_dim
+        self.rope_heads, self.n_layers, self.vocab, self.eps = num_heads + kv_heads, len(layers), head.shape[1], eps
+        shapes = (
+            (self.hidden,),
+            (self.hidden, self.qkv_out),
+            (self.q_width, self.hidden),
+            (self.hidden,),
+            (self.hidden, 2 * self.inter),
+            (self.inter, self.hidden),
+        )
+        if self.qkv_out != self.q_width + 2 * kv_heads * head_dim or head_dim % 2:
+            raise ValueError("qkv's rows must be Hq + 2 Hkv heads of an even head size")
+        for ws in layers:
+            for t, shape in zip(ws, shapes):
+                _check_weight(t, shape)
+        _check_weight(final_norm, (self.hidden,))
+        _check_weight(head, (self.hidden, self.vocab))
+        self._held = (layers, final_norm, head)
+        self.final_norm, self.head = final_norm, head
+        self.layers = (_LayerWeights * len(layers))(*(_LayerWeights(*(t.data_ptr() for t in ws)) for ws in layers))
+
+
+def _check_weight(t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or tuple(t.shape) != shape:
+        raise ValueError(f"a weight must be float32 {shape} contiguous on the CPU, got {t.dtype} {tuple(t.shape)}")
 
 
 class KVStore:

@@ -483,3 +483,103 @@ void kv_store(const kv_store_args *a) {
         }
     }
 }
+
+/* ---- A whole decode step of a plain Llama stack in one call (``fused.DecodeStep``) ----
+ *
+ * For a model whose layers are small (the spec's tiny Llama: hidden 32, six layers) a decode
+ * step is its ~12 calls a layer, not their arithmetic: each product, norm or write costs a
+ * dispatch of 5-15 us for well under a microsecond of work. This runs every layer of a
+ * decode-only step (one token per item, K/V in the paged cache) and the head in one call,
+ * with the same primitives as the per-op path: the norms, RoPE, the K/V write and the decode
+ * attention above; the products are plain loops over the [in, out] weights, which is where a
+ * large model would want a BLAS: ``llama.py`` only takes models whose layers are small. */
+
+#include <time.h>
+
+static inline long long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* out[r, :] = x[r, :] w for rows r; w [n_in, n_out] row-major (the host BLAS path's layout);
+ * x and out rows x_stride and out_stride floats apart. Each output sums its n_in products in
+ * order, whatever the rows: a row's result does not depend on the batch. */
+static void linear_kn(const float *x, long x_stride, const float *w, long n_in, long n_out, float *out,
+                      long out_stride, long rows) {
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        float *o = out + r * out_stride;
+        for (long j = 0; j < n_out; j++) o[j] = 0.0f;
+        for (long k = 0; k < n_in; k++) {
+            const float xk = xr[k], *wk = w + k * n_out;
+#pragma omp simd
+            for (long j = 0; j < n_out; j++) o[j] += xk * wk[j];
+        }
+    }
+}
+
+/* One layer's weights: norms [hidden], products [in, out] (qkv's q rows pre-scaled and
+ * pair-permuted as the per-op path holds them; gate_up [gate | up] rows). */
+typedef struct {
+    const float *input_norm, *qkv, *o, *post_norm, *gate_up, *down;
+} kv_layer_weights;
+
+typedef struct {
+    float *h;                         /* [T, hidden] the residual stream (the embedding rows in) */
+    float *logits;                    /* [T, vocab] out */
+    const float *rot;                 /* [T, half] (cos, sin) pairs of each token's position */
+    const float *final_norm, *head;   /* [hidden], [hidden, vocab] */
+    const kv_layer_weights *layers;   /* [n_layers] */
+    float *x, *qkv, *attn, *gate_up;  /* scratch [T, hidden], [T, qkv_out], [T, q_width], [T, 2 inter] */
+    kv_attention_args *attention;     /* the step's attention plan: q, k, v, out set here per layer */
+    kv_store_args *store;             /* the step's K/V write plan: qkv, cache set here per layer */
+    char *cache;                      /* the paged cache [L, 2, Hkv, slots, D] */
+    long layer_bytes, v_bytes;        /* a layer's bytes in it; V's offset from K's */
+    long rows, hidden, qkv_out, q_width, inter, vocab, n_layers, rope_heads, half, kv_half;
+    float eps;
+    long long kv_write_ns, attention_ns; /* out: time in the K/V writes and the attention */
+} kv_step_args;
+
+void kv_decode_step(kv_step_args *a) {
+    const long T = a->rows, H = a->hidden, I = a->inter;
+    long long write_ns = 0, attn_ns = 0;
+    kv_rms_norm(a->h, a->layers[0].input_norm, a->x, T, H, a->eps);
+    for (long l = 0; l < a->n_layers; l++) {
+        const kv_layer_weights *w = a->layers + l;
+        linear_kn(a->x, H, w->qkv, H, a->qkv_out, a->qkv, a->qkv_out, T);
+        kv_rope(a->qkv, a->qkv_out, a->rot, T, a->rope_heads, a->half);
+        char *layer = a->cache + l * a->layer_bytes;
+        const long long t0 = now_ns();
+        a->store->qkv = a->qkv;
+        a->store->cache = layer;
+        kv_store(a->store);
+        const long long t1 = now_ns();
+        kv_attention_args *at = a->attention;
+        at->q = a->qkv;
+        at->k = layer;
+        at->v = layer + a->v_bytes;
+        at->out = a->attn;
+        if (a->kv_half)
+            kv_decode_attention_f16(at);
+        else
+            kv_decode_attention(at);
+        const long long t2 = now_ns();
+        write_ns += t1 - t0;
+        attn_ns += t2 - t1;
+        /* x is free once read: each product's output goes there, then into h with the next norm */
+        linear_kn(a->attn, a->q_width, w->o, a->q_width, H, a->x, H, T);
+        kv_add_rms_norm(a->h, a->x, w->post_norm, a->x, T, H, a->eps);
+        linear_kn(a->x, H, w->gate_up, H, 2 * I, a->gate_up, 2 * I, T);
+        for (long r = 0; r < T; r++) { /* silu(gate) * up, into the gate's columns */
+            float *g = a->gate_up + r * 2 * I;
+            for (long j = 0; j < I; j++) g[j] = g[j] / (1.0f + expf(-g[j])) * g[I + j];
+        }
+        linear_kn(a->gate_up, 2 * I, w->down, I, H, a->x, H, T);
+        kv_add_rms_norm(a->h, a->x, l + 1 < a->n_layers ? a->layers[l + 1].input_norm : a->final_norm, a->x, T, H,
+                        a->eps);
+    }
+    linear_kn(a->x, H, a->head, H, a->vocab, a->logits, a->vocab, T);
+    a->kv_write_ns = write_ns;
+    a->attention_ns = attn_ns;
+}

@@ -45,7 +45,11 @@ Weights are prepared once for this forward, not kept in the checkpoint's form:
 
 On a CPU the small ops between the products (the RMS norms, each fused with the residual add
 before it, RoPE, a decode group's attention) are hand-fused C (``fused``) where a C
-compiler is found, and torch's ops otherwise or with ``fused_ops=False``. The fused decode
+compiler is found, and torch's ops otherwise or with ``fused_ops=False``. A plain float32
+stack of small layers (the tiny model) runs a whole step there as one call (``whole_step``:
+``runner`` sends it every step of the paged views whose products fit WHOLE_STEP_MACS), each
+token a row attending to its item's keys up to its own position, so a prefill's tokens and
+decodes go alike. The fused decode
 attention reads each item's keys from its window's first (``kv_firsts``, where a sliding
 window cuts) to its own position (``kv_lens``), no others. In the rebuild views mode it
 reads each item's keys from the paged cache's blocks where they lie, and the queries from the
@@ -64,6 +68,7 @@ built by ``worker_svc.runner`` from the engine's admitted items; this module onl
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -75,7 +80,7 @@ import torch
 from kvfleet_models.config import LlamaConfig
 from kvfleet_models.gguf_blocks import BlockTensor
 from kvfleet_models.rope import rope_frequencies
-from worker_svc.kv_cache import AttnGroup, KVViews, PagedKVCache, PagedRows, SlabRows
+from worker_svc.kv_cache import AttnGroup, BlockTable, KVViews, PagedKVCache, PagedRows, SlabRows
 from worker_svc.model import fused, gguf_quant, int8
 from worker_svc.model.cpu_backend import (
     QUANT_MODES,
@@ -97,6 +102,13 @@ from worker_svc.platform import plan_backend, synchronize
 # (``LlamaModel.use_threads``); NEVER: the host path keeps every group.
 TORCH_ATTENTION_ITEMS = 2
 TORCH_ATTENTION_NEVER = 1 << 62
+# Steps as one C call (``LlamaModel.whole_step``) where a step's products are at most this many
+# multiply-adds a layer (its rows times a layer's weights and a share of the head's): the C
+# loops are no BLAS. On the 2-core AVX2 EPYC, decode steps of one thread, against the per-op
+# path: hidden 32 (the tiny model) 1.4x as fast at 64 rows (0.7 M), 0.89x at 128 (1.3 M);
+# hidden 64 1.65x at 8 rows, 1.12x at 64 (2.6 M); hidden 128 2.6x at 1 row, 1.32x at 8
+# (1.3 M), 0.81x at 32 (5.2 M); hidden 256 1.68x at 1 row (0.66 M), 0.87x at 8.
+WHOLE_STEP_MACS = 1 << 20
 
 
 @dataclass
@@ -262,6 +274,7 @@ class LlamaModel:
         quant: str = "none",
         fused_ops: bool | None = None,
         torch_copy: bool = True,
+        whole_steps: bool = True,
     ) -> None:
         """host_blas: None = numpy's BLAS exactly when float32 on a CPU (False forces torch's
         path, which GPUs take, so that a CPU-only test can check it).
@@ -272,7 +285,9 @@ class LlamaModel:
         quant: "none", "int8" (float32 on a CPU only: ``q8``'s int8 products) or "gguf"
         (the same, on a GGUF's own blocks: ``weights`` from ``load_model_blocks``).
         fused_ops: None = the hand-fused C ops (``fused``) on a CPU where they build; False =
-        torch's ops only; True = required (an error where they cannot be built)."""
+        torch's ops only; True = required (an error where they cannot be built).
+        whole_steps: a step as one C call where the model allows it (``whole_step_fits``);
+        False, or KVFLEET_WHOLE_STEPS=0 in the environment, keeps every step on the per-op path."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
         if quant not in QUANT_MODES:
             raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
@@ -442,6 +457,73 @@ class LlamaModel:
             self.fused = fused.load()
             if self.fused is None and fused_ops:
                 raise RuntimeError("fused CPU ops were required but could not be built (see the log)")
+        # A decode step of a plain stack of small layers as one C call (``fused.DecodeStack``).
+        # A step's multiply-adds a row and layer in the products (the head's spread over the layers).
+        self._row_macs = sum(m.numel for m in self.layers[0].matrices()) + self.lm_head.numel / cfg.num_layers
+        self.decode_stack = (
+            self._decode_stack() if whole_steps and os.environ.get("KVFLEET_WHOLE_STEPS") != "0" else None
+        )
+
+    def _decode_stack(self) -> fused.DecodeStack | None:
+        """The weights for ``FusedOps.decode_step``, or None where it does not apply: it needs the
+        C ops, float32 [in, out] copies of every product (the host BLAS path's), a plain Llama layer (no biases, q/k or
+        sandwich norms, windows, local RoPE or logit cap; SiLU) and a row within WHOLE_STEP_MACS:
+        small layers, whose steps are their dispatches, not their arithmetic."""
+        cfg = self.cfg
+        if self.fused is None or self.act_dtype != torch.float32 or not self.host_attention:
+            return None
+        if cfg.hidden_act != "silu" or cfg.final_logit_softcap or any(self.windows) or any(self.local_layers):
+            return None
+        if self._row_macs > WHOLE_STEP_MACS:
+            return None
+
+        def kn(m: Matrix) -> torch.Tensor | None:
+            ok = m.kn is not None and m.kn.dtype == torch.float32 and m.kn.is_contiguous()
+            return m.kn if ok else None
+
+        layers = []
+        for w in self.layers:
+            if any(v is not None for v in (w.qkv_bias, w.q_norm, w.attn_out_norm, w.mlp_out_norm)):
+                return None
+            qkv, o, gate_up, down = (kn(m) for m in w.matrices())
+            if qkv is None or o is None or gate_up is None or down is None:
+                return None
+            layers.append((w.input_norm, qkv, o, w.post_norm, gate_up, down))
+        head = kn(self.lm_head)
+        if head is None:
+            return None
+        return fused.DecodeStack(
+            layers, self.norm, head, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
+        )
+
+    def whole_step_fits(self, rows: int) -> bool:
+        """Whether a step of ``rows`` tokens runs as one C call (``whole_step``): the model has a
+        ``decode_stack`` and the step's products stay small (WHOLE_STEP_MACS)."""
+        return self.decode_stack is not None and rows * self._row_macs <= WHOLE_STEP_MACS
+
+    @torch.inference_mode()
+    def whole_step(
+        self,
+        cache: PagedKVCache,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        table: BlockTable,
+        lens: torch.Tensor,
+        times: PhaseTimes,
+    ) -> torch.Tensor:
+        """A step as one C call (``FusedOps.decode_step``, where ``whole_step_fits``): every token
+        a row of its own, attending to its item's first ``lens`` keys (its own position and
+        those before it: causal for a prefill's tokens, whose K/V are written first) through
+        its item's blocks, ``table``'s row for it. tokens, positions, slots, lens: int64 [T];
+        returns the float32 logits [T, V] of every row."""
+        assert self.fused is not None and self.decode_stack is not None
+        h = self._embed(tokens).contiguous()
+        rot = self.rotary.index_select(0, positions)
+        out = self.fused.decode_step(self.decode_stack, h, rot, cache.kv, slots, table, lens, None)
+        times.kv_write_ns += out.kv_write_ns
+        times.attention_ns += out.attention_ns
+        return out.logits
 
     @property
     def kernel_level(self) -> str:
