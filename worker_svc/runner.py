@@ -17,6 +17,7 @@ import torch
 from kvfleet_common.records import record
 from kvfleet_models.config import LlamaConfig
 from worker_svc.kv_cache import AttnGroup, BatchLayout, KVViews, PagedKVCache, RebuildViews
+from worker_svc.model.fused import StepRows
 from worker_svc.model.llama import TORCH_ATTENTION_NEVER, GroupTensors, LlamaModel, PhaseTimes, StepTensors
 
 
@@ -152,22 +153,22 @@ def _whole_step(model: LlamaModel, cache: PagedKVCache, admitted: Sequence[RunIt
     tokens: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
+    pages: list[int] = []
     sample_rows: list[int] = []
-    tables: list[tuple[int, ...]] = []
+    width = max(len(a.blocks) for a in admitted)
     for a in admitted:
         n = len(a.tokens)
         tokens += a.tokens
         positions += range(a.start, a.start + n)
         slots += a.slots
-        tables += [a.blocks] * n
+        pages += (list(a.blocks) + [0] * (width - len(a.blocks))) * n
         if a.sample:
             sample_rows.append(len(tokens) - 1)
-    lens = torch.tensor(positions, dtype=torch.int64) + 1
-    table = cache.block_table(tuple(tables), int(lens.max()))
-    logits = model.whole_step(
-        cache, torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots), table, lens, times
-    )
-    return logits if len(sample_rows) == len(tokens) else logits[torch.tensor(sample_rows, dtype=torch.int64)]
+    meta = np.array(tokens + positions + slots + pages, dtype=np.int64)
+    logits = model.whole_step(cache, StepRows(meta, len(tokens), width, cache.block_size), times)
+    if len(sample_rows) == len(tokens):
+        return logits
+    return logits[torch.tensor(sample_rows, dtype=torch.int64)]
 
 
 def run_step(

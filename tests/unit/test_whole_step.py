@@ -71,9 +71,9 @@ def test_whole_steps_equal_the_per_op_path(ops: fused.FusedOps, monkeypatch, kv_
     calls: list[int] = []
     whole_step = LlamaModel.whole_step
 
-    def counted(self, cache, tokens, *args):  # type: ignore[no-untyped-def]
-        calls.append(tokens.shape[0])
-        return whole_step(self, cache, tokens, *args)
+    def counted(self, cache, rows, *args):  # type: ignore[no-untyped-def]
+        calls.append(rows.rows)
+        return whole_step(self, cache, rows, *args)
 
     monkeypatch.setattr(LlamaModel, "whole_step", counted)
     results = {}
@@ -138,26 +138,40 @@ def test_the_persistent_views_mode_keeps_the_per_op_path(ops: fused.FusedOps, mo
 
 
 def test_decode_step_refuses_what_it_cannot_run(ops: fused.FusedOps) -> None:
+    """Weights of another dtype or head layout; a cache of another shape; and every index of a
+    step's rows past what it indexes (the C code reads and writes where they say)."""
     model = _model()
     stack = model.decode_stack
     assert stack is not None
+    layers, norm, head, embed, rotary = stack._held
+    heads = (CFG.num_heads, CFG.num_kv_heads, 1e-5)
     with pytest.raises(ValueError, match="float32"):
-        fused.DecodeStack([(w[0], w[1].double(), *w[2:]) for w in stack._held[0]], stack.final_norm, stack.head,
-                          CFG.head_dim, CFG.num_heads, CFG.num_kv_heads, 1e-5)  # fmt: skip
+        fused.DecodeStack([(w[0], w[1].double(), *w[2:]) for w in layers], norm, head, embed, rotary, *heads)
     with pytest.raises(ValueError, match="Hq"):
-        fused.DecodeStack(stack._held[0], stack.final_norm, stack.head, CFG.head_dim, CFG.num_heads + 1,
-                          CFG.num_kv_heads, 1e-5)  # fmt: skip
-    engine = Engine(CFG, WEIGHTS, EngineConfig(block_size=4, num_blocks=16))
-    cache, table = engine.cache, engine.cache.block_table(((0,),), 1)
-    h, rot = torch.zeros(1, CFG.hidden_size), model.rotary[:1].clone()
-    slots, lens = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
-    with pytest.raises(ValueError, match="h must be"):
-        ops.decode_step(stack, h.double(), rot, cache.kv, slots, table, lens, None)
-    with pytest.raises(ValueError, match="rot must be"):
-        ops.decode_step(stack, h, rot[:, :2].contiguous(), cache.kv, slots, table, lens, None)
-    with pytest.raises(ValueError, match="slot is outside"):
-        ops.decode_step(stack, h, rot, cache.kv, slots + 10**6, table, lens, None)
-    with pytest.raises(ValueError, match="layers"):
-        ops.decode_step(stack, h, rot, cache.kv[:1].contiguous(), slots, table, lens, None)
-    logits = ops.decode_step(stack, h, rot, cache.kv, slots, table, lens, None).logits
+        fused.DecodeStack(layers, norm, head, embed, rotary, CFG.num_heads + 1, CFG.num_kv_heads, 1e-5)
+    with pytest.raises(ValueError, match="RoPE"):
+        fused.DecodeStack(layers, norm, head, embed, torch.view_as_real(rotary), *heads)
+    cache = Engine(CFG, WEIGHTS, EngineConfig(block_size=4, num_blocks=16)).cache
+    blocks = cache.kv.shape[3] // 4
+
+    def rows(token: int = 5, position: int = 2, slot: int = 2, block: int = 0, width: int = 1) -> fused.StepRows:
+        meta = np.array([token, position, slot] + [block] * width, dtype=np.int64)
+        return fused.StepRows(meta, 1, width, 4)
+
+    logits = ops.decode_step(stack, cache.kv, rows()).logits
     assert logits.shape == (1, CFG.vocab_size) and torch.isfinite(logits).all()
+    for bad in (
+        {"token": CFG.vocab_size},
+        {"token": -1},
+        {"position": CFG.max_position},
+        {"slot": cache.kv.shape[3]},
+        {"block": blocks},
+    ):
+        with pytest.raises(ValueError, match="outside what it indexes"):
+            ops.decode_step(stack, cache.kv, rows(**bad))
+    with pytest.raises(ValueError, match="past its blocks"):
+        ops.decode_step(stack, cache.kv, rows(position=4))  # a fifth key, one block
+    with pytest.raises(ValueError, match="must be"):
+        ops.decode_step(stack, cache.kv[:1].contiguous(), rows())
+    with pytest.raises(ValueError, match="3 \\+ page_width"):
+        ops.decode_step(stack, cache.kv, fused.StepRows(rows().meta[:-1], 1, 1, 4))

@@ -33,6 +33,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from worker_svc.kv_cache import BlockTable
@@ -88,6 +89,8 @@ class FusedOps:
         self._store.argtypes = [ctypes.POINTER(_StoreArgs)]
         self._step = lib.kv_decode_step
         self._step.argtypes = [ctypes.POINTER(_StepArgs)]
+        self._step_scratch = lib.kv_step_scratch
+        self._step_scratch.argtypes, self._step_scratch.restype = [ctypes.POINTER(_StepArgs), _L, _L, _L], _L
         for fn in (self._rms, self._add_rms, self._rope, self._store, self._step, *self._attn.values()):
             fn.restype = None
 
@@ -138,67 +141,49 @@ class FusedOps:
         )
         return KVStore(self._store, args, cache, slots, qkv)
 
-    def decode_step(
-        self,
-        stack: DecodeStack,
-        h: torch.Tensor,
-        rot: torch.Tensor,
-        cache: torch.Tensor,
-        slots: torch.Tensor,
-        pages: BlockTable,
-        lens: torch.Tensor | None,
-        firsts: torch.Tensor | None,
-    ) -> StepResult:
-        """Every layer of a decode-only step and the head, in one C call (``kv_decode_step``).
-        h: [T, hidden] float32 contiguous, the embedding rows of the step's T tokens (one per
-        item), written over (the residual stream); rot: [T, D/2] complex64 contiguous, each
-        token's rotation; cache, slots: as ``kv_store_plan``'s; pages, lens, firsts: as
-        ``decode_attention_plan``'s (item b is row b). Returns the logits [T, V] of every row."""
-        t, s = h.shape[0], stack
-        if h.dtype != torch.float32 or not h.is_contiguous() or h.shape[1:] != (s.hidden,):
-            raise ValueError(f"h must be float32 [T, {s.hidden}] contiguous")
-        if rot.dtype != torch.complex64 or not rot.is_contiguous() or rot.shape != (t, s.head_dim // 2):
-            raise ValueError(f"rot must be complex64 [T, {s.head_dim // 2}] contiguous")
-        if cache.dim() != 5 or cache.shape[0] != s.n_layers:
-            raise ValueError(f"the cache must hold the model's {s.n_layers} layers, got {tuple(cache.shape)}")
-        widths = (s.hidden, s.qkv_out, s.q_width, 2 * s.inter)
-        scratch = torch.empty(t * sum(widths), dtype=torch.float32)
-        x, qkv, attn, gate_up = (part.view(t, w) for part, w in zip(scratch.split([t * w for w in widths]), widths))
-        store = self.kv_store_plan(cache, slots, qkv, s.q_width)
-        attention = self.decode_attention_plan(
-            qkv[:, : s.q_width], cache[0], lens, True, t, s.kv_heads, None, pages, firsts
+    def decode_step(self, stack: DecodeStack, cache: torch.Tensor, rows: StepRows) -> StepResult:
+        """A whole step, every layer and the head, in one C call (``kv_decode_step``): each of
+        the step's tokens a row of its own (``StepRows``), its K/V written into ``cache`` (every
+        layer's [L, 2, Hkv, capacity, D], contiguous, float32 or float16; the block size
+        ``rows.block_size``). Every index is checked here against what it indexes. Returns the
+        logits [T, V] of every row."""
+        s, t, meta = stack, rows.rows, rows.meta
+        if cache.dim() != 5 or cache.shape[:3] != (s.n_layers, 2, s.kv_heads) or cache.shape[4] != s.head_dim:
+            raise ValueError(
+                f"the cache must be [{s.n_layers}, 2, {s.kv_heads}, slots, {s.head_dim}], got {tuple(cache.shape)}"
+            )
+        if cache.dtype not in self.kv_dtypes or not cache.is_contiguous():
+            raise ValueError(f"the cache must be contiguous float32 or float16, got {cache.dtype}")
+        capacity = cache.shape[3]
+        width = rows.page_width
+        if t < 1 or meta.dtype != np.int64 or meta.shape != (t * (3 + width),) or capacity % rows.block_size:
+            raise ValueError("the step's rows must be 3 + page_width int64 values a row, in whole blocks")
+        # Every index below what it indexes, in one pass: tokens, positions, slots, then blocks.
+        bounds = np.repeat(
+            np.array([s.vocab, s.positions, capacity, capacity // rows.block_size]), [t, t, t, t * width]
         )
+        if (meta < 0).any() or (meta >= bounds).any():
+            raise ValueError("a token, position, slot or block is outside what it indexes")
+        keys = int(meta[t : 2 * t].max()) + 1
+        if keys > width * rows.block_size:
+            raise ValueError("a row's position is past its blocks")
+        a = s.args
+        need = self._step_scratch(ctypes.byref(a), t, keys, self._max_threads())
+        if s.scratch.numel() < need:
+            s.scratch = torch.empty(need, dtype=torch.float32)
         logits = torch.empty((t, s.vocab), dtype=torch.float32)
-        args = _StepArgs(
-            h=h.data_ptr(),
-            logits=logits.data_ptr(),
-            rot=rot.data_ptr(),
-            final_norm=s.final_norm.data_ptr(),
-            head=s.head.data_ptr(),
-            layers=ctypes.addressof(s.layers),
-            x=x.data_ptr(),
-            qkv=qkv.data_ptr(),
-            attn=attn.data_ptr(),
-            gate_up=gate_up.data_ptr(),
-            attention=ctypes.addressof(attention._args),
-            store=ctypes.addressof(store._args),
-            cache=cache.data_ptr(),
-            layer_bytes=cache.stride(0) * cache.element_size(),
-            v_bytes=cache.stride(1) * cache.element_size(),
-            rows=t,
-            hidden=s.hidden,
-            qkv_out=s.qkv_out,
-            q_width=s.q_width,
-            inter=s.inter,
-            vocab=s.vocab,
-            n_layers=s.n_layers,
-            rope_heads=s.rope_heads,
-            half=s.head_dim // 2,
-            kv_half=int(cache.dtype == torch.float16),
-            eps=s.eps,
+        base = meta.ctypes.data
+        a.cache, a.capacity, a.block_size, a.kv_half = (
+            cache.data_ptr(),
+            capacity,
+            rows.block_size,
+            int(cache.dtype == torch.float16),
         )
-        self._step(ctypes.byref(args))
-        return StepResult(logits, args.kv_write_ns, args.attention_ns)
+        a.tokens, a.positions, a.slots, a.pages = (base + 8 * k * t for k in range(4))
+        a.rows, a.page_width, a.keys = t, rows.page_width, keys
+        a.scratch, a.logits = s.scratch.data_ptr(), logits.data_ptr()
+        self._step(ctypes.byref(a))
+        return StepResult(logits, a.kv_write_ns, a.attention_ns)
 
     def decode_attention(self, q3: torch.Tensor, kv: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One call: ``decode_attention_plan`` with these arguments, made and run once."""
@@ -357,24 +342,36 @@ class _StepArgs(ctypes.Structure):
     """fused_ops.c's kv_step_args, field for field."""
 
     _fields_ = [
-        *(
-            (name, _F)
-            for name in (
-                "h", "logits", "rot", "final_norm", "head", "layers", "x", "qkv", "attn", "gate_up",
-                "attention", "store", "cache",
-            )
-        ),
+        *((name, _F) for name in ("layers", "final_norm", "head", "embed", "rotary")),
         *(
             (name, _L)
             for name in (
-                "layer_bytes", "v_bytes", "rows", "hidden", "qkv_out", "q_width", "inter", "vocab",
-                "n_layers", "rope_heads", "half", "kv_half",
+                "embed_row", "embed_col", "hidden", "qkv_out", "q_width", "inter", "vocab", "n_layers", "heads",
+                "kv_heads", "head_dim",
             )
         ),
         ("eps", ctypes.c_float),
+        ("cache", _F),
+        *((name, _L) for name in ("capacity", "block_size", "kv_half")),
+        *((name, _F) for name in ("tokens", "positions", "slots", "pages")),
+        *((name, _L) for name in ("rows", "page_width", "keys")),
+        *((name, _F) for name in ("scratch", "logits")),
         ("kv_write_ns", ctypes.c_longlong),
         ("attention_ns", ctypes.c_longlong),
     ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """A whole step's rows, one a token, as ``FusedOps.decode_step`` reads them: ``meta`` holds
+    int64 [T] tokens, [T] positions (a row sees its item's keys up to its own), [T] cache
+    slots and [T, page_width] the row's item's blocks (padded with block 0), one after the
+    other."""
+
+    meta: np.ndarray
+    rows: int
+    page_width: int
+    block_size: int
 
 
 @dataclass(frozen=True)
@@ -389,41 +386,64 @@ class StepResult:
 
 class DecodeStack:
     """A plain Llama stack's float32 weights, as ``kv_decode_step`` reads them: per layer the
-    norms and the [in, out] products (the host BLAS path's copies), made once per model (the tensors are held here, so the
-    pointers stay valid). Every tensor float32, contiguous, on the CPU."""
+    norms and the [in, out] products (the host BLAS path's copies), the final norm, the head
+    [hidden, vocab], the embedding (its row t at ``embed[t * embed_row]``, columns
+    ``embed_col`` apart: a tied head's [hidden, vocab] copy serves as the table) and the RoPE
+    table [positions, D/2] complex64. Made once per model: the call's arguments (``args``) and
+    scratch persist, and the tensors are held here so that the pointers stay valid. Every
+    tensor float32 (the RoPE table complex64), contiguous, on the CPU."""
 
     def __init__(
         self,
         layers: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
         final_norm: torch.Tensor,
         head: torch.Tensor,
-        head_dim: int,
+        embed: torch.Tensor,
+        rotary: torch.Tensor,
         num_heads: int,
         kv_heads: int,
         eps: float,
     ) -> None:
         input_norm, qkv, _, _, _, down = layers[0]
-        self.hidden, self.qkv_out, self.inter = input_norm.shape[0], qkv.shape[1], down.shape[0]
-        self.head_dim, self.kv_heads, self.q_width = head_dim, kv_heads, num_heads * head_dim
-        self.rope_heads, self.n_layers, self.vocab, self.eps = num_heads + kv_heads, len(layers), head.shape[1], eps
-        shapes = (
-            (self.hidden,),
-            (self.hidden, self.qkv_out),
-            (self.q_width, self.hidden),
-            (self.hidden,),
-            (self.hidden, 2 * self.inter),
-            (self.inter, self.hidden),
-        )
-        if self.qkv_out != self.q_width + 2 * kv_heads * head_dim or head_dim % 2:
-            raise ValueError("qkv's rows must be Hq + 2 Hkv heads of an even head size")
+        hidden, qkv_out, inter, vocab = input_norm.shape[0], qkv.shape[1], down.shape[0], head.shape[1]
+        self.head_dim, self.kv_heads, self.n_layers, self.vocab = 2 * rotary.shape[1], kv_heads, len(layers), vocab
+        self.positions, q_width = rotary.shape[0], num_heads * self.head_dim
+        shapes = ((hidden,), (hidden, qkv_out), (q_width, hidden), (hidden,), (hidden, 2 * inter), (inter, hidden))
+        if qkv_out != q_width + 2 * kv_heads * self.head_dim or num_heads % kv_heads:
+            raise ValueError("qkv's columns must be Hq + 2 Hkv heads, Hq a multiple of Hkv")
         for ws in layers:
             for t, shape in zip(ws, shapes):
                 _check_weight(t, shape)
-        _check_weight(final_norm, (self.hidden,))
-        _check_weight(head, (self.hidden, self.vocab))
-        self._held = (layers, final_norm, head)
-        self.final_norm, self.head = final_norm, head
-        self.layers = (_LayerWeights * len(layers))(*(_LayerWeights(*(t.data_ptr() for t in ws)) for ws in layers))
+        _check_weight(final_norm, (hidden,))
+        _check_weight(head, (hidden, vocab))
+        if embed.dtype != torch.float32 or embed.device.type != "cpu" or embed.dim() != 2 or embed.shape[0] < vocab:
+            raise ValueError("the embedding must be a float32 table on the CPU, a row a token")
+        if embed.shape[1] != hidden or embed.stride(1) < 1 or embed.storage_offset():
+            raise ValueError(f"the embedding's rows must be {hidden} wide")
+        if rotary.dtype != torch.complex64 or not rotary.is_contiguous() or rotary.device.type != "cpu":
+            raise ValueError("the RoPE table must be complex64 [positions, D/2] contiguous on the CPU")
+        self._held = (layers, final_norm, head, embed, rotary)
+        self._layers = (_LayerWeights * len(layers))(*(_LayerWeights(*(t.data_ptr() for t in ws)) for ws in layers))
+        self.args = _StepArgs(
+            layers=ctypes.addressof(self._layers),
+            final_norm=final_norm.data_ptr(),
+            head=head.data_ptr(),
+            embed=embed.data_ptr(),
+            rotary=rotary.data_ptr(),
+            embed_row=embed.stride(0),
+            embed_col=embed.stride(1),
+            hidden=hidden,
+            qkv_out=qkv_out,
+            q_width=q_width,
+            inter=inter,
+            vocab=vocab,
+            n_layers=len(layers),
+            heads=num_heads,
+            kv_heads=kv_heads,
+            head_dim=self.head_dim,
+            eps=eps,
+        )
+        self.scratch = torch.empty(0, dtype=torch.float32)  # grown to a step's need, then kept
 
 
 def _check_weight(t: torch.Tensor, shape: tuple[int, ...]) -> None:

@@ -525,61 +525,89 @@ typedef struct {
     const float *input_norm, *qkv, *o, *post_norm, *gate_up, *down;
 } kv_layer_weights;
 
+/* A model's side of a whole step, set once (``fused.DecodeStack``), and a step's, set per call.
+ * A step's T tokens are rows of their own: row r is token tokens[r] at position positions[r]
+ * of its item, written to cache slot slots[r], attending to its item's keys up to its own
+ * position (lens[r] = positions[r] + 1, filled here) through the blocks pages[r * page_width
+ * ...]: a prefill's rows are causal, as every row's K/V is written before any attends. The
+ * caller (fused.py) has checked every index against what it indexes. */
 typedef struct {
-    float *h;                         /* [T, hidden] the residual stream (the embedding rows in) */
-    float *logits;                    /* [T, vocab] out */
-    const float *rot;                 /* [T, half] (cos, sin) pairs of each token's position */
-    const float *final_norm, *head;   /* [hidden], [hidden, vocab] */
-    const kv_layer_weights *layers;   /* [n_layers] */
-    float *x, *qkv, *attn, *gate_up;  /* scratch [T, hidden], [T, qkv_out], [T, q_width], [T, 2 inter] */
-    kv_attention_args *attention;     /* the step's attention plan: q, k, v, out set here per layer */
-    kv_store_args *store;             /* the step's K/V write plan: qkv, cache set here per layer */
-    char *cache;                      /* the paged cache [L, 2, Hkv, slots, D] */
-    long layer_bytes, v_bytes;        /* a layer's bytes in it; V's offset from K's */
-    long rows, hidden, qkv_out, q_width, inter, vocab, n_layers, rope_heads, half, kv_half;
+    const kv_layer_weights *layers; /* [n_layers] */
+    const float *final_norm, *head; /* [hidden], [hidden, vocab] */
+    const float *embed;             /* the embedding's row t at embed + t * embed_row, columns embed_col apart */
+    const float *rotary;            /* [positions, half] (cos, sin) pairs */
+    long embed_row, embed_col;
+    long hidden, qkv_out, q_width, inter, vocab, n_layers, heads, kv_heads, head_dim;
     float eps;
+    /* the step */
+    char *cache; /* the paged cache [L, 2, Hkv, capacity, D], float32 or (kv_half) float16 */
+    long capacity, block_size, kv_half;
+    const long *tokens, *positions, *slots, *pages; /* [T] each; pages [T, page_width] */
+    long rows, page_width, keys;                    /* keys: the largest position + 1 */
+    float *scratch; /* kv_step_scratch floats */
+    float *logits;  /* [T, vocab] out */
     long long kv_write_ns, attention_ns; /* out: time in the K/V writes and the attention */
 } kv_step_args;
 
+/* Floats of scratch a step of `rows` rows needs, the attention's for `threads` threads and
+ * `keys` keys included. */
+long kv_step_scratch(const kv_step_args *a, long rows, long keys, long threads) {
+    const long groups = a->heads / a->kv_heads;
+    /* a row's key count (a long: two floats' room), its activations, its rotation */
+    return rows * (2 + 2 * a->hidden + a->qkv_out + a->q_width + 2 * a->inter + a->head_dim) + groups * keys * threads;
+}
+
 void kv_decode_step(kv_step_args *a) {
-    const long T = a->rows, H = a->hidden, I = a->inter;
+    const long T = a->rows, H = a->hidden, I = a->inter, D = a->head_dim, half = D / 2;
+    long *lens = (long *)a->scratch; /* first: aligned as the buffer is */
+    float *h = a->scratch + 2 * T, *x = h + T * H, *qkv = x + T * H, *attn = qkv + T * a->qkv_out;
+    float *gate_up = attn + T * a->q_width, *rot = gate_up + T * 2 * I, *att_scratch = rot + T * D;
+    for (long r = 0; r < T; r++) { /* the embedding rows, rotations and key counts of the step's tokens */
+        lens[r] = a->positions[r] + 1;
+        const float *e = a->embed + a->tokens[r] * a->embed_row;
+        for (long j = 0; j < H; j++) h[r * H + j] = e[j * a->embed_col];
+        memcpy(rot + r * D, a->rotary + a->positions[r] * D, D * sizeof(float));
+    }
+    const long elem = a->kv_half ? 2 : 4, v_bytes = a->kv_heads * a->capacity * D * elem;
+    const long layer_bytes = 2 * v_bytes;
+    kv_store_args store = {qkv, NULL, a->slots, a->qkv_out, a->q_width, T, a->kv_heads, D, a->capacity, a->kv_half};
+    kv_attention_args at = {
+        .q = qkv, .out = attn, .scratch = att_scratch, .lens = lens, .item_rows = NULL, .pages = a->pages,
+        .firsts = NULL, .n_stride = 0, .s_stride = D, .rows = T * a->kv_heads, .groups = a->heads / a->kv_heads,
+        .keys = a->keys, .dim = D, .hkv = a->kv_heads, .items = T, .bh = 1, .item_stride = 0,
+        .head_stride = a->capacity * D, .page_width = a->page_width, .page = a->block_size, .q_stride = a->qkv_out};
     long long write_ns = 0, attn_ns = 0;
-    kv_rms_norm(a->h, a->layers[0].input_norm, a->x, T, H, a->eps);
+    kv_rms_norm(h, a->layers[0].input_norm, x, T, H, a->eps);
     for (long l = 0; l < a->n_layers; l++) {
         const kv_layer_weights *w = a->layers + l;
-        linear_kn(a->x, H, w->qkv, H, a->qkv_out, a->qkv, a->qkv_out, T);
-        kv_rope(a->qkv, a->qkv_out, a->rot, T, a->rope_heads, a->half);
-        char *layer = a->cache + l * a->layer_bytes;
+        linear_kn(x, H, w->qkv, H, a->qkv_out, qkv, a->qkv_out, T);
+        kv_rope(qkv, a->qkv_out, rot, T, a->heads + a->kv_heads, half);
+        char *layer = a->cache + l * layer_bytes;
         const long long t0 = now_ns();
-        a->store->qkv = a->qkv;
-        a->store->cache = layer;
-        kv_store(a->store);
+        store.cache = layer;
+        kv_store(&store);
         const long long t1 = now_ns();
-        kv_attention_args *at = a->attention;
-        at->q = a->qkv;
-        at->k = layer;
-        at->v = layer + a->v_bytes;
-        at->out = a->attn;
+        at.k = layer;
+        at.v = layer + v_bytes;
         if (a->kv_half)
-            kv_decode_attention_f16(at);
+            kv_decode_attention_f16(&at);
         else
-            kv_decode_attention(at);
+            kv_decode_attention(&at);
         const long long t2 = now_ns();
         write_ns += t1 - t0;
         attn_ns += t2 - t1;
         /* x is free once read: each product's output goes there, then into h with the next norm */
-        linear_kn(a->attn, a->q_width, w->o, a->q_width, H, a->x, H, T);
-        kv_add_rms_norm(a->h, a->x, w->post_norm, a->x, T, H, a->eps);
-        linear_kn(a->x, H, w->gate_up, H, 2 * I, a->gate_up, 2 * I, T);
+        linear_kn(attn, a->q_width, w->o, a->q_width, H, x, H, T);
+        kv_add_rms_norm(h, x, w->post_norm, x, T, H, a->eps);
+        linear_kn(x, H, w->gate_up, H, 2 * I, gate_up, 2 * I, T);
         for (long r = 0; r < T; r++) { /* silu(gate) * up, into the gate's columns */
-            float *g = a->gate_up + r * 2 * I;
+            float *g = gate_up + r * 2 * I;
             for (long j = 0; j < I; j++) g[j] = g[j] / (1.0f + expf(-g[j])) * g[I + j];
         }
-        linear_kn(a->gate_up, 2 * I, w->down, I, H, a->x, H, T);
-        kv_add_rms_norm(a->h, a->x, l + 1 < a->n_layers ? a->layers[l + 1].input_norm : a->final_norm, a->x, T, H,
-                        a->eps);
+        linear_kn(gate_up, 2 * I, w->down, I, H, x, H, T);
+        kv_add_rms_norm(h, x, l + 1 < a->n_layers ? a->layers[l + 1].input_norm : a->final_norm, x, T, H, a->eps);
     }
-    linear_kn(a->x, H, a->head, H, a->vocab, a->logits, a->vocab, T);
+    linear_kn(x, H, a->head, H, a->vocab, a->logits, a->vocab, T);
     a->kv_write_ns = write_ns;
     a->attention_ns = attn_ns;
 }

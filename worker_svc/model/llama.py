@@ -80,7 +80,7 @@ import torch
 from kvfleet_models.config import LlamaConfig
 from kvfleet_models.gguf_blocks import BlockTensor
 from kvfleet_models.rope import rope_frequencies
-from worker_svc.kv_cache import AttnGroup, BlockTable, KVViews, PagedKVCache, PagedRows, SlabRows
+from worker_svc.kv_cache import AttnGroup, KVViews, PagedKVCache, PagedRows, SlabRows
 from worker_svc.model import fused, gguf_quant, int8
 from worker_svc.model.cpu_backend import (
     QUANT_MODES,
@@ -490,10 +490,12 @@ class LlamaModel:
                 return None
             layers.append((w.input_norm, qkv, o, w.post_norm, gate_up, down))
         head = kn(self.lm_head)
-        if head is None:
+        # The lookup's table: the embedding, or a tied head's copy read by columns.
+        embed = self.embed if self.embed is not None else None if head is None else head.t()
+        if head is None or embed is None or self.embed_scale is not None:
             return None
         return fused.DecodeStack(
-            layers, self.norm, head, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
+            layers, self.norm, head, embed, self.rotary, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
         )
 
     def whole_step_fits(self, rows: int) -> bool:
@@ -501,26 +503,13 @@ class LlamaModel:
         ``decode_stack`` and the step's products stay small (WHOLE_STEP_MACS)."""
         return self.decode_stack is not None and rows * self._row_macs <= WHOLE_STEP_MACS
 
-    @torch.inference_mode()
-    def whole_step(
-        self,
-        cache: PagedKVCache,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        table: BlockTable,
-        lens: torch.Tensor,
-        times: PhaseTimes,
-    ) -> torch.Tensor:
+    def whole_step(self, cache: PagedKVCache, rows: fused.StepRows, times: PhaseTimes) -> torch.Tensor:
         """A step as one C call (``FusedOps.decode_step``, where ``whole_step_fits``): every token
-        a row of its own, attending to its item's first ``lens`` keys (its own position and
-        those before it: causal for a prefill's tokens, whose K/V are written first) through
-        its item's blocks, ``table``'s row for it. tokens, positions, slots, lens: int64 [T];
-        returns the float32 logits [T, V] of every row."""
+        a row of its own (``rows``), attending to its item's keys up to its own position through
+        its item's blocks (causal for a prefill's tokens, whose K/V are written first). Returns
+        the float32 logits [T, V] of every row."""
         assert self.fused is not None and self.decode_stack is not None
-        h = self._embed(tokens).contiguous()
-        rot = self.rotary.index_select(0, positions)
-        out = self.fused.decode_step(self.decode_stack, h, rot, cache.kv, slots, table, lens, None)
+        out = self.fused.decode_step(self.decode_stack, cache.kv, rows)
         times.kv_write_ns += out.kv_write_ns
         times.attention_ns += out.attention_ns
         return out.logits
