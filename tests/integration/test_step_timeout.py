@@ -103,9 +103,7 @@ class MutationWatch:
         monkeypatch.setattr(Engine, "step", watched(step))
         monkeypatch.setattr(Engine, "release", watched(release, "release"))
         monkeypatch.setattr(LlamaModel, "forward", slowed(forward, lambda st, *a: int(st.tokens.shape[0])))
-        monkeypatch.setattr(
-            LlamaModel, "whole_step", slowed(whole_step, lambda cache, rows, *a: rows.rows)
-        )
+        monkeypatch.setattr(LlamaModel, "whole_step", slowed(whole_step, lambda cache, rows, *a: rows.rows))
         monkeypatch.setattr(WorkerServicer, "Step", counted_step_rpc)
 
     def gate_forward(self) -> None:
