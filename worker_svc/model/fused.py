@@ -89,8 +89,6 @@ class FusedOps:
         self._store.argtypes = [ctypes.POINTER(_StoreArgs)]
         self._step = lib.kv_decode_step
         self._step.argtypes = [ctypes.POINTER(_StepArgs)]
-        self._step_scratch = lib.kv_step_scratch
-        self._step_scratch.argtypes, self._step_scratch.restype = [ctypes.POINTER(_StepArgs), _L, _L, _L], _L
         for fn in (self._rms, self._add_rms, self._rope, self._store, self._step, *self._attn.values()):
             fn.restype = None
 
@@ -146,44 +144,52 @@ class FusedOps:
         the step's tokens a row of its own (``StepRows``), its K/V written into ``cache`` (every
         layer's [L, 2, Hkv, capacity, D], contiguous, float32 or float16; the block size
         ``rows.block_size``). Every index is checked here against what it indexes. Returns the
-        logits [T, V] of every row."""
-        s, t, meta = stack, rows.rows, rows.meta
-        if cache.dim() != 5 or cache.shape[:3] != (s.n_layers, 2, s.kv_heads) or cache.shape[4] != s.head_dim:
-            raise ValueError(
-                f"the cache must be [{s.n_layers}, 2, {s.kv_heads}, slots, {s.head_dim}], got {tuple(cache.shape)}"
-            )
-        if cache.dtype not in self.kv_dtypes or not cache.is_contiguous():
-            raise ValueError(f"the cache must be contiguous float32 or float16, got {cache.dtype}")
-        capacity = cache.shape[3]
-        width = rows.page_width
-        if t < 1 or meta.dtype != np.int64 or meta.shape != (t * (3 + width),) or capacity % rows.block_size:
-            raise ValueError("the step's rows must be 3 + page_width int64 values a row, in whole blocks")
-        # Every index below what it indexes, in one pass: tokens, positions, slots, then blocks.
-        bounds = np.repeat(
-            np.array([s.vocab, s.positions, capacity, capacity // rows.block_size]), [t, t, t, t * width]
-        )
-        if (meta < 0).any() or (meta >= bounds).any():
+        logits [T, V] of every row. (The checks are made cheap: at a batch of one they were
+        most of the call.)"""
+        s, t, meta, width = stack, rows.rows, rows.meta, rows.page_width
+        a = s.args
+        if (cache.data_ptr(), cache.shape, cache.dtype, rows.block_size) != s.cache_key:
+            self._bind_cache(s, cache, rows.block_size)
+        bounds = s.bounds.get((t, width))
+        if bounds is None:
+            if len(s.bounds) > 256:  # a step's shapes repeat: keep the working set
+                s.bounds.clear()
+            # Tokens, positions, slots, then blocks, each below what it indexes.
+            limits = np.array([s.vocab, s.positions, a.capacity, a.capacity // a.block_size], dtype=np.uint64)
+            bounds = s.bounds[(t, width)] = np.repeat(limits, [t, t, t, t * width])
+        if t < 1 or meta.dtype != np.int64 or meta.shape != bounds.shape:
+            raise ValueError("the step's rows must be 3 + page_width int64 values a row")
+        # A negative index read as unsigned is past every bound: one comparison checks both ends.
+        if (meta.view(np.uint64) >= bounds).any():
             raise ValueError("a token, position, slot or block is outside what it indexes")
         keys = int(meta[t : 2 * t].max()) + 1
-        if keys > width * rows.block_size:
+        if keys > width * a.block_size:
             raise ValueError("a row's position is past its blocks")
-        a = s.args
-        need = self._step_scratch(ctypes.byref(a), t, keys, self._max_threads())
+        need = t * s.row_floats + s.groups * keys * self._max_threads()
         if s.scratch.numel() < need:
             s.scratch = torch.empty(need, dtype=torch.float32)
         logits = torch.empty((t, s.vocab), dtype=torch.float32)
         base = meta.ctypes.data
-        a.cache, a.capacity, a.block_size, a.kv_half = (
-            cache.data_ptr(),
-            capacity,
-            rows.block_size,
-            int(cache.dtype == torch.float16),
-        )
-        a.tokens, a.positions, a.slots, a.pages = (base + 8 * k * t for k in range(4))
-        a.rows, a.page_width, a.keys = t, rows.page_width, keys
+        a.tokens, a.positions, a.slots, a.pages = base, base + 8 * t, base + 16 * t, base + 24 * t
+        a.rows, a.page_width, a.keys = t, width, keys
         a.scratch, a.logits = s.scratch.data_ptr(), logits.data_ptr()
         self._step(ctypes.byref(a))
         return StepResult(logits, a.kv_write_ns, a.attention_ns)
+
+    def _bind_cache(self, s: DecodeStack, cache: torch.Tensor, block_size: int) -> None:
+        """Check the paged cache a stack's steps write, once (it lives as long as its engine)."""
+        if cache.dim() != 5 or cache.shape[:3] != (s.n_layers, 2, s.kv_heads) or cache.shape[4] != s.head_dim:
+            raise ValueError(
+                f"the cache must be [{s.n_layers}, 2, {s.kv_heads}, slots, {s.head_dim}], got {tuple(cache.shape)}"
+            )
+        if cache.dtype not in self.kv_dtypes or not cache.is_contiguous() or cache.device.type != "cpu":
+            raise ValueError(f"the cache must be contiguous float32 or float16 on the CPU, got {cache.dtype}")
+        if block_size < 1 or cache.shape[3] % block_size:
+            raise ValueError(f"the cache's {cache.shape[3]} slots are not whole blocks of {block_size}")
+        a = s.args
+        a.cache, a.capacity, a.block_size = cache.data_ptr(), cache.shape[3], block_size
+        a.kv_half = int(cache.dtype == torch.float16)
+        s.cache_key, s.cache, s.bounds = (cache.data_ptr(), cache.shape, cache.dtype, block_size), cache, {}
 
     def decode_attention(self, q3: torch.Tensor, kv: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One call: ``decode_attention_plan`` with these arguments, made and run once."""
@@ -444,6 +450,15 @@ class DecodeStack:
             eps=eps,
         )
         self.scratch = torch.empty(0, dtype=torch.float32)  # grown to a step's need, then kept
+        # Scratch floats a row needs: its key count (a long), activations and rotation; and
+        # the attention's, groups x keys a thread (kv_decode_step's layout).
+        self.row_floats = 2 + 2 * hidden + qkv_out + q_width + 2 * inter + self.head_dim
+        self.groups = num_heads // kv_heads
+        # The cache its steps write, checked once (``FusedOps._bind_cache``), and the bounds of a
+        # step's indices by (rows, page width).
+        self.cache_key: tuple[object, ...] = ()
+        self.cache: torch.Tensor | None = None
+        self.bounds: dict[tuple[int, int], np.ndarray] = {}
 
 
 def _check_weight(t: torch.Tensor, shape: tuple[int, ...]) -> None:

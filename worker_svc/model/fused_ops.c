@@ -544,18 +544,10 @@ typedef struct {
     long capacity, block_size, kv_half;
     const long *tokens, *positions, *slots, *pages; /* [T] each; pages [T, page_width] */
     long rows, page_width, keys;                    /* keys: the largest position + 1 */
-    float *scratch; /* kv_step_scratch floats */
+    float *scratch; /* T (2 + 2 hidden + qkv_out + q_width + 2 inter + D) + groups keys threads floats */
     float *logits;  /* [T, vocab] out */
     long long kv_write_ns, attention_ns; /* out: time in the K/V writes and the attention */
 } kv_step_args;
-
-/* Floats of scratch a step of `rows` rows needs, the attention's for `threads` threads and
- * `keys` keys included. */
-long kv_step_scratch(const kv_step_args *a, long rows, long keys, long threads) {
-    const long groups = a->heads / a->kv_heads;
-    /* a row's key count (a long: two floats' room), its activations, its rotation */
-    return rows * (2 + 2 * a->hidden + a->qkv_out + a->q_width + 2 * a->inter + a->head_dim) + groups * keys * threads;
-}
 
 void kv_decode_step(kv_step_args *a) {
     const long T = a->rows, H = a->hidden, I = a->inter, D = a->head_dim, half = D / 2;
