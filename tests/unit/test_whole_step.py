@@ -2,7 +2,8 @@
 C call, every token a row of its own. Against the per-op path on the same steps (prefill chunks,
 a chunk continuing a session, a chunk not sampled, decodes across block boundaries, a mixed
 step), in both KV dtypes and thread counts; which models and steps take it; and what the C
-call refuses. No timing is asserted (``bench.control_plane``'s sweep line measures it)."""
+call refuses; the benchmark that measures both paths. No timing is asserted (``bench.whole_step``
+and ``bench.control_plane``'s sweep line measure them)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench import whole_step as whole_step_bench
 from kvfleet_models.tiny import tiny_weights
 from tests.unit.model_configs import GQA_CFG
 from worker_svc.engine import DecodeItem, Engine, EngineConfig, PrefillItem, SamplingSpec
@@ -175,3 +177,14 @@ def test_decode_step_refuses_what_it_cannot_run(ops: fused.FusedOps) -> None:
         ops.decode_step(stack, cache.kv[:1].contiguous(), rows())
     with pytest.raises(ValueError, match="3 \\+ page_width"):
         ops.decode_step(stack, cache.kv, fused.StepRows(rows().meta[:-1], 1, 1, 4))
+
+
+def test_the_benchmark_measures_both_paths_past_the_limit(ops: fused.FusedOps) -> None:
+    """``python -m bench.whole_step``: a row per width and batch, each path timed, the tokens of
+    both the same, and the path the worker takes named by its own limit (restored after)."""
+    limit = llama.WHOLE_STEP_MACS
+    rows = whole_step_bench.compare([32], [1, 2], steps=2, rounds=1)
+    assert llama.WHOLE_STEP_MACS == limit
+    assert [(r["hidden"], r["batch"]) for r in rows] == [(32, 1), (32, 2)]
+    assert all(r["same_tokens"] and r["per_op_ms"] > 0 and r["whole_ms"] > 0 for r in rows)
+    assert {r["worker_takes"] for r in rows} == {"whole"}

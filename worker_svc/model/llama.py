@@ -104,11 +104,12 @@ TORCH_ATTENTION_ITEMS = 2
 TORCH_ATTENTION_NEVER = 1 << 62
 # Steps as one C call (``LlamaModel.whole_step``) where a step's products are at most this many
 # multiply-adds a layer (its rows times a layer's weights and a share of the head's): the C
-# loops are no BLAS. On the 2-core AVX2 EPYC, decode steps of one thread, against the per-op
-# path: hidden 32 (the tiny model) 1.4x as fast at 64 rows (0.7 M), 0.89x at 128 (1.3 M);
-# hidden 64 1.65x at 8 rows, 1.12x at 64 (2.6 M); hidden 128 2.6x at 1 row, 1.32x at 8
-# (1.3 M), 0.81x at 32 (5.2 M); hidden 256 1.68x at 1 row (0.66 M), 0.87x at 8.
-WHOLE_STEP_MACS = 1 << 20
+# loops are no BLAS. ``python -m bench.whole_step`` on the 2-core AVX2 EPYC, decode steps on one
+# thread, per-op ms / whole ms: hidden 32 (the tiny model) 6.9x at 1 row, 1.43x at 64, 1.35x at
+# 128 (1.3 M), 1.05x at 256 (2.7 M), 1.03x at 384 (4.0 M); hidden 64 8.0x at 1 row, 1.12x at 64
+# (2.7 M), 0.94x at 128 (5.4 M); hidden 128 4.5x at 1 row, 1.42x at 8 (1.3 M), 1.29x at 32,
+# 0.82x at 64 (10.6 M); hidden 256 2.7x at 1 row, 1.21x at 8 (5.3 M), 0.63x at 32.
+WHOLE_STEP_MACS = 1 << 22
 
 
 @dataclass
