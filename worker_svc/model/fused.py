@@ -145,7 +145,8 @@ class FusedOps:
         layer's [L, 2, Hkv, capacity, D], contiguous, float32 or float16; the block size
         ``rows.block_size``). Every index is checked here against what it indexes. Returns the
         logits [T, V] of every row. (The checks are made cheap: at a batch of one they were
-        most of the call.)"""
+        most of the call.) One step at a time per stack: its arguments and scratch are the
+        stack's (the engine's steps are one at a time)."""
         s, t, meta, width = stack, rows.rows, rows.meta, rows.page_width
         a = s.args
         if (cache.data_ptr(), cache.shape, cache.dtype, rows.block_size) != s.cache_key:
@@ -157,8 +158,8 @@ class FusedOps:
             # Tokens, positions, slots, then blocks, each below what it indexes.
             limits = np.array([s.vocab, s.positions, a.capacity, a.capacity // a.block_size], dtype=np.uint64)
             bounds = s.bounds[(t, width)] = np.repeat(limits, [t, t, t, t * width])
-        if t < 1 or meta.dtype != np.int64 or meta.shape != bounds.shape:
-            raise ValueError("the step's rows must be 3 + page_width int64 values a row")
+        if t < 1 or meta.dtype != np.int64 or meta.shape != bounds.shape or not meta.flags.c_contiguous:
+            raise ValueError("the step's rows must be 3 + page_width int64 values a row, contiguous")
         # A negative index read as unsigned is past every bound: one comparison checks both ends.
         if (meta.view(np.uint64) >= bounds).any():
             raise ValueError("a token, position, slot or block is outside what it indexes")

@@ -6,6 +6,7 @@
  * call each for the norm (with the residual add before it), RoPE, the K/V write into the paged
  * cache and a decode's attention removes most of that. (A SiLU-gate here measured no faster
  * than torch's in a step.)
+ * kv_decode_step, at the end, runs a small model's whole step on these in one call.
  * Plain C, float32 (a decode attention's K/V may also be float16); only a decode group's
  * attention is spread over threads. Reductions are vectorised with `omp simd`.
  */
@@ -13,6 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <stddef.h>
+#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -484,17 +486,16 @@ void kv_store(const kv_store_args *a) {
     }
 }
 
-/* ---- A whole decode step of a plain Llama stack in one call (``fused.DecodeStep``) ----
+/* ---- A whole step of a plain Llama stack in one call (``FusedOps.decode_step``) ----
  *
- * For a model whose layers are small (the spec's tiny Llama: hidden 32, six layers) a decode
- * step is its ~12 calls a layer, not their arithmetic: each product, norm or write costs a
- * dispatch of 5-15 us for well under a microsecond of work. This runs every layer of a
- * decode-only step (one token per item, K/V in the paged cache) and the head in one call,
- * with the same primitives as the per-op path: the norms, RoPE, the K/V write and the decode
- * attention above; the products are plain loops over the [in, out] weights, which is where a
- * large model would want a BLAS: ``llama.py`` only takes models whose layers are small. */
-
-#include <time.h>
+ * For a model whose layers are small (the spec's tiny Llama: hidden 32, six layers) a step is
+ * its ~12 calls a layer, not their arithmetic: each product, norm or write costs a dispatch of
+ * 5-15 us for well under a microsecond of work. This runs every layer of a step and the head
+ * in one call, each token a row of its own (a prefill chunk's tokens and decodes alike, K/V in
+ * the paged cache), with the same primitives as the per-op path: the norms, RoPE, the K/V
+ * write and the decode attention above; the products are plain loops over the [in, out]
+ * weights, which is where a large model would want a BLAS: ``llama.py`` sends only steps whose
+ * products are small (WHOLE_STEP_MACS). */
 
 static inline long long now_ns(void) {
     struct timespec ts;

@@ -458,7 +458,7 @@ class LlamaModel:
             self.fused = fused.load()
             if self.fused is None and fused_ops:
                 raise RuntimeError("fused CPU ops were required but could not be built (see the log)")
-        # A decode step of a plain stack of small layers as one C call (``fused.DecodeStack``).
+        # A step of a plain stack of small layers as one C call (``fused.DecodeStack``).
         # A step's multiply-adds a row and layer in the products (the head's spread over the layers).
         self._row_macs = sum(m.numel for m in self.layers[0].matrices()) + self.lm_head.numel / cfg.num_layers
         self.decode_stack = (
@@ -467,9 +467,10 @@ class LlamaModel:
 
     def _decode_stack(self) -> fused.DecodeStack | None:
         """The weights for ``FusedOps.decode_step``, or None where it does not apply: it needs the
-        C ops, float32 [in, out] copies of every product (the host BLAS path's), a plain Llama layer (no biases, q/k or
-        sandwich norms, windows, local RoPE or logit cap; SiLU) and a row within WHOLE_STEP_MACS:
-        small layers, whose steps are their dispatches, not their arithmetic."""
+        C ops, float32 [in, out] copies of every product (the host BLAS path's), a plain Llama
+        layer (no biases, q/k or sandwich norms, windows, local RoPE, logit cap or embedding
+        scale; SiLU) and a row within WHOLE_STEP_MACS: small layers, whose steps are their
+        dispatches, not their arithmetic."""
         cfg = self.cfg
         if self.fused is None or self.act_dtype != torch.float32 or not self.host_attention:
             return None
