@@ -467,7 +467,8 @@ async def start_worker(
 
     serve_metrics(servicer.metrics.registry, config.host, config.metrics_port)
     log.info(
-        "worker %s serving %s on %s:%d (device %s, dtype %s, quant %s%s, fused CPU ops %s, %s, %d %s KV blocks of %d)",
+        "worker %s serving %s on %s:%d (device %s, dtype %s, quant %s%s, fused CPU ops %s, whole steps %s, %s, "
+        "%d %s KV blocks of %d)",
         config.worker_id,
         cfg.name,
         config.host,
@@ -477,6 +478,7 @@ async def start_worker(
         engine.quant,
         f" on {engine.model.kernel_level} kernels" if engine.model.kernel_level else "",
         f"on ({engine.model.fused.origin.value})" if engine.model.fused is not None else "off",
+        "on" if engine.model.decode_stack is not None else "off",
         f"{engine.num_threads} thread{'s' if engine.num_threads != 1 else ''}",
         engine.config.num_blocks,
         engine.kv_dtype_name,

@@ -17,6 +17,7 @@ from kvfleet_models.tiny import tiny_weights
 from tests.helpers.models import SMOLLM2, needs_smollm2
 from tests.helpers.worker_stats import wait_for_worker_stats, worker_stats
 from worker_svc.memory import RSS_HEADROOM_BYTES
+from worker_svc.model import fused
 from worker_svc.model.llama import LlamaModel
 from worker_svc.runner import RunItem
 
@@ -91,6 +92,9 @@ def test_the_kv_pool_sized_by_memory() -> None:
         assert info.kv_capacity_tokens == info.num_blocks * info.block_size
         with SchedulerClient(cluster.scheduler_address) as client:
             assert client.list_workers()[0].kv_capacity_tokens == info.kv_capacity_tokens
+        # The tiny model's steps are one C call each where the C ops build (README: whole steps).
+        start = next(ln for ln in (cluster.log_dir / "worker-0.log").read_text().splitlines() if " serving " in ln)
+        assert (", whole steps on, " in start) == (fused.load() is not None), start
 
 
 @needs_smollm2
@@ -116,6 +120,7 @@ def test_a_real_worker_s_idle_memory_is_within_its_weights_pool_and_headroom(mon
         assert want[mode] in line, (mode, line)
         kv = "float32" if mode == "float32" else "float16"  # --kv-dtype auto
         assert f" 64 {kv} KV blocks of 16" in line, (mode, line)
+        assert ", whole steps off, " in line, (mode, line)  # SmolLM2's layers are past the limit
     for mode, m in got.items():
         assert m.within, f"{mode}: {m.row()}"
         assert 0 < m.private_bytes <= m.rss_bytes, m.row()
