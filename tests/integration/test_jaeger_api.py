@@ -423,11 +423,18 @@ def test_kvfleet_up_serves_a_requests_trace_on_the_trace_api_it_prints(tmp_path:
         trace = _one_trace(body)
         names = {s["operationName"] for s in trace["spans"]}
         assert "queue" in names and "step_decode" in names, names
-        _, _, body = _get(port, "/api/services")
-        assert {"kvfleet-scheduler", "kvfleet-worker"} <= set(body["data"])
-        _, _, body = _get(port, "/api/dependencies")
-        assert {"parent": "kvfleet-scheduler", "child": "kvfleet-worker"} in [
-            {k: link[k] for k in ("parent", "child")} for link in body["data"]
-        ]
+        # Each process exports in its own batches: the worker's may land after the scheduler's.
+        while True:
+            _, _, services = _get(port, "/api/services")
+            _, _, deps = _get(port, "/api/dependencies")
+            links = [{k: link[k] for k in ("parent", "child")} for link in deps["data"]]
+            if (
+                "kvfleet-worker" in services["data"]
+                and {"parent": "kvfleet-scheduler", "child": "kvfleet-worker"} in links
+            ):
+                break
+            assert time.monotonic() < deadline, f"the worker's spans never reached the trace API: {services}, {links}"
+            time.sleep(0.3)
+        assert "kvfleet-scheduler" in services["data"]
     finally:
         assert up.stop() == 0, up.stderr()

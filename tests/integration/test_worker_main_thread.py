@@ -113,7 +113,7 @@ def test_steps_and_releases_run_on_the_main_thread_and_sigterm_drains(tmp_path: 
     # The start line says which ops the CPU forward uses (README: "Faster CPU modes").
     assert f"fused CPU ops {'on' if seen['fused'] else 'off'}" in err, err
     # ... and its threads: the tiny model, not told how many, takes one (cpu_backend.default_cpu_threads).
-    assert re.search(r"fused CPU ops [^,]*, 1 thread, ", err), err
+    assert re.search(r"fused CPU ops [^,]*, whole steps (on|off), 1 thread, ", err), err
     assert "draining" in err, err
 
 
