@@ -32,6 +32,7 @@ def sweep_ticks_per_s(
     progress: Callable[[str], None] = lambda m: None,
     overlap: bool = ClusterSpec.overlap_scheduling,
     step_spans: bool = ClusterSpec.step_spans,
+    pack_step_ms: float = ClusterSpec.pack_step_ms,
 ) -> dict:
     spec = SweepSpec()
     cluster_spec = ClusterSpec(
@@ -40,6 +41,7 @@ def sweep_ticks_per_s(
         extra_env=dict(extra_env or {}),
         overlap_scheduling=overlap,
         step_spans=step_spans,
+        pack_step_ms=pack_step_ms,
     )
     with LocalCluster(cluster_spec) as cluster, SchedulerClient(cluster.scheduler_address) as client:
         prompts = make_prompts(spec, client.list_workers()[0].vocab_size)
@@ -72,6 +74,7 @@ def sweep_ticks_per_s(
         "repeats": repeats,
         "workers": workers,
         "overlap_scheduling": overlap,
+        "pack_step_ms": pack_step_ms,
         "ticks_per_s_median": round(runs[len(runs) // 2], 1),
         "ticks_per_s_best": round(runs[-1], 1),
         "cpu_ms_per_tick": cpu,

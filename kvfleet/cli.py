@@ -85,6 +85,14 @@ def _add_cluster_flags(
         env=var("KVFLEET_KV_BUDGET_BYTES"),
         help="the scheduler's cap on KV bytes reserved across workers (0 = none: the workers' caches)",
     )
+    p.add_argument(
+        "--pack-step-ms",
+        type=float,
+        default=d.pack_step_ms,
+        env=var("KVFLEET_PACK_STEP_MS"),
+        help="a worker whose steps take less than this (ms) takes new sessions before an idle one "
+        "is used (0 = spread by load from the first session)",
+    )
     add_switch(
         p,
         "overlap-scheduling",
@@ -180,6 +188,7 @@ def _spec(a: argparse.Namespace, port: int = 0):
         max_running=a.max_running,
         prefill_token_budget=a.prefill_token_budget,
         kv_budget_bytes=a.kv_budget_bytes,
+        pack_step_ms=a.pack_step_ms,
         overlap_scheduling=a.overlap_scheduling,
         step_stream=a.step_stream,
         step_spans=a.step_spans,

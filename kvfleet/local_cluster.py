@@ -102,6 +102,8 @@ class ClusterSpec:
     prefill_token_budget: int = SchedulerLimits.prefill_token_budget
     # The scheduler's --kv-budget-bytes; 0: not passed (the scheduler's default, the workers' caches)
     kv_budget_bytes: int = SchedulerLimits.kv_budget_bytes
+    # The scheduler's --pack-step-ms (a worker with steps shorter than this takes new sessions first).
+    pack_step_ms: float = SchedulerLimits.pack_step_ms
     # The scheduler's --overlap-scheduling (plan tick N+1 while tick N computes).
     overlap_scheduling: bool = SchedulerConfig.overlap_scheduling
     step_stream: bool = SchedulerConfig.step_stream  # the scheduler's --step-stream
@@ -392,6 +394,8 @@ class LocalCluster:
                     str(s.prefill_token_budget),
                     "--drain-grace",
                     str(s.drain_grace_s),
+                    "--pack-step-ms",
+                    str(s.pack_step_ms),
                     "--overlap-scheduling" if s.overlap_scheduling else "--no-overlap-scheduling",
                     "--step-stream" if s.step_stream else "--no-step-stream",
                     "--step-spans" if s.step_spans else "--no-step-spans",

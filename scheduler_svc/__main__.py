@@ -81,6 +81,14 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
         "place sessions on the least loaded worker only",
         env="KVFLEET_CACHE_AWARE_ROUTING",
     )
+    p.add_argument(
+        "--pack-step-ms",
+        type=float,
+        env="KVFLEET_PACK_STEP_MS",
+        default=d.pack_step_ms,
+        help="a worker whose steps take less than this (ms, a moving average) takes new sessions "
+        "before an idle one is used (0 = spread by load from the first session)",
+    )
     add_switch(
         p,
         "overlap-scheduling",
@@ -149,6 +157,7 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
         kv_policy=a.kv_policy,
         max_priority=a.max_priority,
         cache_aware_routing=a.cache_aware_routing,
+        pack_step_ms=a.pack_step_ms,
     )
     workers = tuple(w.strip() for w in a.workers.split(",") if w.strip())
     from kvfleet_common.security import TlsConfig, worker_secret_from_env

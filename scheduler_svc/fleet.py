@@ -132,6 +132,16 @@ class WorkerFleet:
                     self._observe.item_errors(worker_id, len(errors))
         return results, failed, failed_steps
 
+    def step_times(self, ids: Iterable[str]) -> dict[str, int]:
+        """The step time (ns, on the worker) each of these workers answered with since the last
+        call: for SchedulerCore.steps_timed."""
+        times = {}
+        for w in ids:
+            client = self._clients[w]
+            if client.step_ns:
+                times[w], client.step_ns = client.step_ns, 0
+        return times
+
     # ---- releases alone ----------------------------------------------------------------------------
 
     async def flush_releases(self) -> None:

@@ -390,6 +390,7 @@ class SchedulerRuntime:
         plan = flight.plan
         try:
             results, failed, failed_steps = self._fleet.answers(plan, flight.workers, await flight.calls)
+            self._core.steps_timed(self._fleet.step_times(flight.workers))
             self._spans.session_steps(flight.span, plan, flight.start_ns, time.time_ns())
             out = self._core.update(plan, results, failed, failed_steps)
         except Exception:  # a bug, not a worker fault: log it and keep serving
@@ -439,7 +440,9 @@ class SchedulerRuntime:
                 self._deliver()
             except Exception:  # a bug: log it, but this tick's steps are out and must be applied
                 log.exception("delivering tick %d's events failed", plan.tick - 1)
-        return self._fleet.answers(plan, ids, await gathered)
+        answers = self._fleet.answers(plan, ids, await gathered)
+        self._core.steps_timed(self._fleet.step_times(ids))
+        return answers
 
     # ---- the outbox ---------------------------------------------------------------------------
 

@@ -73,6 +73,9 @@ class WorkerClient:
     # Steps go over one StepStream when the worker serves it (WorkerInfo.step_stream), else as
     # Step calls; the stream is opened by the first step and again after it broke.
     stream_steps: bool = True
+    # The time on the worker of its last answered step with items (StepResponse.step_ns), until
+    # the fleet takes it for placement (0: none since).
+    step_ns: int = 0
     # A stream older than this is retired for a new one at the next step: the worker's server
     # cuts a connection's streams MAX_STREAM_S after its age (see step_stream).
     stream_max_age_s: float = grpcutil.MAX_STREAM_S / 12
@@ -168,6 +171,7 @@ class WorkerClient:
         call is numbered and started now, in the order of these calls; await its answer."""
         request = convert.step_request(prefill, decode)
         request.release_session_ids.extend(release)
+        timed = bool(prefill or decode)  # (a release alone is no step to time)
         # Cleared as it is sent, not when it answers: a second step may go out meanwhile, and it
         # must not forget what the first placed. (A worker that fails it is taken back with a reset.)
         request.reset, self.reset_pending = self.reset_pending, False
@@ -181,7 +185,7 @@ class WorkerClient:
             request.experiment_arm = arm.arm
         trace_md = inject_metadata(trace.set_span_in_context(span)) if span is not None else ()
         if not (self.stream_steps and self.info is not None and self.info.step_stream):
-            return self._answer(self.stub.Step(request, timeout=timeout, metadata=(*self.auth, *trace_md)))
+            return self._answer(self.stub.Step(request, timeout=timeout, metadata=(*self.auth, *trace_md)), timed)
         request.timeout_ms = max(1, round(timeout * 1000))
         request.trace_context.update(trace_md)
         stream = self._stream
@@ -191,20 +195,25 @@ class WorkerClient:
                 self._retired.add(stream)
                 stream.ended.add_done_callback(functools.partial(self._forget_retired, stream))
             self._stream = stream = StepStream(self.stub, self.auth, self.address)
-        return self._streamed(stream.send(request, timeout))
+        return self._streamed(stream.send(request, timeout), timed)
 
     def _forget_retired(self, stream: StepStream, _: object) -> None:
         self._retired.discard(stream)
 
-    async def _answer(self, call: Awaitable[wpb.StepResponse]) -> Mapping[str, StepResult]:
+    async def _answer(self, call: Awaitable[wpb.StepResponse], timed: bool) -> Mapping[str, StepResult]:
         try:
             resp = await call
         except grpc.aio.AioRpcError as exc:
             raise WorkerCallFailed(self.address, *connection_status(exc.code(), exc.details() or "")) from exc
+        if timed:
+            self.step_ns = resp.step_ns
         return convert.step_results(resp)
 
-    async def _streamed(self, answer: Awaitable[wpb.StepResponse]) -> Mapping[str, StepResult]:
-        return convert.step_results(await answer)
+    async def _streamed(self, answer: Awaitable[wpb.StepResponse], timed: bool) -> Mapping[str, StepResult]:
+        resp = await answer
+        if timed:
+            self.step_ns = resp.step_ns
+        return convert.step_results(resp)
 
     async def held(self, timeout: float) -> HeldSessions:
         try:

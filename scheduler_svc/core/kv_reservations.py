@@ -24,6 +24,7 @@ class WorkerSlot:
     live: bool = True
     tables: BlockTables = field(init=False)
     sessions: set[str] = field(default_factory=set)
+    step_ms: float | None = None  # a moving average of its steps' times (None: none timed yet)
 
     def __post_init__(self) -> None:
         self.tables = BlockTables(self.spec.num_blocks, self.spec.block_size, self.spec.prefix_caching)
@@ -68,20 +69,22 @@ def choose_victim(candidates: Sequence[VictimCandidate]) -> str:
 
 class KvReservations:
     """Places sessions on the live worker that holds the longest cached prefix of their prompt
-    (then the least KV-loaded) and has room for what they need, within a byte budget over all
-    workers, and keeps each worker's block tables."""
+    (then one whose steps are cheap enough to pack more onto, the fullest first, then the least
+    KV-loaded) and has room for what they need, within a byte budget over all workers, and keeps
+    each worker's block tables."""
 
-    def __init__(self, kv_budget_bytes: int, cache_aware: bool = True) -> None:
+    def __init__(self, kv_budget_bytes: int, cache_aware: bool = True, pack_step_ms: float = 0.0) -> None:
         self.kv_budget_bytes = kv_budget_bytes
         self.cache_aware = cache_aware  # False: the least loaded worker only (a session still
         # reuses what it finds cached where it lands)
+        self.pack_step_ms = pack_step_ms  # see SchedulerLimits.pack_step_ms
         self._workers: dict[str, WorkerSlot] = {}
         self._by_session: dict[str, str] = {}  # session -> its worker
 
     def draft(self) -> KvReservations:
         """Books equal to these that a tick is planned on; `adopt` takes them back once the
         plan is applied. Cheap: the block tables are copied on write."""
-        new = KvReservations(self.kv_budget_bytes, self.cache_aware)
+        new = KvReservations(self.kv_budget_bytes, self.cache_aware, self.pack_step_ms)
         new._workers = {wid: slot.draft() for wid, slot in self._workers.items()}
         new._by_session = dict(self._by_session)
         return new
@@ -165,15 +168,19 @@ class KvReservations:
 
     def reserve(self, session_id: str, tokens: int, prompt: Sequence[int] = (), salt: bytes = b"") -> Placement | None:
         """Place a session that needs room for `tokens` and starts with `prompt`: on the live
-        worker with room whose prefix cache holds the longest part of the prompt, then the least
-        loaded. None when no worker has room or the byte budget would be exceeded."""
+        worker with room whose prefix cache holds the longest part of the prompt; then on one
+        whose steps took less than `pack_step_ms`, the fullest (then the first) of them; then
+        the least loaded. None when no worker has room or the byte budget would be exceeded."""
         assert session_id not in self._by_session, f"{session_id} already holds a reservation"
-        best: tuple[tuple[int, float, str], WorkerSlot] | None = None
+        best: tuple[tuple[int, int, float, str], WorkerSlot] | None = None
         for w in self.live:
             cached, taken = w.tables.placement_cost(prompt, tokens, salt)
             if taken > w.tables.allocator.num_free or not self._fits_budget(taken, w.spec.worker_id):
                 continue
-            key = (-cached if self.cache_aware else 0, w.load, w.spec.worker_id)
+            # Packing: the workers with cheap steps by fullness (-sessions), the others by load.
+            cheap = w.step_ms is not None and w.step_ms < self.pack_step_ms
+            fill = (0, -len(w.sessions)) if cheap else (1, w.load)
+            key = (-cached if self.cache_aware else 0, *fill, w.spec.worker_id)
             if best is None or key < best[0]:
                 best = (key, w)
         if best is None:
@@ -184,6 +191,15 @@ class KvReservations:
         slot.sessions.add(session_id)
         self._by_session[session_id] = worker_id
         return Placement(worker_id, cached)
+
+    def step_timed(self, worker_id: str, step_ns: int) -> None:
+        """A step of the worker's took `step_ns`: into its moving average (weight 1/4: a few
+        steps move it, one long prefill does not hold it up for long)."""
+        slot = self._workers.get(worker_id)
+        if slot is None:
+            return
+        ms = step_ns / 1e6
+        slot.step_ms = ms if slot.step_ms is None else slot.step_ms + (ms - slot.step_ms) / 4
 
     def grow(self, session_id: str, tokens: int) -> bool:
         """Make a placed session's blocks hold `tokens`, if its worker and the budget have room;

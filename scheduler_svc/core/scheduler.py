@@ -62,7 +62,7 @@ class SchedulerCore:
         self.limits = limits
         self._clock = clock
         self._new_id = new_id
-        self.kv = KvReservations(limits.kv_budget_bytes, limits.cache_aware_routing)
+        self.kv = KvReservations(limits.kv_budget_bytes, limits.cache_aware_routing, limits.pack_step_ms)
         self.accounting = Accounting(limits.max_running)
         self._bounds = ModelBounds()
         self._worker_bounds: dict[str, tuple[int, int]] = {}  # worker -> (vocab_size, max_position)
@@ -127,6 +127,12 @@ class SchedulerCore:
             return
         out.requeued.append(session.session_id)
         self._state.requeue(session, out)
+
+    def steps_timed(self, step_ns: Mapping[str, int]) -> None:
+        """How long each worker's step of a tick took on it (StepResponse.step_ns): what
+        placement packs by (SchedulerLimits.pack_step_ms)."""
+        for worker_id, ns in step_ns.items():
+            self.kv.step_timed(worker_id, ns)
 
     def worker_recovered(self, spec: WorkerSpec, vocab_size: int, max_position: int) -> None:
         """A worker marked dead answers again (as `spec` and its model's bounds say now): it is

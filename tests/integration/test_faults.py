@@ -10,6 +10,7 @@ from kvfleet.client import SchedulerClient, build_request
 from kvfleet_models.config import tiny_config
 from kvfleet_models.reference import reference_generate
 from kvfleet_models.tiny import tiny_weights
+from scheduler_svc.core import SchedulerLimits
 from tests.helpers.worker_stats import worker_stats
 from tests.integration.inproc import InProcessCluster
 
@@ -128,7 +129,9 @@ def test_a_worker_that_comes_back_is_used_again():
 
     from worker_svc.server import create_server as create_worker
 
-    with InProcessCluster(workers=2, step_timeout_s=2) as c, SchedulerClient(c.address) as client:
+    # Spread from the first session (no packing), so that sessions land on the dead worker.
+    spread = SchedulerLimits(pack_step_ms=0)
+    with InProcessCluster(workers=2, step_timeout_s=2, limits=spread) as c, SchedulerClient(c.address) as client:
         c.run(c.worker_servers[1].stop(0))
         # Concurrent sessions spread over both; those on the dead one mark it dead and move.
         import concurrent.futures as cf

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvfleet.client import SchedulerClient
+from scheduler_svc.core import SchedulerLimits
 from tests.helpers.placement import workload_placement
 from tests.helpers.waiting import wait_for
 from tests.integration.inproc import InProcessCluster
@@ -19,7 +20,8 @@ from tests.integration.inproc import InProcessCluster
 
 @pytest.fixture
 def cluster() -> Iterator[InProcessCluster]:
-    with InProcessCluster(workers=2, stats_interval_s=0.3) as c:
+    # Spread from the first session (no packing): a workload of a few sessions uses both.
+    with InProcessCluster(workers=2, stats_interval_s=0.3, limits=SchedulerLimits(pack_step_ms=0)) as c:
         yield c
 
 

@@ -71,7 +71,8 @@ def test_grpc_js_streams_survive_a_worker_killed_under_kvfleet_up(tmp_path: Path
     prompts = [[i + 2, (i * 7) % 48, 5] for i in range(6)]
     new_tokens = 200
     solo = [reference_generate(cfg, weights, p, new_tokens) for p in prompts]
-    up = Up(["--model", "tiny", "--workers", "2"], tmp_path / "up.err", start_timeout_s=60)
+    # --pack-step-ms 0: the six streams spread over both workers (packed, all would be on worker-0).
+    up = Up(["--model", "tiny", "--workers", "2", "--pack-step-ms", "0"], tmp_path / "up.err", start_timeout_s=60)
     try:
         proc = _node_client(up.scheduler, new_tokens, prompts)
         first = _read_events(proc, lambda evs: len({e["i"] for e in evs}) == len(prompts), 30)

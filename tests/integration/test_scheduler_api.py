@@ -32,7 +32,8 @@ def test_generate_streams_reference_tokens(cluster):
 
 def test_concurrent_clients_get_their_own_tokens(cluster, monkeypatch):
     """Twelve clients at once: each gets its own tokens, and the sessions are spread over both
-    workers. So that "at once" holds on a loaded machine too (where each short session could
+    workers (placement by load: packing, which puts the tiny model's cheap steps on one worker,
+    is off in this test's cluster; test_scheduler_blocks tests it). So that "at once" holds on a loaded machine too (where each short session could
     otherwise end before the next arrives, all on the first worker), no worker step goes out
     until all twelve have been submitted."""
     prompts = [[i % 48, (3 * i) % 48, (7 * i + 1) % 48][: 1 + i % 3] for i in range(12)]
@@ -52,6 +53,7 @@ def test_concurrent_clients_get_their_own_tokens(cluster, monkeypatch):
 
     monkeypatch.setattr(SchedulerRuntime, "submit", counted_submit)
     monkeypatch.setattr(WorkerClient, "step", gated_step)
+    monkeypatch.setattr(cluster.scheduler.runtime._core.kv, "pack_step_ms", 0.0)  # by load
     with SchedulerClient(cluster.address) as client, cf.ThreadPoolExecutor(12) as pool:
         results = list(pool.map(lambda p: client.generate(build_request(p, 6 + len(p)), timeout=120), prompts))
     assert sum(submitted) == len(prompts)

@@ -66,6 +66,7 @@ def test_up_keeps_serving_when_a_worker_is_killed(tmp_path: Path):
     ]
     new_tokens = 12
     # 256 KV blocks a worker (~190 MB) instead of the default 3 GB: the same supervision, less memory.
+    # (SmolLM2's CPU steps, tens of ms, are too long to pack: the streams spread over both workers.)
     up = Up(
         ["--model", "smollm2-135m", "--workers", "2", "--num-blocks", "256"], tmp_path / "up.err", start_timeout_s=120
     )
@@ -92,13 +93,13 @@ def test_up_keeps_serving_when_a_worker_is_killed(tmp_path: Path):
 def test_up_hands_its_drain_grace_on_and_a_closed_terminal_stops_it(tmp_path: Path):
     """SIGHUP (the terminal closed) drains and stops the cluster like SIGTERM, leaving no child;
     --drain-grace reaches the scheduler and the gateway, whose drains it bounds (and
-    --no-step-stream, --no-step-spans and --kv-budget-bytes the scheduler)."""
+    --no-step-stream, --no-step-spans, --kv-budget-bytes and --pack-step-ms the scheduler)."""
     import time
 
     up = Up(
         [
             *("--model", "tiny", "--workers", "1", "--drain-grace", "3", "--no-step-stream", "--no-step-spans"),
-            *("--kv-budget-bytes", "1536000"),
+            *("--kv-budget-bytes", "1536000", "--pack-step-ms", "0.5"),
         ],
         tmp_path / "up.err",
         start_timeout_s=60,
@@ -108,7 +109,9 @@ def test_up_hands_its_drain_grace_on_and_a_closed_terminal_stops_it(tmp_path: Pa
             args = Path(f"/proc/{up.pids[name]}/cmdline").read_bytes().split(b"\0")
             assert args[args.index(b"--drain-grace") + 1] == b"3.0", (name, args)
         # --no-step-stream reaches the scheduler too (it then serves with a Step call a step).
-        assert b"--no-step-stream" in Path(f"/proc/{up.pids['scheduler']}/cmdline").read_bytes().split(b"\0")
+        args = Path(f"/proc/{up.pids['scheduler']}/cmdline").read_bytes().split(b"\0")
+        assert b"--no-step-stream" in args
+        assert args[args.index(b"--pack-step-ms") + 1] == b"0.5"  # and --pack-step-ms
         with SchedulerClient(up.scheduler) as client:
             assert client.generate(build_request([1, 2, 3], 4, ignore_eos=True)).token_ids
             assert client.telemetry().kv_budget_bytes == 1536000  # --kv-budget-bytes in force

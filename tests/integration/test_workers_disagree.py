@@ -108,7 +108,7 @@ def test_clients_are_told_the_context_every_worker_serves(monkeypatch):
     workers' (it was the first live worker's: 512 here while a prompt of 100 was refused)."""
     clear_kvfleet_env(monkeypatch)
     with (
-        LocalCluster(ClusterSpec(workers=2, model="tiny", telemetry=False)) as cluster,
+        LocalCluster(ClusterSpec(workers=2, model="tiny", telemetry=False, pack_step_ms=0)) as cluster,
         SchedulerClient(cluster.scheduler_address, retry=NO_RETRY) as client,
     ):
         assert client.model_info().max_model_len == 512
@@ -126,7 +126,8 @@ def test_clients_are_told_the_context_every_worker_serves(monkeypatch):
 
 def test_a_worker_back_with_another_model_is_kept_out_until_it_serves_the_fleet_s(other_model, monkeypatch):
     clear_kvfleet_env(monkeypatch)
-    spec = ClusterSpec(workers=2, model="tiny", telemetry=False)
+    # Spread from the first session (no packing): a workload of a few sessions uses both.
+    spec = ClusterSpec(workers=2, model="tiny", telemetry=False, pack_step_ms=0)
     with LocalCluster(spec) as cluster, SchedulerClient(cluster.scheduler_address) as client:
         cluster.kill_worker(1)
         cluster.restart_worker(1, ["--model", str(other_model)])

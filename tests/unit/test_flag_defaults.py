@@ -134,6 +134,7 @@ def test_cluster_spec_defaults_are_the_services() -> None:
         worker.kv_views.value,
     )
     assert (spec.max_running, spec.prefill_token_budget) == (limits.max_running, limits.prefill_token_budget)
+    assert spec.pack_step_ms == limits.pack_step_ms
     assert spec.drain_grace_s == SchedulerConfig(workers=("w:1",)).drain_grace_s
     assert spec.overlap_scheduling == SchedulerConfig(workers=("w:1",)).overlap_scheduling
 
@@ -183,6 +184,18 @@ def test_no_cache_aware_routing_reaches_the_core_s_limits() -> None:
     assert (
         scheduler_main.parse_args(["--workers", "w:1", "--no-cache-aware-routing"]).limits.cache_aware_routing is False
     )
+
+
+def test_pack_step_ms_reaches_the_core_s_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--pack-step-ms (its effect: test_scheduler_blocks), from the scheduler's flag, its
+    variable, and `kvfleet up`'s flag and variable."""
+    assert scheduler_main.parse_args(["--workers", "w:1", "--pack-step-ms", "0"]).limits.pack_step_ms == 0
+    assert _spec(build_parser().parse_args(["up", "--pack-step-ms", "0.5"])).pack_step_ms == 0.5
+    monkeypatch.setenv("KVFLEET_PACK_STEP_MS", "5")
+    assert scheduler_main.parse_args(["--workers", "w:1"]).limits.pack_step_ms == 5
+    assert _spec(build_parser().parse_args(["up"])).pack_step_ms == 5
+    with pytest.raises(ValueError, match="pack_step_ms must be 0"):
+        scheduler_main.parse_args(["--workers", "w:1", "--pack-step-ms", "-1"])
 
 
 @pytest.mark.parametrize("address", ["localhost", ":50061", "host:99999", "host:0", "host:port"])

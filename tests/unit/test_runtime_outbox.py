@@ -21,6 +21,7 @@ class _Worker:
     """A worker of one layer's test: every sampled item gets token 7."""
 
     worker_id = "w0"
+    step_ns = 0  # (WorkerClient.step_ns: no step timed)
 
     async def step(
         self, prefill: Sequence[PrefillWork], decode: Sequence[DecodeWork], release, arm, span, timeout

@@ -29,6 +29,7 @@ class _Worker:
     runs steps in the order they were sent, and samples fake_token(session, index)."""
 
     worker_id = "w0"
+    step_ns = 0  # (WorkerClient.step_ns: no step timed)
 
     def __init__(self, fail_at: Mapping[str, int]) -> None:
         self.kv: dict[str, int] = {}

@@ -132,7 +132,7 @@ def test_blocks_are_shared_only_after_the_step_that_wrote_them_came_back() -> No
 def test_placement_prefers_the_worker_holding_the_longest_cached_prefix(cache_aware: bool) -> None:
     """Off (--no-cache-aware-routing), the least loaded worker only; a session placed there
     still reuses what that worker holds."""
-    core, fake = _core(("w0", "w1"), cache_aware_routing=cache_aware), FakeWorkers()
+    core, fake = _core(("w0", "w1"), cache_aware_routing=cache_aware, pack_step_ms=0), FakeWorkers()
     warm = core.submit(_req(SHARED + (20,), new=2))
     _run(core, fake)
     assert core.workers.get("w0").tables.cached_prefix(SHARED + (1,)) == 12  # (w0: ties go by id)
@@ -147,6 +147,78 @@ def test_placement_prefers_the_worker_holding_the_longest_cached_prefix(cache_aw
     # Least loaded alone sends both to w1; the cached prefix keeps `hit` on w0.
     assert placed == ({hit: ("w0", 12), miss: ("w1", 0)} if cache_aware else {hit: ("w1", 0), miss: ("w1", 0)})
     assert core.session(warm).cached_tokens == 0
+
+
+def _tick(core: SchedulerCore, fake: FakeWorkers, step_ms: dict[str, float] | None = None) -> None:
+    """One tick, its workers' steps taking `step_ms` (what their answers would say)."""
+    plan, early = plan_tick(core)
+    fake.release(complete_tick(core, plan, fake.run(plan), outcome=early))
+    core.steps_timed({w: round(ms * 1e6) for w, ms in (step_ms or {}).items()})
+
+
+def test_a_worker_with_cheap_steps_takes_new_sessions_before_an_idle_one() -> None:
+    """Packing (pack_step_ms): a worker whose steps took less than pack_step_ms takes the next
+    session (the fullest such first), a worker with longer steps is placed on by load."""
+    core, fake = _core(("w0", "w1", "w2"), pack_step_ms=2.0), FakeWorkers()
+    a, b = core.submit(_req((1, 2, 3), new=20)), core.submit(_req((4, 2, 3), new=20))
+    _tick(core, fake)  # no step timed yet: by load, as without packing
+    assert (core.session(a).worker_id, core.session(b).worker_id) == ("w0", "w1")
+    _tick(core, fake, {"w0": 0.5, "w1": 0.4})
+    more = [core.submit(_req((k, 5, 6), new=20)) for k in range(10, 13)]
+    _tick(core, fake, {"w0": 0.6, "w1": 0.5})
+    # Both cheap and holding one each: the first by id takes all three (the fullest after one).
+    assert [core.session(s).worker_id for s in more] == ["w0", "w0", "w0"]
+    # w0's steps grew past the limit: w1 (cheap, fuller than the never-timed w2) is filled next.
+    _tick(core, fake, {"w0": 9.0, "w1": 0.5})
+    assert core.workers.get("w0").step_ms is not None and core.workers.get("w0").step_ms >= 2.0
+    later = core.submit(_req((20, 5, 6), new=20))
+    _tick(core, fake)
+    assert core.session(later).worker_id == "w1"
+    # No worker cheap: the least loaded (w2, empty).
+    _tick(core, fake, {"w1": 40.0})
+    _tick(core, fake, {"w1": 40.0})
+    last = core.submit(_req((30, 1, 1), new=20))
+    _tick(core, fake)
+    assert core.session(last).worker_id == "w2"
+
+
+def test_the_step_time_is_a_moving_average_that_a_restart_forgets() -> None:
+    core = _core(("w0",), pack_step_ms=2.0)
+    core.steps_timed({"w0": 1_000_000})
+    assert core.workers.get("w0").step_ms == 1.0
+    core.steps_timed({"w0": 5_000_000, "gone": 7})  # a quarter of the way; an unknown worker ignored
+    assert core.workers.get("w0").step_ms == 2.0
+    core.worker_failed("w0")
+    core.worker_recovered(tiny_worker("w0", blocks=64, block_size=BS), vocab_size=48, max_position=512)
+    assert core.workers.get("w0").step_ms is None
+
+
+def test_packing_off_spreads_even_cheap_steps() -> None:
+    core, fake = _core(("w0", "w1"), pack_step_ms=0), FakeWorkers()
+    core.submit(_req((9, 2, 3), new=20))
+    _tick(core, fake, {"w0": 0.1, "w1": 0.1})
+    ids = [core.submit(_req((k, 2, 3), new=20)) for k in range(3)]
+    _tick(core, fake)
+    assert [core.session(s).worker_id for s in ids] == ["w1", "w0", "w1"]
+
+
+def test_a_cached_prefix_comes_before_packing() -> None:
+    core, fake = _core(("w1",), pack_step_ms=2.0), FakeWorkers()
+    core.submit(_req(SHARED + (20,), new=2))
+    _run(core, fake)  # w1 holds SHARED's blocks and no session
+    core.add_worker(tiny_worker("w0", blocks=64, block_size=BS), vocab_size=48, max_position=512)
+    filler = core.submit(_req((9,) * 30, new=20))
+    _tick(core, fake, {"w0": 0.2, "w1": 0.2})
+    assert core.session(filler).worker_id == "w0"  # both empty: by id
+    hit = core.submit(_req(SHARED + (30,)))  # packing alone would send it to w0, beside filler
+    plan, _ = plan_tick(core)
+    assert {(p.session_id, p.worker_id, p.cached_tokens) for p in plan.prefill} == {(hit, "w1", 12)}
+
+
+@pytest.mark.parametrize("value", [-1, float("inf"), float("nan"), "2"])
+def test_pack_step_ms_must_be_a_time(value) -> None:
+    with pytest.raises(ValueError, match="pack_step_ms must be 0"):
+        SchedulerLimits(pack_step_ms=value)
 
 
 def test_callers_share_cached_blocks_only_with_themselves() -> None:
