@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
         type=float,
         env="KVFLEET_PACK_STEP_MS",
         default=d.pack_step_ms,
-        help="a worker whose steps take less than this (ms, a moving average) takes new sessions "
+        help="a worker whose steps take less than this (ms, the median of its last 8) takes new sessions "
         "before an idle one is used (0 = spread by load from the first session)",
     )
     add_switch(

@@ -7,11 +7,15 @@ blocks it holds: blocks shared through the prefix cache count once. The tick rul
 from __future__ import annotations
 
 import copy
+import statistics
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvfleet_common.kv_blocks import BlockTables, OutOfBlocks, TokenRange
 from scheduler_svc.core.types import WorkerSpec
+
+RECENT_STEPS = 8  # a worker's step times that packing takes the median of
 
 
 def round_up(tokens: int, block_size: int) -> int:
@@ -24,7 +28,8 @@ class WorkerSlot:
     live: bool = True
     tables: BlockTables = field(init=False)
     sessions: set[str] = field(default_factory=set)
-    step_ms: float | None = None  # a moving average of its steps' times (None: none timed yet)
+    # Its last steps' times in ms (SchedulerCore.steps_timed); their median is what packing goes by.
+    recent_steps_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
 
     def __post_init__(self) -> None:
         self.tables = BlockTables(self.spec.num_blocks, self.spec.block_size, self.spec.prefix_caching)
@@ -43,6 +48,12 @@ class WorkerSlot:
     @property
     def free_tokens(self) -> int:
         return self.spec.capacity_tokens - self.reserved_tokens
+
+    @property
+    def step_ms(self) -> float | None:
+        """The median of its last steps' times (None: none timed yet): a step slowed by the
+        machine now and then (a VM's hiccup, a collection) does not move it."""
+        return statistics.median(self.recent_steps_ms) if self.recent_steps_ms else None
 
     @property
     def load(self) -> float:
@@ -178,7 +189,8 @@ class KvReservations:
             if taken > w.tables.allocator.num_free or not self._fits_budget(taken, w.spec.worker_id):
                 continue
             # Packing: the workers with cheap steps by fullness (-sessions), the others by load.
-            cheap = w.step_ms is not None and w.step_ms < self.pack_step_ms
+            ms = w.step_ms if self.pack_step_ms else None
+            cheap = ms is not None and ms < self.pack_step_ms
             fill = (0, -len(w.sessions)) if cheap else (1, w.load)
             key = (-cached if self.cache_aware else 0, *fill, w.spec.worker_id)
             if best is None or key < best[0]:
@@ -193,13 +205,10 @@ class KvReservations:
         return Placement(worker_id, cached)
 
     def step_timed(self, worker_id: str, step_ns: int) -> None:
-        """A step of the worker's took `step_ns`: into its moving average (weight 1/4: a few
-        steps move it, one long prefill does not hold it up for long)."""
+        """A step of the worker's took `step_ns` (an unknown worker's is ignored)."""
         slot = self._workers.get(worker_id)
-        if slot is None:
-            return
-        ms = step_ns / 1e6
-        slot.step_ms = ms if slot.step_ms is None else slot.step_ms + (ms - slot.step_ms) / 4
+        if slot is not None:
+            slot.recent_steps_ms.append(step_ns / 1e6)
 
     def grow(self, session_id: str, tokens: int) -> bool:
         """Make a placed session's blocks hold `tokens`, if its worker and the budget have room;

@@ -39,8 +39,8 @@ class SchedulerLimits:
     # Place a session on the worker whose prefix cache holds the longest part of its prompt
     # (then the least loaded); False = the least loaded only (the A/B peer of bench.prefix_cache).
     cache_aware_routing: bool = True
-    # Packing: a worker whose recent steps took less than this (milliseconds, a moving average of
-    # the step times it reports) takes new sessions before an idle worker is used (after the
+    # Packing: a worker whose recent steps took less than this (milliseconds, the median of the
+    # last 8 step times it reported) takes new sessions before an idle worker is used (after the
     # cached prefix; the fullest such worker first; then the least loaded). Every worker a tick
     # uses costs the tick a step round trip (about 0.5-1 ms of CPU on the scheduler's and the
     # worker's side here) and a wait on the slowest, so spreading steps shorter than that buys
