@@ -113,7 +113,7 @@ def smollm2_arms(concurrency: list[int], new_tokens: int, repeats: int, on: floa
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.packing", description=__doc__.splitlines()[0])
     p.add_argument("--pack-step-ms", type=float, default=SchedulerLimits.pack_step_ms, help="the packing arm's limit")
     p.add_argument("--pairs", type=int, default=3, help="tiny sweep pairs (0: no sweep)")
@@ -122,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smollm2-concurrency", default="2,4")
     p.add_argument("--repeats", type=int, default=2, help="SmolLM2 runs per arm and concurrency (medians)")
     p.add_argument("--json", metavar="FILE")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     if a.pack_step_ms <= 0:
         p.error("--pack-step-ms must be positive: the packing arm is compared with 0")

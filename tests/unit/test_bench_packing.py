@@ -32,9 +32,7 @@ def test_sweep_pairs_runs_each_arm_once_a_pair_in_turn(monkeypatch: pytest.Monke
 
 
 def test_the_packing_arm_defaults_to_the_scheduler_s_limit_and_must_be_positive(capsys) -> None:
-    from tests.unit.test_bench_defaults import _parsed
-
-    assert _parsed(packing.main, []).pack_step_ms == SchedulerLimits.pack_step_ms
+    assert packing.build_parser().parse_args([]).pack_step_ms == SchedulerLimits.pack_step_ms
     with pytest.raises(SystemExit):
         packing.main(["--pack-step-ms", "0", "--pairs", "0", "--smollm2-tokens", "0"])
     assert "--pack-step-ms must be positive" in capsys.readouterr().err
