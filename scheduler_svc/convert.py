@@ -265,6 +265,7 @@ def add_worker_pb(resp: spb.ListWorkersResponse, view: WorkerView) -> None:
         kv_bytes_per_token=info.kv_bytes_per_token,
         rss_bytes=view.rss_bytes,
         private_bytes=view.private_bytes,
+        step_ms=round(view.step_ms, 3),
     )
 
 

@@ -274,7 +274,11 @@ class WorkerFleet:
                 continue
             held = sum(self._core.session(s).kv_tokens for s in slot.sessions)
             rss, own = self._rss_bytes.get(wid, (0, 0))
-            views.append(WorkerView(client, slot.live, len(slot.sessions), held, slot.reserved_tokens, rss, own))
+            views.append(
+                WorkerView(
+                    client, slot.live, len(slot.sessions), held, slot.reserved_tokens, rss, own, slot.step_ms or 0.0
+                )
+            )
         return views
 
     def model_info(self) -> wpb.WorkerInfo | None:

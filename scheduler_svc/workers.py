@@ -52,6 +52,7 @@ class WorkerView:
     reserved_tokens: int
     rss_bytes: int = 0  # as the worker last reported it (0: not yet)
     private_bytes: int = 0  # the same, its own part
+    step_ms: float = 0.0  # the median of its last steps' times (0: none timed yet)
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""Packing on real workers: the step times a worker answers with reach the scheduler's books,
-and a worker with cheap steps takes a workload's sessions before an idle worker is used (the
+"""Packing on real workers: the step times a worker answers with reach the scheduler's books
+(and ListWorkers), and a worker with cheap steps takes a workload's sessions before an idle worker is used (the
 policy itself: tests/unit/test_scheduler_blocks.py)."""
 
 from __future__ import annotations
@@ -29,5 +29,8 @@ def test_a_workload_packs_onto_the_worker_whose_steps_are_cheap():
         timed = books.get("worker-0").step_ms
         assert timed is not None and 0 < timed < 50.0, timed  # the worker's own step_ns, in ms
         assert books.get("worker-1").step_ms is None
+        # ListWorkers shows what packing goes by (0: none timed yet).
+        shown = {w.worker_id: w.step_ms for w in client.list_workers()}
+        assert shown == {"worker-0": round(timed, 3), "worker-1": 0.0}
         # Six sessions at once: all on worker-0 (cheap), none on the idle worker-1.
         assert workload_placement(client, [[k, 3, 5] for k in range(6)], 12) == ({"worker-0"}, [12] * 6)
