@@ -16,6 +16,9 @@ from kvfleet_common.kv_blocks import BlockTables, OutOfBlocks, TokenRange
 from scheduler_svc.core.types import WorkerSpec
 
 RECENT_STEPS = 8  # a worker's step times that packing takes the median of
+# Packing stops at half a worker's KV: past it the worker is placed on by load, so that packing
+# never crowds one worker's blocks (preempting, in the preempt policy) while another's are idle.
+PACK_MAX_LOAD = 0.5
 
 
 def round_up(tokens: int, block_size: int) -> int:
@@ -180,8 +183,8 @@ class KvReservations:
     def reserve(self, session_id: str, tokens: int, prompt: Sequence[int] = (), salt: bytes = b"") -> Placement | None:
         """Place a session that needs room for `tokens` and starts with `prompt`: on the live
         worker with room whose prefix cache holds the longest part of the prompt; then on one
-        whose steps took less than `pack_step_ms`, the fullest (then the first) of them; then
-        the least loaded. None when no worker has room or the byte budget would be exceeded."""
+        whose steps took less than `pack_step_ms` and whose KV is under PACK_MAX_LOAD, the fullest
+        (then the first) of them; then the least loaded. None when no worker has room or the byte budget would be exceeded."""
         assert session_id not in self._by_session, f"{session_id} already holds a reservation"
         best: tuple[tuple[int, int, float, str], WorkerSlot] | None = None
         for w in self.live:
@@ -190,7 +193,7 @@ class KvReservations:
                 continue
             # Packing: the workers with cheap steps by fullness (-sessions), the others by load.
             ms = w.step_ms if self.pack_step_ms else None
-            cheap = ms is not None and ms < self.pack_step_ms
+            cheap = ms is not None and ms < self.pack_step_ms and w.load < PACK_MAX_LOAD
             fill = (0, -len(w.sessions)) if cheap else (1, w.load)
             key = (-cached if self.cache_aware else 0, *fill, w.spec.worker_id)
             if best is None or key < best[0]:

@@ -41,10 +41,11 @@ class SchedulerLimits:
     cache_aware_routing: bool = True
     # Packing: a worker whose recent steps took less than this (milliseconds, the median of the
     # last 8 step times it reported) takes new sessions before an idle worker is used (after the
-    # cached prefix; the fullest such worker first; then the least loaded). Every worker a tick
-    # uses costs the tick a step round trip (about 0.5-1 ms of CPU on the scheduler's and the
-    # worker's side here) and a wait on the slowest, so spreading steps shorter than that buys
-    # nothing; longer steps (SmolLM2's on a CPU, 40 ms) spread, their compute in parallel.
+    # cached prefix; the fullest such worker first, until half its KV is held; then the least
+    # loaded). Every worker a tick uses costs the tick a step round trip (about 0.5-1 ms of CPU
+    # on the scheduler's and the worker's side here) and a wait on the slowest, so spreading
+    # steps shorter than that buys nothing; longer steps (SmolLM2's on a CPU, 40 ms) spread,
+    # their compute in parallel.
     # 0 = spread from the first session (the least loaded). bench/README: "Packing cheap steps".
     pack_step_ms: float = 2.0
 

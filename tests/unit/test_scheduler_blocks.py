@@ -198,6 +198,17 @@ def test_the_step_time_is_the_median_of_the_last_steps_and_a_restart_forgets_it(
     assert core.workers.get("w0").step_ms is None
 
 
+def test_packing_stops_at_half_a_worker_s_kv() -> None:
+    core, fake = _core(("w0", "w1"), blocks=16, pack_step_ms=2.0), FakeWorkers()
+    first = core.submit(_req((1, 2, 3), new=25))  # 28 tokens: 7 of w0's 16 blocks
+    _tick(core, fake, {"w0": 0.3, "w1": 0.3})
+    second = core.submit(_req((4, 2, 3), new=5))  # w0 under half: packed there (9 of 16)
+    _tick(core, fake)
+    third = core.submit(_req((5, 2, 3), new=5))  # w0 past half: by load, to w1
+    _tick(core, fake)
+    assert [core.session(s).worker_id for s in (first, second, third)] == ["w0", "w0", "w1"]
+
+
 def test_packing_off_spreads_even_cheap_steps() -> None:
     core, fake = _core(("w0", "w1"), pack_step_ms=0), FakeWorkers()
     core.submit(_req((9, 2, 3), new=20))
