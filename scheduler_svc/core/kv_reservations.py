@@ -184,7 +184,8 @@ class KvReservations:
         """Place a session that needs room for `tokens` and starts with `prompt`: on the live
         worker with room whose prefix cache holds the longest part of the prompt; then on one
         whose steps took less than `pack_step_ms` and whose KV is under PACK_MAX_LOAD, the fullest
-        (then the first) of them; then the least loaded. None when no worker has room or the byte budget would be exceeded."""
+        (then the first) of them; then the least loaded. None when no worker has room or the byte
+        budget would be exceeded."""
         assert session_id not in self._by_session, f"{session_id} already holds a reservation"
         best: tuple[tuple[int, int, float, str], WorkerSlot] | None = None
         for w in self.live:

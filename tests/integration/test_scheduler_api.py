@@ -33,9 +33,9 @@ def test_generate_streams_reference_tokens(cluster):
 def test_concurrent_clients_get_their_own_tokens(cluster, monkeypatch):
     """Twelve clients at once: each gets its own tokens, and the sessions are spread over both
     workers (placement by load: packing, which puts the tiny model's cheap steps on one worker,
-    is off in this test's cluster; test_scheduler_blocks tests it). So that "at once" holds on a loaded machine too (where each short session could
-    otherwise end before the next arrives, all on the first worker), no worker step goes out
-    until all twelve have been submitted."""
+    is turned off for this test; test_scheduler_blocks tests it). So that "at once" holds on a
+    loaded machine too (where each short session could otherwise end before the next arrives,
+    all on the first worker), no worker step goes out until all twelve have been submitted."""
     prompts = [[i % 48, (3 * i) % 48, (7 * i + 1) % 48][: 1 + i % 3] for i in range(12)]
     submitted: list[int] = []
     submit, step = SchedulerRuntime.submit, WorkerClient.step
